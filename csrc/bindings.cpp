@@ -1,0 +1,16 @@
+// The one extension module, zero_offload._C. Each native concept registers its own functions;
+// nothing here but the list. No libtorch: buffers cross as (address, numel, dtype code).
+#include <pybind11/pybind11.h>
+
+namespace py = pybind11;
+
+namespace zero_offload {
+void register_cpu_adam(py::module_& m);  // csrc/cpu_adam.cpp
+void register_aio(py::module_& m);       // csrc/aio.cpp
+}  // namespace zero_offload
+
+PYBIND11_MODULE(_C, m) {
+    m.doc() = "zero_offload native core: vectorised CPU-Adam and O_DIRECT async I/O";
+    zero_offload::register_cpu_adam(m);
+    zero_offload::register_aio(m);
+}
