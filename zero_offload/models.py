@@ -1,0 +1,406 @@
+"""The model zoo every benchmark and the CLI train: a GPT decoder and Hugging Face causal LMs.
+
+``GPT`` is the decoder of ../shared/BASELINES.md: pre-LN blocks, causal attention through
+``F.scaled_dot_product_attention(is_causal=True)``, an MLP of ``mlp_ratio`` x width with GELU,
+a learned positional embedding and an LM head tied to the token embedding. Every linear and
+layer norm has a bias (as GPT-2), which is what the parameter counts in BASELINES.md assume.
+
+Output contract (the engine and the CLI rely on it): ``model(idx)`` returns logits
+``[batch, seq, vocab]``; ``model(idx, targets)`` returns only the scalar mean cross-entropy
+loss, so ``loss = engine(x, y); engine.backward(loss)`` works unchanged for every model here.
+``from_hf`` wraps a transformers model in ``HFCausalLM`` with the same contract.
+
+Big presets: build them on ``device="meta"`` (no memory, instant) and materialize where they
+belong (``model.to_empty(device=...)`` then ``model.init_weights()``), or pass ``dtype``. A
+CPU build whose fp32 weights would not fit in available host RAM raises instead of swapping
+the machine to death.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["GPTConfig", "GPT", "Block", "PRESETS", "preset", "build", "from_hf", "HFCausalLM",
+           "flops_per_token", "generate"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """Shape of a GPT decoder. All fields keyword-only; checked on construction."""
+
+    vocab_size: int
+    """Token ids are in [0, vocab_size). 256 for the byte-level corpus of zero_offload.data."""
+    n_layer: int
+    """Number of transformer blocks."""
+    n_head: int
+    """Attention heads; must divide d_model."""
+    d_model: int
+    """Residual stream width (hidden size)."""
+    seq_len: int
+    """Longest sequence (size of the learned positional embedding)."""
+    mlp_ratio: int = 4
+    """MLP hidden width = mlp_ratio * d_model."""
+    dropout: float = 0.0
+    """Dropout on attention weights, attention output and MLP output (training mode only)."""
+    tie_embeddings: bool = True
+    """The LM head shares the token embedding's weight (counted once in num_params)."""
+    bias: bool = True
+    """Biases in linears and layer norms (GPT-2 style)."""
+    activation_checkpointing: bool = False
+    """Initial checkpointing flag of every block (torch.utils.checkpoint, use_reentrant=False);
+    change per block with ``GPT.set_activation_checkpointing``."""
+    layer_norm_eps: float = 1e-5
+    init_std: float = 0.02
+    """Std of the normal init; residual output projections use init_std / sqrt(2 * n_layer)."""
+
+    def __post_init__(self):
+        for name in ("vocab_size", "n_layer", "n_head", "d_model", "seq_len", "mlp_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"GPTConfig.d_model ({self.d_model}) must be divisible by n_head ({self.n_head}); "
+                f"pick n_head among the divisors of d_model, e.g. {self.d_model // 64 or 1}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    def num_params(self, *, include_position: bool = True) -> int:
+        """Closed-form parameter count (equals ``GPT(cfg).num_params()``; no allocation)."""
+        d, h = self.d_model, self.mlp_ratio * self.d_model
+        b = 1 if self.bias else 0
+        ln = d * (1 + b)
+        block = 2 * ln + (d * 3 * d + b * 3 * d) + (d * d + b * d) + (d * h + b * h) + (h * d + b * d)
+        total = self.n_layer * block + ln + self.vocab_size * d
+        if not self.tie_embeddings:
+            total += self.vocab_size * d
+        if include_position:
+            total += self.seq_len * d
+        return total
+
+    def flops_per_token(self, seq_len: Optional[int] = None) -> int:
+        """Training FLOPs per token: 6·P + 12·L·H·S (H = d_model, S = sequence length).
+
+        Model TFLOPS = flops_per_token * tokens / seconds / 1e12, the formula of BASELINES.md.
+        """
+        s = self.seq_len if seq_len is None else seq_len
+        return 6 * self.num_params() + 12 * self.n_layer * self.d_model * s
+
+
+# name -> GPTConfig. Counts (checked by tests/test_models.py): tiny 0.85M, small 10.8M,
+# 125m 124.5M, 350m 354.9M, 1.3b 1.314B, 5b 5.05B, 7b 6.58B, 13b 12.75B.
+PRESETS: dict[str, GPTConfig] = {
+    # trains in about a minute on 2 CPU cores through the offload engine
+    "tiny": GPTConfig(vocab_size=256, n_layer=4, n_head=4, d_model=128, seq_len=128),
+    # a CPU-sized model with several chunks per layer: for CPU benchmarks of the engine
+    "small": GPTConfig(vocab_size=256, n_layer=6, n_head=6, d_model=384, seq_len=256),
+    "125m": GPTConfig(vocab_size=50304, n_layer=12, n_head=12, d_model=768, seq_len=1024),
+    "350m": GPTConfig(vocab_size=50304, n_layer=24, n_head=16, d_model=1024, seq_len=1024),
+    # the models of ../shared/BASELINES.md
+    "1.3b": GPTConfig(vocab_size=50304, n_layer=24, n_head=16, d_model=2048, seq_len=1024),
+    "5b": GPTConfig(vocab_size=32000, n_layer=32, n_head=28, d_model=3584, seq_len=1024),
+    "7b": GPTConfig(vocab_size=32000, n_layer=32, n_head=32, d_model=4096, seq_len=1024),
+    "13b": GPTConfig(vocab_size=32000, n_layer=40, n_head=40, d_model=5120, seq_len=1024),
+}
+
+
+def preset(name: str, **overrides) -> GPTConfig:
+    """The preset's config with some fields replaced, e.g. ``preset("1.3b", seq_len=2048)``."""
+    try:
+        cfg = PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}") from None
+    return dataclasses.replace(cfg, **overrides) if overrides else cfg
+
+
+def flops_per_token(model: nn.Module, seq_len: int) -> int:
+    """6·P + 12·L·H·S for a GPT or an HFCausalLM (P counted from the module's parameters)."""
+    if isinstance(model, (GPT, HFCausalLM)):
+        return model.flops_per_token(seq_len)
+    raise TypeError(f"flops_per_token needs a GPT or HFCausalLM, got {type(model).__name__}")
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig, *, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias, **kw)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias, **kw)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        # [b, t, d] -> [b, heads, t, head_dim]
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = y.transpose(1, 2).reshape(b, t, d)
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig, *, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model, bias=cfg.bias, **kw)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model, bias=cfg.bias, **kw)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(ln1(x)), then x + mlp(ln2(x)).
+
+    ``checkpoint`` (bool attribute): recompute this block's activations in backward instead of
+    storing them (torch.utils.checkpoint, use_reentrant=False). Forward hooks of the block's
+    submodules run again during that recomputation.
+    """
+
+    def __init__(self, cfg: GPTConfig, *, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, bias=cfg.bias, **kw)
+        self.attn = CausalSelfAttention(cfg, **kw)
+        self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, bias=cfg.bias, **kw)
+        self.mlp = MLP(cfg, **kw)
+        self.checkpoint = cfg.activation_checkpointing
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+
+def _check_fits_in_host_memory(cfg: GPTConfig, device, dtype) -> None:
+    dev = torch.device(device) if device is not None else torch.empty(0).device
+    if dev.type != "cpu":
+        return
+    itemsize = (dtype or torch.get_default_dtype()).itemsize
+    need = cfg.num_params() * itemsize
+    import psutil  # a declared dependency; imported here to keep `import models` light
+
+    available = psutil.virtual_memory().available
+    if need > 0.9 * available:
+        raise MemoryError(
+            f"building this GPT ({cfg.num_params() / 1e9:.2f}B params) on the CPU in "
+            f"{dtype or torch.get_default_dtype()} needs {need / 2**30:.1f} GiB but only "
+            f"{available / 2**30:.1f} GiB of host RAM is available; pass device='meta' (no "
+            f"memory; hand it to zero_offload.initialize or materialize with to_empty + "
+            f"init_weights), a smaller dtype, or a smaller preset")
+
+
+class GPT(nn.Module):
+    """GPT decoder (see the module docstring for the output contract).
+
+    Args:
+        config: the shape.
+        device, dtype: where and in which dtype the parameters are created (as ``nn.Linear``
+            takes them). ``device="meta"`` allocates nothing; weights are initialized
+            otherwise (``init_weights``), from torch's global RNG.
+    """
+
+    def __init__(self, config: GPTConfig, *, device=None, dtype=None):
+        super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"GPT needs a GPTConfig, got {type(config).__name__}; "
+                            f"use zero_offload.models.preset(name) for a preset")
+        _check_fits_in_host_memory(config, device, dtype)
+        self.config = config
+        kw = dict(device=device, dtype=dtype)
+        self.wte = nn.Embedding(config.vocab_size, config.d_model, **kw)
+        self.wpe = nn.Embedding(config.seq_len, config.d_model, **kw)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config, **kw) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.bias, **kw)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False, **kw)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        if self.wte.weight.device.type != "meta":
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, generator: Optional[torch.Generator] = None) -> None:
+        """GPT-2 init: normal(0, init_std) for linears and embeddings, zero biases, unit norms,
+        residual output projections scaled by 1/sqrt(2·n_layer). Call after ``to_empty``."""
+        std = self.config.init_std
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif ".ln" in name or name.startswith("ln_"):
+                p.fill_(1.0)
+            elif name.endswith("proj.weight"):
+                p.normal_(0.0, std / math.sqrt(2 * self.config.n_layer), generator=generator)
+            else:
+                p.normal_(0.0, std, generator=generator)
+
+    def set_activation_checkpointing(self, enabled: bool = True, *, layers=None) -> None:
+        """Turn checkpointing on/off for the blocks whose indices are in ``layers`` (all: None)."""
+        for i, block in enumerate(self.blocks):
+            if layers is None or i in layers:
+                block.checkpoint = bool(enabled)
+
+    def num_params(self, *, include_position: bool = True) -> int:
+        """Distinct parameters (the tied head counted once)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n if include_position else n - self.wpe.weight.numel()
+
+    def flops_per_token(self, seq_len: Optional[int] = None) -> int:
+        """6·P + 12·L·H·S; model TFLOPS = flops_per_token · tokens / seconds / 1e12."""
+        return self.config.flops_per_token(seq_len)
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """idx: int64 [batch, seq] with seq <= config.seq_len. Returns logits
+        [batch, seq, vocab], or the scalar mean cross-entropy against ``targets`` (same shape
+        as idx; entries equal to -100 are ignored)."""
+        if idx.dim() != 2:
+            raise ValueError(f"GPT expects token ids of shape [batch, seq], got {tuple(idx.shape)}")
+        t = idx.size(1)
+        if t > self.config.seq_len:
+            raise ValueError(f"sequence length {t} exceeds the model's seq_len {self.config.seq_len}; "
+                             f"crop the input or build the model with a larger seq_len")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
+                               ignore_index=-100)
+
+
+def build(name_or_config, *, device=None, dtype=None) -> GPT:
+    """``GPT`` from a preset name or a GPTConfig."""
+    cfg = preset(name_or_config) if isinstance(name_or_config, str) else name_or_config
+    return GPT(cfg, device=device, dtype=dtype)
+
+
+@torch.no_grad()
+def generate(forward: Callable[[torch.Tensor], torch.Tensor], idx: torch.Tensor, *,
+             max_new_tokens: int, seq_len: int, temperature: float = 1.0,
+             top_k: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Sample ``max_new_tokens`` tokens after ``idx`` ([batch, t]).
+
+    ``forward`` maps ids to logits: a GPT, an HFCausalLM, or an engine wrapping one. The
+    context is cropped to the last ``seq_len`` tokens. Returns [batch, t + max_new_tokens].
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    for _ in range(max_new_tokens):
+        logits = forward(idx[:, -seq_len:])[:, -1, :].float() / temperature
+        if top_k is not None:
+            kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device)
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx
+
+
+# --------------------------------------------------------------------------- Hugging Face
+
+_HF_INSTALL_HINT = ("zero_offload.models.from_hf needs the 'transformers' package, which is not "
+                    "installed; `pip install transformers` (or use a GPT preset)")
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError(_HF_INSTALL_HINT) from e
+    return transformers
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM behind GPT's contract: ``forward(idx)`` -> logits,
+    ``forward(idx, targets)`` -> scalar mean cross-entropy (targets already shifted, as
+    zero_offload.data produces them; HF's own label shifting is not used)."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf_model = hf_model
+        cfg = hf_model.config
+        self.n_layer = cfg.num_hidden_layers
+        self.d_model = cfg.hidden_size
+        self.vocab_size = cfg.vocab_size
+        self.seq_len = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions")
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: Optional[int] = None) -> int:
+        s = self.seq_len if seq_len is None else seq_len
+        return 6 * self.num_params() + 12 * self.n_layer * self.d_model * s
+
+    def set_activation_checkpointing(self, enabled: bool = True) -> None:
+        if enabled:
+            self.hf_model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            self.hf_model.gradient_checkpointing_disable()
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        logits = self.hf_model(input_ids=idx, use_cache=False).logits
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
+                               ignore_index=-100)
+
+
+def _hf_config(name_or_config):
+    transformers = _transformers()
+    if isinstance(name_or_config, transformers.PretrainedConfig):
+        return name_or_config
+    if isinstance(name_or_config, dict):
+        kwargs = dict(name_or_config)
+        model_type = kwargs.pop("model_type", None)
+        if model_type is None:
+            raise ValueError("a Hugging Face config dict needs a 'model_type' key, e.g. "
+                             "{'model_type': 'llama', 'hidden_size': 2048, ...}")
+        return transformers.AutoConfig.for_model(model_type, **kwargs)
+    if isinstance(name_or_config, str):
+        import json
+        import os
+
+        if os.path.isfile(name_or_config):  # a config.json
+            with open(name_or_config) as f:
+                return _hf_config(json.load(f))
+        # a directory holding config.json or a hub name (may need the network or the HF cache)
+        return transformers.AutoConfig.from_pretrained(name_or_config)
+    raise TypeError(f"from_hf takes a model name, a config.json path, a dict with 'model_type' "
+                    f"or a transformers.PretrainedConfig; got {type(name_or_config).__name__}")
+
+
+def from_hf(name_or_config, *, device=None, dtype=None) -> HFCausalLM:
+    """A randomly initialized transformers causal LM (GPT-2, Llama, ...) built from its config,
+    wrapped in ``HFCausalLM``. ``name_or_config``: a hub name or local directory
+    (``AutoConfig.from_pretrained``), a path to a config.json, a dict with ``model_type``
+    (no network: ``AutoConfig.for_model``), or a ``PretrainedConfig``. ``device="meta"`` builds
+    without memory. Weights are not downloaded: this is for training from scratch and for
+    benchmarks of the architecture."""
+    transformers = _transformers()
+    config = _hf_config(name_or_config)
+    with torch.device(device if device is not None else "cpu"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, torch_dtype=dtype if dtype is not None else torch.float32)
+    return HFCausalLM(model)
