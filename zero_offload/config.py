@@ -1,0 +1,758 @@
+"""Validated configuration: where training state lives, how it moves, and the optimizer spec.
+
+Three frozen, keyword-only dataclasses:
+
+- ``OffloadConfig``: tier placement, precision, chunking, budgets, clipping/accumulation, fp16
+  loss scaling, threads and I/O tuning. Built directly, from a dict or JSON file of its own field
+  names, or from a DeepSpeed config (``zero_optimization`` sections and friends).
+- ``Adam`` / ``AdamW``: optimizer *specs* (hyperparameters only, no state) with
+  ``torch.optim.Adam`` (L2 penalty added to the gradient) and ``torch.optim.AdamW`` (decoupled
+  weight decay) semantics.
+
+``load_config(obj)`` accepts any of these forms and returns ``(OffloadConfig, Adam | None)``.
+
+Every field is checked in ``__post_init__``; a bad value raises before anything is built, with a
+message that names the field, the value and what to write instead. Unknown keys in dicts raise
+too (with a close-match suggestion): a typo never silently falls back to a default.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import json
+import math
+import os
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Union
+
+import torch
+
+__all__ = [
+    "Adam",
+    "AdamW",
+    "DeepSpeedTranslation",
+    "OffloadConfig",
+    "Placement",
+    "Precision",
+    "load_config",
+    "parse_bytes",
+    "translate_deepspeed",
+]
+
+Budget = Union[int, str]
+"""A tier budget: bytes as an int, or "auto" (the store sizes it from free memory)."""
+
+
+class Placement(enum.StrEnum):
+    """Home tier of a payload. A ``StrEnum``: ``Placement.CPU == "cpu"`` holds."""
+
+    GPU = "gpu"
+    """The compute device (CUDA; the CPU itself with its own budget when there is no CUDA)."""
+    CPU = "cpu"
+    """Pinned host memory."""
+    NVME = "nvme"
+    """Files under ``OffloadConfig.nvme_dir``, staged through pinned host memory."""
+    AUTO = "auto"
+    """Fill the fastest tier first within its budget, then the next, per chunk."""
+
+
+class Precision(enum.StrEnum):
+    """Dtype of the working params and grads (the master copy and Adam moments are fp32)."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.value]
+
+
+# ---------------------------------------------------------------------------------------------
+# small validators, shared by every dataclass here (one copy each)
+# ---------------------------------------------------------------------------------------------
+
+def _fail(owner: str, name: str, value: Any, expected: str, fix: str | None = None) -> ValueError:
+    msg = f"{owner}.{name}={value!r} is invalid: expected {expected}"
+    if fix:
+        msg += f"; {fix}"
+    return ValueError(msg)
+
+
+def _as_float(owner: str, name: str, value: Any, *, minimum: float | None = None,
+              min_inclusive: bool = True, maximum: float | None = None,
+              max_inclusive: bool = True, fix: str | None = None) -> float:
+    """``value`` as a finite float within the bounds, or a ValueError naming the field."""
+    bounds = []
+    if minimum is not None:
+        bounds.append(f"{'>=' if min_inclusive else '>'} {minimum}")
+    if maximum is not None:
+        bounds.append(f"{'<=' if max_inclusive else '<'} {maximum}")
+    expected = "a finite number" + (f" {' and '.join(bounds)}" if bounds else "")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _fail(owner, name, value, expected, fix)
+    value = float(value)
+    if not math.isfinite(value):
+        raise _fail(owner, name, value, expected, fix)
+    if minimum is not None and (value < minimum or (not min_inclusive and value == minimum)):
+        raise _fail(owner, name, value, expected, fix)
+    if maximum is not None and (value > maximum or (not max_inclusive and value == maximum)):
+        raise _fail(owner, name, value, expected, fix)
+    return value
+
+
+def _as_int(owner: str, name: str, value: Any, *, minimum: int, fix: str | None = None) -> int:
+    """``value`` as an int >= ``minimum`` (bools and floats rejected), or a ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _fail(owner, name, value, f"an integer >= {minimum}", fix)
+    return int(value)
+
+
+def _as_enum(owner: str, name: str, value: Any, enum_cls: type[enum.Enum],
+             allowed: tuple[enum.Enum, ...] | None = None, fix: str | None = None):
+    allowed = tuple(enum_cls) if allowed is None else allowed
+    choices = " | ".join(repr(a.value) for a in allowed)
+    try:
+        member = enum_cls(value.lower() if isinstance(value, str) else value)
+    except ValueError:
+        member = None
+    if member not in allowed:
+        raise _fail(owner, name, value, f"one of {choices}", fix)
+    return member
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_bytes(value: Any, *, name: str = "size") -> int:
+    """A byte count from an int or a string such as ``"8GiB"``, ``"512MB"``, ``"1.5 TiB"``.
+
+    Units are case-insensitive: B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB (powers of
+    1024). Single letters ("8G") are refused as ambiguous. The result is a positive int
+    (fractions of a byte are rounded to the nearest byte).
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} is not a size: write bytes as an int or a string like '8GiB'")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"{name}={value!r} must be a positive number of bytes")
+        return value
+    if not isinstance(value, str):
+        raise ValueError(
+            f"{name}={value!r} is not a size: write bytes as an int or a string like '8GiB' or '512MB'")
+    m = _SIZE_RE.match(value)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _SIZE_UNITS:
+        hint = ""
+        if unit in ("k", "m", "g", "t"):
+            hint = f" ('{unit.upper()}' is ambiguous: write '{unit.upper()}iB' for powers of 1024 or '{unit.upper()}B' for powers of 1000)"
+        raise ValueError(
+            f"{name}={value!r} is not a size{hint}: write e.g. '8GiB', '512MB', '1.5TiB' or a plain "
+            f"byte count; units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
+    nbytes = round(float(m.group(1)) * _SIZE_UNITS[unit])
+    if nbytes <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive size")
+    return nbytes
+
+
+def _as_budget(owner: str, name: str, value: Any) -> Budget:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return parse_bytes(value, name=f"{owner}.{name}")
+    except ValueError as e:
+        raise ValueError(f"{e}; or pass 'auto' to size it from free memory") from None
+
+
+def _unknown_keys(owner: str, keys, valid) -> ValueError:
+    valid = sorted(valid)
+    parts = []
+    for k in sorted(map(str, keys)):
+        close = difflib.get_close_matches(k, valid, n=1)
+        parts.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return ValueError(f"unknown {owner} key(s): {', '.join(parts)}; valid keys: {', '.join(valid)}")
+
+
+def _from_mapping(cls, d: Mapping[str, Any]):
+    if not isinstance(d, Mapping):
+        raise TypeError(f"{cls.__name__}.from_dict expects a dict, got {type(d).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - names
+    if unknown:
+        raise _unknown_keys(cls.__name__, unknown, names)
+    return cls(**d)
+
+
+# ---------------------------------------------------------------------------------------------
+# optimizer specs
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class Adam:
+    """Adam hyperparameters, ``torch.optim.Adam`` semantics: ``weight_decay`` is an L2 penalty
+    added to the gradient (``grad += weight_decay * param``) before the moments are updated.
+
+    A spec, not an optimizer: the engine builds the state (fp32 master, moments) where the config
+    places it. ``lr`` is the initial rate; an lr scheduler changes it during training.
+    """
+
+    lr: float = 1e-3
+    """Learning rate, >= 0."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Decay rates of the first and second moment estimates, each in [0, 1)."""
+    eps: float = 1e-8
+    """Added to the denominator ``sqrt(v_hat) + eps``, >= 0."""
+    weight_decay: float = 0.0
+    """L2 penalty coefficient (Adam) / decoupled decay coefficient (AdamW), >= 0."""
+
+    def __post_init__(self):
+        owner = type(self).__name__
+        object.__setattr__(self, "lr", _as_float(owner, "lr", self.lr, minimum=0.0))
+        betas = self.betas
+        if (isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2):
+            raise _fail(owner, "betas", betas, "a pair (beta1, beta2), each in [0, 1)",
+                        "e.g. betas=(0.9, 0.999)")
+        betas = tuple(
+            _as_float(owner, f"betas[{i}]", b, minimum=0.0, maximum=1.0, max_inclusive=False)
+            for i, b in enumerate(betas))
+        object.__setattr__(self, "betas", betas)
+        object.__setattr__(self, "eps", _as_float(owner, "eps", self.eps, minimum=0.0))
+        object.__setattr__(self, "weight_decay",
+                           _as_float(owner, "weight_decay", self.weight_decay, minimum=0.0))
+
+    @property
+    def adamw(self) -> bool:
+        """True when weight decay is decoupled (AdamW), False for L2 (Adam)."""
+        return False
+
+    def to_dict(self) -> dict[str, Any]:
+        """Field values plus ``"type"`` ("adam" | "adamw"); ``spec_from_dict`` reads it back."""
+        return {"type": "adamw" if self.adamw else "adam", "lr": self.lr,
+                "betas": list(self.betas), "eps": self.eps, "weight_decay": self.weight_decay}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Adam":
+        """Build from a dict of field names (no ``"type"`` key; see ``spec_from_dict``)."""
+        return _from_mapping(cls, d)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdamW(Adam):
+    """AdamW hyperparameters, ``torch.optim.AdamW`` semantics: decoupled weight decay
+    (``param *= 1 - lr * weight_decay`` before the Adam update)."""
+
+    weight_decay: float = 1e-2
+    """Decoupled decay coefficient, >= 0 (torch.optim.AdamW's default, 1e-2)."""
+
+    @property
+    def adamw(self) -> bool:
+        return True
+
+
+def spec_from_dict(d: Mapping[str, Any]) -> Adam:
+    """An ``Adam`` or ``AdamW`` from ``{"type": "adam"|"adamw", "lr": ..., ...}``."""
+    if not isinstance(d, Mapping):
+        raise TypeError(f"an optimizer spec must be a dict, got {type(d).__name__}")
+    d = dict(d)
+    kind = str(d.pop("type", "adamw")).lower()
+    if kind not in ("adam", "adamw"):
+        raise ValueError(f"optimizer type {kind!r} is not supported: use 'adam' or 'adamw'")
+    return (AdamW if kind == "adamw" else Adam).from_dict(d)
+
+
+# ---------------------------------------------------------------------------------------------
+# the offload configuration
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """Where training state lives and how it moves. Every field is validated on construction.
+
+    [Note: normalised values] ``__post_init__`` stores canonical values: placements as
+    ``Placement``, ``dtype`` as ``Precision`` (both ``StrEnum``, so they still compare equal to
+    their strings), budgets as int bytes or ``"auto"``, numbers as ``float``/``int``. So two
+    configs that mean the same thing are equal, and ``from_dict(c.to_dict()) == c``.
+    """
+
+    params: Placement | str = Placement.AUTO
+    """Home tier of the working (low-precision) params: "gpu" | "cpu" | "nvme" | "auto".
+    "auto" keeps as many chunks on the GPU as ``gpu_budget`` allows, then pinned CPU, then NVMe
+    (NVMe only when ``nvme_dir`` is set)."""
+    optimizer: Placement | str = Placement.CPU
+    """Home tier of the fp32 master weights and both Adam moments: "cpu" | "nvme" | "auto".
+    "auto" keeps state in host RAM within ``cpu_budget`` and spills the rest to NVMe."""
+    nvme_dir: str | None = None
+    """Directory for NVMe swap files (created if missing; files are removed on close). Required
+    when ``params`` or ``optimizer`` is "nvme"; used by "auto" to spill when set."""
+    dtype: Precision | str = Precision.BF16
+    """Working precision of params and grads on the GPU: "fp32" | "bf16" | "fp16". The master
+    copy and the moments are always fp32. "fp16" uses loss scaling (see ``loss_scale``)."""
+    chunk_mb: float = 64.0
+    """Target chunk size in MiB (params are packed in use order into chunks of about this size;
+    a single larger param gets its own chunk). Bigger chunks move at higher bandwidth; smaller
+    ones overlap sooner and need less GPU/pinned memory. > 0."""
+    prefetch_depth: int = 2
+    """Chunks kept in flight ahead of use on each hop (NVMe->CPU, CPU->GPU); 0 fetches on
+    demand. >= 0."""
+    gpu_budget: Budget = "auto"
+    """Bytes the engine may hold on the compute device for chunks (not activations): an int, a
+    string like "8GiB", or "auto" (free device memory minus a reserve)."""
+    cpu_budget: Budget = "auto"
+    """Bytes of pinned host memory for chunks: int, size string or "auto" (available RAM minus a
+    reserve)."""
+    nvme_budget: Budget = "auto"
+    """Bytes of swap files under ``nvme_dir``: int, size string or "auto" (free disk space minus a
+    reserve)."""
+    grad_clip: float | None = None
+    """Max global L2 norm of the gradients (as ``torch.nn.utils.clip_grad_norm_``), > 0; None
+    disables clipping."""
+    grad_accum: int = 1
+    """Micro-batches whose gradients are summed before each optimizer step, >= 1."""
+    loss_scale: float | str = "dynamic"
+    """fp16 only: "dynamic" (``torch.amp.GradScaler`` rules: skip the step and back off on
+    inf/nan, grow after ``growth_interval`` clean steps) or a fixed positive scale."""
+    initial_scale: float = 2.0 ** 16
+    """fp16 dynamic scaling: the starting scale, > 0 (GradScaler's ``init_scale``)."""
+    growth_factor: float = 2.0
+    """fp16 dynamic scaling: multiplier after ``growth_interval`` clean steps, > 1."""
+    backoff_factor: float = 0.5
+    """fp16 dynamic scaling: multiplier on overflow, in (0, 1)."""
+    growth_interval: int = 2000
+    """fp16 dynamic scaling: clean steps between growths, >= 1."""
+    threads: int | None = None
+    """CPU-Adam threads, >= 1; None uses every core the process may run on."""
+    io_threads: int = 4
+    """NVMe I/O threads, >= 1."""
+    io_block_size: int = 1 << 20
+    """Bytes per NVMe request piece, a positive multiple of 4096."""
+    io_queue_depth: int = 16
+    """Requests in flight per I/O thread, >= 1."""
+    overlap: bool = True
+    """Run CPU-Adam on each chunk as its grads land, during backward, where that is exact (when
+    clipping or fp16 overflow checks need every grad first, the engine keeps results equal to
+    PyTorch; see docs). False steps every chunk after backward."""
+
+    def __post_init__(self):
+        o = "OffloadConfig"
+        setv = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen dataclass)
+        setv("params", _as_enum(o, "params", self.params, Placement))
+        setv("optimizer", _as_enum(
+            o, "optimizer", self.optimizer, Placement,
+            allowed=(Placement.CPU, Placement.NVME, Placement.AUTO),
+            fix="optimizer state lives in host RAM ('cpu') or NVMe ('nvme'), or let 'auto' choose"))
+        if self.nvme_dir is not None:
+            if not isinstance(self.nvme_dir, (str, os.PathLike)) or not os.fspath(self.nvme_dir):
+                raise _fail(o, "nvme_dir", self.nvme_dir, "a directory path (str or os.PathLike) or None")
+            setv("nvme_dir", os.fspath(self.nvme_dir))
+        nvme_users = [n for n in ("params", "optimizer") if getattr(self, n) is Placement.NVME]
+        if nvme_users and self.nvme_dir is None:
+            raise ValueError(
+                f"OffloadConfig.{nvme_users[0]}='nvme' needs a swap directory: set "
+                f"nvme_dir='/path/on/nvme' (a directory on a fast local disk), or choose another placement")
+        setv("dtype", _as_enum(o, "dtype", self.dtype, Precision))
+        setv("chunk_mb", _as_float(o, "chunk_mb", self.chunk_mb, minimum=0.0, min_inclusive=False,
+                                   fix="typical values are 16-256"))
+        setv("prefetch_depth", _as_int(o, "prefetch_depth", self.prefetch_depth, minimum=0))
+        for name in ("gpu_budget", "cpu_budget", "nvme_budget"):
+            setv(name, _as_budget(o, name, getattr(self, name)))
+        if self.grad_clip is not None:
+            setv("grad_clip", _as_float(o, "grad_clip", self.grad_clip, minimum=0.0,
+                                        min_inclusive=False, fix="or None to disable clipping"))
+        setv("grad_accum", _as_int(o, "grad_accum", self.grad_accum, minimum=1))
+        if isinstance(self.loss_scale, str):
+            if self.loss_scale.lower() != "dynamic":
+                raise _fail(o, "loss_scale", self.loss_scale, "'dynamic' or a positive number")
+            setv("loss_scale", "dynamic")
+        else:
+            setv("loss_scale", _as_float(o, "loss_scale", self.loss_scale, minimum=0.0,
+                                         min_inclusive=False, fix="or 'dynamic'"))
+        setv("initial_scale", _as_float(o, "initial_scale", self.initial_scale, minimum=0.0,
+                                        min_inclusive=False))
+        setv("growth_factor", _as_float(o, "growth_factor", self.growth_factor, minimum=1.0,
+                                        min_inclusive=False))
+        setv("backoff_factor", _as_float(o, "backoff_factor", self.backoff_factor, minimum=0.0,
+                                         min_inclusive=False, maximum=1.0, max_inclusive=False))
+        setv("growth_interval", _as_int(o, "growth_interval", self.growth_interval, minimum=1))
+        if self.threads is not None:
+            setv("threads", _as_int(o, "threads", self.threads, minimum=1,
+                                    fix="or None for every available core"))
+        setv("io_threads", _as_int(o, "io_threads", self.io_threads, minimum=1))
+        setv("io_block_size", _as_int(o, "io_block_size", self.io_block_size, minimum=4096))
+        if self.io_block_size % 4096:
+            raise _fail(o, "io_block_size", self.io_block_size, "a multiple of 4096 (O_DIRECT)",
+                        f"e.g. {(self.io_block_size // 4096 + 1) * 4096}")
+        setv("io_queue_depth", _as_int(o, "io_queue_depth", self.io_queue_depth, minimum=1))
+        if not isinstance(self.overlap, bool):
+            raise _fail(o, "overlap", self.overlap, "True or False")
+
+    # -- derived values --------------------------------------------------------------------
+
+    @property
+    def chunk_bytes(self) -> int:
+        """``chunk_mb`` in bytes, rounded up to a multiple of 4096."""
+        return -(-round(self.chunk_mb * 2**20) // 4096) * 4096
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The working dtype as a ``torch.dtype``."""
+        return self.dtype.torch_dtype
+
+    # -- conversions -------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able values (enums as their strings); ``from_dict`` reads it back."""
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v.value if isinstance(v, enum.Enum) else v
+        return out
+
+    def to_json(self, path: str | os.PathLike) -> None:
+        """Write ``to_dict()`` as JSON."""
+        with open(path, "w") as fh:
+            json.dump(self.to_dict(), fh, indent=2)
+            fh.write("\n")
+
+    def replace(self, **changes) -> "OffloadConfig":
+        """A copy with some fields changed (validated like a new config)."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise _unknown_keys("OffloadConfig", unknown, [f.name for f in dataclasses.fields(self)])
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "OffloadConfig":
+        """Build from a dict of field names. Unknown keys raise, naming the valid ones."""
+        return _from_mapping(cls, d)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "OffloadConfig":
+        """Build from a JSON file holding a dict of field names."""
+        return cls.from_dict(_read_json(path))
+
+    @classmethod
+    def from_deepspeed(cls, ds: Mapping[str, Any] | str | os.PathLike) -> "OffloadConfig":
+        """Translate a DeepSpeed config (a dict or a JSON path). See ``translate_deepspeed`` for
+        the mapping; keys that change nothing here are listed in a ``UserWarning``. The
+        optimizer section, if any, is returned by ``load_config`` / ``translate_deepspeed``."""
+        t = translate_deepspeed(ds)
+        t.warn()
+        return t.config
+
+
+def _read_json(path: str | os.PathLike) -> Any:
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"config file {os.fspath(path)!r} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"config file {os.fspath(path)!r} is not valid JSON: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed translation
+# ---------------------------------------------------------------------------------------------
+
+# [Note: DeepSpeed keys] Every DeepSpeed key falls in one of three sets: mapped (translated to
+# an OffloadConfig field or the optimizer spec), ignored (accepted because it only tunes
+# DeepSpeed's own machinery or the data loader, never the maths of a step; listed in the
+# translation's `ignored` so the user sees it), or refused (anything else: it would change the
+# result or it names a feature we do not have, so silently dropping it would be a lie).
+# A value of "auto" (Hugging Face Trainer's placeholder) on a mapped key means "our default".
+
+_DS_IGNORED_TOP = frozenset({
+    "train_batch_size", "train_micro_batch_size_per_gpu", "steps_per_print", "wall_clock_breakdown",
+    "memory_breakdown", "dump_state", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
+    "comet", "comms_logger", "monitor_config", "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer", "communication_data_type", "seq_parallel_communication_data_type",
+    "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "activation_checkpointing",
+    "checkpoint", "data_types", "timers", "elasticity", "autotuning", "compile",
+    "use_data_before_expert_parallelism", "dataloader_drop_last",
+})
+_DS_MAPPED_TOP = frozenset({"zero_optimization", "bf16", "bfloat16", "fp16", "gradient_clipping",
+                            "gradient_accumulation_steps", "optimizer", "aio"})
+_DS_IGNORED_ZERO = frozenset({
+    "stage", "overlap_comm", "contiguous_gradients", "reduce_bucket_size", "reduce_scatter",
+    "allgather_partitions", "allgather_bucket_size", "round_robin_gradients", "sub_group_size",
+    "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold", "stage3_model_persistence_threshold",
+    "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+    "stage3_module_granularity_threshold", "load_from_fp32_weights", "elastic_checkpoint",
+    "ignore_unused_parameters", "memory_efficient_linear", "cpu_offload_use_pin_memory",
+    "zero_hpz_partition_size", "mics_shard_size", "mics_hierarchical_params_gather",
+    "log_trace_cache_warnings", "use_multi_rank_bucket_allreduce", "legacy_stage1",
+    "pipeline_loading_checkpoint", "override_module_apply", "zeropp_loco_param",
+})
+_DS_MAPPED_ZERO = frozenset({"offload_param", "offload_optimizer", "cpu_offload", "cpu_offload_params"})
+_DS_OFFLOAD_COMMON_IGNORED = frozenset({"pin_memory", "buffer_count", "buffer_size", "max_in_cpu",
+                                        "fast_init", "pipeline_read", "pipeline_write", "pipeline"})
+_DS_AIO_IGNORED = frozenset({"single_submit", "overlap_events", "use_gds"})
+_DS_AIO_MAPPED = {"block_size": "io_block_size", "queue_depth": "io_queue_depth",
+                  "thread_count": "io_threads", "intra_op_parallelism": "io_threads"}
+_DS_OPT_IGNORED = frozenset({"torch_adam", "fused", "foreach", "capturable", "differentiable",
+                             "maximize_", "set_grad_none"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepSpeedTranslation:
+    """The result of reading a DeepSpeed config (one record per translation)."""
+
+    config: OffloadConfig
+    """The equivalent offload configuration."""
+    optimizer: Adam | None
+    """The optimizer spec from the ``optimizer`` section, or None if the config has none."""
+    ignored: tuple[str, ...]
+    """Dotted keys accepted but without effect here (they tune DeepSpeed's own machinery)."""
+    notes: tuple[str, ...]
+    """How mapped values were interpreted where DeepSpeed's meaning differs from the obvious."""
+
+    def warn(self) -> None:
+        """Emit one ``UserWarning`` listing the ignored keys and notes, if there are any."""
+        parts = []
+        if self.ignored:
+            parts.append("ignored DeepSpeed keys (no effect in zero_offload): " + ", ".join(self.ignored))
+        parts.extend(self.notes)
+        if parts:
+            warnings.warn("; ".join(parts), UserWarning, stacklevel=3)
+
+
+def _ds_section(d: Mapping, key: str, path: str) -> Mapping:
+    v = d.get(key) or {}
+    if not isinstance(v, Mapping):
+        raise ValueError(f"DeepSpeed config: {path}{key} must be a dict, got {v!r}")
+    return v
+
+
+def _ds_check_keys(section: Mapping, path: str, *, mapped, ignored, ignored_out: list) -> None:
+    unknown = set(section) - set(mapped) - set(ignored)
+    if unknown:
+        raise _unknown_keys(f"DeepSpeed '{path}'" if path else "DeepSpeed top-level",
+                            unknown, set(mapped) | set(ignored))
+    prefix = f"{path}." if path else ""
+    ignored_out.extend(prefix + k for k in sorted(section) if k in ignored)
+
+
+def _ds_device(section: Mapping, path: str) -> Placement | None:
+    dev = str(section.get("device", "none")).lower()
+    if dev not in ("cpu", "nvme", "none"):
+        raise ValueError(f"DeepSpeed config: {path}.device={section.get('device')!r} is invalid: "
+                         f"expected 'cpu', 'nvme' or 'none'")
+    return None if dev == "none" else Placement(dev)
+
+
+def translate_deepspeed(ds: Mapping[str, Any] | str | os.PathLike) -> DeepSpeedTranslation:
+    """Translate a DeepSpeed config (dict or JSON path) into an ``OffloadConfig`` + ``Adam`` spec.
+
+    Mapping:
+
+    - ``zero_optimization.offload_param.device``: cpu|nvme -> ``params``; none or absent ->
+      "gpu" (DeepSpeed keeps params on the GPU then). ``nvme_path`` -> ``nvme_dir``.
+    - ``zero_optimization.offload_optimizer.device``: cpu|nvme -> ``optimizer``; none or absent ->
+      "auto" (state on the fastest tier with room). ``ratio`` must be 1.0 (partial offload is
+      what "auto" does by budget; set ``cpu_budget`` instead). ``nvme_path`` -> ``nvme_dir``
+      (both sections must agree: one swap directory serves both).
+    - ``pin_memory``, ``buffer_count``, ``buffer_size``, ``max_in_cpu``, ``fast_init``,
+      ``pipeline_read/write``: ignored (pinned staging and read-ahead are always on here; their
+      size follows ``chunk_mb`` and ``prefetch_depth``).
+    - ``bf16.enabled`` -> dtype "bf16"; ``fp16.enabled`` -> "fp16" with ``loss_scale`` (0 =
+      dynamic), ``initial_scale_power`` (scale 2**p), ``loss_scale_window`` -> ``growth_interval``;
+      ``hysteresis`` and ``min_loss_scale`` have no equivalent in GradScaler's rule (back off on
+      every overflow): accepted, with a note. Neither -> "fp32".
+    - ``gradient_clipping`` (0 = off) -> ``grad_clip``; ``gradient_accumulation_steps`` ->
+      ``grad_accum``.
+    - ``optimizer``: ``type`` "Adam" -> **AdamW** unless ``params.adam_w_mode`` is false
+      (DeepSpeed's FusedAdam/DeepSpeedCPUAdam default ``adam_w_mode=True``: its "Adam" is
+      decoupled-decay AdamW); "AdamW" -> AdamW. ``lr``, ``betas``, ``eps``, ``weight_decay``
+      (default 0.0, DeepSpeed's default, also for AdamW). ``amsgrad`` and
+      ``bias_correction: false`` are refused. Other optimizer types are refused.
+    - ``aio.block_size``/``queue_depth``/``thread_count`` (or ``intra_op_parallelism``) ->
+      ``io_block_size``/``io_queue_depth``/``io_threads``.
+    - Batch sizes, logging, profiler, communication bucket sizes and ``stage3_*`` tuning knobs are
+      ignored (listed in ``ignored``). Anything else raises, e.g. ``scheduler`` (pass a torch
+      lr scheduler to ``initialize`` instead).
+    """
+    if not isinstance(ds, Mapping):
+        ds = _read_json(ds)
+        if not isinstance(ds, Mapping):
+            raise ValueError("a DeepSpeed config file must hold a JSON object")
+    ignored: list[str] = []
+    notes: list[str] = []
+    kw: dict[str, Any] = {}
+
+    if "scheduler" in ds:
+        raise ValueError("DeepSpeed 'scheduler' is not translated: build a torch.optim.lr_scheduler "
+                         "on the optimizer and pass it to zero_offload.initialize(lr_scheduler=...)")
+    _ds_check_keys(ds, "", mapped=_DS_MAPPED_TOP, ignored=_DS_IGNORED_TOP, ignored_out=ignored)
+
+    def mapped(section: Mapping, key: str, path: str):
+        """The value, or None when absent or "auto" (Hugging Face's placeholder)."""
+        v = section.get(key)
+        if isinstance(v, str) and v.lower() == "auto":
+            notes.append(f"{path}{key}='auto' -> zero_offload's default")
+            return None
+        return v
+
+    # -- placement ------------------------------------------------------------------------
+    zero = _ds_section(ds, "zero_optimization", "")
+    _ds_check_keys(zero, "zero_optimization", mapped=_DS_MAPPED_ZERO, ignored=_DS_IGNORED_ZERO,
+                   ignored_out=ignored)
+    nvme_paths = {}
+    for key, field_name, absent in (("offload_param", "params", Placement.GPU),
+                                    ("offload_optimizer", "optimizer", Placement.AUTO)):
+        sec = _ds_section(zero, key, "zero_optimization.")
+        path = f"zero_optimization.{key}"
+        extra = {"ratio"} if key == "offload_optimizer" else set()
+        _ds_check_keys(sec, path, mapped={"device", "nvme_path"} | extra,
+                       ignored=_DS_OFFLOAD_COMMON_IGNORED, ignored_out=ignored)
+        dev = _ds_device(sec, path) if sec else None
+        if key == "offload_optimizer" and dev is None and zero.get("cpu_offload"):
+            dev = Placement.CPU  # legacy ZeRO-2 flag
+        kw[field_name] = dev if dev is not None else absent
+        if sec.get("ratio", 1.0) != 1.0:
+            raise ValueError(
+                f"DeepSpeed {path}.ratio={sec['ratio']!r}: partial optimizer offload by ratio is not "
+                f"supported; remove it, or use optimizer='auto' with a cpu_budget/gpu_budget")
+        if dev is Placement.NVME:
+            if not sec.get("nvme_path"):
+                raise ValueError(f"DeepSpeed {path}.device='nvme' needs {path}.nvme_path")
+            nvme_paths[path] = os.fspath(sec["nvme_path"])
+    if zero.get("cpu_offload_params") and kw["params"] is Placement.GPU:
+        kw["params"] = Placement.CPU  # legacy flag
+    for flag in ("cpu_offload", "cpu_offload_params"):
+        if flag in zero:
+            notes.append(f"zero_optimization.{flag} is deprecated in DeepSpeed; read as "
+                         f"offload_{'optimizer' if flag == 'cpu_offload' else 'param'}.device='cpu'"
+                         if zero[flag] else f"zero_optimization.{flag}=false: no effect")
+    if len(set(nvme_paths.values())) > 1:
+        raise ValueError(
+            f"DeepSpeed offload_param.nvme_path and offload_optimizer.nvme_path differ ({nvme_paths}); "
+            f"zero_offload uses one swap directory: give both the same path")
+    if nvme_paths:
+        kw["nvme_dir"] = next(iter(nvme_paths.values()))
+    if kw["optimizer"] is Placement.AUTO:
+        notes.append("no optimizer offload in the DeepSpeed config: optimizer='auto' "
+                     "(state in host RAM within cpu_budget)")
+
+    # -- precision ------------------------------------------------------------------------
+    bf16 = {**_ds_section(ds, "bfloat16", ""), **_ds_section(ds, "bf16", "")}
+    _ds_check_keys(bf16, "bf16", mapped={"enabled"},
+                   ignored={"immediate_grad_update", "check_grad_overflow"}, ignored_out=ignored)
+    fp16 = _ds_section(ds, "fp16", "")
+    _ds_check_keys(fp16, "fp16",
+                   mapped={"enabled", "loss_scale", "initial_scale_power", "loss_scale_window",
+                           "hysteresis", "min_loss_scale"},
+                   ignored={"auto_cast", "consecutive_hysteresis"}, ignored_out=ignored)
+    bf16_on, fp16_on = bool(bf16.get("enabled", False)), bool(fp16.get("enabled", False))
+    if bf16_on and fp16_on:
+        raise ValueError("DeepSpeed config enables both bf16 and fp16: enable one")
+    kw["dtype"] = Precision.BF16 if bf16_on else Precision.FP16 if fp16_on else Precision.FP32
+    if fp16_on:
+        ls = mapped(fp16, "loss_scale", "fp16.")
+        if ls is not None:
+            kw["loss_scale"] = "dynamic" if ls == 0 else ls
+        p = mapped(fp16, "initial_scale_power", "fp16.")
+        if p is not None:
+            kw["initial_scale"] = 2.0 ** _as_int("DeepSpeed fp16", "initial_scale_power", p, minimum=0)
+        else:
+            kw["initial_scale"] = 2.0 ** 16  # DeepSpeed's default power is 16, as ours
+        w = mapped(fp16, "loss_scale_window", "fp16.")
+        if w is not None:
+            kw["growth_interval"] = w
+        else:
+            kw["growth_interval"] = 1000  # DeepSpeed's default window
+            notes.append("fp16.loss_scale_window absent: growth_interval=1000 (DeepSpeed's default)")
+        for k in ("hysteresis", "min_loss_scale"):
+            if k in fp16:
+                notes.append(f"fp16.{k}={fp16[k]!r} has no equivalent: the dynamic scale follows "
+                             f"torch.amp.GradScaler (back off on every overflow, no floor)")
+    elif fp16:
+        ignored.extend(f"fp16.{k}" for k in sorted(fp16) if k != "enabled")
+
+    # -- step -----------------------------------------------------------------------------
+    clip = mapped(ds, "gradient_clipping", "")
+    if clip is not None:
+        kw["grad_clip"] = None if clip == 0 else clip
+    accum = mapped(ds, "gradient_accumulation_steps", "")
+    if accum is not None:
+        kw["grad_accum"] = accum
+
+    # -- aio --------------------------------------------------------------------------------
+    aio = _ds_section(ds, "aio", "")
+    _ds_check_keys(aio, "aio", mapped=_DS_AIO_MAPPED, ignored=_DS_AIO_IGNORED, ignored_out=ignored)
+    if "thread_count" in aio and "intra_op_parallelism" in aio:
+        raise ValueError("DeepSpeed aio.thread_count and aio.intra_op_parallelism both set: keep one")
+    for k, ours in _DS_AIO_MAPPED.items():
+        v = mapped(aio, k, "aio.")
+        if v is not None:
+            kw[ours] = v
+    if aio.get("use_gds"):
+        notes.append("aio.use_gds=true: GPUDirect Storage is not used; NVMe reads stage through pinned memory")
+
+    # -- optimizer --------------------------------------------------------------------------
+    spec = None
+    opt = _ds_section(ds, "optimizer", "")
+    if opt:
+        _ds_check_keys(opt, "optimizer", mapped={"type", "params"}, ignored=set(), ignored_out=ignored)
+        typ = str(opt.get("type", "")).lower()
+        params = dict(_ds_section(opt, "params", "optimizer."))
+        valid = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "amsgrad", "bias_correction"}
+        _ds_check_keys(params, "optimizer.params", mapped=valid, ignored=_DS_OPT_IGNORED,
+                       ignored_out=ignored)
+        if typ not in ("adam", "adamw"):
+            raise ValueError(f"DeepSpeed optimizer.type={opt.get('type')!r} is not supported: "
+                             f"zero_offload implements 'Adam' and 'AdamW'")
+        if params.get("amsgrad"):
+            raise ValueError("DeepSpeed optimizer.params.amsgrad=true is not supported: remove it")
+        if params.get("bias_correction", True) is False:
+            raise ValueError("DeepSpeed optimizer.params.bias_correction=false is not supported: "
+                             "zero_offload always applies Adam's bias correction")
+        adamw = True if typ == "adamw" else bool(params.get("adam_w_mode", True))
+        if typ == "adam" and "adam_w_mode" not in params:
+            notes.append("DeepSpeed optimizer.type='Adam' defaults to adam_w_mode=true: read as AdamW "
+                         "(decoupled weight decay); set optimizer.params.adam_w_mode=false for L2 Adam")
+        hp = {"weight_decay": 0.0}  # DeepSpeed's default for both Adam and AdamW
+        for k in ("lr", "betas", "eps", "weight_decay"):
+            v = mapped(params, k, "optimizer.params.")
+            if v is not None:
+                hp[k] = v
+        spec = (AdamW if adamw else Adam)(**hp)
+
+    return DeepSpeedTranslation(config=OffloadConfig(**kw), optimizer=spec,
+                                ignored=tuple(ignored), notes=tuple(notes))
+
+
+def _is_deepspeed(d: Mapping) -> bool:
+    return "zero_optimization" in d
+
+
+def load_config(obj: Any) -> tuple[OffloadConfig, Adam | None]:
+    """Any accepted form of configuration -> ``(OffloadConfig, optimizer spec or None)``.
+
+    ``obj`` is an ``OffloadConfig``; a dict of our field names (optionally with an ``"optim"``
+    entry ``{"type": "adam"|"adamw", "lr": ..., ...}`` giving the optimizer spec); a DeepSpeed
+    config dict (recognised by its ``"zero_optimization"`` key; ignored keys are warned about);
+    or a path to a JSON file holding either dict.
+    """
+    if isinstance(obj, OffloadConfig):
+        return obj, None
+    if isinstance(obj, (str, os.PathLike)):
+        obj = _read_json(obj)
+    if not isinstance(obj, Mapping):
+        raise TypeError(f"load_config expects an OffloadConfig, a dict or a JSON path, got "
+                        f"{type(obj).__name__}")
+    if _is_deepspeed(obj):
+        t = translate_deepspeed(obj)
+        t.warn()
+        return t.config, t.optimizer
+    d = dict(obj)
+    optim = d.pop("optim", None)
+    return OffloadConfig.from_dict(d), (None if optim is None else spec_from_dict(optim))
