@@ -1,0 +1,182 @@
+"""A fixed pool of aligned, pinned host buffers carved out of one registered slab.
+
+Why not ``torch.empty(..., pin_memory=True)``: torch's caching host allocator rounds every block
+up to a power of two, so a 33 MiB chunk costs 64 MiB of locked host memory, and it frees blocks
+back only when asked. Here the pool takes its memory once, in one ``aligned_empty(pin=True)``
+slab (one ``cudaHostRegister`` call, exact size), and hands out 4096-aligned extents of it:
+exact sizes (rounded up to 4 KiB for O_DIRECT), reused, never freed on the hot path.
+
+[Note: pool growth] When a request fits in no free extent of any slab, the pool grows by one
+new slab of exactly that size (counted in ``stats.grows``), unless it was built with
+``growable=False``, in which case it raises. Grown slabs are kept and reused like the first one;
+``trim()`` gives fully idle grown slabs back (the store calls it only when host memory is over
+budget, never on the steady-state path).
+
+Without CUDA (or ``pin=False``) the slab is plain aligned memory: every code path but the
+registration runs on a CPU-only machine.
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from .swap_io import ALIGNMENT, aligned_empty, round_up
+
+__all__ = ["PinnedPool", "PoolBuffer", "PoolStats"]
+
+
+@dataclass(eq=False)
+class _Slab:
+    """One aligned allocation and the extents of it that are free."""
+
+    memory: torch.Tensor
+    """uint8 view of the whole slab (4096-aligned, pinned when the pool pins)."""
+    grown: bool
+    """True for a slab added after construction (see [Note: pool growth])."""
+    free: list[tuple[int, int]] = field(default_factory=list)
+    """Sorted, non-adjacent (offset, nbytes) extents that no buffer holds."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.memory.numel()
+
+    def idle(self) -> bool:
+        return self.free == [(0, self.nbytes)]
+
+    def take(self, nbytes: int) -> int | None:
+        """First fit: the offset of a free extent of ``nbytes`` carved out, or None."""
+        for i, (off, size) in enumerate(self.free):
+            if size >= nbytes:
+                if size == nbytes:
+                    del self.free[i]
+                else:
+                    self.free[i] = (off + nbytes, size - nbytes)
+                return off
+        return None
+
+    def give(self, off: int, nbytes: int) -> None:
+        """Return an extent, merging it with free neighbours."""
+        i = bisect.bisect_left(self.free, (off, 0))
+        if i < len(self.free) and self.free[i][0] < off + nbytes or \
+                i > 0 and sum(self.free[i - 1]) > off:
+            raise RuntimeError(f"pinned pool: extent at {off} ({nbytes} bytes) returned twice")
+        if i < len(self.free) and self.free[i][0] == off + nbytes:
+            nbytes += self.free[i][1]
+            del self.free[i]
+        if i > 0 and sum(self.free[i - 1]) == off:
+            off, nbytes = self.free[i - 1][0], self.free[i - 1][1] + nbytes
+            del self.free[i - 1]
+            i -= 1
+        self.free.insert(i, (off, nbytes))
+
+
+@dataclass(eq=False)
+class PoolBuffer:
+    """One extent handed out by the pool; give it back with ``PinnedPool.release``."""
+
+    raw: torch.Tensor
+    """uint8 view of the extent: 4096-aligned, ``nbytes`` long (a multiple of 4096)."""
+    slab: _Slab
+    offset: int
+    released: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    def view(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The first ``numel`` elements of the extent as a flat ``dtype`` tensor."""
+        return self.raw[: numel * dtype.itemsize].view(dtype)
+
+
+@dataclass
+class PoolStats:
+    """Counters of pool events (not of bytes held: those are derived from the slabs)."""
+
+    acquires: int = 0
+    grows: int = 0
+    trims: int = 0
+
+
+class PinnedPool:
+    """Exact-size aligned host buffers, pinned when CUDA is present, reused forever.
+
+    Args:
+        capacity_bytes: size of the slab taken up front (rounded up to 4096; 0 = none yet).
+        pin: register the memory with CUDA; None (default) = when CUDA is available.
+        growable: whether a request that fits nowhere adds a slab (else it raises).
+
+    Thread-safe. ``reserved_bytes`` (memory held) and ``in_use_bytes`` are derived from the slabs.
+    """
+
+    def __init__(self, capacity_bytes: int = 0, *, pin: bool | None = None, growable: bool = True):
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be an int >= 0, got {capacity_bytes!r}")
+        self.pin = torch.cuda.is_available() if pin is None else bool(pin)
+        self.growable = growable
+        self.stats = PoolStats()
+        self._lock = threading.Lock()
+        self._slabs: list[_Slab] = []
+        if capacity_bytes:
+            self._slabs.append(self._new_slab(round_up(capacity_bytes), grown=False))
+
+    def _new_slab(self, nbytes: int, *, grown: bool) -> _Slab:
+        memory = aligned_empty(nbytes, pin=self.pin)
+        # Touch every page now: the pool's memory is resident from the start (RSS follows the
+        # formula, and no page faults land on the hot path). Pinning touches them anyway.
+        memory.zero_()
+        return _Slab(memory=memory, grown=grown, free=[(0, nbytes)])
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Host bytes the pool holds (all slabs)."""
+        with self._lock:
+            return sum(s.nbytes for s in self._slabs)
+
+    @property
+    def in_use_bytes(self) -> int:
+        """Bytes of the slabs handed out and not yet released."""
+        with self._lock:
+            return sum(s.nbytes - sum(n for _, n in s.free) for s in self._slabs)
+
+    def acquire(self, nbytes: int) -> PoolBuffer:
+        """A buffer of ``round_up(nbytes, 4096)`` bytes, carved first-fit from the slabs."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
+        size = round_up(nbytes, ALIGNMENT)
+        with self._lock:
+            self.stats.acquires += 1
+            for slab in self._slabs:
+                off = slab.take(size)
+                if off is not None:
+                    return PoolBuffer(raw=slab.memory[off:off + size], slab=slab, offset=off)
+            if not self.growable:
+                free = max((n for s in self._slabs for _, n in s.free), default=0)
+                raise MemoryError(
+                    f"pinned pool exhausted: need {size} bytes, largest free extent is {free} bytes "
+                    f"of {sum(s.nbytes for s in self._slabs)} reserved; build the pool with a larger "
+                    f"capacity_bytes, or growable=True")
+            slab = self._new_slab(size, grown=True)
+            self._slabs.append(slab)
+            self.stats.grows += 1
+            off = slab.take(size)
+            return PoolBuffer(raw=slab.memory[off:off + size], slab=slab, offset=off)
+
+    def release(self, buf: PoolBuffer) -> None:
+        """Give a buffer back for reuse. The caller must not touch ``buf`` afterwards."""
+        with self._lock:
+            if buf.released:
+                raise RuntimeError("pinned pool: buffer released twice")
+            buf.released = True
+            buf.slab.give(buf.offset, buf.nbytes)
+
+    def trim(self) -> int:
+        """Free grown slabs that hold no buffer; returns the bytes given back."""
+        with self._lock:
+            idle = [s for s in self._slabs if s.grown and s.idle()]
+            self._slabs = [s for s in self._slabs if s not in idle]
+            self.stats.trims += len(idle)
+            return sum(s.nbytes for s in idle)

@@ -1,0 +1,1138 @@
+"""Tiered chunk store: where each payload of each chunk lives (GPU / pinned CPU / NVMe), the
+budgets of the tiers, and the asynchronous moves between them.
+
+Ownership (outer to inner): ``ChunkStore`` owns ``_Chunk`` records, a chunk owns one ``_Payload``
+record per named payload ("params", "grads", "master", ...), a payload owns one ``_Copy`` record
+per tier (buffer or file slot, residency state, the move writing into it, the moves reading it).
+Nothing is written onto tensors, and no table is keyed by id beside the records.
+
+Policy (which copy to evict when a tier is full) lives in ``EvictionPolicy`` classes; the store
+is the mechanism that moves bytes. The prefetcher (prefetch.py) installs a policy that knows the
+recorded access order.
+
+[Note: residency] Each copy is in one ``Residency`` state; ``_LEGAL`` lists the moves between
+states and ``_Copy.to`` raises ``IllegalTransition`` on any other. ``VALID`` copies all hold the
+newest bytes; a write (``mark_dirty`` / ``allocate``) makes every other copy ``STALE``.
+
+[Note: hazards] A copy has at most one move writing into it (``pending``) and any number of
+moves reading it (``readers``).
+- RAW: a read of a copy (``get``, or a move out of it) first waits on ``pending`` (device-side
+  for CUDA consumers, host-side otherwise).
+- WAR: a move into a copy first waits on its ``readers``; ``get(..., write=True)`` does the same
+  for the caller, and an evicted copy whose readers are still running stays ``EVICTING`` (its
+  buffer is not reused) until they finish.
+- WAW: a move into a copy is issued only once the previous one has settled (``pending`` is
+  waited on first), so writes into one copy land in issue order.
+
+[Note: lazy settling] Moves finish on other threads or streams and never touch the records; a
+copy whose ``pending`` handle is done is moved ``LOADING``/``FLUSHING`` → ``VALID`` the next time
+the store looks at it (under the lock), so the records are only ever changed by callers' threads.
+
+[Note: accounting] ``bytes(tier)`` is the sum of the sizes of the copies that hold memory in that
+tier (any state but ``ABSENT``), kept as a set of records updated only inside ``_Copy.to``. The
+peak is taken there too. Budgets are checked before a buffer is taken.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import enum
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Mapping, NamedTuple, Protocol, Sequence
+
+import psutil
+import torch
+
+from .pinned_pool import PinnedPool, PoolBuffer
+from .swap_io import ALIGNMENT, aligned_empty, round_up
+
+__all__ = [
+    "Tier", "Residency", "Hop", "PayloadSpec", "StoreConfig", "ChunkStore", "Handle", "StoreStats",
+    "EvictionPolicy", "EvictionCandidate", "LRUPolicy", "FarthestNextUsePolicy",
+    "BudgetError", "IllegalTransition", "StoreError",
+]
+
+
+class Tier(enum.Enum):
+    """Where a copy lives. Ordered fastest first; moves go between neighbours (NVMe↔GPU stages
+    through the CPU)."""
+
+    GPU = "gpu"    # the compute device: CUDA, or the CPU with its own budget when no CUDA
+    CPU = "cpu"    # host memory, pinned when CUDA is present
+    NVME = "nvme"  # a slot of a SwapSpace file
+
+    @property
+    def level(self) -> int:
+        return _LEVEL[self]
+
+    @classmethod
+    def of(cls, value: "Tier | str") -> "Tier":
+        if isinstance(value, Tier):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            raise ValueError(f"unknown tier {value!r}; use one of 'gpu', 'cpu', 'nvme' "
+                             f"(or zero_offload.store.Tier)") from None
+
+
+_LEVEL = {Tier.GPU: 0, Tier.CPU: 1, Tier.NVME: 2}
+
+
+class Residency(enum.Enum):
+    """State of one copy (one payload in one tier). See [Note: residency]."""
+
+    ABSENT = "absent"      # no buffer or slot
+    LOADING = "loading"    # a fetch into this copy is in flight (`pending`); reads wait on it
+    FLUSHING = "flushing"  # a write-behind into this copy is in flight (`pending`)
+    VALID = "valid"        # holds the newest bytes
+    STALE = "stale"        # buffer or slot kept, bytes outdated by a newer copy elsewhere
+    EVICTING = "evicting"  # dropped; moves still reading it run, then its memory is freed
+
+
+_R = Residency
+_LEGAL: dict[Residency, frozenset[Residency]] = {
+    _R.ABSENT: frozenset({_R.LOADING, _R.FLUSHING, _R.VALID}),  # VALID: allocate / home zeros
+    _R.LOADING: frozenset({_R.VALID, _R.ABSENT}),               # ABSENT: the move failed
+    _R.FLUSHING: frozenset({_R.VALID, _R.ABSENT}),
+    _R.VALID: frozenset({_R.STALE, _R.EVICTING, _R.ABSENT}),
+    _R.STALE: frozenset({_R.LOADING, _R.FLUSHING, _R.VALID, _R.EVICTING, _R.ABSENT}),
+    _R.EVICTING: frozenset({_R.ABSENT}),
+}
+_IN_FLIGHT = frozenset({_R.LOADING, _R.FLUSHING})
+
+
+class Hop(enum.Enum):
+    """A move between neighbouring tiers; the unit of the byte statistics."""
+
+    NVME_TO_CPU = "nvme->cpu"
+    CPU_TO_GPU = "cpu->gpu"
+    GPU_TO_CPU = "gpu->cpu"
+    CPU_TO_NVME = "cpu->nvme"
+
+    @classmethod
+    def between(cls, src: Tier, dst: Tier) -> "Hop":
+        return cls(f"{src.value}->{dst.value}")
+
+
+class StoreError(RuntimeError):
+    """Misuse of the store (wrong state for the call); the message says what to do instead."""
+
+
+class IllegalTransition(StoreError):
+    """A copy was asked to move between residency states that ``_LEGAL`` does not connect."""
+
+
+class BudgetError(MemoryError):
+    """A tier cannot make room for a copy within its budget."""
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+
+
+@dataclass(frozen=True)
+class PayloadSpec:
+    """One payload of a chunk: a flat buffer of ``numel`` elements of ``dtype``, whose
+    authoritative copy lives in ``home``."""
+
+    numel: int
+    dtype: torch.dtype
+    home: Tier
+
+    def __post_init__(self):
+        if isinstance(self.numel, bool) or not isinstance(self.numel, int) or self.numel <= 0:
+            raise ValueError(f"PayloadSpec.numel must be a positive int, got {self.numel!r}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"PayloadSpec.dtype must be a torch.dtype, got {self.dtype!r}")
+        object.__setattr__(self, "home", Tier.of(self.home))
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+Budget = "int | str"  # bytes, or "auto"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreConfig:
+    """How a ``ChunkStore`` is built. Frozen; every field is checked in ``__post_init__``."""
+
+    device: "str | torch.device | None" = None
+    """The compute device behind ``Tier.GPU``: a CUDA device, or "cpu" (the 'gpu' tier is then
+    ordinary host memory with its own budget). None = "cuda" when available, else "cpu"."""
+
+    budgets: "Mapping[Tier | str, int | str]" = field(default_factory=dict)
+    """Byte budget per tier, or "auto" (GPU: free CUDA memory, CPU: psutil available memory,
+    NVMe: free disk space; each minus ``auto_reserve_fraction`` of the total). Tiers left out
+    are "auto". NVMe "auto" is capped at 64 GiB because the swap files are preallocated."""
+
+    nvme_dir: "str | os.PathLike | None" = None
+    """Directory for the NVMe tier's swap files; None = no NVMe tier (a payload homed on NVMe
+    is then an error)."""
+
+    io_threads: int = 4
+    """Native I/O threads of the NVMe tier."""
+
+    io_block_size: int = 1 << 20
+    """Bytes per native I/O request (a multiple of 4096)."""
+
+    copy_threads: int = 2
+    """Host threads that run host-side copies and moves waiting on host-side dependencies."""
+
+    pin_memory: "bool | None" = None
+    """Register CPU-tier memory with CUDA (needed for asynchronous H2D/D2H); None = when the
+    device is CUDA."""
+
+    pool_bytes: int = 0
+    """Bytes of the pinned pool slab taken up front for non-home CPU copies (staging of NVMe
+    payloads, caches). 0 = start empty and grow by exact-size slabs on first use."""
+
+    auto_reserve_fraction: float = 0.1
+    """Share of each tier's total capacity that an "auto" budget leaves alone."""
+
+    def __post_init__(self):
+        device = self.device
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"StoreConfig.device={self.device!r} is not a torch device; "
+                             f"use 'cuda', 'cuda:N' or 'cpu'") from None
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError("StoreConfig.device is CUDA but torch.cuda.is_available() is False; "
+                                 "use device='cpu' (the 'gpu' tier is then host memory)")
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+        elif device.type != "cpu":
+            raise ValueError(f"StoreConfig.device={device} is not supported; use a CUDA device or 'cpu'")
+        object.__setattr__(self, "device", device)
+
+        if not isinstance(self.budgets, Mapping):
+            raise TypeError(f"StoreConfig.budgets must be a mapping tier -> bytes|'auto', got {self.budgets!r}")
+        budgets: dict[Tier, int | str] = {t: "auto" for t in Tier}
+        for key, value in self.budgets.items():
+            tier = Tier.of(key)
+            if value == "auto":
+                budgets[tier] = "auto"
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"StoreConfig.budgets[{tier.value!r}]={value!r}: give bytes as an int >= 0, "
+                                 f"or 'auto'")
+            else:
+                budgets[tier] = value
+        object.__setattr__(self, "budgets", budgets)
+
+        for name in ("io_threads", "copy_threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"StoreConfig.{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.io_block_size, int) or self.io_block_size <= 0 or self.io_block_size % ALIGNMENT:
+            raise ValueError(f"StoreConfig.io_block_size must be a positive multiple of {ALIGNMENT}, "
+                             f"got {self.io_block_size!r}")
+        if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
+            raise TypeError(f"StoreConfig.pin_memory must be True, False or None, got {self.pin_memory!r}")
+        if self.pin_memory and not torch.cuda.is_available():
+            raise ValueError("StoreConfig.pin_memory=True needs CUDA; leave it None (pin when CUDA is used)")
+        if isinstance(self.pool_bytes, bool) or not isinstance(self.pool_bytes, int) or self.pool_bytes < 0:
+            raise ValueError(f"StoreConfig.pool_bytes must be an int >= 0, got {self.pool_bytes!r}")
+        if not (0.0 <= self.auto_reserve_fraction < 1.0):
+            raise ValueError(f"StoreConfig.auto_reserve_fraction must be in [0, 1), got {self.auto_reserve_fraction!r}")
+        if self.nvme_dir is not None and not isinstance(self.nvme_dir, (str, os.PathLike)):
+            raise TypeError(f"StoreConfig.nvme_dir must be a path or None, got {self.nvme_dir!r}")
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def pin(self) -> bool:
+        return self.cuda if self.pin_memory is None else self.pin_memory
+
+
+_NVME_AUTO_CAP = 64 << 30
+
+
+def _resolve_budgets(config: StoreConfig) -> dict[Tier, int]:
+    reserve = config.auto_reserve_fraction
+    out: dict[Tier, int] = {}
+    for tier, value in config.budgets.items():
+        if value != "auto":
+            out[tier] = value
+        elif tier is Tier.GPU and config.cuda:
+            free, total = torch.cuda.mem_get_info(config.device)
+            out[tier] = max(0, int(free - reserve * total))
+        elif tier in (Tier.GPU, Tier.CPU):
+            vm = psutil.virtual_memory()
+            out[tier] = max(0, int(vm.available - reserve * vm.total))
+        elif config.nvme_dir is None:
+            out[tier] = 0
+        else:
+            du = shutil.disk_usage(config.nvme_dir)
+            out[tier] = min(_NVME_AUTO_CAP, max(0, int(du.free - reserve * du.total)))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Handles
+
+
+class _Done:
+    """A host-side waitable that is already complete."""
+
+    def done(self) -> bool:
+        return True
+
+    def result(self):
+        return None
+
+
+class _IoWait:
+    """Adapts a swap_io ``IoHandle`` (wait/done) to the future protocol (result/done)."""
+
+    def __init__(self, io):
+        self._io = io
+
+    def done(self) -> bool:
+        return self._io.done()
+
+    def result(self):
+        self._io.wait()
+        return None
+
+
+class Handle:
+    """A move in flight. ``wait()`` blocks the host until it is complete; ``wait_stream(s)``
+    makes CUDA stream ``s`` wait for it (blocking the host only for a host-side part, e.g. an
+    NVMe read the copy depends on); ``done()`` polls.
+
+    A move has a host part (a future or I/O request: NVMe I/O, host copies, or the enqueueing of
+    a CUDA copy that had to wait for one) and, for CUDA copies, an event recorded after the copy
+    on its stream. The host part resolves to that event when the event is created late.
+    """
+
+    __slots__ = ("_host", "_event", "hop", "nbytes")
+
+    def __init__(self, *, host=None, event: "torch.cuda.Event | None" = None,
+                 hop: "Hop | None" = None, nbytes: int = 0):
+        self._host = host if host is not None else _Done()
+        self._event = event
+        self.hop = hop
+        self.nbytes = nbytes
+
+    @classmethod
+    def completed(cls) -> "Handle":
+        return cls()
+
+    def _event_after_host(self):
+        """Block for the host part (re-raising the move's error), then return the CUDA event."""
+        ev = self._host.result()
+        if self._event is None and ev is not None:
+            self._event = ev
+        return self._event
+
+    def done(self) -> bool:
+        """Whether the move is complete; raises the move's error if it failed."""
+        if not self._host.done():
+            return False
+        ev = self._event_after_host()
+        return ev is None or ev.query()
+
+    def finished(self) -> bool:
+        """Like ``done`` but a failed move counts as finished (no exception)."""
+        try:
+            return self.done()
+        except Exception:
+            return True
+
+    def host_done(self) -> bool:
+        """The host part is complete (a CUDA event, if any, may still be pending on its stream)."""
+        return self._host.done()
+
+    def wait(self) -> None:
+        """Block the host until the move is complete; raises the move's error if it failed."""
+        ev = self._event_after_host()
+        if ev is not None:
+            ev.synchronize()
+
+    def wait_stream(self, stream) -> None:
+        """Make CUDA ``stream`` wait for the move (device-side); the host blocks only for a
+        host-side part. Without an event (host moves) this is ``wait()``."""
+        ev = self._event_after_host()
+        if ev is not None:
+            stream.wait_event(ev)
+
+
+class _Streams(NamedTuple):
+    """The store's CUDA streams (one object, so every stream the store uses is listed here)."""
+
+    h2d: "torch.cuda.Stream"  # pinned CPU → GPU copies (fetches)
+    d2h: "torch.cuda.Stream"  # GPU → pinned CPU copies (flushes, write-behind of grads)
+
+
+class _CudaCopy(NamedTuple):
+    """Handoff from the issuing thread to the copy stream: the event the copy stream must wait
+    for before touching the buffers (the caller's current stream at issue time, i.e. the kernels
+    that produced the source or last used the destination's memory)."""
+
+    after: "torch.cuda.Event"
+
+
+# --------------------------------------------------------------------------------------------
+# Records
+
+
+@dataclass(eq=False)
+class _Copy:
+    """One payload in one tier."""
+
+    payload: "_Payload"
+    tier: Tier
+    state: Residency = Residency.ABSENT
+    buffer: "torch.Tensor | None" = None
+    """Flat typed tensor (GPU and CPU tiers)."""
+    pool_buffer: "PoolBuffer | None" = None
+    """The pool extent behind ``buffer`` (non-home CPU copies), returned when dropped."""
+    slot: object = None
+    """The SwapSpace slot (NVMe tier)."""
+    pending: "Handle | None" = None
+    """The move writing into this copy (LOADING / FLUSHING)."""
+    readers: list = field(default_factory=list)
+    """Moves reading this copy that may still be running."""
+    pins: int = 0
+    """Users holding this copy (``use`` / ``pin``): a pinned copy is never evicted."""
+    last_use: int = 0
+    """Store clock at the last fetch/get/allocate (LRU)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Memory this copy holds when present: the payload rounded up to 4 KiB."""
+        return round_up(self.payload.spec.nbytes, ALIGNMENT)
+
+    @property
+    def is_home(self) -> bool:
+        return self.tier is self.payload.spec.home
+
+    def where(self) -> str:
+        return f"chunk {self.payload.cid} payload {self.payload.name!r} in tier {self.tier.value!r}"
+
+    def to(self, state: Residency, store: "ChunkStore") -> None:
+        """Move to ``state``; raises IllegalTransition on a move ``_LEGAL`` does not list."""
+        if state not in _LEGAL[self.state]:
+            raise IllegalTransition(
+                f"{self.where()}: illegal residency transition {self.state.name} -> {state.name} "
+                f"(legal from {self.state.name}: {sorted(s.name for s in _LEGAL[self.state])})")
+        held_before = self.state is not Residency.ABSENT
+        self.state = state
+        held_after = state is not Residency.ABSENT
+        if held_after and not held_before:
+            store._held[self.tier].add(self)
+            store._note_peak(self.tier)
+        elif held_before and not held_after:
+            store._held[self.tier].discard(self)
+
+
+@dataclass(eq=False)
+class _Payload:
+    cid: int
+    name: str
+    spec: PayloadSpec
+    copies: dict = field(default_factory=dict)
+    """Tier -> _Copy, one record per tier (all three always exist)."""
+
+    def valid(self) -> list[_Copy]:
+        return [c for c in self.copies.values() if c.state is Residency.VALID]
+
+
+@dataclass(eq=False)
+class _Chunk:
+    cid: int
+    payloads: dict = field(default_factory=dict)
+    """name -> _Payload."""
+
+
+# --------------------------------------------------------------------------------------------
+# Policy
+
+
+class EvictionCandidate(NamedTuple):
+    cid: int
+    name: str
+    tier: Tier
+    nbytes: int
+    last_use: int
+    stale: bool
+    """True when the copy holds outdated bytes (dropping it costs no write-back)."""
+
+
+class EvictionPolicy(Protocol):
+    """Orders eviction candidates: the store evicts from the front until the new copy fits."""
+
+    def order(self, candidates: Sequence[EvictionCandidate]) -> list[EvictionCandidate]:
+        ...
+
+
+class LRUPolicy:
+    """Stale copies first, then least recently used."""
+
+    def order(self, candidates):
+        return sorted(candidates, key=lambda c: (not c.stale, c.last_use))
+
+
+class FarthestNextUsePolicy:
+    """Stale copies first, then the copy whose chunk is used farthest in the future (Belady),
+    from ``next_use(cid) -> distance | None`` (None: unknown, treated as farthest, LRU among
+    those)."""
+
+    def __init__(self, next_use: Callable[[int], "int | None"]):
+        self.next_use = next_use
+
+    def order(self, candidates):
+        def key(c):
+            d = self.next_use(c.cid)
+            return (not c.stale, -(float("inf") if d is None else d), c.last_use)
+        return sorted(candidates, key=key)
+
+
+# --------------------------------------------------------------------------------------------
+# Statistics
+
+
+@dataclass
+class StoreStats:
+    """Flow counters (moves, waits). Bytes *held* are not here: see ``ChunkStore.bytes``."""
+
+    bytes_moved: dict = field(default_factory=lambda: {h: 0 for h in Hop})
+    """Hop -> bytes issued on that hop."""
+    moves: dict = field(default_factory=lambda: {h: 0 for h in Hop})
+    stall_s: float = 0.0
+    """Host seconds spent in ``get`` waiting for moves."""
+    hits: int = 0
+    """``get`` calls whose copy was ready without waiting."""
+    misses: int = 0
+    evictions: int = 0
+
+    def as_dict(self) -> dict:
+        return {"bytes_moved": {h.value: n for h, n in self.bytes_moved.items()},
+                "moves": {h.value: n for h, n in self.moves.items()},
+                "stall_s": self.stall_s, "hits": self.hits, "misses": self.misses,
+                "evictions": self.evictions}
+
+
+# --------------------------------------------------------------------------------------------
+# The store
+
+
+class ChunkStore:
+    """Chunks of named payloads spread over GPU / CPU / NVMe tiers. Thread-safe.
+
+    See the module notes for the state machine, hazards, and accounting.
+    """
+
+    def __init__(self, config: "StoreConfig | None" = None):
+        config = config if config is not None else StoreConfig()
+        if not isinstance(config, StoreConfig):
+            raise TypeError(f"ChunkStore(config) needs a StoreConfig, got {type(config).__name__}")
+        self.config = config
+        self.device = config.device
+        self.budgets: dict[Tier, int] = _resolve_budgets(config)
+        self.policy: EvictionPolicy = LRUPolicy()
+        self.stats = StoreStats()
+        self._lock = threading.RLock()
+        self._chunks: list[_Chunk] = []
+        self._held: dict[Tier, set] = {t: set() for t in Tier}
+        self._peak: dict[Tier, int] = {t: 0 for t in Tier}
+        self._clock = 0
+        self._closed = False
+        self._pool = PinnedPool(config.pool_bytes, pin=config.pin)
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=config.copy_threads, thread_name_prefix="zero_offload-store")
+        self._streams = None
+        if config.cuda:
+            with torch.cuda.device(self.device):
+                self._streams = _Streams(h2d=torch.cuda.Stream(), d2h=torch.cuda.Stream())
+        self._swap = None
+        self._zeros: "torch.Tensor | None" = None  # read-only zero buffer for NVMe home init
+
+    # ---- public API --------------------------------------------------------------------
+
+    def add_chunk(self, payloads: "Mapping[str, PayloadSpec]") -> int:
+        """Register a chunk; each payload's home copy is allocated (zeros) in its home tier."""
+        self._check_open()
+        if not isinstance(payloads, Mapping) or not payloads:
+            raise ValueError("add_chunk needs a non-empty mapping name -> PayloadSpec")
+        for name, spec in payloads.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"payload names must be non-empty strings, got {name!r}")
+            if not isinstance(spec, PayloadSpec):
+                raise TypeError(f"payload {name!r}: expected a PayloadSpec, got {type(spec).__name__}")
+        with self._lock:
+            # Check the whole chunk fits before taking anything (no half-added chunk).
+            need = {t: 0 for t in Tier}
+            for spec in payloads.values():
+                need[spec.home] += round_up(spec.nbytes, ALIGNMENT)
+            for tier, nbytes in need.items():
+                if nbytes:
+                    if tier is Tier.NVME and self.config.nvme_dir is None:
+                        raise StoreError("a payload's home is 'nvme' but StoreConfig.nvme_dir is None; "
+                                         "set nvme_dir to a directory on a fast disk")
+                    self._make_room(tier, nbytes, for_what=f"the home copies of a new chunk")
+            chunk = _Chunk(cid=len(self._chunks))
+            for name, spec in payloads.items():
+                p = _Payload(cid=chunk.cid, name=name, spec=spec)
+                p.copies = {t: _Copy(payload=p, tier=t) for t in Tier}
+                chunk.payloads[name] = p
+            self._chunks.append(chunk)
+            for p in chunk.payloads.values():
+                home = p.copies[p.spec.home]
+                if home.tier is Tier.NVME:
+                    self._alloc_memory(home)
+                    home.to(Residency.FLUSHING, self)
+                    home.pending = Handle(host=self._write_nvme(home, self._zero_source(p.spec.nbytes), deps=()))
+                else:
+                    self._alloc_memory(home)
+                    home.buffer.zero_()
+                    home.to(Residency.VALID, self)
+            return chunk.cid
+
+    def fetch(self, cid: int, name: str, tier: "Tier | str") -> Handle:
+        """Make a valid copy resident in ``tier``, asynchronously, from the nearest valid copy.
+
+        Idempotent: returns the pending handle while a move into that copy is in flight, or a
+        completed handle when it is already valid. May evict other copies by policy to fit the
+        budget; raises BudgetError when nothing can be evicted."""
+        tier = Tier.of(tier)
+        with self._lock:
+            copy = self._copy(cid, name, tier)
+            return self._ensure(copy, Residency.LOADING)
+
+    def flush(self, cid: int, name: str, tier: "Tier | str | None" = None) -> Handle:
+        """Write the newest bytes to ``tier`` (default: the payload's home), asynchronously
+        (write-behind). GPU → CPU runs on the D2H stream."""
+        with self._lock:
+            p = self._payload(cid, name)
+            tier = p.spec.home if tier is None else Tier.of(tier)
+            return self._ensure(p.copies[tier], Residency.FLUSHING)
+
+    def allocate(self, cid: int, name: str, tier: "Tier | str") -> torch.Tensor:
+        """A buffer in ``tier`` for the caller to write, without reading anything into it; it
+        becomes the newest copy (every other copy turns stale). Waits for moves still reading
+        or writing that copy (WAR / WAW), device-side on CUDA."""
+        tier = Tier.of(tier)
+        if tier is Tier.NVME:
+            raise StoreError("allocate() gives a buffer to write into; NVMe has none. Allocate in "
+                             "'cpu', write, then flush(cid, name, 'nvme')")
+        with self._lock:
+            copy = self._copy(cid, name, tier)
+            self._await_quiet(copy)
+            if copy.state is Residency.ABSENT:
+                self._make_room(tier, copy.nbytes, for_what=copy.where())
+                self._alloc_memory(copy)
+            self._wait_readers(copy, device_side=True)
+            if copy.state is not Residency.VALID:
+                copy.to(Residency.VALID, self)
+            self._others_stale(copy)
+            copy.last_use = self._tick()
+            return copy.buffer
+
+    def get(self, cid: int, name: str, tier: "Tier | str", *, write: bool = False) -> torch.Tensor:
+        """The flat buffer of the copy in ``tier``, after the move into it (if any) is complete
+        for the caller: on CUDA the *current stream* waits on the move's event (no host sync).
+        ``write=True`` also waits for moves still reading the copy, so the caller may overwrite
+        it (then call ``mark_dirty``). Raises if the copy is not resident: ``fetch`` it first."""
+        tier = Tier.of(tier)
+        if tier is Tier.NVME:
+            raise StoreError("get() returns a memory buffer; an NVMe copy has none. fetch(cid, name, 'cpu') "
+                             "then get it from 'cpu'")
+        with self._lock:
+            copy = self._copy(cid, name, tier)
+            self._settle(copy)
+            if copy.state not in (Residency.VALID, Residency.LOADING, Residency.FLUSHING):
+                raise StoreError(f"get: {copy.where()} is {copy.state.name}, not resident; call "
+                                 f"fetch(cid, name, {tier.value!r}) first (or allocate() to write a new one)")
+            copy.last_use = self._tick()
+            pending = copy.pending
+            copy.pins += 1  # keep it from being evicted while we wait outside the lock
+        try:
+            t0 = time.perf_counter()
+            ready = pending is None or pending.done()
+            if pending is not None and not ready:
+                if tier is Tier.GPU and self._streams is not None:
+                    pending.wait_stream(torch.cuda.current_stream(self.device))
+                else:
+                    pending.wait()
+            waited = time.perf_counter() - t0
+        finally:
+            with self._lock:
+                copy.pins -= 1
+        with self._lock:
+            if ready:
+                self.stats.hits += 1
+            else:
+                self.stats.misses += 1
+                self.stats.stall_s += waited
+            if copy.pending is pending and pending is not None:
+                # For a CUDA consumer the bytes are ready *on its stream*: later users go through
+                # that stream or events recorded on it after this point.
+                self._settle(copy, force=True)
+            if write:
+                self._wait_readers(copy, device_side=True)
+            return copy.buffer
+
+    def mark_dirty(self, cid: int, name: str, tier: "Tier | str") -> None:
+        """The caller changed the copy in ``tier``: it is now the only newest copy."""
+        tier = Tier.of(tier)
+        with self._lock:
+            copy = self._copy(cid, name, tier)
+            self._settle(copy)
+            if copy.state is not Residency.VALID:
+                raise StoreError(f"mark_dirty: {copy.where()} is {copy.state.name}; only a VALID copy can "
+                                 f"be written. Call get() (which waits for a move into it) or allocate() "
+                                 f"before writing")
+            self._others_stale(copy)
+
+    def evict(self, cid: int, name: str, tier: "Tier | str") -> None:
+        """Drop a non-home copy, writing it back home first when it is the only newest copy.
+        No-op when the copy is absent. Raises for the home copy or a copy in use."""
+        tier = Tier.of(tier)
+        with self._lock:
+            self._evict(self._copy(cid, name, tier), explicit=True)
+
+    def pin(self, cid: int, name: str, tier: "Tier | str") -> None:
+        """Keep the copy in ``tier`` from being evicted until ``unpin``."""
+        with self._lock:
+            copy = self._copy(cid, name, Tier.of(tier))
+            if copy.state is Residency.ABSENT:
+                raise StoreError(f"pin: {copy.where()} is ABSENT; fetch or allocate it first")
+            copy.pins += 1
+
+    def unpin(self, cid: int, name: str, tier: "Tier | str") -> None:
+        with self._lock:
+            copy = self._copy(cid, name, Tier.of(tier))
+            if copy.pins <= 0:
+                raise StoreError(f"unpin: {copy.where()} is not pinned (unpin without a matching pin)")
+            copy.pins -= 1
+
+    @contextlib.contextmanager
+    def use(self, cid: int, name: str, tier: "Tier | str", *, write: bool = False) -> Iterator[torch.Tensor]:
+        """Fetch (if needed), pin and ``get`` the copy; unpin on exit."""
+        tier = Tier.of(tier)
+        with self._lock:
+            self.fetch(cid, name, tier)
+            self.pin(cid, name, tier)
+        try:
+            yield self.get(cid, name, tier, write=write)
+        finally:
+            self.unpin(cid, name, tier)
+
+    def state(self, cid: int, name: str, tier: "Tier | str") -> Residency:
+        """Residency of one copy (settled first)."""
+        with self._lock:
+            copy = self._copy(cid, name, Tier.of(tier))
+            self._settle(copy)
+            return copy.state
+
+    def bytes(self, tier: "Tier | str") -> int:
+        """Bytes the tier holds now, summed over the copy records."""
+        tier = Tier.of(tier)
+        with self._lock:
+            for c in [c for c in self._held[tier] if c.state is Residency.EVICTING]:
+                self._settle(c)  # memory whose last reader finished is free again
+            return sum(c.nbytes for c in self._held[tier])
+
+    def peak_bytes(self, tier: "Tier | str") -> int:
+        with self._lock:
+            return self._peak[Tier.of(tier)]
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            for t in Tier:
+                self._peak[t] = self.bytes(t)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self._chunks)
+
+    @property
+    def pool(self) -> PinnedPool:
+        return self._pool
+
+    def payload_spec(self, cid: int, name: str) -> PayloadSpec:
+        with self._lock:
+            return self._payload(cid, name).spec
+
+    def set_policy(self, policy: EvictionPolicy) -> None:
+        if not callable(getattr(policy, "order", None)):
+            raise TypeError("an eviction policy needs an order(candidates) method")
+        with self._lock:
+            self.policy = policy
+
+    def synchronize(self) -> None:
+        """Wait (host) for every move in flight and settle all records."""
+        with self._lock:
+            for chunk in self._chunks:
+                for p in chunk.payloads.values():
+                    for c in p.copies.values():
+                        if c.pending is not None:
+                            self._wait_host(c.pending)
+                        for r in c.readers:
+                            self._wait_host(r)
+                        self._settle(c, force=True)
+
+    def close(self) -> None:
+        """Finish moves in flight, free every buffer and the swap files. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self.synchronize()
+            finally:
+                self._closed = True
+                self._executor.shutdown(wait=True)
+                for chunk in self._chunks:
+                    for p in chunk.payloads.values():
+                        for c in p.copies.values():
+                            c.buffer = None
+                            c.pool_buffer = None
+                            c.slot = None
+                self._chunks.clear()
+                for t in Tier:
+                    self._held[t].clear()
+                if self._swap is not None:
+                    self._swap.close()
+                    self._swap = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ---- lookup -------------------------------------------------------------------------
+
+    def _check_open(self):
+        if self._closed:
+            raise StoreError("this ChunkStore is closed; build a new one")
+
+    def _payload(self, cid: int, name: str) -> _Payload:
+        self._check_open()
+        if isinstance(cid, bool) or not isinstance(cid, int) or not 0 <= cid < len(self._chunks):
+            raise KeyError(f"no chunk {cid!r}: this store has chunks 0..{len(self._chunks) - 1} "
+                           f"(ids come from add_chunk)")
+        chunk = self._chunks[cid]
+        try:
+            return chunk.payloads[name]
+        except KeyError:
+            raise KeyError(f"chunk {cid} has no payload {name!r}; it has {sorted(chunk.payloads)}") from None
+
+    def _copy(self, cid: int, name: str, tier: Tier) -> _Copy:
+        copy = self._payload(cid, name).copies[tier]
+        if tier is Tier.NVME and self.config.nvme_dir is None:
+            raise StoreError("this store has no NVMe tier: set StoreConfig.nvme_dir to use 'nvme'")
+        return copy
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _note_peak(self, tier: Tier) -> None:
+        now = sum(c.nbytes for c in self._held[tier])
+        if now > self._peak[tier]:
+            self._peak[tier] = now
+
+    # ---- settling and waiting -----------------------------------------------------------
+
+    def _wait_host(self, handle: Handle) -> None:
+        handle.wait()
+
+    def _settle(self, copy: _Copy, *, force: bool = False) -> None:
+        """See [Note: lazy settling]. ``force``: the caller has already waited for ``pending``."""
+        copy.readers = [r for r in copy.readers if not r.finished()]
+        if copy.state in _IN_FLIGHT and copy.pending is not None:
+            try:
+                ready = force or copy.pending.done()
+            except BaseException:
+                # The move into this copy failed: its bytes are garbage, drop it and report.
+                copy.pending = None
+                self._drop_memory(copy)
+                copy.to(Residency.ABSENT, self)
+                raise
+            if ready:
+                copy.pending = None
+                copy.to(Residency.VALID, self)
+        if copy.state is Residency.EVICTING and not copy.readers:
+            self._drop_memory(copy)
+            copy.to(Residency.ABSENT, self)
+
+    def _await_quiet(self, copy: _Copy) -> None:
+        """Wait (host) until no move writes into ``copy`` and, if it is EVICTING, until its
+        readers finish; then settle it."""
+        if copy.pending is not None:
+            self._wait_host(copy.pending)
+            self._settle(copy, force=True)
+        if copy.state is Residency.EVICTING:
+            for r in copy.readers:
+                with contextlib.suppress(Exception):  # a failed read is reported by its destination
+                    r.wait()
+            copy.readers = []
+        self._settle(copy)
+
+    def _wait_readers(self, copy: _Copy, *, device_side: bool) -> None:
+        """WAR: the caller is about to overwrite ``copy``; order it after moves reading it."""
+        cuda_gpu = device_side and copy.tier is Tier.GPU and self._streams is not None
+        for r in copy.readers:
+            if cuda_gpu:
+                r.wait_stream(torch.cuda.current_stream(self.device))
+            else:
+                r.wait()
+        copy.readers = [] if not cuda_gpu else [r for r in copy.readers if not r.done()]
+
+    def _others_stale(self, newest: _Copy) -> None:
+        for c in newest.payload.copies.values():
+            if c is newest:
+                continue
+            if c.state in _IN_FLIGHT:
+                # A move into it was issued before this write; let it land, then outdate it.
+                self._wait_host(c.pending)
+                self._settle(c, force=True)
+            if c.state is Residency.VALID:
+                c.to(Residency.STALE, self)
+
+    # ---- memory -------------------------------------------------------------------------
+
+    def _alloc_memory(self, copy: _Copy) -> None:
+        """Give an ABSENT copy its buffer or slot (budget already checked)."""
+        spec = copy.payload.spec
+        if copy.tier is Tier.GPU:
+            if self.config.cuda:
+                copy.buffer = torch.empty(spec.numel, dtype=spec.dtype, device=self.device)
+            else:
+                copy.buffer = torch.empty(spec.numel, dtype=spec.dtype)
+        elif copy.tier is Tier.CPU:
+            if copy.is_home:
+                # Home copies live as long as the store: their own exact-size aligned allocation.
+                copy.buffer = aligned_empty(spec.nbytes, dtype=spec.dtype, pin=self.config.pin)
+            else:
+                copy.pool_buffer = self._pool.acquire(spec.nbytes)
+                copy.buffer = copy.pool_buffer.view(spec.dtype, spec.numel)
+        else:
+            copy.slot = self._swap_space().alloc(copy.nbytes)
+
+    def _drop_memory(self, copy: _Copy) -> None:
+        if copy.is_home:
+            return  # home memory is kept for the store's life
+        if copy.pool_buffer is not None:
+            self._pool.release(copy.pool_buffer)
+            copy.pool_buffer = None
+        if copy.slot is not None:
+            self._swap_space().free(copy.slot)
+            copy.slot = None
+        copy.buffer = None
+
+    def _swap_space(self):
+        if self._swap is None:
+            if self.config.nvme_dir is None:
+                raise StoreError("this store has no NVMe tier: set StoreConfig.nvme_dir")
+            from .swap_io import AioEngine, SwapSpace
+            engine = AioEngine(threads=self.config.io_threads, block_size=self.config.io_block_size)
+            self._swap = SwapSpace(self.config.nvme_dir, capacity_bytes=self.budgets[Tier.NVME], engine=engine)
+        return self._swap
+
+    def _zero_source(self, nbytes: int) -> torch.Tensor:
+        need = round_up(nbytes, ALIGNMENT)
+        if self._zeros is None or self._zeros.numel() < need:
+            self._zeros = aligned_empty(need, pin=False)
+        return self._zeros[:need]
+
+    def _make_room(self, tier: Tier, nbytes: int, *, for_what: str) -> None:
+        """Evict by policy until ``nbytes`` more fit in ``tier``'s budget, or raise BudgetError."""
+        budget = self.budgets[tier]
+        if nbytes > budget:
+            raise BudgetError(
+                f"{for_what} needs {nbytes} bytes in tier {tier.value!r}, more than its whole budget of "
+                f"{budget} bytes; raise StoreConfig.budgets[{tier.value!r}] or use smaller chunks")
+        for _ in range(2):
+            if self.bytes(tier) + nbytes <= budget:
+                return
+            candidates = []
+            for c in list(self._held[tier]):
+                self._settle(c)
+                if c.is_home or c.pins or c.state not in (Residency.VALID, Residency.STALE):
+                    continue
+                candidates.append((EvictionCandidate(c.payload.cid, c.payload.name, tier, c.nbytes,
+                                                     c.last_use, c.state is Residency.STALE), c))
+            by_key = {(e.cid, e.name): c for e, c in candidates}
+            for e in self.policy.order([e for e, _ in candidates]):
+                if self.bytes(tier) + nbytes <= budget:
+                    return
+                self._evict(by_key[(e.cid, e.name)], explicit=False)
+            # Copies still EVICTING free their memory once their readers finish.
+            for c in [c for c in self._held[tier] if c.state is Residency.EVICTING]:
+                self._await_quiet(c)
+        if self.bytes(tier) + nbytes > budget:
+            busy = [c for c in self._held[tier] if not c.is_home]
+            raise BudgetError(
+                f"{for_what} needs {nbytes} bytes in tier {tier.value!r}; {self.bytes(tier)} of its budget "
+                f"of {budget} bytes are held and nothing more can be evicted ({len(busy)} non-home copies "
+                f"are in use or in flight, the rest are home copies); raise StoreConfig.budgets"
+                f"[{tier.value!r}], lower the prefetch depth, or release copies (unpin/evict) sooner")
+
+    # ---- eviction -----------------------------------------------------------------------
+
+    def _evict(self, copy: _Copy, *, explicit: bool) -> None:
+        self._settle(copy)
+        if copy.state is Residency.ABSENT or copy.state is Residency.EVICTING:
+            return
+        if copy.is_home:
+            raise StoreError(f"evict: {copy.where()} is the home copy and cannot be evicted; evict "
+                             f"non-home copies only")
+        if copy.pins:
+            raise StoreError(f"evict: {copy.where()} is in use ({copy.pins} pin(s)); leave the `use` "
+                             f"block or unpin it first")
+        if copy.state in _IN_FLIGHT:
+            self._await_quiet(copy)
+        p = copy.payload
+        if copy.state is Residency.VALID and p.valid() == [copy] and \
+                not any(c.state in _IN_FLIGHT for c in p.copies.values()):
+            self._ensure(p.copies[p.spec.home], Residency.FLUSHING)  # write it back home first
+        self.stats.evictions += 1
+        if copy.tier is Tier.GPU and self._streams is not None:
+            # The caching allocator must not hand this memory out again before the copy streams
+            # finish reading it: record_stream was called when each move was issued.
+            copy.readers = []
+        copy.to(Residency.EVICTING, self)
+        self._settle(copy)
+
+    # ---- moves --------------------------------------------------------------------------
+
+    def _ensure(self, copy: _Copy, how: Residency) -> Handle:
+        """Make ``copy`` valid: nothing to do, or the handle of the move in flight, or a new move
+        (LOADING for fetches, FLUSHING for write-behind) from the nearest valid copy."""
+        p = copy.payload
+        if copy.tier is Tier.NVME and self.config.nvme_dir is None:
+            raise StoreError("this store has no NVMe tier: set StoreConfig.nvme_dir to use 'nvme'")
+        self._settle(copy)
+        copy.last_use = self._tick()
+        if copy.state is Residency.VALID:
+            return Handle.completed()
+        if copy.state in _IN_FLIGHT:
+            return copy.pending
+        if copy.state is Residency.EVICTING:
+            self._await_quiet(copy)
+        src = self._source_for(copy)
+        if src is None:
+            raise StoreError(f"{copy.where()}: no copy of this payload holds valid bytes (all stale "
+                             f"or absent); this is a store bug, please report it")
+        if abs(src.tier.level - copy.tier.level) == 2:
+            # NVMe <-> GPU: stage through a CPU copy (pinned), which stays as a cache copy.
+            src = p.copies[Tier.CPU]
+            self._ensure(src, how)
+        if copy.state is Residency.ABSENT:
+            self._make_room(copy.tier, copy.nbytes, for_what=copy.where())
+            self._alloc_memory(copy)
+        copy.to(how, self)
+        try:
+            handle = self._issue(src, copy)
+        except BaseException:
+            self._drop_memory(copy)
+            copy.to(Residency.ABSENT, self)
+            raise
+        copy.pending = handle
+        src.readers.append(handle)
+        hop = Hop.between(src.tier, copy.tier)
+        self.stats.bytes_moved[hop] += p.spec.nbytes
+        self.stats.moves[hop] += 1
+        return handle
+
+    def _source_for(self, copy: _Copy) -> "_Copy | None":
+        """The nearest copy that is valid or becoming valid."""
+        others = [c for c in copy.payload.copies.values()
+                  if c is not copy and (c.state is Residency.VALID or c.state in _IN_FLIGHT)]
+        if not others:
+            return None
+        # nearest tier first; ties (GPU and NVMe for a CPU target) go to the faster tier
+        return min(others, key=lambda c: (abs(c.tier.level - copy.tier.level), c.tier.level))
+
+    def _issue(self, src: _Copy, dst: _Copy) -> Handle:
+        """Start moving src's bytes into dst (neighbouring tiers). Dependencies: src's pending
+        move (RAW), dst's readers (WAR). See [Note: hazards]."""
+        nbytes = src.payload.spec.nbytes
+        hop = Hop.between(src.tier, dst.tier)
+        deps = [h for h in ([src.pending] + dst.readers) if h is not None and not h.finished()]
+        if dst.tier is Tier.NVME:
+            return Handle(host=self._write_nvme(dst, self._raw(src), deps=deps), hop=hop, nbytes=nbytes)
+        if src.tier is Tier.NVME:
+            return Handle(host=self._read_nvme(src, dst, deps=deps), hop=hop, nbytes=nbytes)
+        if self._streams is None:
+            def host_copy():
+                for d in deps:
+                    d.wait()
+                dst.buffer.copy_(src.buffer)
+            return Handle(host=self._executor.submit(host_copy), hop=hop, nbytes=nbytes)
+        return self._issue_cuda(src, dst, deps, hop, nbytes)
+
+    def _issue_cuda(self, src: _Copy, dst: _Copy, deps, hop: Hop, nbytes: int) -> Handle:
+        streams = self._streams
+        stream = streams.h2d if dst.tier is Tier.GPU else streams.d2h
+        # Handoff: the copy stream starts after what the caller's stream has issued so far
+        # (the kernels that wrote a GPU source, or last used a reused GPU destination).
+        handoff = _CudaCopy(after=torch.cuda.current_stream(self.device).record_event())
+        gpu_buf = dst.buffer if dst.tier is Tier.GPU else src.buffer
+        gpu_buf.record_stream(stream)  # see [Note: hazards]: freeing waits for this stream
+
+        def enqueue():
+            for d in deps:
+                d.wait_stream(stream)  # host-side parts block here (we are off the hot path then)
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                stream.wait_event(handoff.after)
+                dst.buffer.copy_(src.buffer, non_blocking=True)
+                return stream.record_event()
+
+        if all(d.host_done() for d in deps):
+            return Handle(event=enqueue(), hop=hop, nbytes=nbytes)
+        return Handle(host=self._executor.submit(enqueue), hop=hop, nbytes=nbytes)
+
+    def _read_nvme(self, src: _Copy, dst: _Copy, *, deps) -> object:
+        swap = self._swap_space()
+        dst_raw = self._raw(dst)
+        if not deps:
+            return _IoWait(swap.read(src.slot, dst_raw))
+
+        def task():
+            for d in deps:
+                d.wait()
+            swap.read(src.slot, dst_raw).wait()
+        return self._executor.submit(task)
+
+    def _write_nvme(self, dst: _Copy, data: torch.Tensor, *, deps) -> object:
+        swap = self._swap_space()
+        if not deps:
+            return _IoWait(swap.write(dst.slot, data))
+
+        def task():
+            for d in deps:
+                d.wait()
+            swap.write(dst.slot, data).wait()
+        return self._executor.submit(task)
+
+    @staticmethod
+    def _raw(copy: _Copy) -> torch.Tensor:
+        """The 4 KiB-rounded uint8 view of a CPU copy's memory (what O_DIRECT moves)."""
+        if copy.pool_buffer is not None:
+            return copy.pool_buffer.raw
+        buf = copy.buffer
+        n = round_up(buf.numel() * buf.element_size(), ALIGNMENT)
+        # aligned_empty memory runs to the 4 KiB boundary: view the padded extent.
+        return torch.empty(0, dtype=torch.uint8).set_(buf.untyped_storage(), buf.storage_offset() * buf.element_size(), (n,))
