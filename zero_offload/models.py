@@ -238,6 +238,14 @@ class GPT(nn.Module):
         if self.wte.weight.device.type != "meta":
             self.init_weights()
 
+    def _apply(self, fn, recurse=True):
+        # [Note: tied head] Module.to_empty (and swap-on-conversion moves) create a new tensor
+        # per parameter *slot*, which unties lm_head from wte; tie them again after any move.
+        super()._apply(fn, recurse)
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        return self
+
     @torch.no_grad()
     def init_weights(self, generator: Optional[torch.Generator] = None) -> None:
         """GPT-2 init: normal(0, init_std) for linears and embeddings, zero biases, unit norms,
