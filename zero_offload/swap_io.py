@@ -405,14 +405,14 @@ class SwapSpace:
             except ValueError:
                 raise ValueError(f"mode must be None, 'direct' or 'buffered', got {mode!r}") from None
 
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise NotADirectoryError(errno.ENOTDIR, f"swap directory {directory!r} is not a directory; "
+                                                    f"pass a directory path", directory)
         try:
             os.makedirs(directory, mode=0o700, exist_ok=True)
         except OSError as e:
             raise type(e)(e.errno, f"cannot create swap directory {directory!r}: {e.strerror}; "
                                    f"pass a directory you can write to", directory) from None
-        if not os.path.isdir(directory):
-            raise NotADirectoryError(errno.ENOTDIR, f"swap directory {directory!r} is not a directory",
-                                     directory)
         if not os.access(directory, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, f"swap directory {directory!r} is not writable; "
                                                 f"pass a directory you can write to", directory)
@@ -577,7 +577,7 @@ class SwapSpace:
         if not isinstance(slot, Slot):
             raise TypeError(f"slot must be a Slot from SwapSpace.alloc, got {type(slot).__name__}")
         record = self._slots.get(slot.offset)
-        if record is None or record.slot != slot:
+        if record is None or record.slot is not slot:
             raise ValueError(f"{slot} is not allocated in this SwapSpace (freed already, or from another "
                              f"space); use a slot returned by this space's alloc()")
         return record
