@@ -1,0 +1,888 @@
+"""The ``zero-offload`` command: ``train`` | ``bench prefetch|adam|io`` | ``info``.
+
+    zero-offload train                      # tiny GPT on the shipped text, params on the CPU,
+                                            # optimizer state in an NVMe swap dir (temporary)
+    zero-offload train --resume --steps 400 # continue the checkpoint in ./zero_offload_ckpt
+    zero-offload bench prefetch --depths 0,1,2,4,8 --out bench/
+    zero-offload info --json
+
+Exit codes: 0 done; 1 runtime failure (message on stderr); 2 bad flag or config value (one line
+on stderr naming the fix); 130 interrupted (Ctrl-C: the last checkpoint is whole).
+
+[Note: config precedence] built-in defaults < ``--config FILE`` < flags. A config file replaces
+the command's placement defaults (params=cpu, optimizer=nvme) with ``OffloadConfig``'s own
+defaults for the fields it does not set; its optional ``"train"`` section sets the flags of
+the command (``{"train": {"preset": "small", "steps": 100}}``).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import importlib.util
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+STATE_FILE = "train_state.json"
+"""In the checkpoint directory: which engine checkpoint is the latest, and the run's settings."""
+
+
+class UsageError(Exception):
+    """A bad flag or config value: reported as one line on stderr, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's errors become our one-line usage errors
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+# --------------------------------------------------------------------------------- flag types
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _depths(text: str) -> list[int]:
+    try:
+        depths = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        depths = []
+    if not depths or any(d < 0 for d in depths) or len(set(depths)) != len(depths):
+        raise argparse.ArgumentTypeError(
+            f"expected distinct integers >= 0 separated by commas, e.g. 0,1,2,4,8; got {text!r}")
+    return sorted(depths)
+
+
+# ----------------------------------------------------------------------------- run settings
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunSettings:
+    """What the model/data flags of ``train`` and ``bench prefetch`` resolve to."""
+
+    preset: Optional[str]
+    """GPT preset name (zero_offload.models.PRESETS), or None when hf_config is set."""
+    hf_config: Optional[str]
+    """Hugging Face architecture: a config.json path, a directory or hub name."""
+    steps: int
+    batch_size: int
+    seq_len: Optional[int]
+    """Training sequence length; None = the model's."""
+    seed: int
+    lr: Optional[float]
+    """Overrides the optimizer spec's lr; None keeps it."""
+
+
+TRAIN_KEYS = {f.name for f in dataclasses.fields(RunSettings)} | {"save_every", "sample_tokens"}
+"""Keys allowed in the ``"train"`` section of a --config file."""
+
+_PLACEMENT_FLAGS = ("params", "optimizer", "nvme_dir", "prefetch_depth", "dtype")
+
+
+def _default_dtype() -> str:
+    # bf16 is the GPU recipe of BASELINES.md; on a CPU, fp32 matmuls are the fast path.
+    return "bf16" if torch.cuda.is_available() else "fp32"
+
+
+def _read_config_file(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except OSError as e:
+        raise UsageError(f"cannot read --config {path}: {e.strerror}; pass an existing JSON file") from None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--config {path} is not valid JSON ({e.msg} at line {e.lineno}); fix the file") from None
+    if not isinstance(obj, dict):
+        raise UsageError(f"--config {path} must hold a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack):
+    """Flags + --config file -> (OffloadConfig, optimizer spec, RunSettings, extra train keys).
+
+    Raises UsageError for any bad value (config.py's messages name the field and the fix).
+    """
+    from . import config as zc
+
+    file_cfg = _read_config_file(args.config) if args.config else None
+    train_section = {}
+    if file_cfg is not None:
+        train_section = file_cfg.pop("train", {}) or {}
+        if not isinstance(train_section, dict):
+            raise UsageError(f"--config {args.config}: \"train\" must be an object of flag names")
+        unknown = set(train_section) - TRAIN_KEYS
+        if unknown:
+            raise UsageError(f"--config {args.config}: unknown \"train\" key(s) {sorted(unknown)}; "
+                             f"valid keys: {', '.join(sorted(TRAIN_KEYS))}")
+
+    # settings: defaults < file "train" section < flags
+    run = dict(defaults)
+    run.update(train_section)
+    for key in TRAIN_KEYS:
+        value = getattr(args, key, None)
+        if value is not None:
+            run[key] = value
+    extras = {k: run.pop(k) for k in ("save_every", "sample_tokens") if k in run}
+    if run.get("hf_config"):
+        if getattr(args, "preset", None) is not None or train_section.get("preset"):
+            raise UsageError("both a preset and an HF config are given: pass --preset or --hf-config, not both")
+        run["preset"] = None  # the default preset gives way to the HF architecture
+    try:
+        settings = RunSettings(**run)
+    except TypeError as e:
+        raise UsageError(f"bad \"train\" settings: {_one_line(e)}") from None
+    from .models import PRESETS
+
+    if settings.preset is not None and settings.preset not in PRESETS:
+        raise UsageError(f"unknown model preset {settings.preset!r}; choose one of {', '.join(PRESETS)}")
+    for name in ("steps", "batch_size"):
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise UsageError(f"{name} must be a positive integer, got {value!r}")
+
+    # offload config: flags override the file (or the command's defaults)
+    flags = {k: getattr(args, k) for k in _PLACEMENT_FLAGS if getattr(args, k, None) is not None}
+    try:
+        if file_cfg is not None and "zero_optimization" in file_cfg:  # a DeepSpeed config
+            cfg, spec = zc.load_config(file_cfg)
+            cfg = dataclasses.replace(cfg, **flags)
+        else:
+            base = dict(file_cfg) if file_cfg is not None else {
+                "params": "cpu", "optimizer": "nvme", "dtype": _default_dtype()}
+            base.update(flags)
+            wants_nvme = "nvme" in (str(base.get("params", "")).lower(), str(base.get("optimizer", "")).lower())
+            if wants_nvme and not base.get("nvme_dir"):
+                base["nvme_dir"] = temp_dirs.enter_context(tempfile.TemporaryDirectory(prefix="zero_offload_swap_"))
+            cfg, spec = zc.load_config(base)
+    except (ValueError, TypeError) as e:
+        raise UsageError(_one_line(e)) from None
+    if spec is None:
+        spec = zc.AdamW(lr=3e-3, weight_decay=0.0)
+    if settings.lr is not None:
+        spec = dataclasses.replace(spec, lr=settings.lr)
+    return cfg, spec, settings, extras
+
+
+# --------------------------------------------------------------------------------- models
+
+def build_model(settings: RunSettings):
+    """The model the settings name, on the CPU in fp32 (the engine moves it), and its seq_len."""
+    from . import models
+
+    if settings.hf_config:
+        try:
+            model = models.from_hf(settings.hf_config)
+        except ImportError as e:
+            raise UsageError(_one_line(e)) from None
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--hf-config {settings.hf_config}: {_one_line(e)}; pass a config.json "
+                             f"path or a directory holding one") from None
+        if model.vocab_size < 256:
+            raise UsageError(f"--hf-config vocab_size is {model.vocab_size}, smaller than the byte "
+                             f"vocabulary (256); set vocab_size >= 256 in the config")
+        max_len = model.seq_len
+    else:
+        cfg = models.preset(settings.preset)
+        try:
+            model = models.GPT(cfg)
+        except MemoryError as e:
+            raise UsageError(_one_line(e)) from None
+        max_len = cfg.seq_len
+    seq_len = settings.seq_len or max_len
+    if seq_len > max_len:
+        raise UsageError(f"--seq-len {seq_len} exceeds the model's maximum {max_len}; pass a smaller --seq-len")
+    return model, seq_len
+
+
+def _describe_model(settings: RunSettings) -> str:
+    return f"hf:{settings.hf_config}" if settings.hf_config else settings.preset
+
+
+# ---------------------------------------------------------------------------- engine stats
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _flat_stats(stats: Any, prefix: str = "") -> dict[str, float]:
+    """engine.stats() flattened to "a.b.c" -> number (whatever nesting the engine uses)."""
+    out = {}
+    if dataclasses.is_dataclass(stats) and not isinstance(stats, type):
+        stats = dataclasses.asdict(stats)
+    if hasattr(stats, "as_dict"):
+        stats = stats.as_dict()
+    if isinstance(stats, dict):
+        for k, v in stats.items():
+            key = str(getattr(k, "value", k))
+            out.update(_flat_stats(v, f"{prefix}{key}."))
+    elif isinstance(stats, (int, float)) and not isinstance(stats, bool):
+        out[prefix[:-1]] = float(stats)
+    return out
+
+
+def _tier_numbers(flat: dict[str, float], section: str) -> dict[str, float]:
+    """Entries "<section>.<tier>" of the flattened stats (e.g. resident_bytes.gpu)."""
+    n = len(section) + 1
+    return {k[n:]: v for k, v in flat.items() if k.startswith(section + ".") and "." not in k[n:]}
+
+
+# ------------------------------------------------------------------------------------ train
+
+class _StopOnSigint:
+    """First Ctrl-C: finish the current step, save, exit 130. Second: stop at once (the
+    engine's checkpoints are atomic, so the last one stays whole)."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def _handler(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\nzero-offload: Ctrl-C: stopping after this step and saving a checkpoint "
+              "(Ctrl-C again stops at once; the last checkpoint stays whole)", file=sys.stderr, flush=True)
+
+    def __enter__(self):
+        self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self._previous)
+
+
+def _read_state(out: Path) -> Optional[dict]:
+    path = out / STATE_FILE
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UsageError(f"{path} is unreadable ({_one_line(e)}); pass another --out or remove it") from None
+
+
+def _write_state(out: Path, state: dict) -> None:
+    tmp = out / (STATE_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(state, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out / STATE_FILE)  # atomic: the state always names a whole checkpoint
+
+
+def _save(engine, out: Path, step: int, state: dict) -> None:
+    """Engine checkpoint into out/step_NNNNNN, then point the state file at it, then drop the
+    previous one. A crash anywhere leaves the state file naming a whole checkpoint."""
+    name = f"step_{step:07d}"
+    engine.save_checkpoint(str(out / name))
+    previous = state.get("checkpoint")
+    _write_state(out, {**state, "step": step, "checkpoint": name})
+    state.update(step=step, checkpoint=name)
+    if previous and previous != name:
+        shutil.rmtree(out / previous, ignore_errors=True)
+
+
+def _batch_generator(seed: int, step: int) -> torch.Generator:
+    # one generator per step: a resumed run draws the same batches as an uninterrupted one
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
+def _tqdm():
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        raise UsageError("the progress bar needs tqdm: `pip install tqdm` (or `pip install "
+                         "zero_offload[cli]`), or pass --no-progress") from None
+    return tqdm
+
+
+def cmd_train(args) -> int:
+    import zero_offload
+    from .data import CharCorpus
+    from .models import generate
+
+    out = Path(args.out)
+    with contextlib.ExitStack() as stack:
+        defaults = dict(preset="tiny", hf_config=None, steps=200, batch_size=16, seq_len=None,
+                        seed=0, lr=None, save_every=100, sample_tokens=200)
+        previous = _read_state(out)
+        if args.resume:
+            if previous is None:
+                raise UsageError(f"--resume: no checkpoint in {out} (no {STATE_FILE}); run without "
+                                 f"--resume first, or pass the --out of an earlier run")
+            # the model and data settings of the run being continued; flags may not change them
+            for key in ("preset", "hf_config", "seq_len", "batch_size", "seed"):
+                flag = getattr(args, key, None)
+                if flag is not None and flag != previous["settings"][key]:
+                    raise UsageError(f"--resume: --{key.replace('_', '-')} {flag} differs from the "
+                                     f"checkpoint's {previous['settings'][key]!r}; drop the flag")
+                defaults[key] = previous["settings"][key]
+        elif previous is not None and not args.overwrite:
+            raise UsageError(f"{out} already holds a checkpoint (step {previous.get('step')}); pass "
+                             f"--resume to continue it, --overwrite to replace it, or another --out")
+        cfg, spec, settings, extras = resolve(args, defaults=defaults, temp_dirs=stack)
+        start = previous["step"] if args.resume else 0
+        if start >= settings.steps:
+            raise UsageError(f"--resume: the checkpoint is at step {start} already; pass --steps "
+                             f"larger than {start}")
+        torch.manual_seed(settings.seed)
+        model, seq_len = build_model(settings)
+        corpus = CharCorpus.default()
+        if args.nvme_dir is None and cfg.nvme_dir and cfg.nvme_dir.startswith(tempfile.gettempdir()):
+            where = f"{cfg.nvme_dir} (temporary)"
+        else:
+            where = cfg.nvme_dir
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"zero-offload train: {_describe_model(settings)} ({n_params / 1e6:.2f}M params), "
+              f"device {'cuda' if torch.cuda.is_available() else 'cpu'}, params on {cfg.params}, "
+              f"optimizer on {cfg.optimizer}" + (f" (swap: {where})" if where else "") +
+              f", dtype {cfg.dtype}, prefetch depth {cfg.prefetch_depth}", flush=True)
+
+        engine = zero_offload.initialize(model, optimizer=spec, config=cfg)
+        stack.callback(engine.close)
+        device = getattr(engine, "device", None) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if args.resume:
+            engine.load_checkpoint(str(out / previous["checkpoint"]))
+            print(f"resumed from step {start} ({out / previous['checkpoint']})", flush=True)
+        else:
+            if args.overwrite and out.exists():
+                shutil.rmtree(out)
+        out.mkdir(parents=True, exist_ok=True)
+        state = {"settings": dataclasses.asdict(settings), "offload": cfg.to_dict() if hasattr(cfg, "to_dict") else None,
+                 "step": start, "checkpoint": previous["checkpoint"] if args.resume else None}
+        state["settings"]["seq_len"] = seq_len
+
+        tokens_per_step = settings.batch_size * seq_len
+        losses, step_times = [], []
+        bar = None if args.no_progress else _tqdm()(
+            total=settings.steps, initial=start, desc="train", unit="step", file=sys.stderr,
+            dynamic_ncols=True, mininterval=0.5)
+        step = start
+        print("training started", flush=True)
+        with _StopOnSigint() as stop:
+            while step < settings.steps and not stop.requested:
+                x, y = corpus.batch(batch_size=settings.batch_size, seq_len=seq_len,
+                                    generator=_batch_generator(settings.seed, step), device=device)
+                t0 = time.perf_counter()
+                loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+                loss_value = float(loss.detach().float().item())
+                step_times.append(time.perf_counter() - t0)
+                losses.append(loss_value)
+                step += 1
+                if not math.isfinite(loss_value):
+                    raise RuntimeError(f"loss is {loss_value} at step {step}; lower --lr (now {spec.lr})")
+                if bar is not None:
+                    flat = _flat_stats(engine.stats())
+                    resident = _tier_numbers(flat, "resident_bytes")
+                    bar.set_postfix_str(
+                        f"loss={loss_value:.3f} tok/s={tokens_per_step / step_times[-1]:,.0f} " +
+                        " ".join(f"{t}={_human_bytes(b)}" for t, b in resident.items()), refresh=False)
+                    bar.update(1)
+                every = extras.get("save_every") or 0
+                if every and step % every == 0 and step < settings.steps:
+                    _save(engine, out, step, state)
+            if bar is not None:
+                bar.close()
+            _save(engine, out, step, state)
+        median = statistics.median(step_times) if step_times else float("nan")
+        print(f"step {step}: loss {losses[-1]:.4f} (first {losses[0]:.4f}), median step "
+              f"{median * 1e3:.1f} ms, {tokens_per_step / median:,.0f} tokens/s", flush=True)
+        print(f"checkpoint: {out / state['checkpoint']} (continue with --resume --out {out})", flush=True)
+        if stop.requested:
+            print("stopped by Ctrl-C", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        n_sample = extras.get("sample_tokens") or 0
+        if n_sample:
+            prompt = corpus.encode("\n").view(1, -1).to(device)
+            ids = generate(lambda ids: engine(ids), prompt, max_new_tokens=n_sample, seq_len=seq_len,
+                           temperature=0.8, top_k=40, generator=torch.Generator().manual_seed(settings.seed))
+            print("sample:\n" + corpus.decode(ids[0, 1:].cpu()), flush=True)
+    return EXIT_OK
+
+
+# ----------------------------------------------------------------------------------- bench
+
+def recommend_depth(results: Sequence[dict], *, tolerance: float = 0.03) -> int:
+    """The smallest depth whose median step time is within ``tolerance`` of the best."""
+    if not results:
+        raise ValueError("no results to recommend a depth from")
+    best = min(r["step_time_s"]["median"] for r in results)
+    return min(r["depth"] for r in results if r["step_time_s"]["median"] <= best * (1 + tolerance))
+
+
+def plot_prefetch(results: Sequence[dict], path, *, title: str = "", recommended: Optional[int] = None) -> None:
+    """PNG of step time (median, min-max) and stall per step against depth, plus bytes moved
+    per step on each hop."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    depths = [r["depth"] for r in results]
+    med = [r["step_time_s"]["median"] * 1e3 for r in results]
+    lo = [m - r["step_time_s"]["min"] * 1e3 for m, r in zip(med, results)]
+    hi = [r["step_time_s"]["max"] * 1e3 - m for m, r in zip(med, results)]
+    stall = [r["stall_s_per_step"] * 1e3 if r["stall_s_per_step"] is not None else float("nan") for r in results]
+    hops = sorted({h for r in results for h in r["bytes_per_step"]})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax1.errorbar(depths, med, yerr=[lo, hi], marker="o", capsize=3, label="step time (median, min-max)")
+    ax1.plot(depths, stall, marker="s", label="stall waiting for chunks")
+    if recommended is not None:
+        ax1.axvline(recommended, color="grey", linestyle="--", label=f"recommended depth {recommended}")
+    ax1.set_xlabel("prefetch depth (chunks in flight per hop)")
+    ax1.set_ylabel("ms per step")
+    ax1.set_ylim(bottom=0)
+    ax1.legend(fontsize=8)
+    ax1.grid(alpha=0.3)
+    width = 0.8 / max(len(hops), 1)
+    for i, hop in enumerate(hops):
+        ax2.bar([j + i * width for j in range(len(depths))],
+                [r["bytes_per_step"].get(hop, 0) / 2**20 for r in results], width=width, label=hop)
+    ax2.set_xticks([j + width * (len(hops) - 1) / 2 for j in range(len(depths))], [str(d) for d in depths])
+    ax2.set_xlabel("prefetch depth")
+    ax2.set_ylabel("MiB moved per step")
+    if hops:
+        ax2.legend(fontsize=8)
+    ax2.grid(alpha=0.3, axis="y")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _hardware_slug() -> str:
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+    else:
+        name = f"cpu{os.cpu_count()}"
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def _bench_one_depth(model_state, settings: RunSettings, cfg, spec, depth: int, *, warmup: int) -> dict:
+    import zero_offload
+    from .data import CharCorpus
+
+    torch.manual_seed(settings.seed)
+    model, seq_len = build_model(settings)
+    model.load_state_dict(model_state)
+    corpus = CharCorpus.default()
+    engine = zero_offload.initialize(model, optimizer=spec, config=dataclasses.replace(cfg, prefetch_depth=depth))
+    try:
+        device = getattr(engine, "device", None) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        cuda = torch.device(device).type == "cuda"
+        times, before = [], None
+        for i in range(warmup + settings.steps):
+            if i == warmup:
+                before = _flat_stats(engine.stats())
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+            x, y = corpus.batch(batch_size=settings.batch_size, seq_len=seq_len,
+                                generator=_batch_generator(settings.seed, i), device=device)
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            loss.item()
+            if cuda:
+                torch.cuda.synchronize()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        after = _flat_stats(engine.stats())
+    finally:
+        engine.close()
+    n = settings.steps
+    moved = {hop: (after.get(f"bytes_moved.{hop}", 0.0) - before.get(f"bytes_moved.{hop}", 0.0)) / n
+             for hop in _tier_numbers(after, "bytes_moved")}
+    stall = ((after["stall_s"] - before.get("stall_s", 0.0)) / n) if "stall_s" in after else None
+    flops = model.flops_per_token(seq_len) if hasattr(model, "flops_per_token") else None
+    med = statistics.median(times)
+    return {
+        "depth": depth,
+        "step_time_s": {"median": med, "min": min(times), "max": max(times), "all": times},
+        "tokens_per_s": settings.batch_size * seq_len / med,
+        "model_tflops": flops * settings.batch_size * seq_len / med / 1e12 if flops else None,
+        "stall_s_per_step": stall,
+        "bytes_per_step": moved,
+        "peak_bytes": _tier_numbers(after, "peak_bytes"),
+        "loss_last": float(loss.detach().float().item()),
+    }
+
+
+def _print_table(results: Sequence[dict], recommended: int) -> None:
+    tiers = sorted({t for r in results for t in r["peak_bytes"]})
+    hops = sorted({h for r in results for h in r["bytes_per_step"]})
+    head = ["depth", "step ms (median)", "min ms", "stall ms/step", "tokens/s"] + \
+           [f"{h} /step" for h in hops] + [f"peak {t}" for t in tiers]
+    rows = []
+    for r in results:
+        stall = r["stall_s_per_step"]
+        rows.append([str(r["depth"]) + (" *" if r["depth"] == recommended else ""),
+                     f"{r['step_time_s']['median'] * 1e3:.1f}", f"{r['step_time_s']['min'] * 1e3:.1f}",
+                     "n/a" if stall is None else f"{stall * 1e3:.1f}", f"{r['tokens_per_s']:,.0f}"] +
+                    [_human_bytes(r["bytes_per_step"].get(h, 0)) for h in hops] +
+                    [_human_bytes(r["peak_bytes"].get(t, 0)) for t in tiers])
+    widths = [max(len(head[i]), *(len(row[i]) for row in rows)) for i in range(len(head))]
+    print("  ".join(h.rjust(w) for h, w in zip(head, widths)))
+    for row in rows:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+
+
+def cmd_bench_prefetch(args) -> int:
+    with contextlib.ExitStack() as stack:
+        defaults = dict(preset="small" if not torch.cuda.is_available() else "1.3b", hf_config=None,
+                        steps=5, batch_size=8, seq_len=None, seed=0, lr=None)
+        cfg, spec, settings, _ = resolve(args, defaults=defaults, temp_dirs=stack)
+        torch.manual_seed(settings.seed)
+        model, seq_len = build_model(settings)
+        state = {k: v.clone() for k, v in model.state_dict().items()}  # same start at every depth
+        del model
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        print(f"zero-offload bench prefetch: {_describe_model(settings)}, batch {settings.batch_size} x "
+              f"{seq_len}, params on {cfg.params}, optimizer on {cfg.optimizer}, dtype {cfg.dtype}, "
+              f"{args.warmup} warm-up + {settings.steps} timed steps per depth", flush=True)
+        results = []
+        for depth in args.depths:
+            r = _bench_one_depth(state, settings, cfg, spec, depth, warmup=args.warmup)
+            print(f"  depth {depth}: median step {r['step_time_s']['median'] * 1e3:.1f} ms", flush=True)
+            results.append(r)
+    recommended = recommend_depth(results, tolerance=args.tolerance)
+    print()
+    _print_table(results, recommended)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    stem = out / f"prefetch_{_hardware_slug()}_{stamp}"
+    record = {
+        "what": "zero-offload bench prefetch",
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": {"hardware": _hardware_slug(), "host": platform.node(), "cpus": os.cpu_count(),
+                    "torch": torch.__version__},
+        "model": _describe_model(settings), "batch_size": settings.batch_size, "seq_len": seq_len,
+        "offload": cfg.to_dict() if hasattr(cfg, "to_dict") else str(cfg),
+        "warmup_steps": args.warmup, "timed_steps": settings.steps, "tolerance": args.tolerance,
+        "recommended_depth": recommended, "results": results,
+    }
+    stem.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str))
+    plot_prefetch(results, stem.with_suffix(".png"), recommended=recommended,
+                  title=f"prefetch depth: {_describe_model(settings)} on {_hardware_slug()}")
+    print(f"\nrecommended prefetch depth: {recommended} (smallest within {args.tolerance:.0%} of the "
+          f"best median step time)\nwrote {stem}.json and {stem}.png")
+    return EXIT_OK
+
+
+_BENCH_SCRIPTS = {"adam": "bench_cpu_adam.py", "io": "bench_io.py"}
+
+
+def benchmarks_dir() -> Path:
+    """The repository's benchmarks/ (next to the package in a source checkout)."""
+    return Path(os.environ.get("ZERO_OFFLOAD_BENCHMARKS", Path(__file__).resolve().parent.parent / "benchmarks"))
+
+
+def cmd_bench_script(which: str, argv: list[str]) -> int:
+    path = benchmarks_dir() / _BENCH_SCRIPTS[which]
+    if not path.is_file():
+        raise UsageError(f"`bench {which}` runs {path.name} from the repository's benchmarks/ directory, "
+                         f"which is not at {path.parent}: run it from a source checkout (pip install -e .) "
+                         f"or set ZERO_OFFLOAD_BENCHMARKS to that directory")
+    spec = importlib.util.spec_from_file_location(f"zero_offload_bench_{which}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))
+    saved_argv = sys.argv
+    try:
+        spec.loader.exec_module(module)
+        main = getattr(module, "main", None)
+        if main is None:
+            raise UsageError(f"{path} has no main(argv) function to call")
+        sys.argv = [str(path), *argv]
+        code = main(argv)
+    except SystemExit as e:  # argparse inside the benchmark
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = saved_argv
+        sys.path.remove(str(path.parent))
+    return int(code or 0)
+
+
+# ------------------------------------------------------------------------------------ info
+
+def _bandwidth(src: torch.Tensor, dst: torch.Tensor, *, repeat: int = 3) -> float:
+    """Best-of-``repeat`` bytes per second of dst.copy_(src)."""
+    cuda = src.is_cuda or dst.is_cuda
+    best = float("inf")
+    for _ in range(repeat):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return src.numel() * src.element_size() / best
+
+
+def gather_info(nvme_dir: str, *, measure: bool = True) -> dict:
+    """What the engine sees: devices, memory, the swap directory, the CPU-Adam path, bandwidths."""
+    import resource
+
+    import psutil
+
+    import zero_offload
+
+    info: dict[str, Any] = {"zero_offload": zero_offload.__version__, "torch": torch.__version__,
+                            "python": platform.python_version()}
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        props = torch.cuda.get_device_properties(0)
+        info["gpu"] = {"name": props.name, "count": torch.cuda.device_count(),
+                       "memory_total_bytes": total, "memory_free_bytes": free,
+                       "capability": f"{props.major}.{props.minor}"}
+    else:
+        info["gpu"] = None
+    vm = psutil.virtual_memory()
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    as_int = lambda v: None if v == resource.RLIM_INFINITY else v  # noqa: E731
+    info["host"] = {
+        "cpus": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch_threads": torch.get_num_threads(),
+        "ram_total_bytes": vm.total, "ram_available_bytes": vm.available,
+        "memlock_limit_bytes": as_int(soft), "memlock_hard_limit_bytes": as_int(hard),
+        # cudaHostRegister pins through the driver, outside RLIMIT_MEMLOCK: what can be pinned is
+        # bounded by available RAM (minus what the OS and the process need)
+        "pinnable_bytes_estimate": vm.available,
+    }
+    nvme: dict[str, Any] = {"directory": os.path.abspath(nvme_dir)}
+    try:
+        probe_dir = Path(nvme_dir)
+        existing = probe_dir
+        while not existing.exists():
+            existing = existing.parent
+        nvme["free_bytes"] = shutil.disk_usage(existing).free
+        mounts = [p for p in psutil.disk_partitions(all=True) if str(existing.resolve()).startswith(p.mountpoint)]
+        if mounts:
+            m = max(mounts, key=lambda p: len(p.mountpoint))
+            nvme.update(filesystem=m.fstype, device=m.device, mountpoint=m.mountpoint)
+        from .swap_io import SwapSpace
+
+        space = SwapSpace(nvme_dir, capacity_bytes=1 << 20)
+        try:
+            nvme["o_direct"] = bool(space.direct)
+        finally:
+            space.close()
+    except Exception as e:  # report, don't fail: info is a diagnostic
+        nvme["error"] = _one_line(e)
+    info["nvme"] = nvme
+    try:
+        from . import cpu_adam
+
+        info["cpu_adam_isa"] = cpu_adam.isa()
+    except Exception as e:
+        info["cpu_adam_isa"] = None
+        info["cpu_adam_error"] = _one_line(e)
+    if measure:
+        nbytes = 256 << 20
+        a = torch.empty(nbytes, dtype=torch.uint8)
+        b = torch.empty_like(a)
+        a.fill_(1)
+        b.fill_(0)
+        bw = {"cpu_copy_bytes_per_s": _bandwidth(a, b)}
+        if torch.cuda.is_available():
+            pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            bw["h2d_pinned_bytes_per_s"] = _bandwidth(pinned, dev)
+            bw["d2h_pinned_bytes_per_s"] = _bandwidth(dev, pinned)
+            bw["h2d_pageable_bytes_per_s"] = _bandwidth(a, dev)
+            bw["d2h_pageable_bytes_per_s"] = _bandwidth(dev, b)
+            del pinned, dev
+        info["bandwidth"] = bw
+    return info
+
+
+def _format_info(info: dict) -> str:
+    gb = lambda n: "n/a" if n is None else f"{n / 2**30:.1f} GiB"  # noqa: E731
+    lines = [f"zero_offload {info['zero_offload']}, torch {info['torch']}, python {info['python']}"]
+    g = info["gpu"]
+    lines.append("GPU:          " + (f"{g['name']} x{g['count']} (sm {g['capability']}), "
+                                     f"{gb(g['memory_free_bytes'])} free of {gb(g['memory_total_bytes'])}"
+                                     if g else "none (the compute device is the CPU)"))
+    h = info["host"]
+    memlock = "unlimited" if h["memlock_limit_bytes"] is None else _human_bytes(h["memlock_limit_bytes"])
+    lines.append(f"host RAM:     {gb(h['ram_available_bytes'])} available of {gb(h['ram_total_bytes'])}; "
+                 f"pinnable ~{gb(h['pinnable_bytes_estimate'])}; RLIMIT_MEMLOCK {memlock}")
+    lines.append(f"CPU:          {h['cpus']} cores ({h['cpus_usable']} usable), torch threads {h['torch_threads']}")
+    n = info["nvme"]
+    if "error" in n:
+        lines.append(f"swap dir:     {n['directory']}: {n['error']}")
+    else:
+        fs = f" [{n.get('filesystem')} on {n.get('device')}]" if n.get("filesystem") else ""
+        lines.append(f"swap dir:     {n['directory']}{fs}: {gb(n.get('free_bytes'))} free, "
+                     f"O_DIRECT {'yes' if n.get('o_direct') else 'no (buffered fallback)'}")
+    isa = info["cpu_adam_isa"]
+    lines.append("CPU-Adam:     " + (f"{isa} path" if isa else f"unavailable ({info.get('cpu_adam_error')})"))
+    for key, value in info.get("bandwidth", {}).items():
+        label = key.replace("_bytes_per_s", "").replace("_", " ")
+        lines.append(f"bandwidth:    {label}: {value / 1e9:.1f} GB/s")
+    return "\n".join(lines)
+
+
+def cmd_info(args) -> int:
+    info = gather_info(args.nvme_dir or tempfile.gettempdir(), measure=not args.no_measure)
+    print(json.dumps(info, indent=1) if args.json else _format_info(info))
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------- parser
+
+def _add_run_flags(p: argparse.ArgumentParser, *, what: str) -> None:
+    from .models import PRESETS
+
+    m = p.add_argument_group("model and data")
+    m.add_argument("--preset", choices=list(PRESETS), default=None,
+                   help=f"GPT preset (default: {what})")
+    m.add_argument("--hf-config", default=None, metavar="CONFIG",
+                   help="a Hugging Face architecture instead: config.json path, directory or hub name "
+                        "(randomly initialized; needs transformers)")
+    m.add_argument("--steps", type=_positive_int, default=None, help="training steps")
+    m.add_argument("--batch-size", type=_positive_int, default=None)
+    m.add_argument("--seq-len", type=_positive_int, default=None, help="default: the model's")
+    m.add_argument("--lr", type=_positive_float, default=None, help="learning rate (AdamW; default 3e-3)")
+    m.add_argument("--seed", type=_nonneg_int, default=None, help="model init and batch order (default 0)")
+    o = p.add_argument_group("offload (flags override --config)")
+    o.add_argument("--config", default=None, metavar="FILE",
+                   help="JSON: OffloadConfig fields (or a DeepSpeed config), optional \"optim\" "
+                        "{type, lr, ...} and \"train\" {preset, steps, ...} sections")
+    o.add_argument("--params", choices=["gpu", "cpu", "nvme", "auto"], default=None,
+                   help="home tier of the params (default cpu)")
+    o.add_argument("--optimizer", choices=["cpu", "nvme", "auto"], default=None,
+                   help="home tier of master weights and Adam moments (default nvme)")
+    o.add_argument("--nvme-dir", default=None, metavar="DIR",
+                   help="swap directory (default: a temporary directory, removed at the end)")
+    o.add_argument("--prefetch-depth", type=_nonneg_int, default=None, metavar="N",
+                   help="chunks in flight ahead of use per hop (default 2)")
+    o.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                   help="working precision (default bf16 on CUDA, fp32 on CPU)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="zero-offload", description="Offload training engine: train, benchmark, inspect.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
+
+    t = sub.add_parser("train", help="train a GPT on the shipped text with params and optimizer offloaded",
+                       description="Train (by default the tiny GPT on the shipped public-domain text, about "
+                                   "a minute on 2 CPU cores) with params on the CPU and optimizer state in "
+                                   "an NVMe swap space; saves a checkpoint and prints a sample.")
+    _add_run_flags(t, what="tiny")
+    c = t.add_argument_group("checkpoint")
+    c.add_argument("--out", default="zero_offload_ckpt", metavar="DIR", help="checkpoint directory (default ./zero_offload_ckpt)")
+    c.add_argument("--resume", action="store_true", help="continue the checkpoint in --out up to --steps")
+    c.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out")
+    c.add_argument("--save-every", type=_nonneg_int, default=None, metavar="N",
+                   help="also save every N steps (default 100; 0: only at the end)")
+    c.add_argument("--sample-tokens", type=_nonneg_int, default=None, metavar="N",
+                   help="characters of text to generate at the end (default 200; 0: none)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.set_defaults(func=cmd_train)
+
+    b = sub.add_parser("bench", help="benchmarks: prefetch depth, CPU-Adam, NVMe I/O")
+    bsub = b.add_subparsers(dest="bench", required=True, parser_class=_Parser, metavar="BENCH")
+    bp = bsub.add_parser("prefetch", help="step time, stall, bytes moved and peak memory per prefetch depth",
+                         description="Runs real training steps at each prefetch depth; prints a table, "
+                                     "writes JSON + PNG to --out and recommends a depth.")
+    bp.add_argument("--depths", type=_depths, default=[0, 1, 2, 4, 8], help="comma-separated (default 0,1,2,4,8)")
+    bp.add_argument("--warmup", type=_nonneg_int, default=2, help="untimed steps per depth (default 2; "
+                    "the first records the access order)")
+    bp.add_argument("--tolerance", type=_positive_float, default=0.03,
+                    help="recommend the smallest depth within this fraction of the best (default 0.03)")
+    bp.add_argument("--out", default="zero_offload_bench", metavar="DIR", help="where the JSON and PNG go")
+    _add_run_flags(bp, what="small on CPU, 1.3b on CUDA")
+    bp.set_defaults(func=cmd_bench_prefetch)
+    for which, script in _BENCH_SCRIPTS.items():
+        bsub.add_parser(which, add_help=False,
+                        help=f"run benchmarks/{script} (arguments are passed through; try --help)")
+
+    i = sub.add_parser("info", help="GPU, host and pinnable memory, swap dir (O_DIRECT), CPU-Adam path, bandwidths")
+    i.add_argument("--json", action="store_true", help="machine-readable output")
+    i.add_argument("--nvme-dir", default=None, metavar="DIR", help="swap directory to check (default: the temp dir)")
+    i.add_argument("--no-measure", action="store_true", help="skip the bandwidth measurements")
+    i.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        try:
+            args, rest = parser.parse_known_args(argv)
+        except SystemExit as e:  # --help
+            return int(e.code or 0)
+        if args.command == "bench" and args.bench in _BENCH_SCRIPTS:
+            return cmd_bench_script(args.bench, rest)
+        if rest:
+            raise UsageError(f"unrecognized arguments: {' '.join(rest)} (see `zero-offload {args.command} --help`)")
+        return args.func(args)
+    except UsageError as e:
+        print(f"zero-offload: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("zero-offload: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
