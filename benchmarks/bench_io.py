@@ -20,6 +20,7 @@ import itertools
 import json
 import os
 import platform
+import random
 import shutil
 import statistics
 import subprocess
@@ -83,6 +84,8 @@ def main(argv=None) -> int:
     p.add_argument("--size-gib", type=float, default=2.0, help="region size in GiB (default 2)")
     p.add_argument("--repeats", type=int, default=3, help="repeats per setting; medians are reported")
     p.add_argument("--full", action="store_true", help="full sweep of threads x block size x queue depth")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="stop repeating once this much time has passed (at least one repeat runs)")
     p.add_argument("--hardware", default=None, help="label for the results file name (default: hostname)")
     p.add_argument("--out", default=None, help="write <out>.md and <out>.json")
     args = p.parse_args(argv)
@@ -118,10 +121,27 @@ def main(argv=None) -> int:
         results["space"] = Result(name="SwapSpace default engine (threads=4, block=1024K, qd=16)")
         slot = space.alloc(size)
 
+        started = time.perf_counter()
+        repeats = 0
         for rep in range(args.repeats):
-            results["dd"].write_s.append(run_dd(dd_w))
-            results["dd"].read_s.append(run_dd(dd_r))
-            for key, engine in engines.items():
+            # [Note: fairness] a VM disk's host cache and the neighbours' load drift over a run,
+            # so each repeat runs dd and the settings in a different (seeded) order
+            order = ["dd", *engines, "space"]
+            random.Random(rep).shuffle(order)
+            for key in order:
+                if key == "dd":
+                    results["dd"].write_s.append(run_dd(dd_w))
+                    results["dd"].read_s.append(run_dd(dd_r))
+                    continue
+                if key == "space":
+                    t0 = time.perf_counter()
+                    space.write(slot, buf).wait()
+                    results["space"].write_s.append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    space.read(slot, out).wait()
+                    results["space"].read_s.append(time.perf_counter() - t0)
+                    continue
+                engine = engines[key]
                 t0 = time.perf_counter()
                 engine.write(fd, buf, offset=0, path=path).wait()
                 results[key].write_s.append(time.perf_counter() - t0)
@@ -132,13 +152,10 @@ def main(argv=None) -> int:
                 if not torch.equal(out[: 64 * MIB], buf[: 64 * MIB]) or not torch.equal(out[-MIB:], buf[-MIB:]) \
                         or not bool((out.view(-1, MIB)[:, :8] == tile[:8]).all()):
                     raise RuntimeError(f"data read back differs from data written ({results[key].name})")
-            t0 = time.perf_counter()
-            space.write(slot, buf).wait()
-            results["space"].write_s.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            space.read(slot, out).wait()
-            results["space"].read_s.append(time.perf_counter() - t0)
+            repeats += 1
             print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+            if args.max_seconds is not None and time.perf_counter() - started > args.max_seconds:
+                break
         os.close(fd)
         for engine in engines.values():
             engine.close()
@@ -164,7 +181,7 @@ def main(argv=None) -> int:
         "",
         f"- Machine: {info['cpu']}, {info['cores']} cores, GPU {info['gpu']}, kernel {info['kernel']}",
         f"- Directory: `{args.dir}` ({fs_info(args.dir)}), swap mode `{mode}`",
-        f"- Region: {size / (1 << 30):.2f} GiB, write then read, {args.repeats} repeats interleaved; medians",
+        f"- Region: {size / (1 << 30):.2f} GiB, write then read, {repeats} repeats (order shuffled per repeat); medians",
         f"- Command: `python benchmarks/bench_io.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
         "- GB = 1e9 bytes. Ratios are to dd's median in the same run.",
         "",
@@ -185,7 +202,7 @@ def main(argv=None) -> int:
             f.write(report)
         with open(args.out + ".json", "w") as f:
             json.dump({"machine": info, "hardware": hw, "date": date, "directory": args.dir, "mode": mode,
-                       "size_bytes": size, "repeats": args.repeats, "rows": rows}, f, indent=1)
+                       "size_bytes": size, "repeats": repeats, "rows": rows}, f, indent=1)
     return 0
 
 
