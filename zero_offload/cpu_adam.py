@@ -1,0 +1,467 @@
+"""CPUAdam / CPUAdamW: torch.optim drop-ins over the native fused CPU-Adam kernel.
+
+One pass per element over fp32 params and moments, grads in fp32/bf16/fp16, the loss-scale
+unscale fused in, and (for the offload engine) an optional bf16/fp16 copy of the updated params
+written in the same pass. The arithmetic is torch's fused CPU Adam's, operation for operation
+(see [Note: formula order] in csrc/cpu_adam_kernel.h), so results match
+``torch.optim.Adam(fused=True)`` / ``torch.optim.AdamW(fused=True)`` bit for bit on fp32 grads
+and on ``grad.float()`` of bf16/fp16 grads.
+
+Layers:
+  ``CPUAdam`` / ``CPUAdamW``  torch.optim.Optimizer subclasses (state dict as torch's)
+  ``adam_step``               one fused step over flat buffers (the engine's entry point)
+  ``grad_sumsq``, ``grad_nonfinite``   for global-norm clipping and fp16 overflow checks
+Every kernel call releases the GIL, so the engine can run it on a worker thread.
+
+[Note: validate, then mutate]
+Every public entry checks all of its inputs (for an optimizer step: every param, grad and state
+entry of every group) before it changes anything, so a bad input raises with params, moments
+and step counters untouched.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Integral, Real
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch.optim import Optimizer
+
+from zero_offload._native import TORCH_DTYPES, Dtype, default_threads, kernels, set_isa, supported_isas
+from zero_offload._native import isa as _native_isa
+
+__all__ = [
+    "CPUAdam",
+    "CPUAdamW",
+    "adam_step",
+    "grad_sumsq",
+    "grad_nonfinite",
+    "isa",
+    "set_isa",
+    "supported_isas",
+    "default_threads",
+]
+
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LOWP_DTYPES = (torch.bfloat16, torch.float16)
+_MAX_THREADS = 4096
+
+# Bumps a tensor's autograd version counter after the kernel wrote it through its address, as
+# an in-place torch op would (so autograd still catches a param modified after it was saved).
+_set_version = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+
+
+def isa() -> str:
+    """The ISA path the kernels use: "avx512", "avx2" or "scalar"."""
+    return _native_isa()
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks. Each raises TypeError (wrong kind of thing) or ValueError (right kind, bad value) with
+# the name of the offending argument and what to do instead.
+
+
+def _check_threads(threads: Optional[int]) -> Optional[int]:
+    if threads is None:
+        return None
+    if isinstance(threads, bool) or not isinstance(threads, Integral):
+        raise TypeError(f"threads must be an int or None, got {type(threads).__name__}")
+    if not 1 <= threads <= _MAX_THREADS:
+        raise ValueError(f"threads must be in [1, {_MAX_THREADS}] (or None for one per CPU), got {threads}")
+    return int(threads)
+
+
+def _as_float(name: str, value: Any) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a number or a one-element tensor, got shape {tuple(value.shape)}")
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdamHyper:
+    """The scalars of one Adam/AdamW step, checked (torch's ranges) and converted to float."""
+
+    lr: float
+    """Learning rate, >= 0."""
+    beta1: float
+    """Decay of the first moment, in [0, 1)."""
+    beta2: float
+    """Decay of the second moment, in [0, 1)."""
+    eps: float
+    """Added to the denominator, >= 0."""
+    weight_decay: float
+    """>= 0; L2 (added to the grad) for Adam, decoupled (param *= 1 - lr * wd) for AdamW."""
+    adamw: bool
+    """Decoupled weight decay (AdamW) instead of L2."""
+
+    @classmethod
+    def checked(cls, *, lr: Any, betas: Any, eps: Any, weight_decay: Any, adamw: bool) -> "AdamHyper":
+        lr = _as_float("lr", lr)
+        if not (math.isfinite(lr) and lr >= 0):
+            raise ValueError(f"Invalid learning rate: {lr} (need a finite lr >= 0)")
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise TypeError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        beta1, beta2 = _as_float("betas[0]", betas[0]), _as_float("betas[1]", betas[1])
+        for index, beta in enumerate((beta1, beta2)):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {index}: {beta} (need 0 <= beta < 1)")
+        eps = _as_float("eps", eps)
+        if not (math.isfinite(eps) and eps >= 0):
+            raise ValueError(f"Invalid epsilon value: {eps} (need a finite eps >= 0)")
+        weight_decay = _as_float("weight_decay", weight_decay)
+        if not (math.isfinite(weight_decay) and weight_decay >= 0):
+            raise ValueError(f"Invalid weight_decay value: {weight_decay} (need a finite weight_decay >= 0)")
+        if not isinstance(adamw, bool):
+            raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
+        return cls(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw)
+
+
+def _check_step(step: Any) -> float:
+    if isinstance(step, torch.Tensor):
+        if step.numel() != 1:
+            raise ValueError(f"step must be a number or a one-element tensor, got shape {tuple(step.shape)}")
+        step = step.item()
+    if isinstance(step, bool) or not isinstance(step, Real):
+        raise TypeError(f"step must be an int (the 1-based count of this update), got {type(step).__name__}")
+    value = float(step)
+    if not (math.isfinite(value) and value >= 1 and value == int(value)):
+        raise ValueError(f"step must be a whole number >= 1 (the first update is step 1), got {step}")
+    return value
+
+
+def _check_grad_scale(grad_scale: Any) -> float:
+    value = _as_float("grad_scale", grad_scale)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"grad_scale must be finite and > 0 (grads are divided by it), got {value}")
+    return value
+
+
+def _check_buffer(name: str, tensor: Any, *, dtypes: tuple, numel: Optional[int] = None) -> None:
+    """A flat kernel operand: a dense, contiguous CPU tensor of one of `dtypes`."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise ValueError(
+            f"{name} is a {tensor.layout} tensor; CPU-Adam needs dense tensors "
+            "(use torch.optim.SparseAdam for sparse grads, or call .to_dense())"
+        )
+    if tensor.device.type != "cpu":
+        raise ValueError(
+            f"{name} is on {tensor.device}; CPU-Adam updates CPU tensors only "
+            "(keep the model's params on the CPU, or use torch.optim.Adam(fused=True) on the GPU)"
+        )
+    if tensor.dtype not in dtypes:
+        allowed = ", ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name} has dtype {tensor.dtype}; expected {allowed}")
+    if not tensor.is_contiguous():
+        raise ValueError(
+            f"{name} is not contiguous (shape {tuple(tensor.shape)}, stride {tensor.stride()}); the kernel "
+            "updates memory in place, so a .contiguous() copy would lose the update: make the tensor "
+            "itself contiguous first (e.g. p.data = p.data.contiguous() before building the optimizer)"
+        )
+    if numel is not None and tensor.numel() != numel:
+        raise ValueError(f"{name} has {tensor.numel()} elements but the param has {numel}; they must match")
+
+
+def _check_no_overlap(named: list[tuple[str, torch.Tensor]]) -> None:
+    """Written buffers must not share memory with any other operand."""
+    spans = []
+    for name, tensor in named:
+        if tensor.numel():
+            start = tensor.data_ptr()
+            spans.append((start, start + tensor.numel() * tensor.element_size(), name))
+    spans.sort()
+    for (s0, e0, n0), (s1, _, n1) in zip(spans, spans[1:]):
+        if s1 < e0:
+            raise ValueError(f"{n0} and {n1} share memory; every kernel operand needs its own buffer")
+
+
+def _check_operands(param, grad, exp_avg, exp_avg_sq, out_lowp, *, prefix: str = "") -> None:
+    _check_buffer(f"{prefix}param", param, dtypes=(torch.float32,))
+    n = param.numel()
+    _check_buffer(f"{prefix}grad", grad, dtypes=_GRAD_DTYPES, numel=n)
+    _check_buffer(f"{prefix}exp_avg", exp_avg, dtypes=(torch.float32,), numel=n)
+    _check_buffer(f"{prefix}exp_avg_sq", exp_avg_sq, dtypes=(torch.float32,), numel=n)
+    named = [(f"{prefix}param", param), (f"{prefix}grad", grad), (f"{prefix}exp_avg", exp_avg),
+             (f"{prefix}exp_avg_sq", exp_avg_sq)]
+    if out_lowp is not None:
+        _check_buffer(f"{prefix}out_lowp", out_lowp, dtypes=_LOWP_DTYPES, numel=n)
+        named.append((f"{prefix}out_lowp", out_lowp))
+    _check_no_overlap(named)
+
+
+def _launch(param, grad, exp_avg, exp_avg_sq, out_lowp, *, step: float, hyper: AdamHyper,
+            grad_scale: float, threads: Optional[int]) -> None:
+    """Runs the kernel on checked operands (see [Note: validate, then mutate])."""
+    n = param.numel()
+    if n == 0:
+        return
+    kernels.adam_step(
+        param=param.data_ptr(), grad=grad.data_ptr(), grad_dtype=int(TORCH_DTYPES[grad.dtype]),
+        exp_avg=exp_avg.data_ptr(), exp_avg_sq=exp_avg_sq.data_ptr(), numel=n,
+        out=0 if out_lowp is None else out_lowp.data_ptr(),
+        out_dtype=int(Dtype.NONE if out_lowp is None else TORCH_DTYPES[out_lowp.dtype]),
+        step=step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, eps=hyper.eps,
+        weight_decay=hyper.weight_decay, adamw=hyper.adamw, grad_scale=grad_scale,
+        threads=default_threads() if threads is None else threads,
+    )
+    if _set_version is not None:
+        written = [param] if out_lowp is None else [param, out_lowp]
+        _set_version(written, [t._version + 1 for t in written])
+
+
+# ---------------------------------------------------------------------------------------------
+# Flat-buffer API (docs/internals.md, "cpu_adam.py").
+
+
+def adam_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    adamw: bool,
+    grad_scale: float = 1.0,
+    out_lowp: Optional[torch.Tensor] = None,
+    threads: Optional[int] = None,
+) -> None:
+    """One fused Adam (``adamw=False``, L2 decay) or AdamW step over flat CPU buffers, in place.
+
+    ``param``, ``exp_avg``, ``exp_avg_sq``: fp32, contiguous, same numel. ``grad``: fp32, bf16
+    or fp16, same numel; the update uses ``grad / grad_scale`` (grad itself is not modified).
+    ``step``: this update's 1-based count (bias correction). ``out_lowp``: optional bf16/fp16
+    buffer that receives the updated params rounded to nearest even. ``threads``: None = one
+    per CPU this process may use. Releases the GIL for the whole call. Raises TypeError /
+    ValueError before touching anything on bad input.
+    """
+    hyper = AdamHyper.checked(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw)
+    step_value = _check_step(step)
+    scale = _check_grad_scale(grad_scale)
+    threads = _check_threads(threads)
+    _check_operands(param, grad, exp_avg, exp_avg_sq, out_lowp)
+    _launch(param, grad, exp_avg, exp_avg_sq, out_lowp, step=step_value, hyper=hyper,
+            grad_scale=scale, threads=threads)
+
+
+def grad_sumsq(grad: torch.Tensor, *, grad_scale: float = 1.0, threads: Optional[int] = None) -> float:
+    """``sum((grad / grad_scale) ** 2)`` accumulated in fp64 (for global-norm clipping).
+
+    ``grad``: a contiguous CPU fp32/bf16/fp16 tensor. inf/NaN grads give inf/NaN.
+    """
+    scale = _check_grad_scale(grad_scale)
+    threads = _check_threads(threads)
+    _check_buffer("grad", grad, dtypes=_GRAD_DTYPES)
+    if grad.numel() == 0:
+        return 0.0
+    return kernels.grad_sumsq(
+        grad=grad.data_ptr(), dtype=int(TORCH_DTYPES[grad.dtype]), numel=grad.numel(),
+        grad_scale=scale, threads=default_threads() if threads is None else threads,
+    )
+
+
+def grad_nonfinite(grad: torch.Tensor, *, threads: Optional[int] = None) -> bool:
+    """Whether any element of ``grad`` (contiguous CPU fp32/bf16/fp16) is inf or NaN."""
+    threads = _check_threads(threads)
+    _check_buffer("grad", grad, dtypes=_GRAD_DTYPES)
+    if grad.numel() == 0:
+        return False
+    return kernels.grad_nonfinite(
+        grad=grad.data_ptr(), dtype=int(TORCH_DTYPES[grad.dtype]), numel=grad.numel(),
+        threads=default_threads() if threads is None else threads,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizers.
+
+# Options torch's Adam has and CPU-Adam does not implement, with their off values.
+_UNSUPPORTED = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
+
+
+def _check_supported(options: dict) -> None:
+    for key, off in _UNSUPPORTED.items():
+        if options.get(key, off):
+            raise NotImplementedError(
+                f"CPUAdam does not implement {key}=True; use torch.optim.Adam for it, or drop the option"
+            )
+
+
+def _group_hyper(group: dict) -> AdamHyper:
+    _check_supported(group)
+    return AdamHyper.checked(lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                             weight_decay=group["weight_decay"],
+                             adamw=bool(group.get("decoupled_weight_decay", False)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Update:
+    """One param's share of an optimizer step, checked and ready to run."""
+
+    param: torch.Tensor
+    """The fp32 param updated in place."""
+    grad: torch.Tensor
+    """Its grad (fp32/bf16/fp16, same numel)."""
+    hyper: AdamHyper
+    """Its group's scalars."""
+
+
+class CPUAdam(Optimizer):
+    """``torch.optim.Adam`` on the CPU, over the native fused kernel.
+
+    Same constructor and defaults as ``torch.optim.Adam``; ``decoupled_weight_decay=True`` gives
+    AdamW (see ``CPUAdamW``). Not implemented (NotImplementedError): ``amsgrad``, ``maximize``,
+    ``capturable``, ``differentiable``. ``foreach`` and ``fused`` are accepted and ignored
+    (this optimizer is always one fused pass). Params: CPU fp32, contiguous; grads: CPU
+    fp32/bf16/fp16, contiguous, dense. State: ``step`` (float32 scalar tensor), ``exp_avg``,
+    ``exp_avg_sq``, as torch's, so state dicts load both ways.
+
+    Keyword-only extra: ``threads`` (None = one per CPU this process may use).
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0,
+        amsgrad: bool = False,
+        *,
+        foreach: Optional[bool] = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: Optional[bool] = None,
+        decoupled_weight_decay: bool = False,
+        threads: Optional[int] = None,
+    ) -> None:
+        _check_supported(dict(amsgrad=amsgrad, maximize=maximize, capturable=capturable,
+                              differentiable=differentiable))
+        AdamHyper.checked(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                          adamw=bool(decoupled_weight_decay))
+        self.threads = _check_threads(threads)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, foreach=foreach, capturable=capturable,
+                        differentiable=differentiable, fused=fused,
+                        decoupled_weight_decay=decoupled_weight_decay)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        if isinstance(param_group, dict) and not isinstance(param_group.get("params"), (set, type(None))):
+            _group_hyper({**self.defaults, **param_group})
+            params = param_group["params"]
+            items = [params] if isinstance(params, torch.Tensor) else list(params)
+            param_group["params"] = items  # torch's add_param_group makes it a list too
+            for index, item in enumerate(items):
+                tensor = item[1] if isinstance(item, tuple) and len(item) == 2 else item
+                if isinstance(tensor, torch.Tensor):  # anything else: torch's own TypeError below
+                    _check_buffer(f"params[{index}]", tensor, dtypes=(torch.float32,))
+        super().add_param_group(param_group)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, default in (("amsgrad", False), ("maximize", False), ("foreach", None),
+                                 ("capturable", False), ("differentiable", False),
+                                 ("fused", None), ("decoupled_weight_decay", False)):
+                group.setdefault(key, default)
+            for p in group["params"]:
+                p_state = self.state.get(p)
+                if p_state and not torch.is_tensor(p_state.get("step")):
+                    p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for index, group in enumerate(state_dict.get("param_groups", [])):
+            try:
+                _group_hyper({**self.defaults, **group})
+            except NotImplementedError as exc:
+                raise NotImplementedError(f"state_dict param_groups[{index}]: {exc}") from None
+        super().load_state_dict(state_dict)
+
+    def _check_state(self, p: torch.Tensor, state: dict, where: str) -> None:
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            if key not in state:
+                raise ValueError(f"{where}: optimizer state lacks '{key}'; load a state dict saved by "
+                                 "torch.optim.Adam/AdamW or CPUAdam, or start without one")
+        _check_step(state["step"] + 1)
+        for key in ("exp_avg", "exp_avg_sq"):
+            _check_buffer(f"{where} state['{key}']", state[key], dtypes=(torch.float32,), numel=p.numel())
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One Adam/AdamW update of every param that has a grad; returns closure()'s loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # [Note: validate, then mutate]: check every group, param, grad and state first.
+        updates: list[_Update] = []
+        for gi, group in enumerate(self.param_groups):
+            hyper = _group_hyper(group)
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                where = f"param_groups[{gi}]['params'][{pi}]"
+                state = self.state.get(p)
+                if state:
+                    self._check_state(p, state, where)
+                    _check_operands(p, p.grad, state["exp_avg"], state["exp_avg_sq"], None,
+                                    prefix=f"{where} ")
+                else:
+                    _check_buffer(f"{where} param", p, dtypes=(torch.float32,))
+                    _check_buffer(f"{where} grad", p.grad, dtypes=_GRAD_DTYPES, numel=p.numel())
+                    _check_no_overlap([(f"{where} param", p), (f"{where} grad", p.grad)])
+                updates.append(_Update(param=p, grad=p.grad, hyper=hyper))
+        for update in updates:
+            p = update.param
+            state = self.state[p]
+            if not state:  # lazy init, as torch's Adam
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            state["step"] += 1
+            _launch(p, update.grad, state["exp_avg"], state["exp_avg_sq"], None,
+                    step=float(state["step"]), hyper=update.hyper, grad_scale=1.0,
+                    threads=self.threads)
+        return loss
+
+
+class CPUAdamW(CPUAdam):
+    """``torch.optim.AdamW`` on the CPU (decoupled weight decay, default 1e-2), over the native
+    fused kernel. Same constructor and defaults as ``torch.optim.AdamW``; everything else as
+    ``CPUAdam``."""
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: Optional[bool] = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: Optional[bool] = None,
+        threads: Optional[int] = None,
+    ) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
+                         maximize=maximize, capturable=capturable, differentiable=differentiable,
+                         fused=fused, decoupled_weight_decay=True, threads=threads)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:  # AdamW is always decoupled, as in torch
+            group["decoupled_weight_decay"] = True
