@@ -42,8 +42,14 @@ def pattern(value: int, dtype) -> torch.Tensor:
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(ops, min_size=1, max_size=40))
 def test_random_ops_match_dict_model(seq):
+    run_sequence(seq, device="cpu")
+
+
+def run_sequence(seq, *, device):
+    """Apply ``seq`` to a fresh store on ``device`` and to the dict model; assert they agree.
+    (tests/test_store_cuda.py runs the same with CUDA streams.)"""
     with tempfile.TemporaryDirectory() as d:
-        store = ChunkStore(StoreConfig(device="cpu", budgets=BUDGETS, nvme_dir=d))
+        store = ChunkStore(StoreConfig(device=device, budgets=BUDGETS, nvme_dir=d))
         try:
             for _ in range(N_CHUNKS):
                 store.add_chunk(PAYLOADS)
@@ -55,13 +61,13 @@ def test_random_ops_match_dict_model(seq):
                 if kind == "write":
                     value = op[4]
                     buf = store.allocate(cid, name, tier)
-                    buf.copy_(pattern(value, buf.dtype))
+                    buf.copy_(pattern(value, buf.dtype).to(buf.device))
                     store.mark_dirty(cid, name, tier)
                     model[cid, name] = pattern(value, buf.dtype)
                 elif kind in ("read", "fetch"):
                     store.fetch(cid, name, tier)
                     if kind == "read":
-                        torch.testing.assert_close(store.get(cid, name, tier), model[cid, name], rtol=0, atol=0)
+                        torch.testing.assert_close(store.get(cid, name, tier).cpu(), model[cid, name], rtol=0, atol=0)
                 elif kind == "flush":
                     store.flush(cid, name, tier)
                 elif kind == "evict":
@@ -80,7 +86,7 @@ def test_random_ops_match_dict_model(seq):
                     assert store.state(c, n, spec.home) is not Residency.ABSENT
                     for t in (Tier.GPU, Tier.CPU):
                         if store.state(c, n, t) is Residency.VALID:
-                            torch.testing.assert_close(store.get(c, n, t), model[c, n], rtol=0, atol=0)
+                            torch.testing.assert_close(store.get(c, n, t).cpu(), model[c, n], rtol=0, atol=0)
                     store.fetch(c, n, Tier.CPU)
                     torch.testing.assert_close(store.get(c, n, Tier.CPU), model[c, n], rtol=0, atol=0)
                     store.evict(c, n, Tier.CPU) if spec.home is not Tier.CPU else None
