@@ -644,6 +644,7 @@ def cmd_bench_script(which: str, argv: list[str]) -> int:
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(path.parent))
     saved_argv = sys.argv
+    sys.modules[spec.name] = module  # dataclasses and pickling look the module up by name
     try:
         spec.loader.exec_module(module)
         main = getattr(module, "main", None)
@@ -656,6 +657,7 @@ def cmd_bench_script(which: str, argv: list[str]) -> int:
     finally:
         sys.argv = saved_argv
         sys.path.remove(str(path.parent))
+        sys.modules.pop(spec.name, None)
     return int(code or 0)
 
 

@@ -1,0 +1,68 @@
+"""zero-offload: every bad flag or config value -> one line on stderr naming the fix, exit 2."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*argv, cwd=None):
+    return subprocess.run([sys.executable, "-m", "zero_offload", *argv], capture_output=True, text=True,
+                          cwd=cwd, timeout=120)
+
+
+@pytest.mark.parametrize("argv, fix", [
+    (["train", "--steps", "0"], "expected a positive integer"),
+    (["train", "--steps", "ten"], "expected a positive integer"),
+    (["train", "--prefetch-depth", "-1"], "integer >= 0"),
+    (["train", "--lr", "nan"], "positive number"),
+    (["train", "--preset", "70b"], "invalid choice"),
+    (["train", "--params", "disk"], "choose from"),
+    (["train", "--bogus"], "unrecognized arguments"),
+    (["bench", "prefetch", "--depths", "1,x"], "e.g. 0,1,2,4,8"),
+    (["bench", "prefetch", "--depths", "2,2"], "distinct"),
+    (["frobnicate"], "invalid choice"),
+    ([], "required"),
+])
+def test_bad_flag_exits_2_with_one_line(argv, fix):
+    r = run(*argv)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("zero-offload: error:") and fix in lines[0]
+    assert "--help" in lines[0]
+
+
+def test_bad_config_values_exit_2_with_one_line(tmp_path):
+    cases = {
+        "bad_dtype.json": ({"dtype": "fp8"}, "dtype"),
+        "typo.json": ({"prefetch_dept": 2}, "did you mean 'prefetch_depth'"),
+        "train_typo.json": ({"train": {"stepz": 3}}, "valid keys"),
+        "bad_preset.json": ({"train": {"preset": "huge"}}, "choose one of"),
+        "bad_steps.json": ({"train": {"steps": -3}}, "positive integer"),
+        "not_object.json": ([1, 2], "JSON object"),
+    }
+    for name, (content, fix) in cases.items():
+        path = tmp_path / name
+        path.write_text(json.dumps(content))
+        r = run("train", "--config", str(path), "--out", str(tmp_path / "ckpt"))
+        assert r.returncode == 2, (name, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and fix in lines[0], (name, r.stderr)
+    (tmp_path / "broken.json").write_text("{not json")
+    r = run("train", "--config", str(tmp_path / "broken.json"))
+    assert r.returncode == 2 and "not valid JSON" in r.stderr
+    r = run("train", "--config", str(tmp_path / "missing.json"))
+    assert r.returncode == 2 and "pass an existing JSON file" in r.stderr
+
+
+def test_resume_without_checkpoint_names_the_fix(tmp_path):
+    r = run("train", "--resume", "--out", str(tmp_path / "nothing"))
+    assert r.returncode == 2
+    assert "run without --resume first" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_help_exits_0():
+    for argv in (["--help"], ["train", "--help"], ["bench", "prefetch", "--help"], ["info", "--help"]):
+        r = run(*argv)
+        assert r.returncode == 0 and "usage: zero-offload" in r.stdout, argv
