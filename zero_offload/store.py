@@ -961,7 +961,7 @@ class ChunkStore:
         budget = self.budgets[tier]
         if nbytes > budget:
             raise BudgetError(
-                f"{for_what} needs {nbytes} bytes in tier {tier.value!r}, more than its whole budget of "
+                f"{for_what}: needs {nbytes} bytes in tier {tier.value!r}, more than its whole budget of "
                 f"{budget} bytes; raise StoreConfig.budgets[{tier.value!r}] or use smaller chunks")
         for _ in range(2):
             if self.bytes(tier) + nbytes <= budget:
@@ -984,7 +984,7 @@ class ChunkStore:
         if self.bytes(tier) + nbytes > budget:
             busy = [c for c in self._held[tier] if not c.is_home]
             raise BudgetError(
-                f"{for_what} needs {nbytes} bytes in tier {tier.value!r}; {self.bytes(tier)} of its budget "
+                f"{for_what}: needs {nbytes} bytes in tier {tier.value!r}; {self.bytes(tier)} of its budget "
                 f"of {budget} bytes are held and nothing more can be evicted ({len(busy)} non-home copies "
                 f"are in use or in flight, the rest are home copies); raise StoreConfig.budgets"
                 f"[{tier.value!r}], lower the prefetch depth, or release copies (unpin/evict) sooner")
