@@ -1,0 +1,1023 @@
+"""The offload training engine: wraps an ``nn.Module`` and trains it with its parameters,
+gradients and Adam state paged between the compute device, pinned host memory and NVMe.
+
+Usage::
+
+    engine = zero_offload.initialize(model, optimizer=zero_offload.AdamW(lr=3e-4),
+                                     config=zero_offload.OffloadConfig(params="cpu", dtype="bf16"))
+    for batch in loader:
+        loss = engine(batch)       # forward: hooks page chunks in and out
+        engine.backward(loss)      # grads leave the device chunk by chunk
+        engine.step()              # clip / update / advance the lr schedule (every grad_accum calls)
+
+Ownership, outer to inner (see docs/internals.md): ``Engine`` owns a ``Partition`` (which
+parameter lives where, partition.py), a ``ChunkStore`` (bytes and tiers, store.py), a
+``Prefetcher`` for the working params (prefetch.py) and a ``StepPipeline`` (the CPU-Adam worker,
+pipeline.py). It keeps one ``_Chunk`` record per chunk and one ``_ModuleRecord`` per module that
+holds parameters directly; nothing is written onto the user's modules or parameters except
+``param.data`` (see [Note: parameter data]) and the hooks it registers (removed by ``close``).
+
+[Note: parameter data] While a chunk is in use on the compute device, each of its parameters'
+``.data`` is a view of the chunk's device buffer (working dtype). Otherwise ``.data`` is a
+placeholder: a NaN scalar of the working dtype on the compute device expanded to the
+parameter's shape (no memory; ``shape``, ``numel``, ``dtype`` and ``device`` stay meaningful for
+code that inspects them; a value read by mistake is NaN, never stale numbers). To read the
+values use ``engine.gathered()`` (fp32 copies on the CPU) or ``engine.state_dict()``.
+
+[Note: saved parameter views] Autograd may save views of parameters for backward (``linear``
+saves ``weight.t()``); such a view would keep the chunk's device buffer alive after the chunk is
+released, so memory would never be given back. While the engine runs forward, a
+``saved_tensors_hooks`` pair replaces any saved tensor that lives in a chunk's device buffer by a
+small ``_SavedParamView`` (chunk, offset, size, stride) and rebuilds it in backward from the
+buffer that is current then (the chunk was fetched again by the pre-backward hook).
+
+[Note: backward hooks] Per module call with grad enabled: the pre-forward hook wraps the
+module's input tensors in ``_PostBackward`` (its backward runs once the module's input grads are
+computed, i.e. after the module's backward), and the post-forward hook puts a multi-grad hook on
+the outputs (runs before the module's backward). The first holds the module's chunks for
+backward, the second lets them go. Chunks whose post-backward never runs (inputs that need no
+grad, e.g. token ids) are let go when backward ends. A chunk is released in backward only once
+every grad it expects this pass has landed (``_Chunk.awaiting``): the AccumulateGrad of a
+parameter may run after its module's post-backward, and it needs the parameter's real data.
+
+[Note: exact step] Clipping by the global norm and the fp16 overflow check need every grad before
+any update. As grads land, the worker adds up their sums of squares; ``step()`` then knows the
+norm/overflow, decides (skip, clip coefficient), queues the updates in forward order and
+returns: the updates overlap the next forward, whose fetch of chunk c waits only for chunk c's
+update. Without clipping and fp16 (and with ``OffloadConfig.overlap``), nothing global is
+needed and each chunk is updated as soon as its grads land, overlapping the rest of backward.
+Both orders give results equal to ``torch.optim.Adam``/``AdamW`` on the same grads.
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .config import Adam, OffloadConfig, load_config
+from .mixed_precision import LossScaler, cast_inputs
+from .partition import ChunkLayout, ParamSlot, Partition, partition_parameters
+from .pipeline import (Accumulate, AdamArgs, GradJob, PipelinePayloads, Segment, StepPipeline,
+                       UpdateJob)
+from .placement import PlacementPlan, optimizer_payloads, payload_dtypes, plan_placement
+from .prefetch import Prefetcher
+from .store import ChunkStore, Handle, PayloadSpec, StoreConfig, Tier
+
+__all__ = ["Engine", "EngineStats", "Phase", "initialize", "OffloadAdam", "OffloadAdamW"]
+
+
+def __getattr__(name):
+    # The optimizer-only entry points live in offload_optim.py; the package's lazy export table
+    # points at this module for them.
+    if name in ("OffloadAdam", "OffloadAdamW"):
+        from . import offload_optim
+        return getattr(offload_optim, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Phase
+
+
+class Phase(enum.Enum):
+    """What the engine is doing; ``_PHASES`` lists the legal moves."""
+
+    IDLE = "idle"
+    FORWARD = "forward"    # inside engine(...)
+    BACKWARD = "backward"  # between the first backward hook and the end of backward
+
+
+_PHASES = {
+    Phase.IDLE: frozenset({Phase.FORWARD, Phase.BACKWARD}),
+    Phase.FORWARD: frozenset({Phase.IDLE}),
+    Phase.BACKWARD: frozenset({Phase.IDLE}),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Records
+
+
+@dataclass(eq=False)
+class _Chunk:
+    """Engine-side state of one chunk (the bytes are in the store under ``cid``)."""
+
+    layout: ChunkLayout
+    cid: int
+    holds: int = 0
+    """Users needing the params on the device now (module calls, backward, saved views)."""
+    buffer: Optional[torch.Tensor] = None
+    """The device buffer the params point into while held (see [Note: parameter data])."""
+    expected: set = field(default_factory=set)
+    """Slots used with grad enabled since the last backward: their grads are expected."""
+    landed: set = field(default_factory=set)
+    """Slots whose grad landed in this backward."""
+    grads: Optional[torch.Tensor] = None
+    """Device grads buffer being filled in this backward (None once flushed)."""
+    flushed: bool = False
+    """Grads of this backward were sent down (a late grad is then an error)."""
+    window: set = field(default_factory=set)
+    """Slots with a grad in the current accumulation window (updated at its end)."""
+    accumulating: bool = False
+    """The fp32 accumulation buffer holds grads of this window."""
+    steps: list = field(default_factory=list)
+    """Optimizer step count per slot (torch.optim's state['step']), trainable chunks only."""
+
+    @property
+    def awaiting(self) -> set:
+        return self.expected - self.landed
+
+
+@dataclass(eq=False)
+class _ModuleRecord:
+    """A module that holds parameters directly, and the chunks they live in."""
+
+    module: nn.Module
+    slots: tuple
+    chunks: tuple
+
+
+@dataclass(eq=False)
+class _BackwardToken:
+    """One module call with grad enabled: whether its chunks are held for its backward."""
+
+    record: _ModuleRecord
+    held: bool = False
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class _SavedParamView:
+    """A saved tensor that lives in a chunk's device buffer; see [Note: saved parameter views]."""
+
+    chunk: _Chunk
+    offset: int
+    size: torch.Size
+    stride: tuple
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs whose backward runs after the module's backward."""
+
+    @staticmethod
+    def forward(ctx, callback, *inputs):
+        ctx.callback = callback
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None,) + grads
+
+
+class _ParamPrefetcher(Prefetcher):
+    """The params look-ahead, held back at chunks whose CPU update is still queued or running
+    (fetching them would copy bytes that are about to change and be thrown away)."""
+
+    def __init__(self, store: ChunkStore, *, depth: int, ready: Callable[[int], bool]):
+        super().__init__(store, depth=depth, hops=[("params", Tier.GPU)])
+        self._ready = ready
+
+    def _upcoming(self, count: int) -> list:
+        out = []
+        for cid in super()._upcoming(count):
+            if not self._ready(cid):
+                break
+            out.append(cid)
+        return out
+
+
+class _HopPolicy:
+    """Eviction order for a store shared by several prefetchers: each candidate is ranked by the
+    prefetcher that moves its (payload, tier) (farthest next use first), stale copies first."""
+
+    def __init__(self, prefetchers):
+        self.prefetchers = prefetchers
+
+    def order(self, candidates):
+        def key(c):
+            distance = math.inf
+            for pf in self.prefetchers:
+                if (c.name, c.tier) in pf.hops:
+                    d = pf.next_use(c.cid)
+                    distance = math.inf if d is None else d
+                    break
+            return (not c.stale, -distance, c.last_use)
+        return sorted(candidates, key=key)
+
+
+@dataclass
+class EngineStats:
+    """What ``Engine.stats()`` returns (plain values; ``as_dict`` for logging)."""
+
+    steps: int
+    skipped_steps: int
+    micro_steps: int
+    bytes_held: dict
+    """tier -> bytes the store holds now."""
+    peak_bytes: dict
+    """tier -> peak bytes held since the last ``reset_stats``."""
+    bytes_moved: dict
+    """hop ("cpu->gpu", ...) -> bytes moved since the last ``reset_stats``."""
+    forward_s: float
+    backward_s: float
+    step_s: float
+    fetch_stall_s: float
+    """Host time forward/backward waited for params to arrive on the device."""
+    update_stall_s: float
+    """Host time forward waited for a chunk's CPU update to finish."""
+    adam_s: float
+    """Worker time inside adam_step."""
+    gpu_stall_share: float
+    """(fetch + update stalls) / (forward + backward time): the share of compute time lost."""
+    prefetch_hit_rate: float
+    loss_scale: Optional[float]
+    last_grad_norm: Optional[float]
+    lr: float
+
+    def as_dict(self) -> dict:
+        return dict(vars(self))
+
+
+# --------------------------------------------------------------------------------------------
+# The engine
+
+
+def initialize(model: nn.Module, *, optimizer: Optional[Adam] = None,
+               config: Any = None, lr_scheduler: Optional[Callable] = None,
+               device: "str | torch.device | None" = None) -> "Engine":
+    """Wrap ``model`` for offloaded training.
+
+    Args:
+        model: an fp32 ``nn.Module`` (CPU or CUDA). Its parameters' storage is taken over.
+        optimizer: ``zero_offload.Adam(...)`` or ``zero_offload.AdamW(...)`` (a spec; the engine
+            builds the state). May be omitted when ``config`` is a DeepSpeed config with an
+            ``optimizer`` section.
+        config: ``OffloadConfig``, a dict of its fields, a path to a JSON file, or a DeepSpeed
+            config (dict/path). None = ``OffloadConfig()``.
+        lr_scheduler: a callable taking the engine's optimizer (``engine.optimizer``, a
+            ``torch.optim.Optimizer`` holding the hyperparameters) and returning a scheduler,
+            e.g. ``lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)``.
+            ``engine.step()`` advances it once per optimizer update (not on skipped fp16 steps).
+        device: compute device (default: CUDA when available, else the CPU).
+    """
+    return Engine(model, optimizer=optimizer, config=config, lr_scheduler=lr_scheduler, device=device)
+
+
+class Engine:
+    """See the module docstring and ``initialize``."""
+
+    def __init__(self, model: nn.Module, *, optimizer: Optional[Adam] = None, config: Any = None,
+                 lr_scheduler: Optional[Callable] = None, device=None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"initialize needs an nn.Module, got {type(model).__name__}")
+        cfg, spec = _resolve_config(config, optimizer)
+        self.config: OffloadConfig = cfg
+        self.spec: Adam = spec
+        self.module = model
+        self.device = _resolve_device(device)
+        self.dtype: torch.dtype = cfg.torch_dtype
+        _check_model(model)
+        if lr_scheduler is not None and not callable(lr_scheduler):
+            raise TypeError(
+                f"lr_scheduler must be a callable taking the optimizer and returning a scheduler, "
+                f"e.g. lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000); got "
+                f"{type(lr_scheduler).__name__} (a scheduler built on another optimizer cannot "
+                f"drive the engine's CPU optimizer)")
+
+        # Partition and placement (pure; nothing allocated yet).
+        chunk_numel = max(1, cfg.chunk_bytes // self.dtype.itemsize)
+        self.partition: Partition = partition_parameters(model, chunk_numel=chunk_numel)
+        if not any(s.trainable for s in self.partition.slots):
+            raise ValueError("the model has no trainable parameter (requires_grad=True); the engine "
+                             "trains parameters. Unfreeze some, or run inference without the engine")
+        store_budgets = {Tier.GPU: cfg.gpu_budget, Tier.CPU: cfg.cpu_budget,
+                         Tier.NVME: cfg.nvme_budget if cfg.nvme_dir is not None else 0}
+        self.store = ChunkStore(StoreConfig(device=self.device, budgets=store_budgets,
+                                            nvme_dir=cfg.nvme_dir, io_threads=cfg.io_threads,
+                                            io_block_size=cfg.io_block_size))
+        try:
+            self.plan: PlacementPlan = plan_placement(self.partition, cfg, self.store.budgets,
+                                                      has_nvme=cfg.nvme_dir is not None)
+            if cfg.nvme_dir is not None and cfg.nvme_budget == "auto":
+                # Swap files are preallocated to the NVMe budget: take what the plan needs.
+                self.store.budgets[Tier.NVME] = self.plan.need[Tier.NVME] + (64 << 20)
+            self._build(lr_scheduler)
+        except BaseException:
+            self.store.close()
+            raise
+
+    # ---- construction -----------------------------------------------------------------------
+
+    def _build(self, lr_scheduler) -> None:
+        cfg = self.config
+        lowp = self.dtype is not torch.float32
+        self._lock = threading.RLock()
+        self._phase = Phase.IDLE
+        self._closed = False
+        self._chunks: list[_Chunk] = []
+        for layout, homes in zip(self.partition.chunks, self.plan.homes):
+            self._chunks.append(self._add_chunk(layout, homes))
+        self._placeholder = torch.full((), float("nan"), dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for chunk in self._chunks:
+                self._load_initial(chunk)
+        for name, p in self.partition.empty:
+            p.data = p.data.to(device=self.device, dtype=self.dtype)
+        for m in self.module.modules():
+            for bname, b in list(m._buffers.items()):
+                if b is not None:
+                    m._buffers[bname] = b.to(self.device)
+
+        payloads = PipelinePayloads(master="master" if lowp else "params",
+                                    lowp="params" if lowp else None,
+                                    accum="accum" if cfg.grad_accum > 1 else None)
+        self.pipeline = StepPipeline(self.store, payloads=payloads, prefetch_depth=cfg.prefetch_depth,
+                                     threads=cfg.threads)
+        self.prefetcher = _ParamPrefetcher(self.store, depth=cfg.prefetch_depth,
+                                           ready=lambda cid: not self.pipeline.busy(cid))
+        self.store.set_policy(_HopPolicy([self.prefetcher, self.pipeline.state_prefetcher]))
+
+        self.scaler = LossScaler.from_config(cfg)
+        self.optimizer = _HyperParams(self.spec)
+        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
+        if self.lr_scheduler is not None and not callable(getattr(self.lr_scheduler, "step", None)):
+            raise TypeError(f"lr_scheduler(optimizer) returned {type(self.lr_scheduler).__name__}, "
+                            f"which has no step() method")
+        self._overlap = cfg.overlap and cfg.grad_clip is None and self.scaler is None
+        self._needs_stats = cfg.grad_clip is not None or self.scaler is not None
+
+        self.global_step = 0
+        self.skipped_steps = 0
+        self._micro = 0
+        self._round_open = False
+        self._tokens: list[_BackwardToken] = []
+        self._call_stack: list = []
+        self._transient: list[_Chunk] = []
+        self._live: dict[int, _Chunk] = {}  # device-buffer storage address -> chunk (held ones)
+        self.last_grad_norm: Optional[float] = None
+        self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        self._bytes0 = dict(self.store.stats.bytes_moved)
+
+        self._hook_handles = []
+        for m in self.module.modules():
+            slots = self.partition.module_slots(m)
+            if not slots:
+                continue
+            rec = _ModuleRecord(module=m, slots=slots,
+                                chunks=tuple(dict.fromkeys(self._chunks[s.chunk] for s in slots)))
+            self._hook_handles.append(m.register_forward_pre_hook(
+                functools.partial(self._pre_forward, rec), with_kwargs=True))
+            self._hook_handles.append(m.register_forward_hook(
+                functools.partial(self._post_forward, rec), with_kwargs=True, always_call=True))
+        for s in self.partition.slots:
+            if s.trainable:
+                self._hook_handles.append(s.param.register_post_accumulate_grad_hook(
+                    functools.partial(self._grad_landed, s)))
+
+    def _add_chunk(self, layout: ChunkLayout, homes) -> _Chunk:
+        dtypes = payload_dtypes(layout, self.config)
+        opt = optimizer_payloads(self.config)
+        specs = {}
+        for name, dt in dtypes.items():
+            if name == "params":
+                home = homes.params
+            elif name in opt:
+                home = homes.optimizer
+            else:
+                home = Tier.CPU  # grads, accum
+            specs[name] = PayloadSpec(numel=layout.numel, dtype=dt, home=home)
+        cid = self.store.add_chunk(specs)
+        return _Chunk(layout=layout, cid=cid, steps=[0] * len(layout.slots) if layout.trainable else [])
+
+    def _write_payload(self, chunk: _Chunk, name: str, fill: Callable[[torch.Tensor], None]) -> None:
+        """Overwrite a whole payload: write it where it lives (NVMe: through a CPU copy that is
+        then written home and dropped)."""
+        home = self.store.payload_spec(chunk.cid, name).home
+        if home is Tier.NVME:
+            buf = self.store.allocate(chunk.cid, name, Tier.CPU)
+            buf.zero_()
+            fill(buf)
+            self.store.flush(chunk.cid, name)
+            self.store.evict(chunk.cid, name, Tier.CPU)
+        else:
+            buf = self.store.get(chunk.cid, name, home, write=True)
+            fill(buf)
+            self.store.mark_dirty(chunk.cid, name, home)
+
+    def _read_payload(self, chunk: _Chunk, name: str) -> torch.Tensor:
+        """A CPU copy (clone) of a whole payload, from wherever its newest bytes are."""
+        with self.store.use(chunk.cid, name, Tier.CPU) as buf:
+            out = buf.clone()
+        return out
+
+    def _load_initial(self, chunk: _Chunk) -> None:
+        slots = chunk.layout.slots
+
+        def fill_from_model(buf: torch.Tensor) -> None:
+            for s in slots:
+                buf[s.offset:s.end].copy_(s.param.detach().reshape(-1))
+
+        self._write_payload(chunk, "params", fill_from_model)
+        if chunk.layout.trainable and self.dtype is not torch.float32:
+            self._write_payload(chunk, "master", fill_from_model)
+        for s in slots:
+            s.param.data = self._placeholder.expand(s.shape)
+
+    # ---- forward ----------------------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        """Run the model's forward with chunks paged in by hooks; returns what the model returns.
+        Tensors in the inputs move to the compute device; floating-point ones are cast to the
+        working dtype."""
+        self._check_open()
+        if self._phase is Phase.BACKWARD:
+            self._finish_backward()
+        args, kwargs = cast_inputs((args, kwargs), dtype=self.dtype, device=self.device)
+        self.prefetcher.start_pass()
+        self._set_phase(Phase.FORWARD)
+        t0 = time.perf_counter()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
+                    record_function("zero_offload::forward"):
+                return self.module(*args, **kwargs)
+        except BaseException:
+            self._reset_holds()
+            raise
+        finally:
+            self._set_phase(Phase.IDLE)
+            self._times["forward"] += time.perf_counter() - t0
+
+    def _pre_forward(self, rec: _ModuleRecord, module, args, kwargs):
+        if self._phase is Phase.IDLE:
+            raise RuntimeError(
+                f"{type(module).__name__} was called outside the engine: its parameters are paged "
+                f"by zero_offload, so run the model through the engine (loss = engine(batch)), not "
+                f"model(batch); use `with engine.gathered():` to read parameter values")
+        with self._lock, record_function("zero_offload::pre_forward"):
+            for c in rec.chunks:
+                self._hold(c)
+            if not torch.is_grad_enabled():
+                self._call_stack.append(None)
+                return None
+            for s in rec.slots:
+                if s.trainable:
+                    self._chunks[s.chunk].expected.add(s)
+            token = _BackwardToken(record=rec)
+            self._call_stack.append(token)
+            flat, spec = tree_flatten((args, kwargs))
+            idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+            if not idx:
+                return None
+            wrapped = _PostBackward.apply(functools.partial(self._post_backward, token),
+                                          *(flat[i] for i in idx))
+            for i, t in zip(idx, wrapped):
+                flat[i] = t
+            return tree_unflatten(flat, spec)
+
+    def _post_forward(self, rec: _ModuleRecord, module, args, kwargs, output):
+        with self._lock, record_function("zero_offload::post_forward"):
+            token = self._call_stack.pop() if self._call_stack else None
+            for c in rec.chunks:
+                self._unhold(c)
+            if token is None or output is None:
+                return None
+            tensors = [t for t in _tensors_in(output) if t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, functools.partial(self._pre_backward, token), mode="any")
+            return None
+
+    # ---- chunk residency on the compute device ----------------------------------------------
+
+    def _hold(self, chunk: _Chunk) -> None:
+        if chunk.holds == 0 and chunk.buffer is None:
+            self._materialize(chunk)
+        chunk.holds += 1
+
+    def _unhold(self, chunk: _Chunk) -> None:
+        chunk.holds -= 1
+        self._maybe_release(chunk)
+
+    def _maybe_release(self, chunk: _Chunk) -> None:
+        if chunk.holds > 0 or chunk.buffer is None:
+            return
+        if self._phase is Phase.BACKWARD and chunk.awaiting:
+            return  # see [Note: backward hooks]
+        for s in chunk.layout.slots:
+            s.param.data = self._placeholder.expand(s.shape)
+        self._live.pop(chunk.buffer.untyped_storage().data_ptr(), None)
+        chunk.buffer = None
+        self.prefetcher.release(chunk.cid)
+
+    def _materialize(self, chunk: _Chunk) -> None:
+        if chunk.layout.trainable:
+            self.pipeline.wait_chunk(chunk.cid)  # the update writing these params must finish
+        buf = self.prefetcher.use(chunk.cid)["params"]
+        for s in chunk.layout.slots:
+            s.param.data = buf[s.offset:s.end].view(s.shape)
+        chunk.buffer = buf
+        self._live[buf.untyped_storage().data_ptr()] = chunk
+
+    def _reset_holds(self) -> None:
+        """After an exception in forward/backward: let every chunk go, forget pending calls."""
+        with self._lock:
+            self._call_stack.clear()
+            self._tokens.clear()
+            self._transient.clear()
+            for c in self._chunks:
+                c.holds = 0
+                c.expected.clear()
+                c.landed.clear()
+                if c.grads is not None:
+                    self.store.unpin(c.cid, "grads", Tier.GPU)
+                    self.store.evict(c.cid, "grads", Tier.GPU)
+                    c.grads = None
+                if c.buffer is not None:
+                    self._maybe_release(c)
+
+    # ---- saved tensors ([Note: saved parameter views]) ----------------------------------------
+
+    def _pack(self, t: torch.Tensor):
+        if t.layout is not torch.strided or t.device != self.device or not self._live:
+            return t
+        chunk = self._live.get(t.untyped_storage().data_ptr())
+        if chunk is None or t.dtype is not chunk.buffer.dtype:
+            return t
+        return _SavedParamView(chunk=chunk, offset=t.storage_offset() - chunk.buffer.storage_offset(),
+                               size=t.size(), stride=t.stride())
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _SavedParamView):
+            return saved
+        chunk = saved.chunk
+        with self._lock:
+            if chunk.buffer is None:
+                # Used in backward outside a module's hooks: keep it until backward ends.
+                self._hold(chunk)
+                self._transient.append(chunk)
+        buf = chunk.buffer
+        return buf.as_strided(saved.size, saved.stride, buf.storage_offset() + saved.offset)
+
+    # ---- backward ---------------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` with the engine's bookkeeping (fp16: the loss is scaled first).
+        Grads are not left in ``param.grad``: they go to the chunks' grad buffers."""
+        self._check_open()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"engine.backward needs the scalar loss tensor, got "
+                             f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}; "
+                             f"reduce it first (e.g. loss.mean())")
+        if self._phase is not Phase.IDLE:
+            raise RuntimeError(f"engine.backward called during {self._phase.value}; call it after "
+                               f"engine(...) has returned")
+        self._set_phase(Phase.BACKWARD)
+        t0 = time.perf_counter()
+        try:
+            with record_function("zero_offload::backward"):
+                (loss * self.scaler.scale if self.scaler is not None else loss).backward()
+        except BaseException:
+            self._reset_holds()
+            self._set_phase(Phase.IDLE)
+            raise
+        self._finish_backward()
+        self._times["backward"] += time.perf_counter() - t0
+
+    def _pre_backward(self, token: _BackwardToken, grad) -> None:
+        with self._lock, record_function("zero_offload::pre_backward"):
+            if self._phase is Phase.IDLE:
+                self._set_phase(Phase.BACKWARD)  # loss.backward() called directly
+            if token.held or token.done:
+                return
+            token.held = True
+            self._tokens.append(token)
+            for c in token.record.chunks:
+                self._hold(c)
+
+    def _post_backward(self, token: _BackwardToken) -> None:
+        with self._lock, record_function("zero_offload::post_backward"):
+            if not token.held:
+                return
+            token.held = False
+            token.done = True
+            for c in token.record.chunks:
+                self._unhold(c)
+
+    def _grad_landed(self, slot: ParamSlot, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        param.grad = None
+        with self._lock, record_function("zero_offload::grad_landed"):
+            if self._phase is Phase.IDLE:
+                self._set_phase(Phase.BACKWARD)
+            chunk = self._chunks[slot.chunk]
+            if chunk.flushed:
+                raise RuntimeError(
+                    f"parameter {slot.name!r} received a gradient after the grads of its chunk were "
+                    f"sent to the CPU in this backward (it was used again after every expected grad "
+                    f"of the chunk had landed). Use torch.utils.checkpoint with use_reentrant=False, "
+                    f"and call the model only through engine(...)")
+            if chunk.grads is None:
+                # The CPU copy of the grads is read by the worker; let its last job finish before
+                # a new device copy makes that one stale.
+                self.pipeline.wait_chunk(chunk.cid)
+                buf = self.store.allocate(chunk.cid, "grads", Tier.GPU)
+                buf.zero_()
+                self.store.pin(chunk.cid, "grads", Tier.GPU)
+                chunk.grads = buf
+            dst = chunk.grads[slot.offset:slot.end]
+            if slot in chunk.landed:
+                dst.add_(grad.reshape(-1))
+            else:
+                dst.copy_(grad.reshape(-1))
+                chunk.landed.add(slot)
+            if not chunk.awaiting:
+                self._flush_grads(chunk)
+            self._maybe_release(chunk)
+
+    def _flush_grads(self, chunk: _Chunk) -> None:
+        """Send a chunk's device grads to host memory and hand them to the worker."""
+        store = self.store
+        store.unpin(chunk.cid, "grads", Tier.GPU)
+        handle = store.flush(chunk.cid, "grads", Tier.CPU)
+        store.evict(chunk.cid, "grads", Tier.GPU)
+        chunk.grads = None
+        chunk.flushed = True
+        chunk.window |= chunk.landed
+        if self.config.grad_accum == 1:
+            acc = Accumulate.NONE
+        else:
+            acc = Accumulate.ADD if chunk.accumulating else Accumulate.COPY
+            chunk.accumulating = True
+        self._submit_grads(chunk, handle=handle, accumulate=acc)
+
+    def _submit_grads(self, chunk: _Chunk, *, handle, accumulate: Accumulate) -> None:
+        boundary = self._micro == self.config.grad_accum - 1
+        then = None
+        if boundary and self._overlap:
+            if not self._round_open:
+                self.pipeline.begin_round()
+                self._round_open = True
+            then = self._update_job(chunk, grad_scale=1.0)
+        self.pipeline.submit_grads(GradJob(
+            cid=chunk.cid, ready=handle, accumulate=accumulate,
+            stats=boundary and self._needs_stats,
+            stats_scale=self.scaler.scale if self.scaler is not None else 1.0, then=then))
+
+    def _finish_backward(self) -> None:
+        """End of backward: release what the hooks still hold, send incomplete grads down."""
+        if self._phase is not Phase.BACKWARD:
+            return
+        with self._lock, record_function("zero_offload::finish_backward"):
+            for token in self._tokens:
+                if token.held:
+                    self._post_backward(token)
+            self._tokens.clear()
+            for c in self._transient:
+                self._unhold(c)
+            self._transient.clear()
+            boundary = self._micro == self.config.grad_accum - 1
+            for c in self._chunks:
+                if c.grads is not None:
+                    self._flush_grads(c)  # some expected grads never came (unused outputs)
+                elif boundary and c.accumulating and not c.flushed:
+                    # Grads from earlier micro-batches only: stats/update from the fp32 buffer.
+                    self._submit_grads(c, handle=Handle.completed(), accumulate=Accumulate.HOLD)
+            for c in self._chunks:
+                c.expected.clear()
+                c.landed.clear()
+                c.flushed = False
+            self._set_phase(Phase.IDLE)
+            for c in self._chunks:
+                self._maybe_release(c)
+
+    # ---- step -------------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """End of a micro-batch. Every ``grad_accum``-th call ends the accumulation window:
+        clip (exact global norm), update (fp16: skipped on inf/NaN, as GradScaler), advance the
+        lr scheduler. Returns True when the parameters were updated by this window."""
+        self._check_open()
+        if self._phase is Phase.FORWARD:
+            raise RuntimeError("engine.step called during forward")
+        self._finish_backward()
+        t0 = time.perf_counter()
+        try:
+            with record_function("zero_offload::step"):
+                return self._step()
+        finally:
+            self._times["step"] += time.perf_counter() - t0
+
+    def _step(self) -> bool:
+        self._micro += 1
+        if self._micro < self.config.grad_accum:
+            return False
+        self._micro = 0
+        window = [c for c in self._chunks if c.window]
+        for c in self._chunks:
+            c.accumulating = False
+        if not window:
+            self._round_open = False
+            return False
+        if self._overlap:
+            self._round_open = False
+            self._commit(window)
+            return True
+        sumsq = self.pipeline.take_grad_stats() if self._needs_stats else 0.0
+        if self.scaler is not None and not math.isfinite(sumsq):
+            self.scaler.update(found_inf=True)
+            self.skipped_steps += 1
+            for c in window:
+                c.window.clear()
+            return False
+        grad_scale = self.scaler.scale if self.scaler is not None else 1.0
+        if self.config.grad_clip is not None:
+            norm = math.sqrt(sumsq)
+            self.last_grad_norm = norm
+            coef = min(1.0, self.config.grad_clip / (norm + 1e-6))
+            grad_scale /= coef
+        self.pipeline.begin_round()
+        for c in window:  # forward order: the next forward waits only for its own chunk
+            self.pipeline.submit_update(self._update_job(c, grad_scale=grad_scale))
+        if self.scaler is not None:
+            self.scaler.update(found_inf=False)
+        self._commit(window)
+        return True
+
+    def _commit(self, window) -> None:
+        for c in window:
+            c.window.clear()
+        self.global_step += 1
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+
+    def _update_job(self, chunk: _Chunk, *, grad_scale: float) -> UpdateJob:
+        """The update of a chunk's slots that had grads in this window; advances their steps."""
+        layout = chunk.layout
+        segments, run = [], None
+        for i, s in enumerate(layout.slots):
+            stop = layout.slots[i + 1].offset if i + 1 < len(layout.slots) else layout.numel
+            if s not in chunk.window:
+                run = None
+                continue
+            chunk.steps[i] += 1
+            step = chunk.steps[i]
+            if run is not None and run[2] == step:
+                run[1] = stop
+            else:
+                run = [s.offset, stop, step]
+                segments.append(run)
+        g = self.optimizer.param_groups[0]
+        args = AdamArgs(lr=float(g["lr"]), betas=tuple(float(b) for b in g["betas"]),
+                        eps=float(g["eps"]), weight_decay=float(g["weight_decay"]),
+                        adamw=self.spec.adamw, grad_scale=grad_scale)
+        source = "accum" if self.config.grad_accum > 1 else "grads"
+        return UpdateJob(cid=chunk.cid, segments=tuple(Segment(*r) for r in segments),
+                         args=args, source=source)
+
+    # ---- inspection -------------------------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Wait until every queued update has run and every move has landed."""
+        self._check_open()
+        self.pipeline.drain()
+        self.store.synchronize()
+
+    def _fp32_payload_name(self, chunk: _Chunk) -> str:
+        """The payload holding a chunk's values in full precision (or the working dtype for
+        frozen chunks, which have no master copy)."""
+        lowp = self.dtype is not torch.float32
+        return "master" if chunk.layout.trainable and lowp else "params"
+
+    def _slot_values(self) -> Iterator[tuple]:
+        """(slot, fp32 CPU tensor) for every slot, chunk by chunk."""
+        self.synchronize()
+        for chunk in self._chunks:
+            flat = self._read_payload(chunk, self._fp32_payload_name(chunk)).float()
+            for s in chunk.layout.slots:
+                yield s, flat[s.offset:s.end].view(s.shape)
+
+    def state_dict(self) -> dict:
+        """The model's state dict with fp32 CPU tensors (tied parameters under each of their
+        names, buffers included), loadable into a fresh copy of the model with
+        ``load_state_dict``. Frozen parameters carry the working-dtype values (no master)."""
+        self._require_idle("state_dict")
+        values = {s.index: v.clone() for s, v in self._slot_values()}
+        out = {}
+        for key, t in self.module.state_dict(keep_vars=True).items():
+            slot = self.partition.slot_of(t)
+            if slot is not None:
+                out[key] = values[slot.index]
+            elif isinstance(t, torch.Tensor):
+                out[key] = t.detach().to("cpu", copy=True)
+            else:
+                out[key] = t
+        return out
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[nn.Module]:
+        """``with engine.gathered() as model:`` the parameters hold their current fp32 values on
+        the CPU (read-only: changes are not written back). Outside forward/backward only."""
+        self._require_idle("gathered")
+        values = list(self._slot_values())
+        try:
+            for s, v in values:
+                s.param.data = v
+            yield self.module
+        finally:
+            for s, _ in values:
+                s.param.data = self._placeholder.expand(s.shape)
+
+    def stats(self) -> EngineStats:
+        """Counters since initialize (or ``reset_stats``); see ``EngineStats``."""
+        st = self.store.stats
+        pf = self.prefetcher.stats
+        fwd, bwd = self._times["forward"], self._times["backward"]
+        fetch_stall = pf.stall_s
+        update_stall = self.pipeline.stats.wait_chunk_s
+        compute = fwd + bwd
+        return EngineStats(
+            steps=self.global_step, skipped_steps=self.skipped_steps, micro_steps=self._micro,
+            bytes_held={t.value: self.store.bytes(t) for t in Tier},
+            peak_bytes={t.value: self.store.peak_bytes(t) for t in Tier},
+            bytes_moved={h.value: n - self._bytes0.get(h, 0) for h, n in st.bytes_moved.items()},
+            forward_s=fwd, backward_s=bwd, step_s=self._times["step"],
+            fetch_stall_s=fetch_stall, update_stall_s=update_stall,
+            adam_s=self.pipeline.stats.adam_s,
+            gpu_stall_share=(fetch_stall + update_stall) / compute if compute > 0 else 0.0,
+            prefetch_hit_rate=pf.hit_rate,
+            loss_scale=self.scaler.scale if self.scaler is not None else None,
+            last_grad_norm=self.last_grad_norm,
+            lr=float(self.optimizer.param_groups[0]["lr"]))
+
+    def reset_stats(self) -> None:
+        """Restart the time and byte counters and the peaks (e.g. after warm-up steps)."""
+        self.store.reset_peak()
+        self._bytes0 = dict(self.store.stats.bytes_moved)
+        self._times = {k: 0.0 for k in self._times}
+        self.prefetcher.stats.stall_s = 0.0
+        self.prefetcher.stats.uses = self.prefetcher.stats.hits = 0
+        self.pipeline.stats.wait_chunk_s = 0.0
+        self.pipeline.stats.adam_s = 0.0
+
+    # ---- checkpoints ------------------------------------------------------------------------
+
+    def save_checkpoint(self, path) -> None:
+        """Write the whole training state to directory ``path`` atomically (see checkpoint.py)."""
+        from .checkpoint import save_checkpoint
+        self._require_idle("save_checkpoint")
+        save_checkpoint(self, path)
+
+    def load_checkpoint(self, path) -> None:
+        """Restore the state written by ``save_checkpoint`` (the model must be the same
+        architecture; the offload config may differ)."""
+        from .checkpoint import load_checkpoint
+        self._require_idle("load_checkpoint")
+        load_checkpoint(self, path)
+
+    # ---- misc -------------------------------------------------------------------------------
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        self.module.eval()
+        return self
+
+    def close(self) -> None:
+        """Remove the hooks, stop the worker, free the store (params keep their placeholders;
+        take ``state_dict()`` first to keep the weights). Idempotent."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        for h in self._hook_handles:
+            h.remove()
+        self._hook_handles.clear()
+        try:
+            self.pipeline.close()
+        finally:
+            self.store.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _set_phase(self, phase: Phase) -> None:
+        if phase is self._phase:
+            return
+        if phase not in _PHASES[self._phase]:
+            raise RuntimeError(f"illegal engine transition {self._phase.value} -> {phase.value}")
+        self._phase = phase
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this engine is closed; build a new one with zero_offload.initialize")
+
+    def _require_idle(self, what: str) -> None:
+        self._check_open()
+        if self._phase is Phase.BACKWARD:
+            self._finish_backward()
+        if self._phase is not Phase.IDLE:
+            raise RuntimeError(f"engine.{what} cannot run during {self._phase.value}")
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+class _HyperParams(torch.optim.Optimizer):
+    """The optimizer handle an lr scheduler drives: one param group holding the Adam
+    hyperparameters (lr, betas, eps, weight_decay) that every CPU update reads when it is
+    queued. It holds no parameters and cannot step by itself (``engine.step()`` does)."""
+
+    def __init__(self, spec: Adam):
+        defaults = dict(lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps,
+                        weight_decay=spec.weight_decay)
+        super().__init__([torch.zeros(0)], defaults)
+
+    def step(self, closure=None):
+        raise RuntimeError("engine.optimizer holds hyperparameters only; call engine.step()")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None  # the engine consumes grads itself
+
+
+def _resolve_config(config, optimizer) -> tuple:
+    if config is None:
+        cfg, ds_spec = OffloadConfig(), None
+    else:
+        cfg, ds_spec = load_config(config)
+    spec = optimizer if optimizer is not None else ds_spec
+    if spec is None:
+        raise ValueError("initialize needs an optimizer spec: optimizer=zero_offload.AdamW(lr=...) "
+                         "(or zero_offload.Adam), or a DeepSpeed config with an 'optimizer' section")
+    if not isinstance(spec, Adam):
+        raise TypeError(f"optimizer must be zero_offload.Adam(...) or zero_offload.AdamW(...), got "
+                        f"{type(spec).__name__}; a torch.optim optimizer cannot be used (the engine "
+                        f"builds the optimizer state itself, where the config places it)")
+    return cfg, spec
+
+
+def _resolve_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch.cuda.is_available() is False; use device='cpu'")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise ValueError(f"device={device!r} is not supported; use a CUDA device or 'cpu'")
+    return dev
+
+
+def _check_model(model: nn.Module) -> None:
+    for name, p in model.named_parameters():
+        if p.device.type == "meta":
+            raise ValueError(
+                f"parameter {name!r} is on the meta device (no values); materialize the model "
+                f"first, e.g. model.to_empty(device='cpu') then its init (GPT: model.init_weights())")
+        if not p.is_floating_point():
+            raise TypeError(f"parameter {name!r} has dtype {p.dtype}; the engine trains "
+                            f"floating-point parameters only")
+        if p.grad is not None:
+            raise ValueError(f"parameter {name!r} already has a .grad; call model.zero_grad("
+                             f"set_to_none=True) before initialize")
+
+
+def _tensors_in(obj) -> list:
+    """Tensors in a module output (tensors, tuples/lists, dicts, dataclass-like outputs)."""
+    flat, _ = tree_flatten(obj)
+    out = []
+    for x in flat:
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif hasattr(x, "items") and callable(x.items):  # mappings pytree does not know
+            out.extend(_tensors_in(dict(x.items())))
+    return out

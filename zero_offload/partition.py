@@ -1,0 +1,170 @@
+"""Partition of a module's parameters into chunks: which parameter lives where.
+
+A *slot* is one distinct ``nn.Parameter`` (tied parameters, one object reachable under several
+names, get one slot). Slots are packed, in module order (``named_parameters`` order), into
+*chunks* of about ``chunk_numel`` elements; a parameter is never split (one larger than a chunk
+gets a chunk of its own). Trainable and frozen parameters never share a chunk, so frozen chunks
+carry no gradient or optimizer payloads. Every slot starts at a multiple of ``ALIGN_ELEMS``
+elements, so kernels see aligned sub-buffers and the padding between slots is zeros.
+
+This module is pure bookkeeping (no store, no hooks): the engine builds it once at initialize
+and it never changes.
+
+[Note: slot identity] The partition is the only place that maps a Parameter object to its slot;
+it is an index *derived* from the slot records (``Partition.slot_of``), built once, never
+written to afterwards, and nothing is stored on the parameters themselves.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = ["ALIGN_ELEMS", "ParamSlot", "ChunkLayout", "Partition", "partition_parameters"]
+
+ALIGN_ELEMS = 64
+"""Slot offsets and chunk sizes are multiples of this many elements (128 B in bf16, 256 B in
+fp32: whole cache lines and SIMD vectors)."""
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN_ELEMS) * ALIGN_ELEMS
+
+
+@dataclass(frozen=True, eq=False)
+class ParamSlot:
+    """One distinct parameter and where its elements live inside its chunk's flat payloads."""
+
+    index: int
+    """Position among all slots (module order)."""
+    name: str
+    """First qualified name (``named_parameters`` order); tied aliases are in ``Partition.names``."""
+    param: nn.Parameter
+    shape: torch.Size
+    numel: int
+    trainable: bool
+    chunk: int
+    """Index of the chunk (``Partition.chunks``) holding this slot."""
+    offset: int
+    """First element inside the chunk's flat payloads."""
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkLayout:
+    """Consecutive slots packed into one flat buffer of ``numel`` elements (padded)."""
+
+    index: int
+    slots: tuple[ParamSlot, ...]
+    numel: int
+    trainable: bool
+
+    @property
+    def used_numel(self) -> int:
+        """Elements that belong to parameters (the rest is alignment padding)."""
+        return sum(s.numel for s in self.slots)
+
+
+@dataclass(frozen=True, eq=False)
+class Partition:
+    """All chunks and slots of one module. See [Note: slot identity]."""
+
+    chunks: tuple[ChunkLayout, ...]
+    slots: tuple[ParamSlot, ...]
+    names: dict = field(default_factory=dict)
+    """Every qualified parameter name, tied aliases included -> its ParamSlot."""
+    empty: tuple = ()
+    """(name, Parameter) of zero-element parameters: no slot, nothing to page or update."""
+    _by_param: dict = field(default_factory=dict, repr=False)
+
+    def slot_of(self, param: torch.Tensor) -> ParamSlot | None:
+        """The slot of a parameter object (None for a tensor the partition does not hold)."""
+        return self._by_param.get(id(param))
+
+    def module_slots(self, module: nn.Module) -> tuple[ParamSlot, ...]:
+        """Slots of the parameters ``module`` holds directly (not its children's), in order,
+        tied parameters included once."""
+        seen, out = set(), []
+        for p in module._parameters.values():
+            slot = self.slot_of(p) if p is not None else None
+            if slot is not None and slot.index not in seen:
+                seen.add(slot.index)
+                out.append(slot)
+        return tuple(out)
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def trainable_numel(self) -> int:
+        return sum(s.numel for s in self.slots if s.trainable)
+
+
+def partition_parameters(module: nn.Module, *, chunk_numel: int) -> Partition:
+    """Pack ``module``'s distinct parameters into chunks of about ``chunk_numel`` elements.
+
+    Module order, trainable and frozen kept apart (one open chunk of each kind), no parameter
+    split, offsets aligned to ``ALIGN_ELEMS``.
+    """
+    if isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel <= 0:
+        raise ValueError(f"chunk_numel must be a positive int, got {chunk_numel!r}")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"partition_parameters needs an nn.Module, got {type(module).__name__}")
+
+    open_slots: dict[bool, list] = {True: [], False: []}  # trainable -> [(name, param)]
+    open_fill: dict[bool, int] = {True: 0, False: 0}
+    groups: list[tuple[bool, list]] = []  # closed chunks, in closing order
+    empty = []
+
+    def close(trainable: bool) -> None:
+        if open_slots[trainable]:
+            groups.append((trainable, open_slots[trainable]))
+        open_slots[trainable] = []
+        open_fill[trainable] = 0
+
+    for name, p in module.named_parameters():
+        if p.numel() == 0:
+            empty.append((name, p))
+            continue
+        kind = bool(p.requires_grad)
+        need = _align(p.numel())
+        if open_slots[kind] and open_fill[kind] + need > chunk_numel:
+            close(kind)
+        open_slots[kind].append((name, p))
+        open_fill[kind] += need
+        if open_fill[kind] >= chunk_numel:
+            close(kind)
+    # Close what is left in module order of its first member.
+    leftovers = [k for k in (True, False) if open_slots[k]]
+    first_pos = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
+    leftovers.sort(key=lambda k: first_pos[id(open_slots[k][0][1])])
+    for k in leftovers:
+        close(k)
+    # Chunks are numbered in module order of their first parameter.
+    groups.sort(key=lambda g: first_pos[id(g[1][0][1])])
+
+    rank = {id(p): i for i, (_, p) in enumerate(
+        (n, p) for n, p in module.named_parameters() if p.numel() > 0)}
+    chunks, by_param = [], {}
+    for ci, (trainable, members) in enumerate(groups):
+        offset, chunk_slots = 0, []
+        for name, p in members:
+            slot = ParamSlot(index=rank[id(p)], name=name, param=p, shape=p.shape, numel=p.numel(),
+                             trainable=trainable, chunk=ci, offset=offset)
+            chunk_slots.append(slot)
+            by_param[id(p)] = slot
+            offset = _align(offset + p.numel())
+        chunks.append(ChunkLayout(index=ci, slots=tuple(chunk_slots), numel=offset, trainable=trainable))
+    slots = sorted(by_param.values(), key=lambda s: s.index)
+    names = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        s = by_param.get(id(p))
+        if s is not None:
+            names[name] = s
+    return Partition(chunks=tuple(chunks), slots=tuple(slots), names=names, empty=tuple(empty),
+                     _by_param=by_param)

@@ -1,0 +1,186 @@
+"""Where each chunk's payloads live (home tiers), and whether that fits the budgets.
+
+Payloads of a chunk (all flat, one element per parameter element, padding included):
+
+=============  ======================  ==========================================================
+payload        dtype                   home
+=============  ======================  ==========================================================
+params         working (config.dtype)  ``OffloadConfig.params`` (auto: GPU, then CPU, then NVMe)
+grads          working                 CPU (written on the GPU in backward, flushed down)
+master         fp32                    ``OffloadConfig.optimizer``; only when dtype is not fp32
+                                       (in fp32 training ``params`` is the master copy)
+exp_avg(_sq)   fp32                    ``OffloadConfig.optimizer`` (auto: CPU, then NVMe)
+accum          fp32                    CPU; only when ``grad_accum > 1``
+=============  ======================  ==========================================================
+
+Frozen chunks (no trainable parameter) carry ``params`` only.
+
+[Note: working window] Besides the home copies, the compute device must hold, at the worst
+moment of backward, a few chunks in use at once plus their grads: the module running (a module
+may straddle two chunks), the chunk of a tied embedding whose grads complete only at the end,
+and the look-ahead. ``window_bytes`` sizes that as (prefetch_depth + 2) params chunks plus two
+grads chunks of the largest size; initialize refuses a GPU budget below homes + window, with
+the numbers. When optimizer state or params live on NVMe, host memory needs a staging window
+of (prefetch_depth + 1) chunks of what is read ahead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import OffloadConfig, Placement
+from .partition import ChunkLayout, Partition
+from .store import Tier
+from .swap_io import ALIGNMENT, round_up
+
+__all__ = ["ChunkHomes", "PlacementPlan", "plan_placement", "FitError"]
+
+MiB = float(2 ** 20)
+
+
+class FitError(ValueError):
+    """The configuration cannot fit the budgets; the message has the numbers and the fix."""
+
+
+@dataclass(frozen=True)
+class ChunkHomes:
+    """Home tier of each payload of one chunk."""
+
+    params: Tier
+    optimizer: "Tier | None"
+    """Home of master / exp_avg / exp_avg_sq (None for frozen chunks)."""
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    homes: tuple
+    """One ChunkHomes per chunk of the partition."""
+    need: dict
+    """Tier -> bytes the homes and working windows need."""
+
+    def count(self, *, params: "Tier | None" = None, optimizer: "Tier | None" = None) -> int:
+        return sum(1 for h in self.homes
+                   if (params is None or h.params is params)
+                   and (optimizer is None or h.optimizer is optimizer))
+
+
+def _nbytes(numel: int, dtype: torch.dtype) -> int:
+    return round_up(numel * dtype.itemsize, ALIGNMENT)
+
+
+def payload_dtypes(chunk: ChunkLayout, config: OffloadConfig) -> dict:
+    """name -> dtype of the payloads a chunk carries (see the table above)."""
+    work = config.torch_dtype
+    if not chunk.trainable:
+        return {"params": work}
+    out = {"params": work, "grads": work}
+    if work is not torch.float32:
+        out["master"] = torch.float32
+    out["exp_avg"] = torch.float32
+    out["exp_avg_sq"] = torch.float32
+    if config.grad_accum > 1:
+        out["accum"] = torch.float32
+    return out
+
+
+def optimizer_payloads(config: OffloadConfig) -> tuple:
+    """Payloads homed by ``OffloadConfig.optimizer`` (fp32 training: the params are the master
+    copy and stay where ``OffloadConfig.params`` puts them)."""
+    if config.torch_dtype is torch.float32:
+        return ("exp_avg", "exp_avg_sq")
+    return ("master", "exp_avg", "exp_avg_sq")
+
+
+def chunk_bytes(chunk: ChunkLayout, config: OffloadConfig, names) -> int:
+    dtypes = payload_dtypes(chunk, config)
+    return sum(_nbytes(chunk.numel, dtypes[n]) for n in names if n in dtypes)
+
+
+def window_bytes(partition: Partition, config: OffloadConfig) -> int:
+    """GPU bytes beyond the homes that training needs; see [Note: working window]."""
+    big_params = max(chunk_bytes(c, config, ("params",)) for c in partition.chunks)
+    trainable = [c for c in partition.chunks if c.trainable]
+    big_grads = max((chunk_bytes(c, config, ("grads",)) for c in trainable), default=0)
+    return (config.prefetch_depth + 2) * big_params + 2 * big_grads
+
+
+def plan_placement(partition: Partition, config: OffloadConfig, budgets: dict, *,
+                   has_nvme: bool, gpu_auto_share: float = 0.5) -> PlacementPlan:
+    """Home tiers per chunk for ``config`` within ``budgets`` (Tier -> bytes, resolved), or a
+    ``FitError`` naming the budget, the numbers and what to change.
+
+    "auto" params fill the GPU first, up to ``gpu_auto_share`` of its budget (the rest is left to
+    activations, which the store does not see), then host memory, then NVMe; "auto" optimizer
+    state fills host memory first, then NVMe.
+    """
+    if not partition.chunks:
+        raise FitError("the model has no parameters to train or page; nothing to offload")
+    opt_names = optimizer_payloads(config)
+    gpu_window = window_bytes(partition, config)
+    # Host memory every placement needs: grads (and accum) homes of trainable chunks.
+    host_fixed = sum(chunk_bytes(c, config, ("grads", "accum")) for c in partition.chunks if c.trainable)
+    staging_unit = max(chunk_bytes(c, config, ("params",) + opt_names) for c in partition.chunks)
+    staging = (config.prefetch_depth + 1) * staging_unit
+    need = {Tier.GPU: gpu_window, Tier.CPU: host_fixed, Tier.NVME: 0}
+
+    def host_room(extra: int) -> bool:
+        return need[Tier.CPU] + extra + (staging if has_nvme else 0) <= budgets[Tier.CPU]
+
+    homes = []
+    for c in partition.chunks:
+        pbytes = chunk_bytes(c, config, ("params",))
+        if config.params is Placement.AUTO:
+            if need[Tier.GPU] + pbytes <= gpu_auto_share * budgets[Tier.GPU]:
+                ptier = Tier.GPU
+            elif host_room(pbytes) or not has_nvme:
+                ptier = Tier.CPU
+            else:
+                ptier = Tier.NVME
+        else:
+            ptier = Tier(config.params.value)
+        need[ptier] += pbytes
+        otier = None
+        if c.trainable:
+            obytes = chunk_bytes(c, config, opt_names)
+            if config.optimizer is Placement.AUTO:
+                otier = Tier.CPU if (host_room(obytes) or not has_nvme) else Tier.NVME
+            else:
+                otier = Tier(config.optimizer.value)
+            need[otier] += obytes
+        homes.append(ChunkHomes(params=ptier, optimizer=otier))
+
+    uses_nvme = any(h.params is Tier.NVME or h.optimizer is Tier.NVME for h in homes)
+    if uses_nvme:
+        need[Tier.CPU] += staging
+    _check_fits(partition, config, budgets, need, gpu_window=gpu_window,
+                staging=staging if uses_nvme else 0, homes=homes)
+    return PlacementPlan(homes=tuple(homes), need=need)
+
+
+def _check_fits(partition, config, budgets, need, *, gpu_window, staging, homes) -> None:
+    big = max(partition.chunks, key=lambda c: c.numel)
+    big_mib = chunk_bytes(big, config, ("params",)) / MiB
+    if need[Tier.GPU] > budgets[Tier.GPU]:
+        home = need[Tier.GPU] - gpu_window
+        raise FitError(
+            f"gpu_budget={budgets[Tier.GPU]} bytes cannot hold the working set: {home} bytes of "
+            f"params homed on the compute device + a working window of {gpu_window} bytes "
+            f"((prefetch_depth {config.prefetch_depth} + 2) params chunks + 2 grads chunks; the "
+            f"largest chunk is {big_mib:.2f} MiB) = {need[Tier.GPU]} bytes. Raise gpu_budget to at "
+            f"least {need[Tier.GPU]}, or lower chunk_mb (now {config.chunk_mb}) or prefetch_depth"
+            + (", or place params on 'cpu'" if home else ""))
+    if need[Tier.CPU] > budgets[Tier.CPU]:
+        raise FitError(
+            f"cpu_budget={budgets[Tier.CPU]} bytes is too small: the host-memory homes (grads"
+            f"{', accumulation buffers' if config.grad_accum > 1 else ''}, params and optimizer "
+            f"state placed on 'cpu') plus {staging} bytes of NVMe staging need {need[Tier.CPU]} "
+            f"bytes. Raise cpu_budget, or place optimizer state (optimizer='nvme') or params "
+            f"(params='nvme') on NVMe with nvme_dir set, or lower chunk_mb / prefetch_depth")
+    if need[Tier.NVME] > budgets[Tier.NVME]:
+        raise FitError(
+            f"the NVMe directory {config.nvme_dir!r} is too small: the state placed there needs "
+            f"{need[Tier.NVME]} bytes ({need[Tier.NVME] / 2**30:.2f} GiB) but its budget is "
+            f"{budgets[Tier.NVME]} bytes (nvme_budget={config.nvme_budget!r}; 'auto' = free space "
+            f"minus a reserve). Free space there, point nvme_dir at a larger disk, raise "
+            f"nvme_budget, or keep more state in host memory (optimizer='cpu' or 'auto')")
