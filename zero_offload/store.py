@@ -963,7 +963,7 @@ class ChunkStore:
             raise BudgetError(
                 f"{for_what}: needs {nbytes} bytes in tier {tier.value!r}, more than its whole budget of "
                 f"{budget} bytes; raise StoreConfig.budgets[{tier.value!r}] or use smaller chunks")
-        for _ in range(2):
+        for _ in range(3):
             if self.bytes(tier) + nbytes <= budget:
                 return
             candidates = []
@@ -980,6 +980,15 @@ class ChunkStore:
                 self._evict(by_key[(e.cid, e.name)], explicit=False)
             # Copies still EVICTING free their memory once their readers finish.
             for c in [c for c in self._held[tier] if c.state is Residency.EVICTING]:
+                self._await_quiet(c)
+            if self.bytes(tier) + nbytes <= budget:
+                return
+            # Copies still arriving (e.g. a prefetch nobody holds yet) become evictable once
+            # they land: wait for them, then try the policy again.
+            arriving = [c for c in self._held[tier] if c.state in _IN_FLIGHT and not c.is_home and not c.pins]
+            if not arriving:
+                break
+            for c in arriving:
                 self._await_quiet(c)
         if self.bytes(tier) + nbytes > budget:
             busy = [c for c in self._held[tier] if not c.is_home]
