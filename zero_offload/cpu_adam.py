@@ -321,7 +321,8 @@ class CPUAdam(Optimizer):
     Same constructor and defaults as ``torch.optim.Adam``; ``decoupled_weight_decay=True`` gives
     AdamW (see ``CPUAdamW``). Not implemented (NotImplementedError): ``amsgrad``, ``maximize``,
     ``capturable``, ``differentiable``. ``foreach`` and ``fused`` are accepted and ignored
-    (this optimizer is always one fused pass). Params: CPU fp32, contiguous; grads: CPU
+    (this optimizer is always one fused pass; its groups record ``fused=True``, see
+    [Note: groups record fused=True]). Params: CPU fp32, contiguous; grads: CPU
     fp32/bf16/fp16, contiguous, dense. State: ``step`` (float32 scalar tensor), ``exp_avg``,
     ``exp_avg_sq``, as torch's, so state dicts load both ways.
 
@@ -350,9 +351,13 @@ class CPUAdam(Optimizer):
         AdamHyper.checked(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                           adamw=bool(decoupled_weight_decay))
         self.threads = _check_threads(threads)
+        # [Note: groups record fused=True]: whatever foreach/fused the caller passed, the groups
+        # say fused=True, foreach=None. The arithmetic is torch's fused kernel's, so a torch
+        # Adam/AdamW that loads this optimizer's state dict continues bit for bit (torch takes
+        # these options from the loaded groups; fused=None would switch it to its foreach path).
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        maximize=maximize, foreach=foreach, capturable=capturable,
-                        differentiable=differentiable, fused=fused,
+                        maximize=maximize, foreach=None, capturable=capturable,
+                        differentiable=differentiable, fused=True,
                         decoupled_weight_decay=decoupled_weight_decay)
         super().__init__(params, defaults)
 
@@ -371,10 +376,10 @@ class CPUAdam(Optimizer):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         for group in self.param_groups:
-            for key, default in (("amsgrad", False), ("maximize", False), ("foreach", None),
-                                 ("capturable", False), ("differentiable", False),
-                                 ("fused", None), ("decoupled_weight_decay", False)):
+            for key, default in (("amsgrad", False), ("maximize", False), ("capturable", False),
+                                 ("differentiable", False), ("decoupled_weight_decay", False)):
                 group.setdefault(key, default)
+            group["foreach"], group["fused"] = None, True  # [Note: groups record fused=True]
             for p in group["params"]:
                 p_state = self.state.get(p)
                 if p_state and not torch.is_tensor(p_state.get("step")):
