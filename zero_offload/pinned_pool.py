@@ -9,8 +9,8 @@ exact sizes (rounded up to 4 KiB for O_DIRECT), reused, never freed on the hot p
 [Note: pool growth] When a request fits in no free extent of any slab, the pool grows by one
 new slab of exactly that size (counted in ``stats.grows``), unless it was built with
 ``growable=False``, in which case it raises. Grown slabs are kept and reused like the first one;
-``trim()`` gives fully idle grown slabs back (the store calls it only when host memory is over
-budget, never on the steady-state path).
+``trim()`` gives fully idle grown slabs back; nothing calls it on the hot path (the store does
+not call it at all yet: size ``StoreConfig.pool_bytes`` for the staging window instead).
 
 Without CUDA (or ``pin=False``) the slab is plain aligned memory: every code path but the
 registration runs on a CPU-only machine.
