@@ -54,6 +54,7 @@ import contextlib
 import enum
 import functools
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -301,6 +302,8 @@ class Engine:
         if not any(s.trainable for s in self.partition.slots):
             raise ValueError("the model has no trainable parameter (requires_grad=True); the engine "
                              "trains parameters. Unfreeze some, or run inference without the engine")
+        if cfg.nvme_dir is not None:
+            os.makedirs(cfg.nvme_dir, exist_ok=True)  # OffloadConfig.nvme_dir: created if missing
         store_budgets = {Tier.GPU: cfg.gpu_budget, Tier.CPU: cfg.cpu_budget,
                          Tier.NVME: cfg.nvme_budget if cfg.nvme_dir is not None else 0}
         self.store = ChunkStore(StoreConfig(device=self.device, budgets=store_budgets,
@@ -311,7 +314,7 @@ class Engine:
                                                       has_nvme=cfg.nvme_dir is not None)
             if cfg.nvme_dir is not None and cfg.nvme_budget == "auto":
                 # Swap files are preallocated to the NVMe budget: take what the plan needs.
-                self.store.budgets[Tier.NVME] = self.plan.need[Tier.NVME] + (64 << 20)
+                self.store.budgets[Tier.NVME] = self.plan.need[Tier.NVME] + (4 << 20)
             self._build(lr_scheduler)
         except BaseException:
             self.store.close()
@@ -763,6 +766,7 @@ class Engine:
         for c in window:
             c.window.clear()
         self.global_step += 1
+        self.optimizer.note_update()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
 
@@ -961,6 +965,11 @@ class _HyperParams(torch.optim.Optimizer):
 
     def step(self, closure=None):
         raise RuntimeError("engine.optimizer holds hyperparameters only; call engine.step()")
+
+    def note_update(self) -> None:
+        """An update used these hyperparameters. torch's LRScheduler looks for this flag to tell
+        a scheduler stepped after the optimizer from one stepped before it (and warns)."""
+        self._opt_called = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         return None  # the engine consumes grads itself

@@ -1,0 +1,197 @@
+"""Shared pieces of the engine tests (tests/test_engine_*.py): tiny models, seeded data, the
+engine's training loop and the plain-torch references it must equal.
+
+References (see zero_offload/mixed_precision.py for the recipe):
+- fp32: the same model trained with torch.optim.Adam / AdamW;
+- bf16 / fp16: a low-precision copy of the model runs forward/backward, its grads are copied
+  into fp32 master params (summed in fp32 over micro-batches), torch.optim updates the masters,
+  which are copied back (rounded) into the low-precision copy; fp16 adds torch.amp.GradScaler.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+import zero_offload as zo
+from zero_offload.models import GPT, GPTConfig
+
+DEVICE = "cpu"
+
+MICRO_GPT = GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=16, seq_len=16, bias=False)
+"""About 7k params; with chunk_mb=SMALL_CHUNK_MB it spans several chunks. No biases: the key
+part of a qkv bias has a zero gradient up to rounding noise, which Adam turns into full-size
+steps of random sign, so it cannot be compared between two correct implementations."""
+
+SMALL_CHUNK_MB = 4096 / 2**20
+"""One 4 KiB chunk target (1024 fp32 / 2048 bf16 elements)."""
+
+
+class MLP(nn.Module):
+    """Three linears (about 1.7k params): three chunks at SMALL_CHUNK_MB in fp32."""
+
+    def __init__(self, d_in: int = 16, hidden: int = 32, d_out: int = 4):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.fc3 = nn.Linear(hidden, d_out)
+
+    def forward(self, x):
+        return self.fc3(F.gelu(self.fc2(F.gelu(self.fc1(x)))))
+
+
+def mlp(seed: int = 0, **kw) -> MLP:
+    torch.manual_seed(seed)
+    return MLP(**kw)
+
+
+def micro_gpt(seed: int = 0, **overrides) -> GPT:
+    import dataclasses
+    torch.manual_seed(seed)
+    return GPT(dataclasses.replace(MICRO_GPT, **overrides))
+
+
+def mlp_batches(n: int, *, seed: int = 1, batch: int = 8, d_in: int = 16, d_out: int = 4) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, d_in, generator=g), torch.randn(batch, d_out, generator=g))
+            for _ in range(n)]
+
+
+def gpt_batches(n: int, *, seed: int = 1, batch: int = 4, cfg: GPTConfig = MICRO_GPT) -> list:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=g)
+        out.append((ids[:, :-1], ids[:, 1:]))
+    return out
+
+
+def mlp_loss(model, batch):
+    x, y = batch
+    return F.mse_loss(model(x).float(), y)
+
+
+def gpt_loss(model, batch):
+    idx, targets = batch
+    return model(idx, targets)
+
+
+def config(**kw) -> zo.OffloadConfig:
+    """A test config: CPU placements, fp32, tiny chunks, explicit budgets (no 'auto' probing)."""
+    base = dict(params="cpu", optimizer="cpu", dtype="fp32", chunk_mb=SMALL_CHUNK_MB,
+                gpu_budget=1 << 22, cpu_budget=1 << 26, threads=1)
+    base.update(kw)
+    return zo.OffloadConfig(**base)
+
+
+def train_engine(engine, batches, loss_fn, *, accum: int = 1) -> list:
+    """Losses (floats) of each micro-batch, stepping the engine after each."""
+    losses = []
+    for b in batches:
+        loss = loss_fn(engine, b)
+        engine.backward(loss if accum == 1 else loss / accum)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def torch_optimizer(spec, params):
+    cls = torch.optim.AdamW if spec.adamw else torch.optim.Adam
+    return cls(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay,
+               foreach=False)
+
+
+class Reference:
+    """Plain-torch training of a copy of ``model`` with the engine's recipe for ``dtype``."""
+
+    def __init__(self, model: nn.Module, spec, *, dtype: torch.dtype = torch.float32,
+                 grad_clip=None, accum: int = 1, scheduler=None, scaler: dict | None = None):
+        self.work = copy.deepcopy(model).to(dtype)
+        self.dtype = dtype
+        self.lowp = dtype is not torch.float32
+        if self.lowp:
+            self.masters = [p.detach().float().clone().requires_grad_(p.requires_grad)
+                            for p in self.work.parameters()]
+        else:
+            self.masters = list(self.work.parameters())
+        trainable = [m for m in self.masters if m.requires_grad]
+        self.opt = torch_optimizer(spec, trainable)
+        self.sched = scheduler(self.opt) if scheduler is not None else None
+        self.grad_clip = grad_clip
+        self.accum = accum
+        self.micro = 0
+        self.scaler = torch.amp.GradScaler("cpu", **scaler) if scaler is not None else None
+        self.norms: list = []
+        self.skipped = 0
+
+    def cast(self, batch):
+        return tuple(t.to(self.dtype) if t.is_floating_point() else t for t in batch)
+
+    def step(self, batch, loss_fn) -> float:
+        loss = loss_fn(self.work, self.cast(batch))
+        scaled = loss / self.accum
+        if self.scaler is not None:
+            scaled = self.scaler.scale(scaled)
+        scaled.backward()
+        if self.lowp:
+            for p, m in zip(self.work.parameters(), self.masters):
+                if p.grad is not None:
+                    g = p.grad.float()
+                    m.grad = g if m.grad is None else m.grad + g
+                    p.grad = None
+        self.micro += 1
+        if self.micro == self.accum:
+            self.micro = 0
+            self._update()
+        return loss.item()
+
+    def _update(self):
+        params = [m for m in self.masters if m.requires_grad]
+        if self.scaler is not None:
+            self.scaler.unscale_(self.opt)
+        if self.grad_clip is not None:
+            self.norms.append(torch.nn.utils.clip_grad_norm_(params, self.grad_clip).item())
+        if self.scaler is not None:
+            scale_before = self.scaler.get_scale()
+            self.scaler.step(self.opt)
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < scale_before
+            self.skipped += skipped
+        else:
+            skipped = False
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.sched is not None and not skipped:
+            self.sched.step()
+        if self.lowp:
+            with torch.no_grad():
+                for p, m in zip(self.work.parameters(), self.masters):
+                    p.copy_(m)
+
+    def master_state(self) -> dict:
+        """name -> fp32 values (the masters), keyed like model.state_dict() params."""
+        names = [n for n, _ in self.work.named_parameters()]
+        return {n: m.detach().float() for n, m in zip(names, self.masters)}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    denom = b.norm().item()
+    return (a - b).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def assert_params_close(engine_sd: dict, ref_sd: dict, *, rtol: float) -> None:
+    for name, ref in ref_sd.items():
+        got = engine_sd[name]
+        err = rel_err(got, ref)
+        assert err <= rtol, f"{name}: relative error {err:.3g} > {rtol:g}"
+
+
+def assert_losses_close(got: list, ref: list, *, rtol: float) -> None:
+    assert len(got) == len(ref)
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert math.isfinite(a), f"step {i}: engine loss {a}"
+        assert abs(a - b) <= rtol * max(abs(b), 1e-3), f"step {i}: engine loss {a} vs reference {b}"
