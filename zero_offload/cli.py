@@ -256,28 +256,6 @@ def _human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _flat_stats(stats: Any, prefix: str = "") -> dict[str, float]:
-    """engine.stats() flattened to "a.b.c" -> number (whatever nesting the engine uses)."""
-    out = {}
-    if dataclasses.is_dataclass(stats) and not isinstance(stats, type):
-        stats = dataclasses.asdict(stats)
-    if hasattr(stats, "as_dict"):
-        stats = stats.as_dict()
-    if isinstance(stats, dict):
-        for k, v in stats.items():
-            key = str(getattr(k, "value", k))
-            out.update(_flat_stats(v, f"{prefix}{key}."))
-    elif isinstance(stats, (int, float)) and not isinstance(stats, bool):
-        out[prefix[:-1]] = float(stats)
-    return out
-
-
-def _tier_numbers(flat: dict[str, float], section: str) -> dict[str, float]:
-    """Entries "<section>.<tier>" of the flattened stats (e.g. resident_bytes.gpu)."""
-    n = len(section) + 1
-    return {k[n:]: v for k, v in flat.items() if k.startswith(section + ".") and "." not in k[n:]}
-
-
 # ------------------------------------------------------------------------------------ train
 
 class _StopOnSigint:
@@ -426,8 +404,7 @@ def cmd_train(args) -> int:
                 if not math.isfinite(loss_value):
                     raise RuntimeError(f"loss is {loss_value} at step {step}; lower --lr (now {spec.lr})")
                 if bar is not None:
-                    flat = _flat_stats(engine.stats())
-                    resident = _tier_numbers(flat, "resident_bytes")
+                    resident = engine.stats().bytes_held  # tier -> bytes the store holds now
                     bar.set_postfix_str(
                         f"loss={loss_value:.3f} tok/s={tokens_per_step / step_times[-1]:,.0f} " +
                         " ".join(f"{t}={_human_bytes(b)}" for t, b in resident.items()), refresh=False)
@@ -525,10 +502,10 @@ def _bench_one_depth(model_state, settings: RunSettings, cfg, spec, depth: int, 
     try:
         device = getattr(engine, "device", None) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         cuda = torch.device(device).type == "cuda"
-        times, before = [], None
+        times = []
         for i in range(warmup + settings.steps):
             if i == warmup:
-                before = _flat_stats(engine.stats())
+                engine.reset_stats()  # byte counters, stall times and peaks cover the timed steps
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
             x, y = corpus.batch(batch_size=settings.batch_size, seq_len=seq_len,
@@ -544,13 +521,11 @@ def _bench_one_depth(model_state, settings: RunSettings, cfg, spec, depth: int, 
                 torch.cuda.synchronize()
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
-        after = _flat_stats(engine.stats())
+        engine.synchronize()  # queued CPU updates land inside the measured window's counters
+        stats = engine.stats()
     finally:
         engine.close()
     n = settings.steps
-    moved = {hop: (after.get(f"bytes_moved.{hop}", 0.0) - before.get(f"bytes_moved.{hop}", 0.0)) / n
-             for hop in _tier_numbers(after, "bytes_moved")}
-    stall = ((after["stall_s"] - before.get("stall_s", 0.0)) / n) if "stall_s" in after else None
     flops = model.flops_per_token(seq_len) if hasattr(model, "flops_per_token") else None
     med = statistics.median(times)
     return {
@@ -558,9 +533,14 @@ def _bench_one_depth(model_state, settings: RunSettings, cfg, spec, depth: int, 
         "step_time_s": {"median": med, "min": min(times), "max": max(times), "all": times},
         "tokens_per_s": settings.batch_size * seq_len / med,
         "model_tflops": flops * settings.batch_size * seq_len / med / 1e12 if flops else None,
-        "stall_s_per_step": stall,
-        "bytes_per_step": moved,
-        "peak_bytes": _tier_numbers(after, "peak_bytes"),
+        "stall_s_per_step": (stats.fetch_stall_s + stats.update_stall_s) / n,
+        "fetch_stall_s_per_step": stats.fetch_stall_s / n,
+        "update_stall_s_per_step": stats.update_stall_s / n,
+        "gpu_stall_share": stats.gpu_stall_share,
+        "prefetch_hit_rate": stats.prefetch_hit_rate,
+        "bytes_per_step": {hop: b / n for hop, b in stats.bytes_moved.items() if b},
+        "peak_bytes": dict(stats.peak_bytes),
+        "peak_cuda_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "loss_last": float(loss.detach().float().item()),
     }
 
