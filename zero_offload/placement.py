@@ -16,9 +16,10 @@ accum          fp32                    CPU; only when ``grad_accum > 1``
 Frozen chunks (no trainable parameter) carry ``params`` only.
 
 [Note: working window] Besides the home copies, the compute device must hold, at the worst
-moment of backward, a few chunks in use at once plus their grads: the module running (a module
-may straddle two chunks), the chunk of a tied embedding whose grads complete only at the end,
-and the look-ahead. ``window_bytes`` sizes that as (prefetch_depth + 2) params chunks plus two
+moment of backward, a few chunks in use at once with their grads buffers: a chunk is held from
+its first grad until its last one lands, so the one backward is in and the one it straddles into
+stay, and so does the chunk of a tied embedding (its grad completes only at the very end); plus
+the look-ahead. ``window_bytes`` sizes that as (prefetch_depth + 3) params chunks plus three
 grads chunks of the largest size; initialize refuses a GPU budget below homes + window, with
 the numbers. When optimizer state or params live on NVMe, host memory needs a staging window
 of (prefetch_depth + 1) chunks of what is read ahead.
@@ -102,7 +103,7 @@ def window_bytes(partition: Partition, config: OffloadConfig) -> int:
     big_params = max(chunk_bytes(c, config, ("params",)) for c in partition.chunks)
     trainable = [c for c in partition.chunks if c.trainable]
     big_grads = max((chunk_bytes(c, config, ("grads",)) for c in trainable), default=0)
-    return (config.prefetch_depth + 2) * big_params + 2 * big_grads
+    return (config.prefetch_depth + 3) * big_params + 3 * big_grads
 
 
 def plan_placement(partition: Partition, config: OffloadConfig, budgets: dict, *,
@@ -166,7 +167,7 @@ def _check_fits(partition, config, budgets, need, *, gpu_window, staging, homes)
         raise FitError(
             f"gpu_budget={budgets[Tier.GPU]} bytes cannot hold the working set: {home} bytes of "
             f"params homed on the compute device + a working window of {gpu_window} bytes "
-            f"((prefetch_depth {config.prefetch_depth} + 2) params chunks + 2 grads chunks; the "
+            f"((prefetch_depth {config.prefetch_depth} + 3) params chunks + 3 grads chunks; the "
             f"largest chunk is {big_mib:.2f} MiB) = {need[Tier.GPU]} bytes. Raise gpu_budget to at "
             f"least {need[Tier.GPU]}, or lower chunk_mb (now {config.chunk_mb}) or prefetch_depth"
             + (", or place params on 'cpu'" if home else ""))
