@@ -333,12 +333,12 @@ class Bench:
 
     # -- optimizer only -----------------------------------------------------------------------
 
-    def case_offload_adamw(self, name="offload-adamw", *, state="cpu"):
+    def case_offload_adamw(self, name="offload-adamw", *, state="cpu", threads=None, steps=None, warmup=None):
         self.start_case()
         model = self.build(device=self.device)
         opt = zo.OffloadAdamW(model.parameters(), lr=1e-4, weight_decay=0.1, state=state,
                               nvme_dir=self.nvme_dir() if state == "nvme" else None,
-                              chunk_mb=self.args.chunk_mb, threads=self.args.threads)
+                              chunk_mb=self.args.chunk_mb, threads=threads or self.args.threads)
         amp = self.device.type == "cuda"
         losses = []
 
@@ -351,14 +351,15 @@ class Bench:
             opt.zero_grad(set_to_none=True)
             losses.append(loss.detach())
 
-        times = time_steps(step, warmup=self.args.warmup, steps=self.args.steps, device=self.device,
-                           after_warmup=opt.reset_stats)
+        times = time_steps(step, warmup=self.args.warmup if warmup is None else warmup,
+                           steps=steps or self.args.steps, device=self.device, after_warmup=opt.reset_stats)
         s = opt.stats
         total = sum(times)
         read, written = opt.nvme_bytes()
         moved = {"gpu->cpu": s.d2h_bytes / len(times), "cpu->gpu": s.h2d_bytes / len(times),
                  "nvme->cpu": read / len(times), "cpu->nvme": written / len(times)}
-        self.record(name, f"zero_offload OffloadAdamW (state {state}; fp32 params on GPU, bf16 autocast)",
+        self.record(name, f"zero_offload OffloadAdamW (state {state}; fp32 params on GPU, bf16 autocast; "
+                    f"CPU-Adam threads {opt._threads or 'all'})",
                     times, losses=[float(x) for x in losses], stall=s.step_wait_s / total, moved=moved,
                     notes=f"CPU-Adam {s.adam_s / len(times):.3f} s/step on the worker")
         opt.close()
@@ -507,6 +508,8 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", type=int, default=2, help="prefetch depth")
     ap.add_argument("--chunk-mb", type=float, default=64.0)
     ap.add_argument("--threads", type=int, default=None, help="CPU-Adam threads (default: all cores)")
+    ap.add_argument("--adamw-threads", type=int, default=None,
+                    help="CPU-Adam threads of the OffloadAdamW cases (default: --threads)")
     ap.add_argument("--nvme-dir", default=None)
     ap.add_argument("--largest-cpu-budget", default="auto",
                     help="engine-largest: cpu_budget (optimizer state beyond it spills to NVMe)")
@@ -541,9 +544,10 @@ def main(argv=None) -> int:
             elif case == "engine-auto":
                 bench.case_engine(case, params="cpu", optimizer="auto", nvme=True)
             elif case == "offload-adamw":
-                bench.case_offload_adamw()
+                bench.case_offload_adamw(threads=args.adamw_threads)
             elif case == "offload-adamw-nvme":
-                bench.case_offload_adamw("offload-adamw-nvme", state="nvme")
+                bench.case_offload_adamw(case, state="nvme", threads=args.adamw_threads,
+                                         steps=args.nvme_steps, warmup=1)
             elif case == "torchao":
                 bench.case_torchao()
             elif case == "engine-largest":

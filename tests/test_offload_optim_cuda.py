@@ -32,11 +32,8 @@ def test_cuda_bf16_params_follow_fp32_master():
     master = make_model("cuda", dtype=torch.bfloat16).float()
     opt = OffloadAdamW(model.parameters(), lr=1e-3, chunk_mb=0.02, overlap=False)
     ref = torch.optim.AdamW(master.parameters(), lr=1e-3)
-    losses = []
     for x, y in batches(10, device="cuda"):
-        loss = model(x, y)
-        loss.backward()
-        losses.append(loss.item())
+        model(x, y).backward()
         for p, q in zip(model.parameters(), master.parameters()):
             q.grad = p.grad.float()
         opt.step()
@@ -44,8 +41,9 @@ def test_cuda_bf16_params_follow_fp32_master():
         opt.zero_grad()
         ref.zero_grad()
         # the next forward reads params without any host synchronisation from step()
-    assert losses[-1] < losses[0]
     sd = opt.state_dict()["state"]
+    start = make_model("cuda", dtype=torch.bfloat16)
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), start.parameters()))
     for i, (p, q) in enumerate(zip(model.parameters(), master.parameters())):
         torch.testing.assert_close(sd[i]["master"], q.detach().cpu(), rtol=1e-5, atol=1e-7)
         assert torch.equal(p.detach().cpu(), sd[i]["master"].bfloat16())
