@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
 import torch
 from torch import nn
@@ -19,7 +20,9 @@ import torch.nn.functional as F
 import zero_offload as zo
 from zero_offload.models import GPT, GPTConfig
 
-DEVICE = "cpu"
+DEVICE = os.environ.get("ZO_TEST_DEVICE", "cpu")
+"""Compute device of the engine and the reference: the CPU in CI; ZO_TEST_DEVICE=cuda runs the
+same parity tests on the GPU machine."""
 
 MICRO_GPT = GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=16, seq_len=16, bias=False)
 """About 7k params; with chunk_mb=SMALL_CHUNK_MB it spans several chunks. No biases: the key
@@ -71,12 +74,12 @@ def gpt_batches(n: int, *, seed: int = 1, batch: int = 4, cfg: GPTConfig = MICRO
 
 def mlp_loss(model, batch):
     x, y = batch
-    return F.mse_loss(model(x).float(), y)
+    return F.mse_loss(model(x).float(), y.to(device=DEVICE, dtype=torch.float32))
 
 
 def gpt_loss(model, batch):
     idx, targets = batch
-    return model(idx, targets)
+    return model(idx, targets.to(DEVICE))
 
 
 def config(**kw) -> zo.OffloadConfig:
@@ -109,7 +112,7 @@ class Reference:
 
     def __init__(self, model: nn.Module, spec, *, dtype: torch.dtype = torch.float32,
                  grad_clip=None, accum: int = 1, scheduler=None, scaler: dict | None = None):
-        self.work = copy.deepcopy(model).to(dtype)
+        self.work = copy.deepcopy(model).to(device=DEVICE, dtype=dtype)
         self.dtype = dtype
         self.lowp = dtype is not torch.float32
         if self.lowp:
@@ -123,12 +126,14 @@ class Reference:
         self.grad_clip = grad_clip
         self.accum = accum
         self.micro = 0
-        self.scaler = torch.amp.GradScaler("cpu", **scaler) if scaler is not None else None
+        self.scaler = (torch.amp.GradScaler(torch.device(DEVICE).type, **scaler)
+                       if scaler is not None else None)
         self.norms: list = []
         self.skipped = 0
 
     def cast(self, batch):
-        return tuple(t.to(self.dtype) if t.is_floating_point() else t for t in batch)
+        return tuple(t.to(device=DEVICE, dtype=self.dtype) if t.is_floating_point() else t.to(DEVICE)
+                     for t in batch)
 
     def step(self, batch, loss_fn) -> float:
         loss = loss_fn(self.work, self.cast(batch))
@@ -174,7 +179,7 @@ class Reference:
     def master_state(self) -> dict:
         """name -> fp32 values (the masters), keyed like model.state_dict() params."""
         names = [n for n, _ in self.work.named_parameters()]
-        return {n: m.detach().float() for n, m in zip(names, self.masters)}
+        return {n: m.detach().float().cpu() for n, m in zip(names, self.masters)}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -10,10 +10,14 @@ from _engine_util import (DEVICE, Reference, assert_losses_close, assert_params_
 STEPS = 20
 
 
-@pytest.mark.parametrize("optimizer", ["cpu", "nvme"])
-@pytest.mark.parametrize("params", ["gpu", "cpu", "nvme"])
-@pytest.mark.parametrize("spec", [zo.AdamW(lr=1e-2, weight_decay=0.1), zo.Adam(lr=1e-2, weight_decay=0.05)],
-                         ids=["adamw", "adam"])
+ADAMW = zo.AdamW(lr=1e-2, weight_decay=0.1)
+ADAM = zo.Adam(lr=1e-2, weight_decay=0.05)  # L2 penalty folded into the grad
+CASES = [(p, o, ADAMW) for p in ("gpu", "cpu", "nvme") for o in ("cpu", "nvme")]
+CASES += [("cpu", "cpu", ADAM), ("nvme", "nvme", ADAM)]
+
+
+@pytest.mark.parametrize("params,optimizer,spec", CASES,
+                         ids=[f"{p}-{o}-{'adamw' if s.adamw else 'adam'}" for p, o, s in CASES])
 def test_placement_matches_torch(params, optimizer, spec, tmp_path):
     model = mlp()
     ref = Reference(model, spec)

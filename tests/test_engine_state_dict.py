@@ -3,6 +3,8 @@ loads into a fresh model, which then computes what the engine computes."""
 import torch
 
 import zero_offload as zo
+import pytest
+
 from _engine_util import DEVICE, config, gpt_batches, gpt_loss, micro_gpt, train_engine
 
 
@@ -16,10 +18,11 @@ def test_state_dict_loads_into_fresh_model():
         assert set(sd) == set(fresh.state_dict())
         assert all(v.dtype is torch.float32 and v.device.type == "cpu" for v in sd.values())
         fresh.load_state_dict(sd, strict=True)
+        idx, targets = batches[3]
         with torch.no_grad():
-            want = gpt_loss(fresh, batches[3]).item()
+            want = gpt_loss(fresh.to(DEVICE), (idx.to(DEVICE), targets)).item()
             got = gpt_loss(engine, batches[3]).item()
-        assert got == want
+        assert got == pytest.approx(want, rel=1e-6)
         with engine.gathered() as m:  # read-only fp32 view through the user's module
             assert torch.equal(m.blocks[0].attn.qkv.weight, sd["blocks.0.attn.qkv.weight"])
         assert engine.module.blocks[0].attn.qkv.weight.isnan().all()  # placeholder again

@@ -492,6 +492,8 @@ class Engine:
             return tree_unflatten(flat, spec)
 
     def _post_forward(self, rec: _ModuleRecord, module, args, kwargs, output):
+        if self._phase is Phase.IDLE:
+            return None  # the pre-forward hook refused this call (always_call runs us anyway)
         with self._lock, record_function("zero_offload::post_forward"):
             token = self._call_stack.pop() if self._call_stack else None
             for c in rec.chunks:
