@@ -249,35 +249,43 @@ int default_threads() {
   return n > 0 ? static_cast<int>(n) : 1;
 }
 
-// Below this many elements per thread, waking another thread costs more than it saves
-// (~28 bytes/element for Adam: 32K elements is ~1 MB of traffic, tens of microseconds).
-constexpr int64_t kMinElementsPerThread = 1 << 15;
-// Ranges start at multiples of 16 elements: 64 bytes of fp32, so with a 64-byte-aligned buffer
-// every thread streams whole cache lines and no two threads write the same line.
-constexpr int64_t kRangeAlign = 16;
+// [Note: chunked work sharing]
+// A buffer is cut into chunks whose size depends only on its length (never on the thread count),
+// and the threads take chunks in order from an atomic counter until none are left:
+//  * each chunk is one contiguous stretch (>= 128 KiB of every fp32 stream), starting on a
+//    multiple of 16 elements, i.e. on a 64-byte line when the buffer is 64-byte aligned, so the
+//    hardware prefetchers stream and no two threads write the same cache line;
+//  * a thread that is slowed down (a busy shared machine, an interrupt) holds up at most one
+//    chunk instead of a 1/threads share of the buffer;
+//  * per-chunk partial sums added in chunk order make grad_sumsq independent of the thread count.
+constexpr int64_t kMinChunk = 1 << 15;       // elements; smaller buffers run on the caller alone
+constexpr int64_t kTargetChunks = 256;       // large buffers: about this many chunks
+constexpr int64_t kRangeAlign = 16;          // elements: 64 bytes of fp32
 
-struct Split {
-  int threads;    // ranges actually used (<= requested)
-  int64_t chunk;  // elements per range (the last may be shorter)
+struct Chunks {
+  int64_t size;   // elements per chunk (the last may be shorter)
+  int64_t count;  // number of chunks
 };
 
-Split split(int64_t numel, int threads) {
-  const int64_t useful = (numel + kMinElementsPerThread - 1) / kMinElementsPerThread;
-  int64_t n = std::max<int64_t>(1, std::min<int64_t>(threads, useful));
-  int64_t chunk = (numel + n - 1) / n;
-  chunk = (chunk + kRangeAlign - 1) / kRangeAlign * kRangeAlign;
-  if (chunk == 0) chunk = kRangeAlign;
-  n = std::max<int64_t>(1, (numel + chunk - 1) / chunk);
-  return Split{static_cast<int>(n), chunk};
+Chunks chunks_for(int64_t numel) {
+  int64_t size = (numel + kTargetChunks - 1) / kTargetChunks;
+  size = (size + kRangeAlign - 1) / kRangeAlign * kRangeAlign;
+  size = std::max(size, kMinChunk);
+  return Chunks{size, (numel + size - 1) / size};
 }
 
+// Calls fn(chunk_index, begin, end) once for every chunk of [0, numel), on up to `threads`
+// threads (see [Note: chunked work sharing]).
 template <class Fn>
-void parallel_ranges(int64_t numel, int threads, const Fn& fn) {
-  const Split s = split(numel, threads);
-  ParallelPool::get().run(s.threads, [&](int t) {
-    const int64_t begin = t * s.chunk;
-    const int64_t end = std::min(numel, begin + s.chunk);
-    if (begin < end) fn(t, begin, end);
+void parallel_chunks(int64_t numel, int threads, const Fn& fn) {
+  const Chunks c = chunks_for(numel);
+  const int used = static_cast<int>(std::min<int64_t>(threads, c.count));
+  std::atomic<int64_t> next{0};
+  ParallelPool::get().run(used, [&](int) {
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < c.count;
+         i = next.fetch_add(1, std::memory_order_relaxed)) {
+      fn(i, i * c.size, std::min(numel, (i + 1) * c.size));
+    }
   });
 }
 
@@ -355,7 +363,7 @@ void adam_step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_av
   const Scalars scalars =
       make_scalars(step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale);
   const Kernels& k = active_kernels();
-  parallel_ranges(numel, threads, [&](int, int64_t begin, int64_t end) {
+  parallel_chunks(numel, threads, [&](int64_t, int64_t begin, int64_t end) {
     k.adam(buffers, scalars, begin, end);
   });
 }
@@ -366,13 +374,12 @@ double grad_sumsq(uintptr_t grad, int dtype, int64_t numel, double grad_scale, i
   if (numel == 0) return 0.0;
   if (!grad) throw std::invalid_argument("null buffer address with numel > 0");
   const Kernels& k = active_kernels();
-  const Split s = split(numel, threads);
-  std::vector<double> partial(s.threads, 0.0);
-  parallel_ranges(numel, threads, [&](int t, int64_t begin, int64_t end) {
-    partial[t] = k.sumsq(reinterpret_cast<const void*>(grad), d, begin, end);
+  std::vector<double> partial(chunks_for(numel).count, 0.0);
+  parallel_chunks(numel, threads, [&](int64_t chunk, int64_t begin, int64_t end) {
+    partial[chunk] = k.sumsq(reinterpret_cast<const void*>(grad), d, begin, end);
   });
   double total = 0.0;
-  for (double p : partial) total += p;  // in thread order: same threads, same result
+  for (double p : partial) total += p;  // in chunk order: any thread count, same result
   // sum((g / s)^2) = sum(g^2) / s^2; s is an fp32 value, so s * s is exact in double.
   const double scale = static_cast<float>(grad_scale);
   return total / (scale * scale);
@@ -385,12 +392,10 @@ bool grad_nonfinite(uintptr_t grad, int dtype, int64_t numel, int threads) {
   if (!grad) throw std::invalid_argument("null buffer address with numel > 0");
   const Kernels& k = active_kernels();
   std::atomic<bool> found{false};
-  constexpr int64_t kBlock = 1 << 16;  // threads look for an early exit between blocks
-  parallel_ranges(numel, threads, [&](int, int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end && !found.load(std::memory_order_relaxed); b += kBlock) {
-      if (k.nonfinite(reinterpret_cast<const void*>(grad), d, b, std::min(end, b + kBlock))) {
-        found.store(true, std::memory_order_relaxed);
-      }
+  parallel_chunks(numel, threads, [&](int64_t, int64_t begin, int64_t end) {
+    if (found.load(std::memory_order_relaxed)) return;  // early exit: skip the remaining chunks
+    if (k.nonfinite(reinterpret_cast<const void*>(grad), d, begin, end)) {
+      found.store(true, std::memory_order_relaxed);
     }
   });
   return found.load();

@@ -106,6 +106,9 @@ def test_thread_count_does_not_change_results(each_isa):
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert torch.equal(a, b)
+    # chunks depend on the length only, and partial sums add in chunk order: bit-equal sums
+    sums = {grad_sumsq(grad, threads=threads) for threads in (1, 2, 3, 8)}
+    assert len(sums) == 1
 
 
 def test_isa_names_and_switching():
