@@ -5,10 +5,28 @@ import sys
 
 import pytest
 
+from zero_offload.cli import main
 
-def run(*argv, cwd=None):
-    return subprocess.run([sys.executable, "-m", "zero_offload", *argv], capture_output=True, text=True,
-                          cwd=cwd, timeout=120)
+
+class Result:
+    def __init__(self, returncode, stdout, stderr):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+@pytest.fixture
+def run(capsys):
+    """The command in-process (fast); test_subprocess_exit_code checks the real entry point."""
+    def _run(*argv):
+        code = main(list(argv))
+        out, err = capsys.readouterr()
+        return Result(code, out, err)
+    return _run
+
+
+def test_subprocess_exit_code():
+    r = subprocess.run([sys.executable, "-m", "zero_offload", "train", "--steps", "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "positive integer" in r.stderr
 
 
 @pytest.mark.parametrize("argv, fix", [
@@ -24,7 +42,7 @@ def run(*argv, cwd=None):
     (["frobnicate"], "invalid choice"),
     ([], "required"),
 ])
-def test_bad_flag_exits_2_with_one_line(argv, fix):
+def test_bad_flag_exits_2_with_one_line(run, argv, fix):
     r = run(*argv)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
@@ -33,7 +51,7 @@ def test_bad_flag_exits_2_with_one_line(argv, fix):
     assert "--help" in lines[0]
 
 
-def test_bad_config_values_exit_2_with_one_line(tmp_path):
+def test_bad_config_values_exit_2_with_one_line(run, tmp_path):
     cases = {
         "bad_dtype.json": ({"dtype": "fp8"}, "dtype"),
         "typo.json": ({"prefetch_dept": 2}, "did you mean 'prefetch_depth'"),
@@ -56,13 +74,13 @@ def test_bad_config_values_exit_2_with_one_line(tmp_path):
     assert r.returncode == 2 and "pass an existing JSON file" in r.stderr
 
 
-def test_resume_without_checkpoint_names_the_fix(tmp_path):
+def test_resume_without_checkpoint_names_the_fix(run, tmp_path):
     r = run("train", "--resume", "--out", str(tmp_path / "nothing"))
     assert r.returncode == 2
     assert "run without --resume first" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
-def test_help_exits_0():
+def test_help_exits_0(run):
     for argv in (["--help"], ["train", "--help"], ["bench", "prefetch", "--help"], ["info", "--help"]):
         r = run(*argv)
         assert r.returncode == 0 and "usage: zero-offload" in r.stdout, argv
