@@ -460,6 +460,7 @@ def plot_prefetch(results: Sequence[dict], path, *, title: str = "", recommended
     ax1.plot(depths, stall, marker="s", label="stall waiting for chunks")
     if recommended is not None:
         ax1.axvline(recommended, color="grey", linestyle="--", label=f"recommended depth {recommended}")
+    ax1.set_xticks(depths)
     ax1.set_xlabel("prefetch depth (chunks in flight per hop)")
     ax1.set_ylabel("ms per step")
     ax1.set_ylim(bottom=0)
