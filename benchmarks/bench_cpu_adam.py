@@ -17,7 +17,7 @@ interleaved within each repeat, so machine noise hits them alike), Mparams/s, GB
 minimum traffic of the update (28 bytes/param for both cases: fp32 param, exp_avg, exp_avg_sq
 read+written = 24, plus the grad read and, in (b), the bf16 copy written), the ratio to torch,
 and the percentage of an in-place read-modify-write bandwidth (x.mul_(c) over --rmw-gib GiB,
-2 x bytes per pass) measured in the same run.
+2 x bytes per pass) timed in the same interleaved loop.
 
     python benchmarks/bench_cpu_adam.py --threads 2 --sizes 10M,100M --repeats 5 \
         --json-out /tmp/cpu_adam.json --md-out benchmarks/results/cpu_adam_<hw>_<date>.md
@@ -90,12 +90,15 @@ def time_once(fn: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def rmw_bandwidth(gib: float, repeats: int) -> float:
-    """GB/s of x.mul_(c) over `gib` GiB of fp32 (read + write counted), median of repeats."""
+RMW = "x.mul_(c), RMW reference"
+
+
+def rmw_buffer(gib: float) -> torch.Tensor:
+    """The in-place read-modify-write reference: x.mul_(c) over `gib` GiB of fp32 moves 2 x its
+    bytes. Timed inside the same interleaved loop as the optimizers, so it sees the same noise."""
     x = torch.ones(int(gib * 2**30) // 4)
     x.mul_(1.0)  # fault the pages in
-    times = [time_once(lambda: x.mul_(1.0000001)) for _ in range(repeats)]
-    return 2 * x.numel() * 4 / statistics.median(times) / 1e9
+    return x
 
 
 def check_parity() -> None:
@@ -122,7 +125,7 @@ def deepspeed_adam():
 
 
 def bench_size(numel: int, *, repeats: int, threads: int, cases: str, with_foreach: bool,
-               ds_cls) -> list[Result]:
+               ds_cls, rmw: torch.Tensor) -> list[Result]:
     gen = torch.Generator().manual_seed(1)
     grad32 = torch.randn(numel, generator=gen).mul_(1e-2)
     grad16 = grad32.to(torch.bfloat16)
@@ -178,6 +181,7 @@ def bench_size(numel: int, *, repeats: int, threads: int, cases: str, with_forea
         impls[("b", "torch composite")] = torch_b
         keep += [flat, m, v, out, comp]
 
+    impls[("rmw", RMW)] = lambda: rmw.mul_(1.0000001)
     for fn in impls.values():  # warm-up: lazy state, page faults
         fn()
     times: dict[tuple[str, str], list[float]] = {key: [] for key in impls}
@@ -187,21 +191,26 @@ def bench_size(numel: int, *, repeats: int, threads: int, cases: str, with_forea
     results = []
     for (case, impl), seconds in times.items():
         med = statistics.median(seconds)
+        if case == "rmw":
+            results.append(Result(case=case, impl=impl, numel=numel, seconds=seconds, median_s=med,
+                                  gb_per_s=2 * rmw.numel() * 4 / med / 1e9))
+            continue
         results.append(Result(case=case, impl=impl, numel=numel, seconds=seconds, median_s=med,
                               mparams_per_s=numel / med / 1e6, gb_per_s=BYTES_PER_PARAM * numel / med / 1e9))
     del keep
     return results
 
 
-def finish(results: list[Result], rmw_gbps: float) -> list[Result]:
-    """Adds ratio to torch and % of RMW bandwidth."""
+def finish(results: list[Result]) -> list[Result]:
+    """Adds the ratio to torch and the % of the RMW bandwidth measured in the same loop."""
     reference = {("a", r.numel): r for r in results if r.impl == "torch Adam fused"}
     reference.update({("b", r.numel): r for r in results if r.impl == "torch composite"})
+    rmw = {r.numel: r.gb_per_s for r in results if r.case == "rmw"}
     done = []
     for r in results:
         ref = reference.get((r.case, r.numel))
         ratio = None if ref is None else r.mparams_per_s / ref.mparams_per_s
-        done.append(Result(**{**asdict(r), "ratio_to_torch": ratio, "pct_of_rmw": 100 * r.gb_per_s / rmw_gbps}))
+        done.append(Result(**{**asdict(r), "ratio_to_torch": ratio, "pct_of_rmw": 100 * r.gb_per_s / rmw[r.numel]}))
     return done
 
 
@@ -212,7 +221,8 @@ def markdown(results: list[Result], meta: dict) -> str:
         f"Command: `{meta['command']}`  ",
         f"Machine: {meta['cpu']} ({meta['cpus_online']} CPUs online, {meta['threads']} threads used), "
         f"torch {meta['torch']} (CPU capability {meta['torch_capability']}), zero_offload ISA path {meta['isa']}.  ",
-        f"In-place RMW bandwidth (x.mul_(c) over {meta['rmw_gib']} GiB, read+write): **{meta['rmw_gbps']:.1f} GB/s**.  ",
+        f"RMW reference: x.mul_(c) over {meta['rmw_gib']} GiB of fp32 (read+write counted), timed in the same "
+        "interleaved loop as the optimizers (its row in each size's block; % of RMW is relative to it).  ",
         f"Medians of {meta['repeats']} interleaved steps; GB/s counts {BYTES_PER_PARAM} B/param. "
         "Parity check (bit-equal to torch fused AdamW) passed before timing.",
         "",
@@ -221,6 +231,10 @@ def markdown(results: list[Result], meta: dict) -> str:
     ]
     for r in results:
         ratio = "—" if r.ratio_to_torch is None else f"{r.ratio_to_torch:.2f}x"
+        if r.case == "rmw":
+            lines.append(f"| — | {r.numel / 1e6:g}M | {r.impl} | {r.median_s * 1e3:.1f} | — | "
+                         f"{r.gb_per_s:.1f} | — | 100% |")
+            continue
         lines.append(f"| {r.case} | {r.numel / 1e6:g}M | {r.impl} | {r.median_s * 1e3:.1f} | "
                      f"{r.mparams_per_s:.0f} | {r.gb_per_s:.1f} | {ratio} | {r.pct_of_rmw:.0f}% |")
     lines += ["", "(a) fp32 grads, no copy-out; torch = Adam(fused=True). (b) bf16 grads in, bf16 params out; "
@@ -254,20 +268,18 @@ def main(argv=None) -> int:
     ds_cls, ds_reason = deepspeed_adam()
 
     check_parity()
-    rmw = rmw_bandwidth(args.rmw_gib, max(3, args.repeats))
-    print(f"RMW bandwidth: {rmw:.1f} GB/s", flush=True)
+    print("parity check: ok", flush=True)
+    rmw = rmw_buffer(args.rmw_gib)
     results = []
     for numel in sizes:
         results += bench_size(numel, repeats=args.repeats, threads=threads, cases=args.cases,
-                              with_foreach=not args.no_foreach, ds_cls=ds_cls)
+                              with_foreach=not args.no_foreach, ds_cls=ds_cls, rmw=rmw)
         print(f"done {numel / 1e6:g}M", flush=True)
-    rmw_after = rmw_bandwidth(args.rmw_gib, max(3, args.repeats))
-    results = finish(results, max(rmw, rmw_after))
+    results = finish(results)
     meta = {
         "cpu": cpu_model(), "cpus_online": os.cpu_count(), "threads": threads,
         "torch": torch.__version__, "torch_capability": torch.backends.cpu.get_cpu_capability(),
-        "isa": isa(), "rmw_gib": args.rmw_gib, "rmw_gbps": max(rmw, rmw_after),
-        "rmw_gbps_before_after": [rmw, rmw_after], "repeats": args.repeats,
+        "isa": isa(), "rmw_gib": args.rmw_gib, "repeats": args.repeats,
         "date": datetime.date.today().isoformat(), "python": sys.version.split()[0],
         "command": "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
         "deepspeed": ds_reason,

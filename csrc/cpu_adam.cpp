@@ -259,7 +259,7 @@ int default_threads() {
 //    chunk instead of a 1/threads share of the buffer;
 //  * per-chunk partial sums added in chunk order make grad_sumsq independent of the thread count.
 constexpr int64_t kMinChunk = 1 << 15;       // elements; smaller buffers run on the caller alone
-constexpr int64_t kTargetChunks = 256;       // large buffers: about this many chunks
+constexpr int64_t kTargetChunks = 64;        // large buffers: about this many chunks
 constexpr int64_t kRangeAlign = 16;          // elements: 64 bytes of fp32
 
 struct Chunks {

@@ -3,6 +3,7 @@ ValueError or NotImplementedError naming the problem, and leaves params and stat
 import pytest
 import torch
 
+from _cpu_adam_util import TORCH_HAS_GRAD_DTYPE
 from zero_offload.cpu_adam import CPUAdam, CPUAdamW, adam_step, grad_nonfinite, grad_sumsq
 
 N = 37
@@ -175,6 +176,8 @@ def _bad_grad(kind, p):
 @pytest.mark.parametrize("kind", ["fp64", "sparse", "strided"])
 def test_step_with_a_bad_grad_changes_nothing(kind, index):
     """One bad grad anywhere: no param, moment or step counter changes, in any group."""
+    if kind == "fp64" and not TORCH_HAS_GRAD_DTYPE:
+        pytest.skip("this torch cannot give an fp32 param an fp64 grad")
     opt, params = _trained()
     grad, error, fragment = _bad_grad(kind, params[index])
     params[index].grad = grad

@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _cpu_adam_util import MODES, assert_matches_torch, each_isa, torch_fused, torch_one_thread  # noqa: F401
+from _cpu_adam_util import (MODES, assert_matches_torch, each_isa, needs_grad_dtype, torch_fused,  # noqa: F401
+                            torch_one_thread)
 from zero_offload.cpu_adam import CPUAdam, CPUAdamW, adam_step
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -61,6 +62,7 @@ def test_large_buffer_matches_torch_fused(each_isa, mode):
     assert_matches_torch(ours.detach(), ref.detach(), f"{each_isa} n=1_000_003 {mode}")
 
 
+@needs_grad_dtype
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("size", [1, 17, 4097])
 def test_optimizer_low_precision_grads(each_isa, size, grad_dtype):
