@@ -398,7 +398,10 @@ class CPUAdam(Optimizer):
             if key not in state:
                 raise ValueError(f"{where}: optimizer state lacks '{key}'; load a state dict saved by "
                                  "torch.optim.Adam/AdamW or CPUAdam, or start without one")
-        _check_step(state["step"] + 1)
+        step = state["step"]
+        if torch.is_tensor(step):
+            step = step.item() if step.numel() == 1 else step
+        _check_step(step + 1 if isinstance(step, Real) and not isinstance(step, bool) else step)
         for key in ("exp_avg", "exp_avg_sq"):
             _check_buffer(f"{where} state['{key}']", state[key], dtypes=(torch.float32,), numel=p.numel())
 
