@@ -93,6 +93,15 @@ _PHASE_LEGAL = {
 }
 
 
+class _Deferred(NamedTuple):
+    """A release that must wait for a chunk's param copies (see [Note: deferred release])."""
+
+    chunk: "_Chunk"
+    event: Any
+    """The CUDA event after the copies that read the buffer."""
+    action: Callable[[], None]
+
+
 class _Hyper(NamedTuple):
     """A param group's hyperparameters, read when its chunk is handed to the worker."""
 
@@ -244,7 +253,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._streams: _Streams | None = None
         self._order: list[_Chunk] = []           # chunks in the order they filled last step
         self._filling: list[_Chunk] = []         # this step's fill order
-        self._deferred: list[tuple[Any, Callable[[], None]]] = []  # (CUDA event, release action)
+        self._deferred: list[_Deferred] = []     # see [Note: deferred release]
         self._lock = threading.Lock()            # guards _deferred (worker and main thread)
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1,
                                                              thread_name_prefix="zero_offload-adam")
@@ -436,6 +445,7 @@ class OffloadAdam(torch.optim.Optimizer):
     def _resync_master(self, chunk: _Chunk, slot: _Slot) -> None:
         """See [Note: params changed outside the optimizer]. Rare: synchronous."""
         self._wait_job(chunk)
+        self._run_deferred(chunk)
         with self._store.use(chunk.cid, _STATE, Tier.CPU, write=True) as buf:
             buf[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
             self._store.mark_dirty(chunk.cid, _STATE, Tier.CPU)
@@ -482,8 +492,7 @@ class OffloadAdam(torch.optim.Optimizer):
         try:
             if chunk.d2h_done is not None:
                 chunk.d2h_done.synchronize()
-            if chunk.h2d_done is not None:
-                chunk.h2d_done.synchronize()  # last step's copies read the pinned source
+            self._run_deferred(chunk)  # last step's copies read the pinned source: release it
             n = chunk.numel
             grads = chunk.grads.view(chunk.dtype, n)
             out = None
@@ -550,24 +559,32 @@ class OffloadAdam(torch.optim.Optimizer):
         self.stats.h2d_bytes += sum(s.numel for s in landed) * chunk.dtype.itemsize
 
     def _after_h2d(self, chunk: _Chunk, action: Callable[[], None]) -> None:
+        """Run ``action`` once the chunk's param copies are done (at once without CUDA).
+
+        [Note: deferred release] The copies back to the GPU read a pinned buffer (the master, or
+        the low-precision staging buffer), so that buffer is unpinned / evicted / returned to the
+        pool only after their event. The release runs at the latest before the *same chunk's*
+        next update (``_run_deferred`` at the top of ``_update``), which re-pins the buffer; so
+        a release never meets a pin taken after it. ``step()`` runs the releases whose copies
+        have finished, without waiting; ``_drain`` runs them all."""
         if chunk.h2d_done is None:
             action()
             return
         with self._lock:
-            self._deferred.append((chunk.h2d_done, action))
+            self._deferred.append(_Deferred(chunk, chunk.h2d_done, action))
 
-    def _reap(self, *, block: bool) -> None:
-        """Run the release actions whose copies have finished (all of them with ``block``)."""
+    def _run_deferred(self, chunk: _Chunk | None = None, *, block: bool = True) -> None:
+        """Run the deferred releases of ``chunk`` (all chunks: None), waiting for their copies
+        (``block``) or only those already finished."""
         with self._lock:
-            pending, self._deferred = self._deferred, []
             ready, keep = [], []
-            for item in pending:
-                (ready if block or item[0].query() else keep).append(item)
+            for d in self._deferred:
+                mine = chunk is None or d.chunk is chunk
+                (ready if mine and (block or d.event.query()) else keep).append(d)
             self._deferred = keep
-        for event, action in ready:
-            if block:
-                event.synchronize()
-            action()
+        for d in ready:
+            d.event.synchronize()
+            d.action()
 
     # ------------------------------------------------------------------------------------
     # step
@@ -615,7 +632,7 @@ class OffloadAdam(torch.optim.Optimizer):
             for chunk in self._filling:
                 if chunk.h2d_done is not None:
                     current.wait_event(chunk.h2d_done)
-        self._reap(block=False)
+        self._run_deferred(block=False)
         self._end_step()
         self.stats.steps += 1
         return loss
@@ -649,8 +666,7 @@ class OffloadAdam(torch.optim.Optimizer):
         """Wait for every job in flight (state_dict, close)."""
         for chunk in self._chunks:
             self._wait_job(chunk)
-        if self._deferred:
-            self._reap(block=True)
+        self._run_deferred()
 
     # ------------------------------------------------------------------------------------
     # state dict: torch.optim.Adam(W)'s format
