@@ -125,7 +125,7 @@ def deepspeed_adam():
 
 
 def bench_size(numel: int, *, repeats: int, threads: int, cases: str, with_foreach: bool,
-               ds_cls, rmw: torch.Tensor) -> list[Result]:
+               ds_cls, rmw: torch.Tensor, gap_s: float) -> list[Result]:
     gen = torch.Generator().manual_seed(1)
     grad32 = torch.randn(numel, generator=gen).mul_(1e-2)
     grad16 = grad32.to(torch.bfloat16)
@@ -187,6 +187,9 @@ def bench_size(numel: int, *, repeats: int, threads: int, cases: str, with_forea
     times: dict[tuple[str, str], list[float]] = {key: [] for key in impls}
     for _ in range(repeats):
         for key, fn in impls.items():
+            # [Note: idle gap before each timed step]: see --gap-ms
+            if gap_s:
+                time.sleep(gap_s)
             times[key].append(time_once(fn))
     results = []
     for (case, impl), seconds in times.items():
@@ -223,7 +226,8 @@ def markdown(results: list[Result], meta: dict) -> str:
         f"torch {meta['torch']} (CPU capability {meta['torch_capability']}), zero_offload ISA path {meta['isa']}.  ",
         f"RMW reference: x.mul_(c) over {meta['rmw_gib']} GiB of fp32 (read+write counted), timed in the same "
         "interleaved loop as the optimizers (its row in each size's block; % of RMW is relative to it).  ",
-        f"Medians of {meta['repeats']} interleaved steps; GB/s counts {BYTES_PER_PARAM} B/param. "
+        f"Medians of {meta['repeats']} interleaved steps, each after {meta['gap_ms']:g} ms idle; "
+        f"GB/s counts {BYTES_PER_PARAM} B/param. "
         "Parity check (bit-equal to torch fused AdamW) passed before timing.",
         "",
         "| case | params | implementation | median ms | Mparams/s | GB/s | vs torch | % of RMW |",
@@ -253,6 +257,14 @@ def main(argv=None) -> int:
     parser.add_argument("--isa", default=None, choices=["scalar", "avx2", "avx512"], help="force our ISA path")
     parser.add_argument("--no-foreach", action="store_true", help="skip torch foreach (slow at 100M on few threads)")
     parser.add_argument("--rmw-gib", type=float, default=1.0, help="buffer size of the RMW bandwidth reference")
+    parser.add_argument(
+        "--gap-ms", type=float, default=50.0,
+        help="idle time before each timed step (default 50). [Note: idle gap before each timed step] "
+             "In an offload training loop the optimizer step follows tens of ms of GPU work, so no CPU "
+             "thread pool is still busy from the previous op. Back to back (0), torch's OpenMP threads "
+             "spin for a while after each torch op and compete for the cores with whatever runs next "
+             "(our pool when ours is next, nothing when torch's own pool is next), which measures the "
+             "order of the loop, not the kernels.")
     parser.add_argument("--json-out", default=None, help="write all results (every timing) as JSON here")
     parser.add_argument("--md-out", default=None, help="write the markdown table here")
     args = parser.parse_args(argv)
@@ -273,13 +285,14 @@ def main(argv=None) -> int:
     results = []
     for numel in sizes:
         results += bench_size(numel, repeats=args.repeats, threads=threads, cases=args.cases,
-                              with_foreach=not args.no_foreach, ds_cls=ds_cls, rmw=rmw)
+                              with_foreach=not args.no_foreach, ds_cls=ds_cls, rmw=rmw,
+                              gap_s=args.gap_ms / 1e3)
         print(f"done {numel / 1e6:g}M", flush=True)
     results = finish(results)
     meta = {
         "cpu": cpu_model(), "cpus_online": os.cpu_count(), "threads": threads,
         "torch": torch.__version__, "torch_capability": torch.backends.cpu.get_cpu_capability(),
-        "isa": isa(), "rmw_gib": args.rmw_gib, "repeats": args.repeats,
+        "isa": isa(), "rmw_gib": args.rmw_gib, "repeats": args.repeats, "gap_ms": args.gap_ms,
         "date": datetime.date.today().isoformat(), "python": sys.version.split()[0],
         "command": "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
         "deepspeed": ds_reason,

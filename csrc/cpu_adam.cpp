@@ -11,6 +11,7 @@
 #include <pybind11/stl.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -252,14 +253,16 @@ int default_threads() {
 // [Note: chunked work sharing]
 // A buffer is cut into chunks whose size depends only on its length (never on the thread count),
 // and the threads take chunks in order from an atomic counter until none are left:
-//  * each chunk is one contiguous stretch (>= 128 KiB of every fp32 stream), starting on a
-//    multiple of 16 elements, i.e. on a 64-byte line when the buffer is 64-byte aligned, so the
-//    hardware prefetchers stream and no two threads write the same cache line;
-//  * a thread that is slowed down (a busy shared machine, an interrupt) holds up at most one
-//    chunk instead of a 1/threads share of the buffer;
+//  * each chunk is one contiguous stretch (>= 64 KiB of every fp32 stream, 16 pages), starting
+//    on a multiple of 16 elements, i.e. on a 64-byte line when the buffer is 64-byte aligned, so
+//    the hardware prefetchers stream and no two threads write the same cache line;
+//  * threads that start late (woken from sleep) or run slowly (a busy machine) just take fewer
+//    chunks; with ~1000 chunks the last one to finish is at most a small chunk behind, where an
+//    even 1/threads split waits for the slowest thread's whole share;
 //  * per-chunk partial sums added in chunk order make grad_sumsq independent of the thread count.
-constexpr int64_t kMinChunk = 1 << 15;       // elements; smaller buffers run on the caller alone
-constexpr int64_t kTargetChunks = 64;        // large buffers: about this many chunks
+constexpr int64_t kMinChunk = 1 << 14;       // elements
+constexpr int64_t kTargetChunks = 1024;      // large buffers: about this many chunks
+constexpr int64_t kMinPerThread = 1 << 16;   // elements that justify waking one more thread
 constexpr int64_t kRangeAlign = 16;          // elements: 64 bytes of fp32
 
 struct Chunks {
@@ -279,7 +282,8 @@ Chunks chunks_for(int64_t numel) {
 template <class Fn>
 void parallel_chunks(int64_t numel, int threads, const Fn& fn) {
   const Chunks c = chunks_for(numel);
-  const int used = static_cast<int>(std::min<int64_t>(threads, c.count));
+  const int64_t worth = (numel + kMinPerThread - 1) / kMinPerThread;
+  const int used = static_cast<int>(std::min<int64_t>({threads, c.count, worth}));
   std::atomic<int64_t> next{0};
   ParallelPool::get().run(used, [&](int) {
     for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < c.count;

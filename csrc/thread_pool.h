@@ -1,33 +1,49 @@
-// A small persistent pool of std::threads for fork-join loops over flat buffers.
+// A small persistent pool of std::threads for fork-join loops over flat buffers (Linux).
 //
 // Why not OpenMP: torch ships its own libgomp, and a second OpenMP runtime in the same process
 // oversubscribes cores or crashes at exit. Why not a task queue: the kernels here are one
-// memory-bound pass over a buffer, split into `n` contiguous ranges; a fork-join "run fn(t) for
-// t in [0, n) and wait" is all they need, and the calling thread takes part as t = 0, so a
-// one-range call never touches the pool at all.
+// memory-bound pass over a buffer; a fork-join "run fn(t) for t in [0, n) and wait" is all they
+// need, and the calling thread takes part as t = 0, so a one-thread call never touches the pool.
+//
+// [Note: pool handshake]
+// Start and finish are two futex words, no mutex on the hot path (a condition variable makes
+// every woken worker re-take one mutex in turn, a convoy that costs tens of microseconds at 16
+// threads). A call publishes fn_/participants_, then bumps `generation_` (release) and wakes all
+// workers. Every worker acknowledges every generation, also those it sits out (index >=
+// participants), by decrementing `pending_`; the caller returns only when `pending_` is 0. So no
+// worker can still be reading a call's fn_ when the next call overwrites it, and no worker can
+// miss or repeat a generation. The last worker to finish sets `done_` and wakes the caller.
+// Workers and the caller spin briefly before sleeping on a futex: see [Note: short spin].
+//
+// [Note: short spin]
+// A worker that finished a call watches for the next one for a few tens of microseconds before
+// it sleeps. Back-to-back calls (an optimizer stepping param after param) then start on threads
+// that are still running; waking a sleeping thread costs tens of microseconds on an idle machine
+// and can cost milliseconds on a busy one. The spin is bounded, so an idle pool costs no CPU.
 //
 // [Note: pool and fork]
 // A forked child has no copies of the parent's worker threads. `ParallelPool::get()` remembers
 // the pid that created the pool and builds a fresh one in a child (the parent's pool object is
-// leaked there on purpose: its mutexes may have been held at fork time, so it is never touched).
-// The pool is also leaked at exit, so no static destructor joins threads while the interpreter
-// tears down.
+// leaked there on purpose: its state may have been mid-call at fork time, so it is never
+// touched). The pool is also leaked at exit, so no static destructor joins threads while the
+// interpreter tears down.
 //
 // [Note: concurrent callers]
 // `run` serialises callers: two Python threads calling in with the GIL released take turns.
 // Each call uses the pool whole, which is what a memory-bound pass wants anyway.
 #pragma once
 
+#include <linux/futex.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
-#include <condition_variable>
+#include <climits>
 #include <cstdint>
 #include <exception>
 #include <functional>
 #include <mutex>
 #include <thread>
-#include <vector>
 
 namespace zero_offload {
 
@@ -55,26 +71,23 @@ class ParallelPool {
     }
     std::lock_guard<std::mutex> call_lock(call_mu_);  // [Note: concurrent callers]
     grow(n - 1);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      fn_ = &fn;
-      participants_ = n;
-      remaining_ = n - 1;
-      error_ = nullptr;
-      generation_.fetch_add(1, std::memory_order_release);
-    }
-    wake_cv_.notify_all();
+    fn_ = &fn;
+    participants_ = n;
+    error_ = nullptr;
+    pending_.store(workers_, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    generation_.fetch_add(1, std::memory_order_release);  // [Note: pool handshake]
+    futex_wake(&generation_, INT_MAX);
     std::exception_ptr own_error;
     try {
       fn(0);
     } catch (...) {
       own_error = std::current_exception();
     }
-    std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait(lock, [this] { return remaining_ == 0; });
+    for (int i = 0; i < kSpinIterations && done_.load(std::memory_order_acquire) == 0; ++i) pause();
+    while (done_.load(std::memory_order_acquire) == 0) futex_wait(&done_, 0);
     fn_ = nullptr;
     std::exception_ptr error = own_error ? own_error : error_;
-    lock.unlock();
     if (error) std::rethrow_exception(error);
   }
 
@@ -84,71 +97,69 @@ class ParallelPool {
  private:
   ParallelPool() = default;
 
-  // Makes sure at least `workers` worker threads exist. Called with call_mu_ held.
-  void grow(int workers) {
-    while (static_cast<int>(threads_.size()) < workers) {
-      const int index = static_cast<int>(threads_.size()) + 1;  // the caller is index 0
-      uint64_t seen;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        seen = generation_.load(std::memory_order_relaxed);
-      }
-      threads_.emplace_back([this, index, seen] { loop(index, seen); });
-      threads_.back().detach();  // lives as long as the process (see [Note: pool and fork])
-    }
+  static void futex_wait(std::atomic<uint32_t>* word, uint32_t expected) {
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, expected, nullptr,
+            nullptr, 0);
   }
-
-  void loop(int index, uint64_t seen) {
-    std::unique_lock<std::mutex> lock(mu_);
-    for (;;) {
-      if (generation_.load(std::memory_order_relaxed) == seen) {
-        lock.unlock();
-        spin_for_work(seen);
-        lock.lock();
-      }
-      wake_cv_.wait(lock, [&] { return generation_.load(std::memory_order_relaxed) != seen; });
-      seen = generation_.load(std::memory_order_relaxed);
-      if (index >= participants_) continue;  // this call needs fewer threads than the pool has
-      const std::function<void(int)>* fn = fn_;
-      lock.unlock();
-      std::exception_ptr error;
-      try {
-        (*fn)(index);
-      } catch (...) {
-        error = std::current_exception();
-      }
-      lock.lock();
-      if (error && !error_) error_ = error;
-      if (--remaining_ == 0) done_cv_.notify_one();
-    }
+  static void futex_wake(std::atomic<uint32_t>* word, int count) {
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, count, nullptr,
+            nullptr, 0);
   }
-
-  // [Note: short spin before sleeping]
-  // A worker that finished a call watches for the next one for a few tens of microseconds
-  // before it blocks on the condition variable. Back-to-back calls (an optimizer stepping param
-  // after param) then start on threads that are still running; waking a sleeping thread costs
-  // tens of microseconds on an idle machine and can cost milliseconds on a busy one. The spin
-  // is bounded, so an idle pool costs no CPU.
-  void spin_for_work(uint64_t seen) const {
-    for (int i = 0; i < kSpinIterations; ++i) {
-      if (generation_.load(std::memory_order_acquire) != seen) return;
+  static void pause() {
 #if defined(__x86_64__) || defined(__i386__)
-      __builtin_ia32_pause();
+    __builtin_ia32_pause();
 #endif
+  }
+
+  // Makes sure at least `workers` worker threads exist. Called with call_mu_ held, between calls
+  // (every existing worker has acknowledged the last generation, so `seen` is current for all).
+  void grow(int workers) {
+    while (workers_ < workers) {
+      const int index = workers_ + 1;  // the caller is index 0
+      const uint32_t seen = generation_.load(std::memory_order_relaxed);
+      std::thread([this, index, seen] { loop(index, seen); }).detach();  // [Note: pool and fork]
+      workers_ = index;  // only once the thread exists: run() waits for workers_ acknowledgements
     }
   }
-  static constexpr int kSpinIterations = 2000;  // ~20-80 us, depending on the CPU's pause
 
-  std::mutex call_mu_;  // held for the whole of one run()
-  std::mutex mu_;       // guards everything below
-  std::condition_variable wake_cv_;  // workers wait here for a new generation
-  std::condition_variable done_cv_;  // the caller waits here for remaining_ == 0
-  std::atomic<uint64_t> generation_{0};  // written under mu_; read without it while spinning
-  int participants_ = 0;
-  int remaining_ = 0;
-  const std::function<void(int)>* fn_ = nullptr;
-  std::exception_ptr error_;
-  std::vector<std::thread> threads_;
+  void loop(int index, uint32_t seen) {
+    for (;;) {
+      uint32_t now = generation_.load(std::memory_order_acquire);
+      for (int i = 0; i < kSpinIterations && now == seen; ++i) {  // [Note: short spin]
+        pause();
+        now = generation_.load(std::memory_order_acquire);
+      }
+      while (now == seen) {
+        futex_wait(&generation_, seen);
+        now = generation_.load(std::memory_order_acquire);
+      }
+      seen = now;  // exactly one generation ahead: the caller waits for every acknowledgement
+      if (index < participants_) {
+        try {
+          (*fn_)(index);
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(error_mu_);
+          if (!error_) error_ = std::current_exception();
+        }
+      }
+      if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {  // the last one out
+        done_.store(1, std::memory_order_release);
+        futex_wake(&done_, 1);
+      }
+    }
+  }
+
+  static constexpr int kSpinIterations = 2000;  // ~20-150 us, depending on the CPU's pause
+
+  std::mutex call_mu_;                     // held for the whole of one run()
+  std::atomic<uint32_t> generation_{0};    // futex word: bumped once per call
+  std::atomic<uint32_t> done_{0};          // futex word: 1 once every worker acknowledged
+  std::atomic<int> pending_{0};            // workers yet to acknowledge this generation
+  int workers_ = 0;                        // threads started (only grown under call_mu_)
+  int participants_ = 0;                   // published before the generation bump
+  const std::function<void(int)>* fn_ = nullptr;  // likewise
+  std::mutex error_mu_;
+  std::exception_ptr error_;               // first worker exception of this call
 };
 
 }  // namespace zero_offload
