@@ -5,6 +5,12 @@
 // Stateless: every call gets its buffers (addresses + element count + dtype codes, checked on
 // the Python side in zero_offload/cpu_adam.py) and all its scalars. The only process-wide
 // settings are which ISA path runs and the thread pool.
+// [Note: no FP contraction] (cpu_adam_kernel.h); precedes every include.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
 #include "cpu_adam.h"
 
 #include <pybind11/pybind11.h>

@@ -2,6 +2,15 @@
 // vector. The loops are cpu_adam_kernel.h's; this file only says how one vector is loaded,
 // converted, computed and stored. Run only after cpuid says the CPU has these features
 // (cpu_adam.cpp checks; see [Note: ISA isolation] in cpu_adam_kernel.h).
+// [Note: no FP contraction] (cpu_adam_kernel.h): GCC's default -ffp-contract=fast would fuse
+// a multiply and a following add into one FMA wherever it sees one, which changes the rounding
+// that [Note: formula order] reproduces. It must precede every include, intrinsics too, so all
+// inlined code is compiled alike.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
 #include <immintrin.h>
 
 #include <cstdint>

@@ -4,6 +4,15 @@
 // these features (cpu_adam.cpp checks; see [Note: ISA isolation] in cpu_adam_kernel.h).
 // GCC 12's own AVX-512 headers trip -Wmaybe-uninitialized on their `__Y = __Y` idiom for
 // "undefined" vectors (a false positive, fixed in later GCC); keep the build log readable.
+// [Note: no FP contraction] (cpu_adam_kernel.h): GCC's default -ffp-contract=fast would fuse
+// a multiply and a following add into one FMA wherever it sees one, which changes the rounding
+// that [Note: formula order] reproduces. It must precede every include, intrinsics too, so all
+// inlined code is compiled alike.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif

@@ -33,10 +33,17 @@ constexpr int64_t element_size(Dtype dtype) { return dtype == Dtype::kFloat32 ? 
 // `grad += param * wd` and `exp_avg_sq * beta2 + (1 - beta2) * grad * grad` as separate
 // multiplies and adds, but GCC contracts both into FMAs when it builds the AVX2/AVX-512 kernels
 // (seen in the disassembly, and confirmed by the bit-exact parity tests); the lerp is an
-// explicit fmadd. We write those three FMAs explicitly, so the result no longer depends on what
-// our compiler contracts, and leave nothing else for it to contract (every other add has a
-// division or a non-product operand). Do not reassociate, precompute reciprocals or fuse
-// anything else: tests/test_cpu_adam_parity.py checks bit equality.
+// explicit fmadd. We write those three FMAs explicitly and forbid every other contraction (see
+// [Note: no FP contraction]), so the result does not depend on what our compiler would fuse.
+// Do not reassociate, precompute reciprocals or fuse anything else:
+// tests/test_cpu_adam_parity.py checks bit equality.
+//
+// [Note: no FP contraction]
+// GCC contracts a*b + c into an FMA by default (-ffp-contract=fast), wherever its optimiser
+// happens to see the pattern: with scalars kept in registers it fuses AdamW's
+// `param * (1 - lr * wd) + update`, which torch's kernel does not. Each source that includes
+// this header therefore starts with `#pragma GCC optimize("fp-contract=off")` (clang:
+// `#pragma clang fp contract(off)`) before any include, so the only FMAs are the explicit ones.
 template <class V, Dtype G, Dtype O, Decay W>
 inline void adam_block(const Buffers& b, const Scalars& s, int64_t i) {
   using F = typename V::F;
@@ -71,7 +78,11 @@ inline void adam_block(const Buffers& b, const Scalars& s, int64_t i) {
 // through zero-padded local buffers and run through the same adam_block, so tail elements get
 // exactly the same arithmetic as the body (no separate scalar loop to drift from it).
 template <class V, Dtype G, Dtype O, Decay W>
-void adam_range(const Buffers& b, const Scalars& s, int64_t begin, int64_t end) {
+void adam_range(const Buffers& buffers, const Scalars& scalars, int64_t begin, int64_t end) {
+  // Local copies: the compiler can then see that the float stores into the buffers never
+  // overwrite a scalar or a buffer address, and keeps both in registers for the whole loop.
+  const Buffers b = buffers;
+  const Scalars s = scalars;
   int64_t i = begin;
   for (; i + V::kLanes <= end; i += V::kLanes) adam_block<V, G, O, W>(b, s, i);
   if constexpr (V::kLanes > 1) {
