@@ -262,7 +262,7 @@ def main(argv=None) -> int:
         help="idle time before each timed step (default 50). [Note: idle gap before each timed step] "
              "In an offload training loop the optimizer step follows tens of ms of GPU work, so no CPU "
              "thread pool is still busy from the previous op. Back to back (0), torch's OpenMP threads "
-             "spin for a while after each torch op and compete for the cores with whatever runs next "
+             "spin for a while after each torch op and can compete for the cores with whatever runs next "
              "(our pool when ours is next, nothing when torch's own pool is next), which measures the "
              "order of the loop, not the kernels.")
     parser.add_argument("--json-out", default=None, help="write all results (every timing) as JSON here")
