@@ -52,5 +52,7 @@ ext = Pybind11Extension(
     cxx_std=17,
     extra_compile_args=BASE_FLAGS,
     extra_link_args=["-pthread"],
+    # Headers and ISA sources: a change to any of them rebuilds the module.
+    depends=sorted(glob.glob(os.path.join("csrc", "*.h"))) + sources,
 )
 setup(ext_modules=[ext], cmdclass={"build_ext": IsaBuildExt})
