@@ -40,6 +40,13 @@ grad, e.g. token ids) are let go when backward ends. A chunk is released in back
 every grad it expects this pass has landed (``_Chunk.awaiting``): the AccumulateGrad of a
 parameter may run after its module's post-backward, and it needs the parameter's real data.
 
+[Note: lock order] Two threads use the store: the caller's (forward, and backward hooks) and the
+CPU-Adam worker. The store calls its eviction policy with its lock held, and the policy asks the
+params prefetcher how soon a chunk is needed; the prefetcher, for its part, calls the store with
+its own lock held. So the policy's query must not take the prefetcher's lock:
+``_ParamPrefetcher.next_use`` reads the recorded order without it (a momentarily stale answer
+only changes which copy is evicted first, never what is correct).
+
 [Note: exact step] Clipping by the global norm and the fp16 overflow check need every grad before
 any update. As grads land, the worker adds up their sums of squares; ``step()`` then knows the
 norm/overflow, decides (skip, clip coefficient), queues the updates in forward order and
@@ -197,24 +204,15 @@ class _ParamPrefetcher(Prefetcher):
             out.append(cid)
         return out
 
-
-class _HopPolicy:
-    """Eviction order for a store shared by several prefetchers: each candidate is ranked by the
-    prefetcher that moves its (payload, tier) (farthest next use first), stale copies first."""
-
-    def __init__(self, prefetchers):
-        self.prefetchers = prefetchers
-
-    def order(self, candidates):
-        def key(c):
-            distance = math.inf
-            for pf in self.prefetchers:
-                if (c.name, c.tier) in pf.hops:
-                    d = pf.next_use(c.cid)
-                    distance = math.inf if d is None else d
-                    break
-            return (not c.stale, -distance, c.last_use)
-        return sorted(candidates, key=key)
+    def next_use(self, cid: int):
+        """The store's eviction policy calls this with the store's lock held, while another
+        thread may hold this prefetcher's lock and wait for the store's (use() issuing fetches):
+        taking our lock here would deadlock. See [Note: lock order]."""
+        positions = None if self._recording else self._positions.get(cid)
+        if not positions:
+            return None
+        n, pos = len(self._order), self._pos
+        return min((p - pos) % n for p in positions)
 
 
 @dataclass
@@ -346,10 +344,9 @@ class Engine:
                                     lowp="params" if lowp else None,
                                     accum="accum" if cfg.grad_accum > 1 else None)
         self.pipeline = StepPipeline(self.store, payloads=payloads, prefetch_depth=cfg.prefetch_depth,
-                                     threads=cfg.threads)
+                                     threads=_adam_threads(cfg, self.device))
         self.prefetcher = _ParamPrefetcher(self.store, depth=cfg.prefetch_depth,
                                            ready=lambda cid: not self.pipeline.busy(cid))
-        self.store.set_policy(_HopPolicy([self.prefetcher, self.pipeline.state_prefetcher]))
 
         self.scaler = LossScaler.from_config(cfg)
         self.optimizer = _HyperParams(self.spec)
@@ -363,7 +360,6 @@ class Engine:
         self.global_step = 0
         self.skipped_steps = 0
         self._micro = 0
-        self._round_open = False
         self._tokens: list[_BackwardToken] = []
         self._call_stack: list = []
         self._transient: list[_Chunk] = []
@@ -675,14 +671,12 @@ class Engine:
         boundary = self._micro == self.config.grad_accum - 1
         then = None
         if boundary and self._overlap:
-            if not self._round_open:
-                self.pipeline.begin_round()
-                self._round_open = True
             then = self._update_job(chunk, grad_scale=1.0)
         self.pipeline.submit_grads(GradJob(
             cid=chunk.cid, ready=handle, accumulate=accumulate,
             stats=boundary and self._needs_stats,
-            stats_scale=self.scaler.scale if self.scaler is not None else 1.0, then=then))
+            stats_scale=self.scaler.scale if self.scaler is not None else 1.0, then=then),
+            priority=chunk.layout.index)
 
     def _finish_backward(self) -> None:
         """End of backward: release what the hooks still hold, send incomplete grads down."""
@@ -737,10 +731,8 @@ class Engine:
         for c in self._chunks:
             c.accumulating = False
         if not window:
-            self._round_open = False
             return False
         if self._overlap:
-            self._round_open = False
             self._commit(window)
             return True
         sumsq = self.pipeline.take_grad_stats() if self._needs_stats else 0.0
@@ -756,9 +748,9 @@ class Engine:
             self.last_grad_norm = norm
             coef = min(1.0, self.config.grad_clip / (norm + 1e-6))
             grad_scale /= coef
-        self.pipeline.begin_round()
         for c in window:  # forward order: the next forward waits only for its own chunk
-            self.pipeline.submit_update(self._update_job(c, grad_scale=grad_scale))
+            self.pipeline.submit_update(self._update_job(c, grad_scale=grad_scale),
+                                        priority=c.layout.index)
         if self.scaler is not None:
             self.scaler.update(found_inf=False)
         self._commit(window)
@@ -991,6 +983,19 @@ def _resolve_config(config, optimizer) -> tuple:
                         f"{type(spec).__name__}; a torch.optim optimizer cannot be used (the engine "
                         f"builds the optimizer state itself, where the config places it)")
     return cfg, spec
+
+
+def _adam_threads(cfg: OffloadConfig, device: torch.device) -> Optional[int]:
+    """CPU-Adam threads: ``OffloadConfig.threads``, or by default every core this process may use
+    minus two when a GPU is driven (the Python thread issuing kernels and the autograd/copy
+    threads must not be preempted by the kernel's workers, or the GPU starves)."""
+    if cfg.threads is not None or device.type != "cuda":
+        return cfg.threads
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores - 2)
 
 
 def _resolve_device(device) -> torch.device:

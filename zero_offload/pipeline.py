@@ -11,40 +11,45 @@ both drive it the same way:
    optionally runs the update at once (``GradJob.then``: overlap with the rest of backward,
    used when no global quantity is needed).
 2. Otherwise, once every grad is in (``wait_grads``, ``take_grad_stats``), the caller decides
-   (skip on overflow, clip coefficient) and ``submit_update(UpdateJob(...))`` per chunk, in the
-   order the next forward needs them, and returns: the updates overlap the next forward.
+   (skip on overflow, clip coefficient) and ``submit_update(UpdateJob(...))`` per chunk and
+   returns: the updates overlap the next forward.
 3. Before a chunk is used again, ``wait_chunk(cid)`` blocks until no job of that chunk is
    queued or running. Nothing else synchronises.
 
-Jobs run in submission order on one thread; each ``adam_step`` call is itself multi-threaded in
-the native kernel and releases the GIL, so the caller's thread keeps driving the GPU.
+[Note: job order] Jobs of one chunk run in submission order. Among chunks, the worker runs next
+the queued job with the smallest ``priority`` (the caller passes the chunk's position in the next
+forward; default: submission order). So during backward it updates whatever has landed, and
+once backward is over it goes through the rest in the order the next forward needs them: the
+forward starts as soon as its first chunk is updated and then runs behind the updates instead
+of waiting for all of them. Each ``adam_step`` call is multi-threaded in the native kernel and
+releases the GIL, so the caller's thread keeps driving the GPU.
 
-Optimizer state whose home is NVMe is read ahead in update order and written behind by a
-``Prefetcher`` over (master, exp_avg, exp_avg_sq) -> CPU; ``begin_round()`` marks the start of
-each round of updates so the prefetcher learns the order (see prefetch.py).
+[Note: state read-ahead] Optimizer state homed off the CPU (NVMe) is read into host memory for
+the next ``prefetch_depth`` queued updates, in the order of [Note: job order] (the queue is the
+schedule, so no recorded order is needed), and written back home right after each update, its
+host copy dropped (write-behind: the store keeps the copy until the write has read it).
 
 [Note: what an update writes] ``adam_step`` updates ``master``, ``exp_avg`` and ``exp_avg_sq``
 in place in their CPU copies and, when ``lowp`` is set, writes the updated params rounded to
 the working dtype into the CPU copy of ``lowp`` (the buffer the next forward fetches). Every
 written copy is marked dirty in the store, so stale copies elsewhere (a GPU copy of the params,
-an NVMe home) are refreshed by the next fetch or written back when the CPU copy is released.
-A working copy homed off the CPU (GPU or NVMe) is flushed home right after the update and its
-CPU copy dropped, so host memory holds only what the placement asks for.
+an NVMe home) are refreshed by the next fetch or written back. A working copy homed off the CPU
+(GPU or NVMe) is flushed home right after the update and its CPU copy dropped, so host memory
+holds only what the placement asks for.
 """
 from __future__ import annotations
 
-import collections
+import contextlib
 import enum
-import queue
+import itertools
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
-from .prefetch import Prefetcher
-from .store import ChunkStore, Handle, Tier
+from .store import BudgetError, ChunkStore, Handle, StoreError, Tier
 
 __all__ = ["Accumulate", "AdamArgs", "GradJob", "PipelineError", "PipelinePayloads",
            "PipelineStats", "Segment", "StepPipeline", "UpdateJob"]
@@ -125,9 +130,19 @@ class GradJob:
     """Update to run right after (overlap with backward)."""
 
 
-@dataclass(frozen=True)
-class _RoundStart:
-    """Queue marker: a new round of updates starts (prefetch order bookkeeping)."""
+@dataclass(eq=False)
+class _Queued:
+    """A submitted job waiting for the worker; see [Note: job order]."""
+
+    job: object
+    cid: int
+    priority: int
+    seq: int
+    running: bool = False
+
+    @property
+    def key(self) -> tuple:
+        return (self.priority, self.seq)
 
 
 @dataclass
@@ -140,6 +155,8 @@ class PipelineStats:
     """Seconds the worker spent on jobs (waits for moves included)."""
     wait_chunk_s: float = 0.0
     """Seconds callers spent in ``wait_chunk`` (the consumer's stall on the CPU update)."""
+    state_wait_s: float = 0.0
+    """Seconds the worker waited for optimizer state to arrive (NVMe reads)."""
     grad_jobs: int = 0
 
     def as_dict(self) -> dict:
@@ -147,12 +164,12 @@ class PipelineStats:
 
 
 class StepPipeline:
-    """One worker thread running grad and update jobs in submission order. Thread-safe.
+    """One worker thread running grad and update jobs; see [Note: job order]. Thread-safe.
 
     Args:
         store: the ChunkStore holding the payloads named in ``payloads``.
         payloads: payload names (see ``PipelinePayloads``).
-        prefetch_depth: chunks of optimizer state read ahead (NVMe homes) in update order.
+        prefetch_depth: queued updates whose optimizer state is read ahead (NVMe homes).
         threads: threads per ``adam_step`` call (None: all available cores).
         on_update_done: called on the worker thread with the chunk id after each update (e.g.
             to start copying the new params back to the GPU).
@@ -166,64 +183,62 @@ class StepPipeline:
         self._adam = cpu_adam
         self.store = store
         self.payloads = payloads
+        self.prefetch_depth = prefetch_depth
         self.threads = threads
         self.on_update_done = on_update_done
         self.stats = PipelineStats()
-        state_hops = [(payloads.master, Tier.CPU), (payloads.exp_avg, Tier.CPU),
-                      (payloads.exp_avg_sq, Tier.CPU)]
-        self.state_prefetcher = Prefetcher(store, depth=prefetch_depth, hops=state_hops)
-        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._state_names = (payloads.master, payloads.exp_avg, payloads.exp_avg_sq)
         self._cv = threading.Condition()
-        self._pending: collections.Counter = collections.Counter()  # cid -> jobs queued/running
+        self._queue: list[_Queued] = []  # submitted, not finished (the running one included)
+        self._seq = itertools.count()
         self._pending_grads = 0
         self._sumsq = 0.0
         self._error: Optional[BaseException] = None
         self._closed = False
+        self._stop = False
         self._thread = threading.Thread(target=self._run, name="zero_offload-cpu-adam", daemon=True)
         self._thread.start()
 
     # ---- submission -----------------------------------------------------------------------
 
-    def begin_round(self) -> None:
-        """A new round of updates starts (call before its first update or grad job)."""
-        self._put(_RoundStart(), cid=None)
-
-    def submit_grads(self, job: GradJob) -> None:
+    def submit_grads(self, job: GradJob, *, priority: Optional[int] = None) -> None:
+        """Queue a grad job. ``priority``: see [Note: job order] (None: submission order)."""
         if job.accumulate is not Accumulate.NONE and self.payloads.accum is None:
             raise ValueError("GradJob asks to accumulate but the pipeline has no accum payload; "
                              "build it with PipelinePayloads(accum=...)")
-        with self._cv:
-            self._pending_grads += 1
-        self._put(job, cid=job.cid)
+        self._put(job, priority, grads=True)
 
-    def submit_update(self, job: UpdateJob) -> None:
-        self._put(job, cid=job.cid)
+    def submit_update(self, job: UpdateJob, *, priority: Optional[int] = None) -> None:
+        """Queue an update. ``priority``: see [Note: job order] (None: submission order)."""
+        self._put(job, priority, grads=False)
 
-    def _put(self, job, *, cid) -> None:
+    def _put(self, job, priority, *, grads: bool) -> None:
         self._raise_if_failed()
         if self._closed:
             raise PipelineError("the step pipeline is closed")
-        if cid is not None:
-            with self._cv:
-                self._pending[cid] += 1
-        self._queue.put(job)
+        with self._cv:
+            seq = next(self._seq)
+            self._queue.append(_Queued(job=job, cid=job.cid, priority=seq if priority is None else priority,
+                                       seq=seq))
+            if grads:
+                self._pending_grads += 1
+            self._cv.notify_all()
+        self._read_ahead()
 
     # ---- waiting --------------------------------------------------------------------------
 
     def busy(self, cid: int) -> bool:
         """Whether a job of chunk ``cid`` is queued or running (non-blocking)."""
         with self._cv:
-            return self._pending[cid] > 0
+            return any(q.cid == cid for q in self._queue)
 
     def wait_chunk(self, cid: int) -> None:
         """Block until no job of chunk ``cid`` is queued or running."""
         with self._cv:
-            if self._pending[cid] == 0:
-                self._raise_if_failed()
-                return
-            t0 = time.perf_counter()
-            self._cv.wait_for(lambda: self._pending[cid] == 0 or self._error is not None)
-            self.stats.wait_chunk_s += time.perf_counter() - t0
+            if any(q.cid == cid for q in self._queue) and self._error is None:
+                t0 = time.perf_counter()
+                self._cv.wait_for(lambda: self._error is not None or not any(q.cid == cid for q in self._queue))
+                self.stats.wait_chunk_s += time.perf_counter() - t0
         self._raise_if_failed()
 
     def wait_grads(self) -> None:
@@ -235,7 +250,7 @@ class StepPipeline:
     def drain(self) -> None:
         """Block until every submitted job has run."""
         with self._cv:
-            self._cv.wait_for(lambda: not any(self._pending.values()) or self._error is not None)
+            self._cv.wait_for(lambda: not self._queue or self._error is not None)
         self._raise_if_failed()
 
     def take_grad_stats(self) -> float:
@@ -250,33 +265,61 @@ class StepPipeline:
         if self._error is not None:
             raise PipelineError(f"the CPU-Adam worker failed: {self._error!r}") from self._error
 
+    # ---- scheduling ([Note: job order]) ---------------------------------------------------
+
+    def _runnable(self) -> list:
+        """Queued jobs that are the first of their chunk and not running, best first (lock held)."""
+        first: dict = {}
+        blocked = set()
+        for q in sorted(self._queue, key=lambda q: q.seq):
+            if q.running:
+                blocked.add(q.cid)
+            elif q.cid not in blocked and q.cid not in first:
+                first[q.cid] = q
+        return sorted((q for c, q in first.items() if c not in blocked), key=lambda q: q.key)
+
+    def _read_ahead(self) -> None:
+        """[Note: state read-ahead] for the next ``prefetch_depth`` queued updates."""
+        if self.prefetch_depth <= 0:
+            return
+        with self._cv:
+            upcoming = [q.cid for q in sorted(self._queue, key=lambda q: q.key)
+                        if isinstance(q.job, UpdateJob) or getattr(q.job, "then", None) is not None]
+        try:
+            for cid in list(dict.fromkeys(upcoming))[:self.prefetch_depth]:
+                for name in self._state_names:
+                    if self.store.payload_spec(cid, name).home is not Tier.CPU:
+                        self.store.fetch(cid, name, Tier.CPU)
+        except BudgetError:
+            pass  # host memory is full of copies in use: the update fetches on demand
+
     # ---- worker ---------------------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            cid = getattr(job, "cid", None)
+            with self._cv:
+                self._cv.wait_for(lambda: self._stop or (self._queue and self._runnable()))
+                if self._stop and not self._queue:
+                    return
+                q = self._runnable()[0]
+                q.running = True
             t0 = time.perf_counter()
             try:
                 if self._error is None:
-                    self._execute(job)
+                    self._read_ahead()
+                    self._execute(q.job)
             except BaseException as e:  # reported to the caller by the next wait/submit
                 self._error = e
             finally:
                 with self._cv:
                     self.stats.busy_s += time.perf_counter() - t0
-                    if cid is not None:
-                        self._pending[cid] -= 1
-                    if isinstance(job, GradJob):
+                    self._queue.remove(q)
+                    if isinstance(q.job, GradJob):
                         self._pending_grads -= 1
                     self._cv.notify_all()
 
     def _execute(self, job) -> None:
-        if isinstance(job, _RoundStart):
-            self.state_prefetcher.start_pass()
-        elif isinstance(job, GradJob):
+        if isinstance(job, GradJob):
             self._grads(job)
         elif isinstance(job, UpdateJob):
             self._update(job)
@@ -308,15 +351,17 @@ class StepPipeline:
 
     def _update(self, job: UpdateJob) -> None:
         store, names, cid = self.store, self.payloads, job.cid
-        state = self.state_prefetcher.use(cid)
-        try:
-            # use() reads; the update also writes, so wait for moves still reading these copies.
-            master, exp_avg, exp_avg_sq = (store.get(cid, n, Tier.CPU, write=True)
-                                           for n in (names.master, names.exp_avg, names.exp_avg_sq))
-            grad = store.get(cid, job.source, Tier.CPU)
-            lowp = self._lowp_buffer(cid, job) if names.lowp is not None else None
+        t0 = time.perf_counter()
+        with contextlib.ExitStack() as held:
+            # use(): fetch (a no-op when home on the CPU or read ahead) and pin atomically, so a
+            # concurrent fetch making room cannot evict a copy between the two.
+            master, exp_avg, exp_avg_sq = (held.enter_context(store.use(cid, n, Tier.CPU, write=True))
+                                           for n in self._state_names)
+            grad = held.enter_context(store.use(cid, job.source, Tier.CPU))
+            lowp = self._lowp_buffer(cid, job, held) if names.lowp is not None else None
             a = job.args
-            t0 = time.perf_counter()
+            t1 = time.perf_counter()
+            self.stats.state_wait_s += t1 - t0
             for seg in job.segments:
                 sl = slice(seg.start, seg.stop)
                 self._adam.adam_step(
@@ -324,33 +369,37 @@ class StepPipeline:
                     betas=a.betas, eps=a.eps, weight_decay=a.weight_decay, adamw=a.adamw,
                     grad_scale=a.grad_scale, out_lowp=None if lowp is None else lowp[sl],
                     threads=self.threads)
-            self.stats.adam_s += time.perf_counter() - t0
+            self.stats.adam_s += time.perf_counter() - t1
             self.stats.updates += 1
             self.stats.elements_updated += sum(s.stop - s.start for s in job.segments)
-            for n in (names.master, names.exp_avg, names.exp_avg_sq):
+            for n in self._state_names:
                 store.mark_dirty(cid, n, Tier.CPU)
             if lowp is not None:
                 store.mark_dirty(cid, names.lowp, Tier.CPU)
-        finally:
-            self.state_prefetcher.release(cid)
-        if lowp is not None and store.payload_spec(cid, names.lowp).home is not Tier.CPU:
-            # See [Note: what an update writes]: send the new working copy home, drop the CPU one.
-            store.flush(cid, names.lowp)
-            store.evict(cid, names.lowp, Tier.CPU)
+        # See [Note: state read-ahead] and [Note: what an update writes]: write-behind.
+        written = list(self._state_names) + ([names.lowp] if lowp is not None else [])
+        for n in written:
+            if store.payload_spec(cid, n).home is not Tier.CPU:
+                store.flush(cid, n)
+                store.evict(cid, n, Tier.CPU)
         if self.on_update_done is not None:
             self.on_update_done(cid)
 
-    def _lowp_buffer(self, cid: int, job: UpdateJob) -> torch.Tensor:
-        """The CPU copy of the working params, ready to be overwritten by the update."""
+    def _lowp_buffer(self, cid: int, job: UpdateJob, held: contextlib.ExitStack) -> torch.Tensor:
+        """The CPU copy of the working params, pinned in ``held``, ready to be overwritten."""
         store, name = self.store, self.payloads.lowp
         spec = store.payload_spec(cid, name)
         covered = sum(s.stop - s.start for s in job.segments)
-        if spec.home is Tier.CPU:
-            return store.get(cid, name, Tier.CPU, write=True)
-        if covered == spec.numel:
-            return store.allocate(cid, name, Tier.CPU)  # every element is rewritten: no read
-        store.fetch(cid, name, Tier.CPU)
-        return store.get(cid, name, Tier.CPU, write=True)
+        if spec.home is not Tier.CPU and covered == spec.numel:
+            # Every element is rewritten: take a buffer without reading the old bytes.
+            buf = store.allocate(cid, name, Tier.CPU)
+            try:
+                store.pin(cid, name, Tier.CPU)
+                held.callback(store.unpin, cid, name, Tier.CPU)
+                return buf
+            except StoreError:
+                pass  # evicted before the pin by a concurrent fetch: read it instead (below)
+        return held.enter_context(store.use(cid, name, Tier.CPU, write=True))
 
     # ---- lifetime -------------------------------------------------------------------------
 
@@ -359,10 +408,11 @@ class StepPipeline:
         if self._closed:
             return
         self._closed = True
-        self._queue.put(None)
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
         self._thread.join()
 
     @property
     def failed(self) -> bool:
         return self._error is not None
-
