@@ -51,8 +51,9 @@ def test_cuda_bf16_parity(params, optimizer, tmp_path):
     try:
         assert engine.store.config.pin
         seen = []
-        handle = engine.module.blocks[0].attn.qkv.register_forward_hook(
-            lambda m, a, o: seen.append((m.weight.device.type, m.weight.dtype, m.weight.isnan().any().item())))
+        # A pre-hook registered after the engine's runs once the engine has paged the chunk in.
+        handle = engine.module.blocks[0].attn.qkv.register_forward_pre_hook(
+            lambda m, a: seen.append((m.weight.device.type, m.weight.dtype, m.weight.isnan().any().item())))
         losses = []
         for idx, tgt in batches:
             loss = engine(idx, tgt)
