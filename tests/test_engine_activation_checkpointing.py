@@ -10,13 +10,13 @@ def test_activation_checkpointing_matches_torch():
     model = micro_gpt()
     ref = Reference(model, spec)  # no checkpointing in the reference
     model.set_activation_checkpointing(True)
-    engine = zo.initialize(model, optimizer=spec, config=config(gpu_budget=32 << 10), device=DEVICE)
+    engine = zo.initialize(model, optimizer=spec, config=config(gpu_budget=48 << 10), device=DEVICE)
     try:
         batches = gpt_batches(5)
         losses = train_engine(engine, batches, gpt_loss)
         ref_losses = [ref.step(b, gpt_loss) for b in batches]
         assert_losses_close(losses, ref_losses, rtol=1e-5)
         assert_params_close(engine.state_dict(), ref.master_state(), rtol=1e-5)
-        assert engine.store.peak_bytes(zo.Tier.GPU) <= 32 << 10
+        assert engine.store.peak_bytes(zo.Tier.GPU) <= 48 << 10
     finally:
         engine.close()

@@ -9,11 +9,11 @@ from _engine_util import (DEVICE, Reference, assert_losses_close, assert_params_
 
 def test_gpu_budget_holds_for_state_many_times_larger(tmp_path):
     spec = zo.AdamW(lr=3e-3, weight_decay=0.1)
-    model = micro_gpt(d_model=32, n_layer=4)
+    model = micro_gpt(d_model=32, n_layer=6)
     ref = Reference(model, spec)
     cfg = config(params="nvme", optimizer="nvme", nvme_dir=str(tmp_path), prefetch_depth=1)
     # The smallest GPU budget initialize accepts: homes (none) + the working window.
-    probe = zo.initialize(micro_gpt(d_model=32, n_layer=4), optimizer=spec, config=cfg, device=DEVICE)
+    probe = zo.initialize(micro_gpt(d_model=32, n_layer=6), optimizer=spec, config=cfg, device=DEVICE)
     gpu_budget = window_bytes(probe.partition, cfg)
     probe.close()
     state = 16 * sum(p.numel() for p in model.parameters())  # params, grads, 2 moments, fp32

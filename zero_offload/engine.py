@@ -40,6 +40,14 @@ grad, e.g. token ids) are let go when backward ends. A chunk is released in back
 every grad it expects this pass has landed (``_Chunk.awaiting``): the AccumulateGrad of a
 parameter may run after its module's post-backward, and it needs the parameter's real data.
 
+[Note: parked chunks] Consecutive modules mostly share a chunk. Releasing a chunk as soon as
+one module's forward ends would page it out and in again for the next module, once per module
+(measured: two thirds of a 350M GPT's forward went to that). So a chunk nobody holds stays on the
+device, views intact, in a short list of ``PARKED_CHUNKS`` parked chunks; the oldest is released
+when the list overflows, and every parked chunk is released when backward ends and before a step
+queues updates (an update makes the device copy stale: the next use must fetch again). Parked
+chunks stay pinned in the store and are part of the working window (placement.py).
+
 [Note: lock order] Two threads use the store: the caller's (forward, and backward hooks) and the
 CPU-Adam worker. The store calls its eviction policy with its lock held, and the policy asks the
 params prefetcher how soon a chunk is needed; the prefetcher, for its part, calls the store with
@@ -104,6 +112,9 @@ class Phase(enum.Enum):
     FORWARD = "forward"    # inside engine(...)
     BACKWARD = "backward"  # between the first backward hook and the end of backward
 
+
+PARKED_CHUNKS = 2
+"""Chunks kept on the device after their last user let go; see [Note: parked chunks]."""
 
 _PHASES = {
     Phase.IDLE: frozenset({Phase.FORWARD, Phase.BACKWARD}),
@@ -363,6 +374,7 @@ class Engine:
         self._tokens: list[_BackwardToken] = []
         self._call_stack: list = []
         self._transient: list[_Chunk] = []
+        self._parked: list[_Chunk] = []  # see [Note: parked chunks]
         self._live: dict[int, _Chunk] = {}  # device-buffer storage address -> chunk (held ones)
         self.last_grad_norm: Optional[float] = None
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
@@ -458,6 +470,8 @@ class Engine:
             raise
         finally:
             self._set_phase(Phase.IDLE)
+            if not torch.is_grad_enabled():
+                self._release_idle()  # no backward follows: go idle now
             self._times["forward"] += time.perf_counter() - t0
 
     def _pre_forward(self, rec: _ModuleRecord, module, args, kwargs):
@@ -505,8 +519,10 @@ class Engine:
     # ---- chunk residency on the compute device ----------------------------------------------
 
     def _hold(self, chunk: _Chunk) -> None:
-        if chunk.holds == 0 and chunk.buffer is None:
+        if chunk.buffer is None:
             self._materialize(chunk)
+        elif chunk.holds == 0 and chunk in self._parked:
+            self._parked.remove(chunk)
         chunk.holds += 1
 
     def _unhold(self, chunk: _Chunk) -> None:
@@ -514,15 +530,30 @@ class Engine:
         self._maybe_release(chunk)
 
     def _maybe_release(self, chunk: _Chunk) -> None:
+        """A chunk nobody holds is parked; see [Note: parked chunks]."""
         if chunk.holds > 0 or chunk.buffer is None:
             return
         if self._phase is Phase.BACKWARD and chunk.awaiting:
             return  # see [Note: backward hooks]
+        if chunk not in self._parked:
+            self._parked.append(chunk)
+        while len(self._parked) > PARKED_CHUNKS:
+            self._release(self._parked.pop(0))
+
+    def _release(self, chunk: _Chunk) -> None:
         for s in chunk.layout.slots:
             s.param.data = self._placeholder.expand(s.shape)
         self._live.pop(chunk.buffer.untyped_storage().data_ptr(), None)
         chunk.buffer = None
         self.prefetcher.release(chunk.cid)
+
+    def _release_idle(self) -> None:
+        """Release every materialized chunk nobody holds (parked ones included): at the end of a
+        backward, before updates may rewrite the params, and when the engine goes idle."""
+        self._parked.clear()
+        for c in self._chunks:
+            if c.buffer is not None and c.holds == 0:
+                self._release(c)
 
     def _materialize(self, chunk: _Chunk) -> None:
         if chunk.layout.trainable:
@@ -547,8 +578,7 @@ class Engine:
                     self.store.unpin(c.cid, "grads", Tier.GPU)
                     self.store.evict(c.cid, "grads", Tier.GPU)
                     c.grads = None
-                if c.buffer is not None:
-                    self._maybe_release(c)
+            self._release_idle()
 
     # ---- saved tensors ([Note: saved parameter views]) ----------------------------------------
 
@@ -702,8 +732,7 @@ class Engine:
                 c.landed.clear()
                 c.flushed = False
             self._set_phase(Phase.IDLE)
-            for c in self._chunks:
-                self._maybe_release(c)
+            self._release_idle()
 
     # ---- step -------------------------------------------------------------------------------
 
@@ -715,6 +744,7 @@ class Engine:
         if self._phase is Phase.FORWARD:
             raise RuntimeError("engine.step called during forward")
         self._finish_backward()
+        self._release_idle()  # updates rewrite params: nothing may keep pointing at old bytes
         t0 = time.perf_counter()
         try:
             with record_function("zero_offload::step"):

@@ -19,7 +19,8 @@ Frozen chunks (no trainable parameter) carry ``params`` only.
 moment of backward, a few chunks in use at once with their grads buffers: a chunk is held from
 its first grad until its last one lands, so the one backward is in and the one it straddles into
 stay, and so does the chunk of a tied embedding (its grad completes only at the very end); plus
-the look-ahead. ``window_bytes`` sizes that as (prefetch_depth + 3) params chunks plus three
+the look-ahead, and the chunks parked on the device after use (engine.py, [Note: parked chunks]).
+``window_bytes`` sizes that as (prefetch_depth + 3 + PARKED_CHUNKS) params chunks plus three
 grads chunks of the largest size; initialize refuses a GPU budget below homes + window, with
 the numbers. When optimizer state or params live on NVMe, host memory needs a staging window
 of (prefetch_depth + 1) chunks of what is read ahead.
@@ -37,7 +38,6 @@ from .swap_io import ALIGNMENT, round_up
 
 __all__ = ["ChunkHomes", "PlacementPlan", "plan_placement", "FitError"]
 
-MiB = float(2 ** 20)
 
 
 class FitError(ValueError):
@@ -103,7 +103,8 @@ def window_bytes(partition: Partition, config: OffloadConfig) -> int:
     big_params = max(chunk_bytes(c, config, ("params",)) for c in partition.chunks)
     trainable = [c for c in partition.chunks if c.trainable]
     big_grads = max((chunk_bytes(c, config, ("grads",)) for c in trainable), default=0)
-    return (config.prefetch_depth + 3) * big_params + 3 * big_grads
+    from .engine import PARKED_CHUNKS
+    return (config.prefetch_depth + 3 + PARKED_CHUNKS) * big_params + 3 * big_grads
 
 
 def plan_placement(partition: Partition, config: OffloadConfig, budgets: dict, *,
@@ -160,15 +161,16 @@ def plan_placement(partition: Partition, config: OffloadConfig, budgets: dict, *
 
 
 def _check_fits(partition, config, budgets, need, *, gpu_window, staging, homes) -> None:
+    from .engine import PARKED_CHUNKS
     big = max(partition.chunks, key=lambda c: c.numel)
-    big_mib = chunk_bytes(big, config, ("params",)) / MiB
+    big_bytes = chunk_bytes(big, config, ("params",))
     if need[Tier.GPU] > budgets[Tier.GPU]:
         home = need[Tier.GPU] - gpu_window
         raise FitError(
             f"gpu_budget={budgets[Tier.GPU]} bytes cannot hold the working set: {home} bytes of "
             f"params homed on the compute device + a working window of {gpu_window} bytes "
-            f"((prefetch_depth {config.prefetch_depth} + 3) params chunks + 3 grads chunks; the "
-            f"largest chunk is {big_mib:.2f} MiB) = {need[Tier.GPU]} bytes. Raise gpu_budget to at "
+            f"((prefetch_depth {config.prefetch_depth} + {3 + PARKED_CHUNKS}) params chunks + 3 grads chunks; the "
+            f"largest chunk holds {big_bytes} bytes of params) = {need[Tier.GPU]} bytes. Raise gpu_budget to at "
             f"least {need[Tier.GPU]}, or lower chunk_mb (now {config.chunk_mb}) or prefetch_depth"
             + (", or place params on 'cpu'" if home else ""))
     if need[Tier.CPU] > budgets[Tier.CPU]:
