@@ -338,12 +338,14 @@ class Engine:
         self._phase = Phase.IDLE
         self._closed = False
         self._chunks: list[_Chunk] = []
-        for layout, homes in zip(self.partition.chunks, self.plan.homes):
-            self._chunks.append(self._add_chunk(layout, homes))
         self._placeholder = torch.full((), float("nan"), dtype=self.dtype, device=self.device)
         with torch.no_grad():
-            for chunk in self._chunks:
+            # Chunk by chunk: the model's own weights are freed as their chunk fills, so host
+            # memory peaks at the homes plus what is not yet copied, not homes + whole model.
+            for layout, homes in zip(self.partition.chunks, self.plan.homes):
+                chunk = self._add_chunk(layout, homes)
                 self._load_initial(chunk)
+                self._chunks.append(chunk)
         for name, p in self.partition.empty:
             p.data = p.data.to(device=self.device, dtype=self.dtype)
         for m in self.module.modules():
