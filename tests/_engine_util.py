@@ -132,8 +132,11 @@ class Reference:
         self.skipped = 0
 
     def cast(self, batch):
-        return tuple(t.to(device=DEVICE, dtype=self.dtype) if t.is_floating_point() else t.to(DEVICE)
-                     for t in batch)
+        def cast(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            return t.to(device=DEVICE, dtype=self.dtype) if t.is_floating_point() else t.to(DEVICE)
+        return tuple(cast(t) for t in batch)
 
     def step(self, batch, loss_fn) -> float:
         loss = loss_fn(self.work, self.cast(batch))
