@@ -21,6 +21,33 @@ def test_gpu_budget_below_working_window():
     assert _unchanged(model, before)
 
 
+def test_failures_inside_initialize_leave_the_model_whole(monkeypatch):
+    model = mlp()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def bad_factory(opt):
+        raise RuntimeError("scheduler factory failed")
+
+    with pytest.raises(RuntimeError, match="scheduler factory failed"):
+        zo.initialize(model, optimizer=zo.AdamW(), config=config(), device=DEVICE, lr_scheduler=bad_factory)
+    assert _unchanged(model, before)
+    # A store failure after some chunks took their weights: they are given back.
+    from zero_offload.engine import Engine
+    real, calls = Engine._add_chunk, []
+
+    def failing_add_chunk(self, layout, homes):
+        calls.append(layout.index)
+        if len(calls) == 3:
+            raise MemoryError("cudaHostRegister failed (simulated)")
+        return real(self, layout, homes)
+
+    monkeypatch.setattr(Engine, "_add_chunk", failing_add_chunk)
+    with pytest.raises(MemoryError, match="simulated"):
+        zo.initialize(model, optimizer=zo.AdamW(), config=config(), device=DEVICE)
+    assert len(calls) == 3
+    assert _unchanged(model, before)
+
+
 def test_cpu_budget_too_small():
     with pytest.raises(FitError, match=r"cpu_budget=20000 bytes is too small.*optimizer='nvme'"):
         zo.initialize(mlp(), optimizer=zo.AdamW(), config=config(cpu_budget=20000), device=DEVICE)

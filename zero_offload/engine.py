@@ -339,13 +339,23 @@ class Engine:
         self._closed = False
         self._chunks: list[_Chunk] = []
         self._placeholder = torch.full((), float("nan"), dtype=self.dtype, device=self.device)
+        # The scheduler factory runs before the weights move, so its errors change nothing.
+        self.optimizer = _HyperParams(self.spec)
+        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
+        if self.lr_scheduler is not None and not callable(getattr(self.lr_scheduler, "step", None)):
+            raise TypeError(f"lr_scheduler(optimizer) returned {type(self.lr_scheduler).__name__}, "
+                            f"which has no step() method")
         with torch.no_grad():
             # Chunk by chunk: the model's own weights are freed as their chunk fills, so host
             # memory peaks at the homes plus what is not yet copied, not homes + whole model.
-            for layout, homes in zip(self.partition.chunks, self.plan.homes):
-                chunk = self._add_chunk(layout, homes)
-                self._load_initial(chunk)
-                self._chunks.append(chunk)
+            try:
+                for layout, homes in zip(self.partition.chunks, self.plan.homes):
+                    chunk = self._add_chunk(layout, homes)
+                    self._load_initial(chunk)
+                    self._chunks.append(chunk)
+            except BaseException:
+                self._give_weights_back()
+                raise
         for name, p in self.partition.empty:
             p.data = p.data.to(device=self.device, dtype=self.dtype)
         for m in self.module.modules():
@@ -362,11 +372,6 @@ class Engine:
                                            ready=lambda cid: not self.pipeline.busy(cid))
 
         self.scaler = LossScaler.from_config(cfg)
-        self.optimizer = _HyperParams(self.spec)
-        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
-        if self.lr_scheduler is not None and not callable(getattr(self.lr_scheduler, "step", None)):
-            raise TypeError(f"lr_scheduler(optimizer) returned {type(self.lr_scheduler).__name__}, "
-                            f"which has no step() method")
         self._overlap = cfg.overlap and cfg.grad_clip is None and self.scaler is None
         self._needs_stats = cfg.grad_clip is not None or self.scaler is not None
 
@@ -433,6 +438,14 @@ class Engine:
         with self.store.use(chunk.cid, name, Tier.CPU) as buf:
             out = buf.clone()
         return out
+
+    def _give_weights_back(self) -> None:
+        """initialize failed part-way: put the fp32 values of the chunks loaded so far back into
+        the model's parameters (on the CPU), so the user's model is as it was."""
+        for chunk in self._chunks:
+            flat = self._read_payload(chunk, self._fp32_payload_name(chunk)).float()
+            for s in chunk.layout.slots:
+                s.param.data = flat[s.offset:s.end].view(s.shape).clone()
 
     def _load_initial(self, chunk: _Chunk) -> None:
         slots = chunk.layout.slots
