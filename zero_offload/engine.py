@@ -92,6 +92,13 @@ from .store import ChunkStore, Handle, PayloadSpec, StoreConfig, Tier
 __all__ = ["Engine", "EngineStats", "Phase", "initialize", "OffloadAdam", "OffloadAdamW"]
 
 
+def _range(name: str):
+    """A profiler range with a stable name (``zero_offload::pre_forward`` ...) while the torch
+    profiler records, nothing otherwise: the hooks run a few hundred times per step and an idle
+    ``record_function`` still costs microseconds each."""
+    return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+
+
 def __getattr__(name):
     # The optimizer-only entry points live in offload_optim.py; the package's lazy export table
     # points at this module for them.
@@ -141,6 +148,8 @@ class _Chunk:
     """Slots used with grad enabled since the last backward: their grads are expected."""
     landed: set = field(default_factory=set)
     """Slots whose grad landed in this backward."""
+    awaiting: set = field(default_factory=set)
+    """``expected - landed``, kept up to date by ``expect`` and ``land`` (grads still to come)."""
     grads: Optional[torch.Tensor] = None
     """Device grads buffer being filled in this backward (None once flushed)."""
     flushed: bool = False
@@ -152,9 +161,22 @@ class _Chunk:
     steps: list = field(default_factory=list)
     """Optimizer step count per slot (torch.optim's state['step']), trainable chunks only."""
 
-    @property
-    def awaiting(self) -> set:
-        return self.expected - self.landed
+    def expect(self, slot: ParamSlot) -> None:
+        if slot not in self.expected:
+            self.expected.add(slot)
+            if slot not in self.landed:
+                self.awaiting.add(slot)
+
+    def land(self, slot: ParamSlot) -> None:
+        self.landed.add(slot)
+        self.awaiting.discard(slot)
+
+    def clear_pass(self) -> None:
+        """Forget the expected/landed grads of the backward that just ended."""
+        self.expected.clear()
+        self.landed.clear()
+        self.awaiting.clear()
+        self.flushed = False
 
 
 @dataclass(eq=False)
@@ -478,7 +500,7 @@ class Engine:
         t0 = time.perf_counter()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
-                    record_function("zero_offload::forward"):
+                    _range("zero_offload::forward"):
                 return self.module(*args, **kwargs)
         except BaseException:
             self._reset_holds()
@@ -495,7 +517,7 @@ class Engine:
                 f"{type(module).__name__} was called outside the engine: its parameters are paged "
                 f"by zero_offload, so run the model through the engine (loss = engine(batch)), not "
                 f"model(batch); use `with engine.gathered():` to read parameter values")
-        with self._lock, record_function("zero_offload::pre_forward"):
+        with self._lock, _range("zero_offload::pre_forward"):
             for c in rec.chunks:
                 self._hold(c)
             if not torch.is_grad_enabled():
@@ -503,10 +525,13 @@ class Engine:
                 return None
             for s in rec.slots:
                 if s.trainable:
-                    self._chunks[s.chunk].expected.add(s)
+                    self._chunks[s.chunk].expect(s)
             token = _BackwardToken(record=rec)
             self._call_stack.append(token)
-            flat, spec = tree_flatten((args, kwargs))
+            if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+                flat, spec = list(args), None  # the common case, without pytree's cost
+            else:
+                flat, spec = tree_flatten((args, kwargs))
             idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
             if not idx:
                 return None
@@ -514,19 +539,24 @@ class Engine:
                                           *(flat[i] for i in idx))
             for i, t in zip(idx, wrapped):
                 flat[i] = t
-            return tree_unflatten(flat, spec)
+            return (tuple(flat), kwargs) if spec is None else tree_unflatten(flat, spec)
 
     def _post_forward(self, rec: _ModuleRecord, module, args, kwargs, output):
         if self._phase is Phase.IDLE:
             return None  # the pre-forward hook refused this call (always_call runs us anyway)
-        with self._lock, record_function("zero_offload::post_forward"):
+        with self._lock, _range("zero_offload::post_forward"):
             token = self._call_stack.pop() if self._call_stack else None
             for c in rec.chunks:
                 self._unhold(c)
             if token is None or output is None:
                 return None
-            tensors = [t for t in _tensors_in(output) if t.requires_grad]
-            if tensors:
+            if isinstance(output, torch.Tensor):
+                tensors = [output] if output.requires_grad else []
+            else:
+                tensors = [t for t in _tensors_in(output) if t.requires_grad]
+            if len(tensors) == 1:
+                tensors[0].register_hook(functools.partial(self._pre_backward, token))  # cheaper
+            elif tensors:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, functools.partial(self._pre_backward, token), mode="any")
             return None
@@ -587,8 +617,7 @@ class Engine:
             self._transient.clear()
             for c in self._chunks:
                 c.holds = 0
-                c.expected.clear()
-                c.landed.clear()
+                c.clear_pass()
                 if c.grads is not None:
                     self.store.unpin(c.cid, "grads", Tier.GPU)
                     self.store.evict(c.cid, "grads", Tier.GPU)
@@ -634,7 +663,7 @@ class Engine:
         self._set_phase(Phase.BACKWARD)
         t0 = time.perf_counter()
         try:
-            with record_function("zero_offload::backward"):
+            with _range("zero_offload::backward"):
                 (loss * self.scaler.scale if self.scaler is not None else loss).backward()
         except BaseException:
             self._reset_holds()
@@ -644,7 +673,7 @@ class Engine:
         self._times["backward"] += time.perf_counter() - t0
 
     def _pre_backward(self, token: _BackwardToken, grad) -> None:
-        with self._lock, record_function("zero_offload::pre_backward"):
+        with self._lock, _range("zero_offload::pre_backward"):
             if self._phase is Phase.IDLE:
                 self._set_phase(Phase.BACKWARD)  # loss.backward() called directly
             if token.held or token.done:
@@ -655,7 +684,7 @@ class Engine:
                 self._hold(c)
 
     def _post_backward(self, token: _BackwardToken) -> None:
-        with self._lock, record_function("zero_offload::post_backward"):
+        with self._lock, _range("zero_offload::post_backward"):
             if not token.held:
                 return
             token.held = False
@@ -668,7 +697,7 @@ class Engine:
         if grad is None:
             return
         param.grad = None
-        with self._lock, record_function("zero_offload::grad_landed"):
+        with self._lock, _range("zero_offload::grad_landed"):
             if self._phase is Phase.IDLE:
                 self._set_phase(Phase.BACKWARD)
             chunk = self._chunks[slot.chunk]
@@ -691,7 +720,7 @@ class Engine:
                 dst.add_(grad.reshape(-1))
             else:
                 dst.copy_(grad.reshape(-1))
-                chunk.landed.add(slot)
+                chunk.land(slot)
             if not chunk.awaiting:
                 self._flush_grads(chunk)
             self._maybe_release(chunk)
@@ -727,7 +756,7 @@ class Engine:
         """End of backward: release what the hooks still hold, send incomplete grads down."""
         if self._phase is not Phase.BACKWARD:
             return
-        with self._lock, record_function("zero_offload::finish_backward"):
+        with self._lock, _range("zero_offload::finish_backward"):
             for token in self._tokens:
                 if token.held:
                     self._post_backward(token)
@@ -743,9 +772,7 @@ class Engine:
                     # Grads from earlier micro-batches only: stats/update from the fp32 buffer.
                     self._submit_grads(c, handle=Handle.completed(), accumulate=Accumulate.HOLD)
             for c in self._chunks:
-                c.expected.clear()
-                c.landed.clear()
-                c.flushed = False
+                c.clear_pass()
             self._set_phase(Phase.IDLE)
             self._release_idle()
 
@@ -762,7 +789,7 @@ class Engine:
         self._release_idle()  # updates rewrite params: nothing may keep pointing at old bytes
         t0 = time.perf_counter()
         try:
-            with record_function("zero_offload::step"):
+            with _range("zero_offload::step"):
                 return self._step()
         finally:
             self._times["step"] += time.perf_counter() - t0
