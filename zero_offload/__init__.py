@@ -28,8 +28,8 @@ _EXPORTS = {
     "AdamW": "config",
     "initialize": "engine",
     "Engine": "engine",
-    "OffloadAdam": "engine",
-    "OffloadAdamW": "engine",
+    "OffloadAdam": "offload_optim",
+    "OffloadAdamW": "offload_optim",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
