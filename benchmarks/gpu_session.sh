@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One device call on the GPU machine: build, GPU tests, then the benchmarks named in $@
+# (default: "tests train io"). Everything lands under $OUT (logs, .md and .json results).
+# Usage (device tool): bash benchmarks/gpu_session.sh tests train io
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/zo_out}; mkdir -p "$OUT"
+if [ -d .whl ]; then  # pytest/hypothesis wheels for machines without them (device README, Notes)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+[ -d .carry_bench/site ] && export PYTHONPATH=${PYTHONPATH:-}:$PWD/.carry_bench/site   # torchao, if carried
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+lscpu | grep -E 'Model name|^CPU\(s\)' | tee -a "$OUT/gpu.txt"
+python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
+  || { echo "pip install -e failed:"; tail -5 "$OUT/build.log"; exit 1; }
+python3 -c "import zero_offload.cpu_adam as c, torch; print('isa', c.isa(), 'torch', torch.__version__)"
+for what in "${@:-tests train io}"; do
+  case $what in
+    tests)
+      python3 -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tee "$OUT/tests_gpu.log" | tail -3
+      ZO_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_engine_*.py 2>&1 \
+        | tee "$OUT/tests_engine_cuda.log" | tail -3 ;;
+    train)
+      python3 benchmarks/bench_train.py --model 1.3b --batch 8 --steps 5 --warmup 2 \
+        --cases torch,engine-cpu,engine-auto,offload-adamw,torchao --nvme-dir /tmp/zo \
+        --md-out "$OUT/train_1.3b.md" --json-out "$OUT/train_1.3b.json" 2>&1 | tee "$OUT/train_1.3b.log" | tail -25 ;;
+    nvme)
+      python3 benchmarks/bench_train.py --model 1.3b --batch 8 --steps 2 --warmup 1 --nvme-steps 2 \
+        --cases torch,engine-nvme --nvme-dir /tmp/zo --disk-probe-mb 4096 \
+        --md-out "$OUT/train_nvme.md" --json-out "$OUT/train_nvme.json" 2>&1 | tee "$OUT/train_nvme.log" | tail -20 ;;
+    largest)
+      python3 benchmarks/bench_train.py --layers 35 --hidden 4096 --heads 32 --vocab 32000 --batch 4 \
+        --steps 2 --warmup 1 --cases engine-largest --largest-params gpu --nvme-dir /tmp/zo \
+        --md-out "$OUT/train_largest.md" --json-out "$OUT/train_largest.json" 2>&1 | tee "$OUT/train_largest.log" | tail -20 ;;
+    io)
+      python3 benchmarks/bench_io.py --dir /tmp/zo_bench --size-gib 4 --repeats 3 --max-seconds 150 \
+        --out "$OUT/io" 2>&1 | tail -14 ;;
+    adam)
+      python3 benchmarks/bench_cpu_adam.py --threads 16 --sizes 10M,100M --repeats 9 --no-foreach \
+        --md-out "$OUT/cpu_adam.md" --json-out "$OUT/cpu_adam.json" 2>&1 | tail -16 ;;
+  esac
+done
