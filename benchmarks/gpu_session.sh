@@ -15,7 +15,8 @@ lscpu | grep -E 'Model name|^CPU\(s\)' | tee -a "$OUT/gpu.txt"
 python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
   || { echo "pip install -e failed:"; tail -5 "$OUT/build.log"; exit 1; }
 python3 -c "import zero_offload.cpu_adam as c, torch; print('isa', c.isa(), 'torch', torch.__version__)"
-for what in "${@:-tests train io}"; do
+[ $# -eq 0 ] && set -- tests train io
+for what in "$@"; do
   case $what in
     tests)
       python3 -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tee "$OUT/tests_gpu.log" | tail -3
