@@ -40,6 +40,8 @@ DEFAULT_SETTINGS = [  # (threads, block_size, queue_depth)
     (4, 1 * MIB, 4),
     (4, 4 * MIB, 16),
     (8, 1 * MIB, 8),
+    (8, 2 * MIB, 8),
+    (8, 4 * MIB, 8),
     (8, 16 * MIB, 32),
 ]
 FULL_SETTINGS = [(t, b, q) for t, b, q in itertools.product(
