@@ -55,6 +55,19 @@ its own lock held. So the policy's query must not take the prefetcher's lock:
 ``_ParamPrefetcher.next_use`` reads the recorded order without it (a momentarily stale answer
 only changes which copy is evicted first, never what is correct).
 
+[Note: fetch on completion] The params look-ahead stops at the first chunk whose CPU update is
+queued or running (its bytes are about to change). Left at that, after backward the next forward
+runs right behind the updates and finds every chunk just updated and not yet fetched: the fetch
+was issued on demand at the hook, and the device waited for each copy. So the worker calls
+``_chunk_ready`` as soon as no job of a chunk is left (``StepPipeline.on_chunk_idle``), and the
+prefetcher re-issues its look-ahead from the consumer's current position: the chunk's copy to
+the device starts the moment its update ends, if it is within the window (``prefetch_depth``
+uses ahead, the GPU budget respected as for any look-ahead). The worker thread takes the
+prefetcher's lock and then the store's, the same order as the caller's thread (see
+[Note: lock order]), and holds no pipeline lock meanwhile. On CUDA the copy is queued behind
+what the compute stream (captured at the last ``forward``) has issued, as for a fetch from the
+caller's thread; nothing synchronises the host.
+
 [Note: exact step] Clipping by the global norm and the fp16 overflow check need every grad before
 any update. As grads land, the worker adds up their sums of squares; ``step()`` then knows the
 norm/overflow, decides (skip, clip coefficient), queues the updates in forward order and
@@ -237,6 +250,15 @@ class _ParamPrefetcher(Prefetcher):
             out.append(cid)
         return out
 
+    def chunk_ready(self, cid: int) -> None:
+        """Chunk ``cid`` has no update queued any more: fetch ahead now if it is in the window.
+        Called on the CPU-Adam worker; see [Note: fetch on completion]."""
+        if self._recording:
+            return
+        with self._lock:
+            if cid in self._upcoming(self.depth):
+                self._issue_lookahead()
+
     def next_use(self, cid: int):
         """The store's eviction policy calls this with the store's lock held, while another
         thread may hold this prefetcher's lock and wait for the store's (use() issuing fetches):
@@ -273,6 +295,9 @@ class EngineStats:
     gpu_stall_share: float
     """(fetch + update stalls) / (forward + backward time): the share of compute time lost."""
     prefetch_hit_rate: float
+    """Share of params uses whose copy had landed on the device before the use."""
+    prefetch_ahead_rate: float
+    """Share of params uses whose copy was fetched ahead (landed or in flight) before the use."""
     loss_scale: Optional[float]
     last_grad_norm: Optional[float]
     lr: float
@@ -388,8 +413,10 @@ class Engine:
         payloads = PipelinePayloads(master="master" if lowp else "params",
                                     lowp="params" if lowp else None,
                                     accum="accum" if cfg.grad_accum > 1 else None)
+        self._compute_stream = None  # CUDA stream of the last forward; see [Note: fetch on completion]
         self.pipeline = StepPipeline(self.store, payloads=payloads, prefetch_depth=cfg.prefetch_depth,
-                                     threads=_adam_threads(cfg, self.device))
+                                     threads=_adam_threads(cfg, self.device),
+                                     on_chunk_idle=self._chunk_ready)
         self.prefetcher = _ParamPrefetcher(self.store, depth=cfg.prefetch_depth,
                                            ready=lambda cid: not self.pipeline.busy(cid))
 
@@ -495,6 +522,8 @@ class Engine:
         if self._phase is Phase.BACKWARD:
             self._finish_backward()
         args, kwargs = cast_inputs((args, kwargs), dtype=self.dtype, device=self.device)
+        if self.device.type == "cuda":
+            self._compute_stream = torch.cuda.current_stream(self.device)
         self.prefetcher.start_pass()
         self._set_phase(Phase.FORWARD)
         t0 = time.perf_counter()
@@ -510,6 +539,17 @@ class Engine:
             if not torch.is_grad_enabled():
                 self._release_idle()  # no backward follows: go idle now
             self._times["forward"] += time.perf_counter() - t0
+
+    def _chunk_ready(self, cid: int) -> None:
+        """On the CPU-Adam worker: see [Note: fetch on completion]."""
+        if self._closed:
+            return
+        stream = self._compute_stream
+        if stream is None:
+            self.prefetcher.chunk_ready(cid)
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            self.prefetcher.chunk_ready(cid)
 
     def _pre_forward(self, rec: _ModuleRecord, module, args, kwargs):
         if self._phase is Phase.IDLE:
@@ -930,7 +970,7 @@ class Engine:
             fetch_stall_s=fetch_stall, update_stall_s=update_stall,
             adam_s=self.pipeline.stats.adam_s,
             gpu_stall_share=(fetch_stall + update_stall) / compute if compute > 0 else 0.0,
-            prefetch_hit_rate=pf.hit_rate,
+            prefetch_hit_rate=pf.hit_rate, prefetch_ahead_rate=pf.ahead_rate,
             loss_scale=self.scaler.scale if self.scaler is not None else None,
             last_grad_norm=self.last_grad_norm,
             lr=float(self.optimizer.param_groups[0]["lr"]))
@@ -941,7 +981,7 @@ class Engine:
         self._bytes0 = dict(self.store.stats.bytes_moved)
         self._times = {k: 0.0 for k in self._times}
         self.prefetcher.stats.stall_s = 0.0
-        self.prefetcher.stats.uses = self.prefetcher.stats.hits = 0
+        self.prefetcher.stats.uses = self.prefetcher.stats.hits = self.prefetcher.stats.ahead = 0
         self.pipeline.stats.wait_chunk_s = 0.0
         self.pipeline.stats.adam_s = 0.0
 

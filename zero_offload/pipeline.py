@@ -21,7 +21,9 @@ the queued job with the smallest ``priority`` (the caller passes the chunk's pos
 forward; default: submission order). So during backward it updates whatever has landed, and
 once backward is over it goes through the rest in the order the next forward needs them: the
 forward starts as soon as its first chunk is updated and then runs behind the updates instead
-of waiting for all of them. Each ``adam_step`` call is multi-threaded in the native kernel and
+of waiting for all of them. One exception: a grad job whose grads are still in flight (the device
+has not reached the copy yet) does not hold the worker while another job could start at once;
+that one goes first (``_pick``), so the worker never idles on a move with work at hand. Each ``adam_step`` call is multi-threaded in the native kernel and
 releases the GIL, so the caller's thread keeps driving the GPU.
 
 [Note: state read-ahead] Optimizer state homed off the CPU (NVMe) is read into host memory for
@@ -173,11 +175,16 @@ class StepPipeline:
         threads: threads per ``adam_step`` call (None: all available cores).
         on_update_done: called on the worker thread with the chunk id after each update (e.g.
             to start copying the new params back to the GPU).
+        on_chunk_idle: called on the worker thread, with no pipeline lock held, with the chunk
+            id once a job that updated the chunk has finished and no other job of that chunk is
+            queued (``busy(cid)`` is False then): the chunk's params are final for now, so a
+            consumer may start fetching them. See [Note: fetch on completion] in engine.py.
     """
 
     def __init__(self, store: ChunkStore, *, payloads: PipelinePayloads = PipelinePayloads(),
                  prefetch_depth: int = 2, threads: Optional[int] = None,
-                 on_update_done: Optional[Callable[[int], None]] = None):
+                 on_update_done: Optional[Callable[[int], None]] = None,
+                 on_chunk_idle: Optional[Callable[[int], None]] = None):
         from . import cpu_adam  # the native kernel; imported here so importing this module stays cheap
 
         self._adam = cpu_adam
@@ -186,6 +193,7 @@ class StepPipeline:
         self.prefetch_depth = prefetch_depth
         self.threads = threads
         self.on_update_done = on_update_done
+        self.on_chunk_idle = on_chunk_idle
         self.stats = PipelineStats()
         self._state_names = (payloads.master, payloads.exp_avg, payloads.exp_avg_sq)
         self._cv = threading.Condition()
@@ -278,6 +286,26 @@ class StepPipeline:
                 first[q.cid] = q
         return sorted((q for c, q in first.items() if c not in blocked), key=lambda q: q.key)
 
+    @staticmethod
+    def _startable(q: _Queued) -> bool:
+        """Whether a job can start without waiting for its grads' move (non-blocking poll)."""
+        job = q.job
+        if not isinstance(job, GradJob) or job.accumulate is Accumulate.HOLD:
+            return True
+        return job.ready.host_done() and job.ready.finished()
+
+    def _pick(self) -> _Queued:
+        """The job to run next (lock held; some job is runnable). [Note: job order], except that
+        a grad job whose grads are still in flight does not hold the worker while another job
+        could run now: the best job that can start at once goes first; when none can, the grad
+        job submitted first (its move was issued first, and moves of one stream land in issue
+        order), so the worker waits for the move that lands soonest."""
+        runnable = self._runnable()
+        for q in runnable:
+            if self._startable(q):
+                return q
+        return min(runnable, key=lambda q: q.seq)
+
     def _read_ahead(self) -> None:
         """[Note: state read-ahead] for the next ``prefetch_depth`` queued updates."""
         if self.prefetch_depth <= 0:
@@ -301,7 +329,7 @@ class StepPipeline:
                 self._cv.wait_for(lambda: self._stop or (self._queue and self._runnable()))
                 if self._stop and not self._queue:
                     return
-                q = self._runnable()[0]
+                q = self._pick()
                 q.running = True
             t0 = time.perf_counter()
             try:
@@ -316,7 +344,15 @@ class StepPipeline:
                     self._queue.remove(q)
                     if isinstance(q.job, GradJob):
                         self._pending_grads -= 1
+                    idle = (self.on_chunk_idle is not None and self._error is None
+                            and (isinstance(q.job, UpdateJob) or q.job.then is not None)
+                            and not any(o.cid == q.cid for o in self._queue))
                     self._cv.notify_all()
+            if idle:
+                try:
+                    self.on_chunk_idle(q.cid)  # outside the lock: see [Note: lock order] (engine.py)
+                except BaseException as e:
+                    self._error = e
 
     def _execute(self, job) -> None:
         if isinstance(job, GradJob):

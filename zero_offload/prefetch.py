@@ -40,6 +40,10 @@ class PrefetchStats:
     uses: int = 0
     hits: int = 0
     """Uses whose copies were all already valid (the prefetch had landed)."""
+    ahead: int = 0
+    """Uses whose copies were all valid or already on their way (fetch issued before the use).
+    On CUDA the consumer waits for an in-flight copy device-side only, so this is the share that
+    did not wait for a fetch to be *issued* (``hits`` counts only copies that had landed)."""
     stall_s: float = 0.0
     """Seconds ``use`` spent waiting for moves (host time)."""
     prefetches: int = 0
@@ -54,6 +58,10 @@ class PrefetchStats:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.uses if self.uses else 0.0
+
+    @property
+    def ahead_rate(self) -> float:
+        return self.ahead / self.uses if self.uses else 0.0
 
 
 class Prefetcher:
@@ -169,7 +177,9 @@ class Prefetcher:
         store = self.store
         with self._lock:
             self._advance(cid)
-            hit = all(store.state(cid, name, tier) is Residency.VALID for name, tier in self.hops)
+            states = [store.state(cid, name, tier) for name, tier in self.hops]
+            hit = all(st is Residency.VALID for st in states)
+            ahead = all(st in (Residency.VALID, Residency.LOADING, Residency.FLUSHING) for st in states)
             for name, tier in self.hops:  # on demand (no-op when prefetched)
                 store.fetch(cid, name, tier)
                 store.pin(cid, name, tier)
@@ -185,6 +195,7 @@ class Prefetcher:
         with self._lock:
             self.stats.uses += 1
             self.stats.hits += hit
+            self.stats.ahead += ahead
             if not hit:
                 self.stats.stall_s += waited
         return out
@@ -208,6 +219,12 @@ class Prefetcher:
             yield tensors
         finally:
             self.release(cid)
+
+    def refresh(self) -> None:
+        """Issue the look-ahead fetches for the current position now (e.g. when a chunk that held
+        the window back became ready; see ``_ParamPrefetcher`` in engine.py). Thread-safe."""
+        with self._lock:
+            self._issue_lookahead()
 
     def _issue_lookahead(self) -> None:
         store = self.store
@@ -236,6 +253,6 @@ class Prefetcher:
         with self._lock:
             now = self.store.stats.bytes_moved
             s = PrefetchStats(**{k: getattr(self.stats, k) for k in
-                                 ("uses", "hits", "stall_s", "prefetches", "budget_limited", "rerecords", "passes")})
+                                 ("uses", "hits", "ahead", "stall_s", "prefetches", "budget_limited", "rerecords", "passes")})
             s.bytes_moved = {h.value: now[h] - self._bytes0.get(h, 0) for h in Hop}
             return s
