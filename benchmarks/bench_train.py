@@ -323,7 +323,11 @@ class Bench:
         moved = {hop: n / n_steps for hop, n in st.bytes_moved.items()}
         held = {t: n / GiB for t, n in st.bytes_held.items()}
         notes = (f"init {init_s:.0f} s; held GiB " + ", ".join(f"{t} {n:.1f}" for t, n in held.items())
-                 + f"; hit rate {st.prefetch_hit_rate:.0%}")
+                 + f"; hit rate {st.prefetch_hit_rate:.0%}"
+                 + (f", fetched ahead {st.prefetch_ahead_rate:.0%}" if hasattr(st, "prefetch_ahead_rate") else "")
+                 + f"; per step: forward {st.forward_s / n_steps:.3f} s, backward {st.backward_s / n_steps:.3f} s, "
+                 f"step() {st.step_s / n_steps:.3f} s, CPU-Adam {st.adam_s / n_steps:.3f} s, "
+                 f"fetch stall {st.fetch_stall_s / n_steps:.3f} s, update stall {st.update_stall_s / n_steps:.3f} s")
         r = self.record(name, f"zero_offload engine, params {params}, optimizer {optimizer}", times,
                         losses=[float(x) for x in losses], stall=st.gpu_stall_share, moved=moved, notes=notes)
         r.bytes_per_step["held_gib"] = held
