@@ -14,7 +14,9 @@ def test_nvme_state_parity_and_cleanup(tmp_path):
                        chunk_mb=0.02, threads=1)
     n = sum(p.numel() for p in model.parameters())
     assert os.listdir(tmp_path)  # the swap space exists
-    assert opt._store.bytes("cpu") == 0  # nothing of the state stays in host RAM between steps
+    # nothing of the state stays in host RAM between steps, once the writes in flight have landed
+    opt._store.synchronize()
+    assert opt._store.bytes("cpu") == 0
     data = batches(8)
     opt.reset_stats()
     train(model, opt, data)
@@ -24,6 +26,7 @@ def test_nvme_state_parity_and_cleanup(tmp_path):
     # every step reads and writes the whole state (12 B/param, chunks padded to 4 KiB)
     assert 8 * 12 * n <= read <= 8 * (12 * n + 4096 * len(opt._chunks))
     assert 8 * 12 * n <= written <= 8 * (12 * n + 4096 * len(opt._chunks))
+    opt._store.synchronize()
     assert opt._store.bytes("cpu") == 0
     sd = opt.state_dict()
     ref_sd = torch.optim.AdamW(reference.parameters()).state_dict()  # only for the format
