@@ -35,7 +35,7 @@ for what in "$@"; do
         --steps 2 --warmup 1 --cases engine-largest --largest-params gpu --nvme-dir /tmp/zo \
         --md-out "$OUT/train_largest.md" --json-out "$OUT/train_largest.json" 2>&1 | tee "$OUT/train_largest.log" | tail -20 ;;
     io)
-      python3 benchmarks/bench_io.py --dir /tmp/zo_bench --size-gib 4 --repeats 3 --max-seconds 150 \
+      python3 benchmarks/bench_io.py --dir /tmp/zo_bench --size-gib 4 --repeats 3 --max-seconds 100 \
         --out "$OUT/io" 2>&1 | tail -14 ;;
     adam)
       python3 benchmarks/bench_cpu_adam.py --threads 16 --sizes 10M,100M --repeats 9 --no-foreach \
