@@ -31,7 +31,7 @@ for what in "$@"; do
         --cases torch,engine-nvme --nvme-dir /tmp/zo --disk-probe-mb 4096 \
         --md-out "$OUT/train_nvme.md" --json-out "$OUT/train_nvme.json" 2>&1 | tee "$OUT/train_nvme.log" | tail -20 ;;
     largest)
-      python3 benchmarks/bench_train.py --layers 35 --hidden 4096 --heads 32 --vocab 32000 --batch 4 \
+      python3 benchmarks/bench_train.py --layers 35 --hidden 4096 --heads 32 --vocab 32000 --seq 1024 --batch 4 \
         --steps 2 --warmup 1 --cases engine-largest --largest-params gpu --nvme-dir /tmp/zo \
         --md-out "$OUT/train_largest.md" --json-out "$OUT/train_largest.json" 2>&1 | tee "$OUT/train_largest.log" | tail -20 ;;
     io)
