@@ -48,6 +48,16 @@ when the list overflows, and every parked chunk is released when backward ends a
 queues updates (an update makes the device copy stale: the next use must fetch again). Parked
 chunks stay pinned in the store and are part of the working window (placement.py).
 
+[Note: kept copies] Forward and backward use every chunk once each, so releasing a chunk's
+device copy after its forward use fetches the params twice per step. When the GPU budget has
+room (``placement.keep_limit``: at most half of it, never the working window), a chunk released
+during a forward with grad enabled is only unpinned in the store (``Prefetcher.release(keep=
+True)``): its copy stays valid for the backward, and if a tier needs room the store evicts by the
+prefetcher's farthest-next-use policy. A release in backward drops the copy as before, and
+``_release_idle`` (end of backward, before a step's updates, idle) drops every kept copy not in
+use, so nothing kept outlives the step whose CPU update makes it stale. A budget that only fits
+the working window keeps nothing (the behaviour before keeping).
+
 [Note: lock order] Two threads use the store: the caller's (forward, and backward hooks) and the
 CPU-Adam worker. The store calls its eviction policy with its lock held, and the policy asks the
 params prefetcher how soon a chunk is needed; the prefetcher, for its part, calls the store with
@@ -98,7 +108,8 @@ from .mixed_precision import LossScaler, cast_inputs
 from .partition import ChunkLayout, ParamSlot, Partition, partition_parameters
 from .pipeline import (Accumulate, AdamArgs, GradJob, PipelinePayloads, Segment, StepPipeline,
                        UpdateJob)
-from .placement import PlacementPlan, optimizer_payloads, payload_dtypes, plan_placement
+from .placement import (PlacementPlan, keep_limit, optimizer_payloads, payload_dtypes,
+                        plan_placement)
 from .prefetch import Prefetcher
 from .store import ChunkStore, Handle, PayloadSpec, StoreConfig, Tier
 
@@ -431,6 +442,8 @@ class Engine:
         self._call_stack: list = []
         self._transient: list[_Chunk] = []
         self._parked: list[_Chunk] = []  # see [Note: parked chunks]
+        self._kept: dict[int, _Chunk] = {}  # cid -> chunk whose device copy was kept; [Note: kept copies]
+        self._keep_limit = keep_limit(self.partition, cfg, self.store.budgets[Tier.GPU])
         self._live: dict[int, _Chunk] = {}  # device-buffer storage address -> chunk (held ones)
         self.last_grad_norm: Optional[float] = None
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
@@ -630,15 +643,25 @@ class Engine:
             s.param.data = self._placeholder.expand(s.shape)
         self._live.pop(chunk.buffer.untyped_storage().data_ptr(), None)
         chunk.buffer = None
-        self.prefetcher.release(chunk.cid)
+        keep = (self._phase is Phase.FORWARD and torch.is_grad_enabled()
+                and self.store.bytes(Tier.GPU) <= self._keep_limit)
+        self.prefetcher.release(chunk.cid, keep=keep)
+        if keep:
+            self._kept[chunk.cid] = chunk
+        else:
+            self._kept.pop(chunk.cid, None)
 
     def _release_idle(self) -> None:
-        """Release every materialized chunk nobody holds (parked ones included): at the end of a
-        backward, before updates may rewrite the params, and when the engine goes idle."""
+        """Release every materialized chunk nobody holds (parked ones included), and drop the
+        copies kept after forward: at the end of a backward, before updates may rewrite the
+        params, and when the engine goes idle."""
         self._parked.clear()
         for c in self._chunks:
             if c.buffer is not None and c.holds == 0:
                 self._release(c)
+        if self._kept:
+            self.prefetcher.drop([cid for cid, c in self._kept.items() if c.buffer is None])
+            self._kept = {cid: c for cid, c in self._kept.items() if c.buffer is not None}
 
     def _materialize(self, chunk: _Chunk) -> None:
         if chunk.layout.trainable:

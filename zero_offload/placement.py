@@ -36,7 +36,11 @@ from .partition import ChunkLayout, Partition
 from .store import Tier
 from .swap_io import ALIGNMENT, round_up
 
-__all__ = ["ChunkHomes", "PlacementPlan", "plan_placement", "FitError"]
+__all__ = ["ChunkHomes", "PlacementPlan", "plan_placement", "FitError", "keep_limit"]
+
+KEEP_SHARE = 0.5
+"""Share of the GPU budget up to which params copies are kept from forward to backward; the
+rest is left to activations, which the store does not see (as for "auto" params homes)."""
 
 
 
@@ -105,6 +109,14 @@ def window_bytes(partition: Partition, config: OffloadConfig) -> int:
     big_grads = max((chunk_bytes(c, config, ("grads",)) for c in trainable), default=0)
     from .engine import PARKED_CHUNKS
     return (config.prefetch_depth + 3 + PARKED_CHUNKS) * big_params + 3 * big_grads
+
+
+def keep_limit(partition: Partition, config: OffloadConfig, gpu_budget: int) -> int:
+    """GPU-tier bytes held by the store up to which the engine keeps a chunk's params copy on the
+    device after its forward use, for the backward (engine.py, [Note: kept copies]): at most
+    ``KEEP_SHARE`` of the budget, and never eating into the working window (a budget that only
+    fits homes + window gives 0: copies are released after use, as without keeping)."""
+    return max(0, min(int(KEEP_SHARE * gpu_budget), gpu_budget - window_bytes(partition, config)))
 
 
 def plan_placement(partition: Partition, config: OffloadConfig, budgets: dict, *,

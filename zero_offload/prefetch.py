@@ -200,16 +200,33 @@ class Prefetcher:
                 self.stats.stall_s += waited
         return out
 
-    def release(self, cid: int) -> None:
+    def release(self, cid: int, *, keep: bool = False) -> None:
         """The caller is done with chunk ``cid``: unpin, and drop non-home target copies that
-        the look-ahead window does not need again."""
+        the look-ahead window does not need again. ``keep=True`` only unpins: the copies stay
+        resident (evictable by the store's policy when a tier needs room) until ``drop(cid)``
+        or a later ``release``."""
         store = self.store
         with self._lock:
             soon = set(self._upcoming(self.depth))
             for name, tier in self.hops:
                 store.unpin(cid, name, tier)
-                if self.evict_after_use and cid not in soon and store.payload_spec(cid, name).home is not tier:
+                if self.evict_after_use and not keep and cid not in soon \
+                        and store.payload_spec(cid, name).home is not tier:
                     store.evict(cid, name, tier)
+
+    def drop(self, cids) -> None:
+        """Drop the non-home target copies of the unpinned chunks ``cids`` that were kept by
+        ``release(cid, keep=True)``, except those the look-ahead window needs soon. The caller
+        must not hold (``use``) any of them."""
+        store = self.store
+        with self._lock:
+            soon = set(self._upcoming(self.depth))
+            for cid in cids:
+                if cid in soon:
+                    continue
+                for name, tier in self.hops:
+                    if store.payload_spec(cid, name).home is not tier:
+                        store.evict(cid, name, tier)
 
     @contextlib.contextmanager
     def chunk(self, cid: int) -> Iterator[dict]:
