@@ -444,7 +444,11 @@ def recommend_depth(results: Sequence[dict], *, tolerance: float = 0.03) -> int:
 def plot_prefetch(results: Sequence[dict], path, *, title: str = "", recommended: Optional[int] = None) -> None:
     """PNG of step time (median, min-max) and stall per step against depth, plus bytes moved
     per step on each hop."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise UsageError("the plot needs matplotlib: `pip install matplotlib` "
+                         "(or `pip install 'zero_offload[plot]'`)") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
