@@ -270,11 +270,9 @@ class Bench:
 
     # -- plain torch --------------------------------------------------------------------------
 
-    def case_torch(self):
-        self.start_case()
-        model = self.build(device=self.device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
-        losses = []
+    def optimizer_step(self, model, opt, losses):
+        """One training step of a torch-style optimizer loop (torch, OffloadAdamW, torchao share
+        it, so the three differ only in the optimizer): bf16 autocast on CUDA, grads set to None."""
         amp = self.device.type == "cuda"
 
         def step(i):
@@ -285,6 +283,16 @@ class Bench:
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.detach())
+        return step
+
+    def case_torch(self):
+        self.start_case()
+        model = self.build(device=self.device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+        losses = []
+        amp = self.device.type == "cuda"
+
+        step = self.optimizer_step(model, opt, losses)
 
         times = time_steps(step, warmup=self.args.warmup, steps=self.args.steps, device=self.device)
         r = self.record("torch", "torch, no offload, AdamW fused" + (", bf16 autocast" if amp else ""),
@@ -343,17 +351,9 @@ class Bench:
         opt = zo.OffloadAdamW(model.parameters(), lr=1e-4, weight_decay=0.1, state=state,
                               nvme_dir=self.nvme_dir() if state == "nvme" else None,
                               chunk_mb=self.args.chunk_mb, threads=threads or self.args.threads)
-        amp = self.device.type == "cuda"
         losses = []
 
-        def step(i):
-            x, y = self.batch(i)
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=amp):
-                loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
+        step = self.optimizer_step(model, opt, losses)
 
         times = time_steps(step, warmup=self.args.warmup if warmup is None else warmup,
                            steps=steps or self.args.steps, device=self.device, after_warmup=opt.reset_stats)
@@ -385,14 +385,7 @@ class Bench:
                                   fused=True, lr=1e-4, weight_decay=0.1)
         losses = []
 
-        def step(i):
-            x, y = self.batch(i)
-            with torch.autocast(self.device.type, dtype=torch.bfloat16):
-                loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
+        step = self.optimizer_step(model, opt, losses)
 
         times = time_steps(step, warmup=self.args.warmup, steps=self.args.steps, device=self.device)
         self.record("torchao", f"torchao {torchao.__version__} CPUOffloadOptimizer (fp32 params on GPU, bf16 "
