@@ -37,6 +37,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import enum
+import functools
 import os
 import shutil
 import threading
@@ -1115,25 +1116,22 @@ class ChunkStore:
 
     def _read_nvme(self, src: _Copy, dst: _Copy, *, deps) -> object:
         swap = self._swap_space()
-        dst_raw = self._raw(dst)
-        if not deps:
-            return _IoWait(swap.read(src.slot, dst_raw))
-
-        def task():
-            for d in deps:
-                d.wait()
-            swap.read(src.slot, dst_raw).wait()
-        return self._executor.submit(task)
+        return self._io_after(deps, functools.partial(swap.read, src.slot, self._raw(dst)))
 
     def _write_nvme(self, dst: _Copy, data: torch.Tensor, *, deps) -> object:
         swap = self._swap_space()
+        return self._io_after(deps, functools.partial(swap.write, dst.slot, data))
+
+    def _io_after(self, deps, submit) -> object:
+        """Submit the I/O now when nothing must finish first; otherwise on the executor, once
+        every handle in ``deps`` is done (the hazard order of [Note]s above)."""
         if not deps:
-            return _IoWait(swap.write(dst.slot, data))
+            return _IoWait(submit())
 
         def task():
             for d in deps:
                 d.wait()
-            swap.write(dst.slot, data).wait()
+            submit().wait()
         return self._executor.submit(task)
 
     @staticmethod
