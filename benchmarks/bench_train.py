@@ -268,6 +268,20 @@ class Bench:
               flush=True)
         return r
 
+    def trace_steps(self, name, engine, step, n_steps):
+        """Two more steps with the engine's trace on, written as a Chrome trace (Perfetto)."""
+        from zero_offload.pipeline import Trace
+
+        engine.trace = Trace()
+        for i in range(2):
+            step(n_steps + i)
+        engine.synchronize()
+        os.makedirs(self.args.trace_dir, exist_ok=True)
+        path = os.path.join(self.args.trace_dir, f"trace_{name}.json")
+        engine.trace.write(path)
+        engine.trace = None
+        print(f"[{name}] trace of 2 steps -> {path}", flush=True)
+
     # -- plain torch --------------------------------------------------------------------------
 
     def optimizer_step(self, model, opt, losses):
@@ -334,11 +348,14 @@ class Bench:
                  + f"; hit rate {st.prefetch_hit_rate:.0%}"
                  + (f", fetched ahead {st.prefetch_ahead_rate:.0%}" if hasattr(st, "prefetch_ahead_rate") else "")
                  + f"; per step: forward {st.forward_s / n_steps:.3f} s, backward {st.backward_s / n_steps:.3f} s, "
-                 f"step() {st.step_s / n_steps:.3f} s, CPU-Adam {st.adam_s / n_steps:.3f} s, "
+                 f"step() {st.step_s / n_steps:.3f} s, CPU-Adam {st.adam_s / n_steps:.3f} s "
+                 f"(kernel {st.kernel_s / n_steps:.3f} s, worker busy {st.worker_busy_s / n_steps:.3f} s), "
                  f"fetch stall {st.fetch_stall_s / n_steps:.3f} s, update stall {st.update_stall_s / n_steps:.3f} s")
         r = self.record(name, f"zero_offload engine, params {params}, optimizer {optimizer}", times,
                         losses=[float(x) for x in losses], stall=st.gpu_stall_share, moved=moved, notes=notes)
         r.bytes_per_step["held_gib"] = held
+        if self.args.trace_dir:
+            self.trace_steps(name, engine, step, n_steps)
         engine.close()
         del engine
         return r
@@ -505,6 +522,11 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", type=int, default=2, help="prefetch depth")
     ap.add_argument("--chunk-mb", type=float, default=64.0)
     ap.add_argument("--threads", type=int, default=None, help="CPU-Adam threads (default: all cores)")
+    ap.add_argument("--trace-dir", default=None,
+                    help="after timing, trace two more engine steps into DIR/trace_<case>.json "
+                         "(Chrome trace: open in https://ui.perfetto.dev)")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for the whole run (seconds; default: Python's own)")
     ap.add_argument("--adamw-threads", type=int, default=None,
                     help="CPU-Adam threads of the OffloadAdamW cases (default: --threads)")
     ap.add_argument("--nvme-dir", default=None)
@@ -523,6 +545,8 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown case(s) {unknown}; choose from {', '.join(CASES)}")
 
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     bench = Bench(args)
     print(f"machine: {machine(bench.device)}\nmodel: {bench.params / 1e9:.3f}B params, {bench.tokens} tokens/step",
           flush=True)

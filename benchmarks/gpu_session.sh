@@ -37,6 +37,14 @@ for what in "$@"; do
     io)
       python3 benchmarks/bench_io.py --dir /tmp/zo_bench --size-gib 4 --repeats 3 --max-seconds 100 \
         --out "$OUT/io" 2>&1 | tail -14 ;;
+    diag)  # what slows CPU-Adam inside a step: kernel alone vs beside PCIe / GIL load; traced steps
+      python3 benchmarks/diag_adam_contention.py --params 1.31e9 --chunk-mb 64 --json-out "$OUT/diag_adam.json" \
+        2>&1 | tee "$OUT/diag_adam.log"
+      for si in default 0.00025; do
+        extra=(--cases torch,engine-cpu); [ $si != default ] && extra=(--switch-interval $si --cases torch,engine-cpu,offload-adamw,torchao)
+        python3 benchmarks/bench_train.py --model 1.3b --batch 8 --steps 5 --warmup 2 \
+          "${extra[@]}" --trace-dir "$OUT/trace_si$si" --md-out "$OUT/train_si$si.md" --json-out "$OUT/train_si$si.json" \
+          2>&1 | tee "$OUT/train_si$si.log" | grep -E '^\[|engine-cpu\*\*' ; done ;;
     adam)
       python3 benchmarks/bench_cpu_adam.py --threads 16 --sizes 10M,100M --repeats 9 --no-foreach \
         --md-out "$OUT/cpu_adam.md" --json-out "$OUT/cpu_adam.json" 2>&1 | tail -16 ;;

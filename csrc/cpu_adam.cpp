@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -29,6 +30,8 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #endif
+
+#include <chrono>
 
 #include "thread_pool.h"
 
@@ -349,7 +352,7 @@ Scalars make_scalars(double step, double lr, double beta1, double beta2, double 
   return s;
 }
 
-void adam_step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg,
+double adam_step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg,
                uintptr_t exp_avg_sq, int64_t numel, uintptr_t out, int out_dtype, double step,
                double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
                double grad_scale, int threads) {
@@ -363,7 +366,7 @@ void adam_step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_av
     throw std::invalid_argument("out and out_dtype must be given together");
   }
   if (!(step >= 1)) throw std::invalid_argument("step must be >= 1");
-  if (numel == 0) return;
+  if (numel == 0) return 0.0;
   if (!param || !grad || !exp_avg || !exp_avg_sq) {
     throw std::invalid_argument("null buffer address with numel > 0");
   }
@@ -373,9 +376,11 @@ void adam_step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_av
   const Scalars scalars =
       make_scalars(step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale);
   const Kernels& k = active_kernels();
+  const auto start = std::chrono::steady_clock::now();
   parallel_chunks(numel, threads, [&](int64_t, int64_t begin, int64_t end) {
     k.adam(buffers, scalars, begin, end);
   });
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 double grad_sumsq(uintptr_t grad, int dtype, int64_t numel, double grad_scale, int threads) {
@@ -429,7 +434,7 @@ void register_cpu_adam(py::module_& m) {
           py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"),
           py::arg("grad_scale"), py::arg("threads"), py::call_guard<py::gil_scoped_release>(),
           "One fused Adam/AdamW step over `numel` elements, in place; optional low-precision "
-          "copy-out of the updated params.");
+          "copy-out of the updated params. Returns the seconds the kernel ran (GIL released).");
   sub.def("grad_sumsq", &grad_sumsq, py::kw_only(), py::arg("grad"), py::arg("dtype"),
           py::arg("numel"), py::arg("grad_scale"), py::arg("threads"),
           py::call_guard<py::gil_scoped_release>(), "sum((grad / grad_scale)^2) in fp64.");

@@ -196,12 +196,13 @@ def _check_operands(param, grad, exp_avg, exp_avg_sq, out_lowp, *, prefix: str =
 
 
 def _launch(param, grad, exp_avg, exp_avg_sq, out_lowp, *, step: float, hyper: AdamHyper,
-            grad_scale: float, threads: Optional[int]) -> None:
-    """Runs the kernel on checked operands (see [Note: validate, then mutate])."""
+            grad_scale: float, threads: Optional[int]) -> float:
+    """Runs the kernel on checked operands (see [Note: validate, then mutate]); returns the
+    seconds the kernel ran."""
     n = param.numel()
     if n == 0:
-        return
-    kernels.adam_step(
+        return 0.0
+    seconds = kernels.adam_step(
         param=param.data_ptr(), grad=grad.data_ptr(), grad_dtype=int(TORCH_DTYPES[grad.dtype]),
         exp_avg=exp_avg.data_ptr(), exp_avg_sq=exp_avg_sq.data_ptr(), numel=n,
         out=0 if out_lowp is None else out_lowp.data_ptr(),
@@ -213,6 +214,7 @@ def _launch(param, grad, exp_avg, exp_avg_sq, out_lowp, *, step: float, hyper: A
     if _set_version is not None:
         written = [param] if out_lowp is None else [param, out_lowp]
         _set_version(written, [t._version + 1 for t in written])
+    return seconds
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,7 +236,7 @@ def adam_step(
     grad_scale: float = 1.0,
     out_lowp: Optional[torch.Tensor] = None,
     threads: Optional[int] = None,
-) -> None:
+) -> float:
     """One fused Adam (``adamw=False``, L2 decay) or AdamW step over flat CPU buffers, in place.
 
     ``param``, ``exp_avg``, ``exp_avg_sq``: fp32, contiguous, same numel. ``grad``: fp32, bf16
@@ -242,15 +244,16 @@ def adam_step(
     ``step``: this update's 1-based count (bias correction). ``out_lowp``: optional bf16/fp16
     buffer that receives the updated params rounded to nearest even. ``threads``: None = one
     per CPU this process may use. Releases the GIL for the whole call. Raises TypeError /
-    ValueError before touching anything on bad input.
+    ValueError before touching anything on bad input. Returns the seconds the kernel itself ran
+    (without the checks and without re-taking the GIL): the worker's trace tells the two apart.
     """
     hyper = AdamHyper.checked(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw)
     step_value = _check_step(step)
     scale = _check_grad_scale(grad_scale)
     threads = _check_threads(threads)
     _check_operands(param, grad, exp_avg, exp_avg_sq, out_lowp)
-    _launch(param, grad, exp_avg, exp_avg_sq, out_lowp, step=step_value, hyper=hyper,
-            grad_scale=scale, threads=threads)
+    return _launch(param, grad, exp_avg, exp_avg_sq, out_lowp, step=step_value, hyper=hyper,
+                   grad_scale=scale, threads=threads)
 
 
 def grad_sumsq(grad: torch.Tensor, *, grad_scale: float = 1.0, threads: Optional[int] = None) -> float:

@@ -107,7 +107,7 @@ from .config import Adam, OffloadConfig, load_config
 from .mixed_precision import LossScaler, cast_inputs
 from .partition import ChunkLayout, ParamSlot, Partition, partition_parameters
 from .pipeline import (Accumulate, AdamArgs, GradJob, PipelinePayloads, Segment, StepPipeline,
-                       UpdateJob)
+                       Trace, UpdateJob)
 from .placement import (PlacementPlan, keep_limit, optimizer_payloads, payload_dtypes,
                         plan_placement)
 from .prefetch import Prefetcher
@@ -302,7 +302,11 @@ class EngineStats:
     update_stall_s: float
     """Host time forward waited for a chunk's CPU update to finish."""
     adam_s: float
-    """Worker time inside adam_step."""
+    """Worker time inside adam_step calls (re-taking the GIL after each included)."""
+    kernel_s: float
+    """Of which the CPU-Adam kernel itself ran."""
+    worker_busy_s: float
+    """Worker time on jobs of any kind (waits for grads to land and bookkeeping included)."""
     gpu_stall_share: float
     """(fetch + update stalls) / (forward + backward time): the share of compute time lost."""
     prefetch_hit_rate: float
@@ -551,7 +555,7 @@ class Engine:
             self._set_phase(Phase.IDLE)
             if not torch.is_grad_enabled():
                 self._release_idle()  # no backward follows: go idle now
-            self._times["forward"] += time.perf_counter() - t0
+            self._span("forward", t0)
 
     def _chunk_ready(self, cid: int) -> None:
         """On the CPU-Adam worker: see [Note: fetch on completion]."""
@@ -666,7 +670,10 @@ class Engine:
     def _materialize(self, chunk: _Chunk) -> None:
         if chunk.layout.trainable:
             self.pipeline.wait_chunk(chunk.cid)  # the update writing these params must finish
+        t0 = time.perf_counter()
         buf = self.prefetcher.use(chunk.cid)["params"]
+        if self.pipeline.trace is not None:
+            self.pipeline.trace.span("use", t0, time.perf_counter(), cid=chunk.cid)
         for s in chunk.layout.slots:
             s.param.data = buf[s.offset:s.end].view(s.shape)
         chunk.buffer = buf
@@ -733,7 +740,7 @@ class Engine:
             self._set_phase(Phase.IDLE)
             raise
         self._finish_backward()
-        self._times["backward"] += time.perf_counter() - t0
+        self._span("backward", t0)
 
     def _pre_backward(self, token: _BackwardToken, grad) -> None:
         with self._lock, _range("zero_offload::pre_backward"):
@@ -855,7 +862,7 @@ class Engine:
             with _range("zero_offload::step"):
                 return self._step()
         finally:
-            self._times["step"] += time.perf_counter() - t0
+            self._span("step", t0)
 
     def _step(self) -> bool:
         self._micro += 1
@@ -925,6 +932,25 @@ class Engine:
 
     # ---- inspection -------------------------------------------------------------------------
 
+    @property
+    def trace(self) -> Optional[Trace]:
+        """A ``Trace`` recording the spans of every step (worker jobs, kernel calls, waits,
+        phases), or None (the default: nothing recorded). Set one, run steps, ``write`` it."""
+        return self.pipeline.trace
+
+    @trace.setter
+    def trace(self, trace: Optional[Trace]) -> None:
+        if trace is not None and not isinstance(trace, Trace):
+            raise TypeError(f"engine.trace takes a zero_offload.pipeline.Trace or None, got "
+                            f"{type(trace).__name__}")
+        self.pipeline.trace = trace
+
+    def _span(self, phase: str, t0: float) -> None:
+        t1 = time.perf_counter()
+        self._times[phase] += t1 - t0
+        if self.pipeline.trace is not None:
+            self.pipeline.trace.span(phase, t0, t1)
+
     def synchronize(self) -> None:
         """Wait until every queued update has run and every move has landed."""
         self._check_open()
@@ -991,7 +1017,8 @@ class Engine:
             bytes_moved={h.value: n - self._bytes0.get(h, 0) for h, n in st.bytes_moved.items()},
             forward_s=fwd, backward_s=bwd, step_s=self._times["step"],
             fetch_stall_s=fetch_stall, update_stall_s=update_stall,
-            adam_s=self.pipeline.stats.adam_s,
+            adam_s=self.pipeline.stats.adam_s, kernel_s=self.pipeline.stats.kernel_s,
+            worker_busy_s=self.pipeline.stats.busy_s,
             gpu_stall_share=(fetch_stall + update_stall) / compute if compute > 0 else 0.0,
             prefetch_hit_rate=pf.hit_rate, prefetch_ahead_rate=pf.ahead_rate,
             loss_scale=self.scaler.scale if self.scaler is not None else None,
@@ -1005,8 +1032,8 @@ class Engine:
         self._times = {k: 0.0 for k in self._times}
         self.prefetcher.stats.stall_s = 0.0
         self.prefetcher.stats.uses = self.prefetcher.stats.hits = self.prefetcher.stats.ahead = 0
-        self.pipeline.stats.wait_chunk_s = 0.0
-        self.pipeline.stats.adam_s = 0.0
+        ps = self.pipeline.stats
+        ps.wait_chunk_s = ps.adam_s = ps.kernel_s = ps.busy_s = 0.0
 
     # ---- checkpoints ------------------------------------------------------------------------
 

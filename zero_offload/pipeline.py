@@ -54,7 +54,39 @@ import torch
 from .store import BudgetError, ChunkStore, Handle, StoreError, Tier
 
 __all__ = ["Accumulate", "AdamArgs", "GradJob", "PipelineError", "PipelinePayloads",
-           "PipelineStats", "Segment", "StepPipeline", "UpdateJob"]
+           "PipelineStats", "Segment", "StepPipeline", "Trace", "UpdateJob"]
+
+
+class Trace:
+    """Timed spans from every thread of a training step (the worker's jobs and kernel calls,
+    the consumer's waits, the engine's phases), written as a Chrome trace (open the file in
+    https://ui.perfetto.dev or chrome://tracing). Recording costs one list append per span."""
+
+    def __init__(self):
+        self.events: list = []
+
+    def span(self, name: str, t0: float, t1: float, **args) -> None:
+        """A span from ``t0`` to ``t1`` (``time.perf_counter()`` seconds) on the calling thread."""
+        self.events.append((name, threading.current_thread().name, t0, t1, args))
+
+    def clear(self) -> None:
+        self.events.clear()
+
+    def to_chrome(self) -> dict:
+        origin = min((e[2] for e in self.events), default=0.0)
+        threads = {name: i for i, name in enumerate(dict.fromkeys(e[1] for e in self.events))}
+        out = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": name}}
+               for name, tid in threads.items()]
+        out += [{"name": name, "ph": "X", "pid": 0, "tid": threads[thread],
+                 "ts": (t0 - origin) * 1e6, "dur": (t1 - t0) * 1e6, "args": args}
+                for name, thread, t0, t1, args in self.events]
+        return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+    def write(self, path) -> None:
+        import json
+
+        with open(path, "w") as f:
+            json.dump(self.to_chrome(), f)
 
 
 class PipelineError(RuntimeError):
@@ -152,7 +184,9 @@ class PipelineStats:
     updates: int = 0
     elements_updated: int = 0
     adam_s: float = 0.0
-    """Seconds the worker spent in adam_step."""
+    """Seconds the worker spent in adam_step calls (GIL hand-back included)."""
+    kernel_s: float = 0.0
+    """Of which the kernel itself ran (GIL released)."""
     busy_s: float = 0.0
     """Seconds the worker spent on jobs (waits for moves included)."""
     wait_chunk_s: float = 0.0
@@ -195,6 +229,7 @@ class StepPipeline:
         self.on_update_done = on_update_done
         self.on_chunk_idle = on_chunk_idle
         self.stats = PipelineStats()
+        self.trace: Optional[Trace] = None  # set to a Trace to record spans
         self._state_names = (payloads.master, payloads.exp_avg, payloads.exp_avg_sq)
         self._cv = threading.Condition()
         self._queue: list[_Queued] = []  # submitted, not finished (the running one included)
@@ -246,7 +281,10 @@ class StepPipeline:
             if any(q.cid == cid for q in self._queue) and self._error is None:
                 t0 = time.perf_counter()
                 self._cv.wait_for(lambda: self._error is not None or not any(q.cid == cid for q in self._queue))
-                self.stats.wait_chunk_s += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                self.stats.wait_chunk_s += t1 - t0
+                if self.trace is not None:
+                    self.trace.span("wait_chunk", t0, t1, cid=cid)
         self._raise_if_failed()
 
     def wait_grads(self) -> None:
@@ -353,6 +391,8 @@ class StepPipeline:
                     self.on_chunk_idle(q.cid)  # outside the lock: see [Note: lock order] (engine.py)
                 except BaseException as e:
                     self._error = e
+            if self.trace is not None:
+                self.trace.span(type(q.job).__name__, t0, time.perf_counter(), cid=q.cid)
 
     def _execute(self, job) -> None:
         if isinstance(job, GradJob):
@@ -367,7 +407,10 @@ class StepPipeline:
         if job.accumulate is Accumulate.HOLD:
             source = store.get(job.cid, names.accum, Tier.CPU)
         else:
+            t0 = time.perf_counter()
             job.ready.wait()
+            if self.trace is not None:
+                self.trace.span("grads_ready", t0, time.perf_counter(), cid=job.cid)
             source = store.get(job.cid, names.grads, Tier.CPU)
         if job.accumulate in (Accumulate.COPY, Accumulate.ADD):
             acc = store.get(job.cid, names.accum, Tier.CPU, write=True)
@@ -398,14 +441,20 @@ class StepPipeline:
             a = job.args
             t1 = time.perf_counter()
             self.stats.state_wait_s += t1 - t0
+            kernel_s = 0.0
             for seg in job.segments:
                 sl = slice(seg.start, seg.stop)
-                self._adam.adam_step(
+                kernel_s += self._adam.adam_step(
                     master[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], step=seg.step, lr=a.lr,
                     betas=a.betas, eps=a.eps, weight_decay=a.weight_decay, adamw=a.adamw,
                     grad_scale=a.grad_scale, out_lowp=None if lowp is None else lowp[sl],
                     threads=self.threads)
-            self.stats.adam_s += time.perf_counter() - t1
+            t2 = time.perf_counter()
+            self.stats.adam_s += t2 - t1
+            self.stats.kernel_s += kernel_s
+            if self.trace is not None:
+                self.trace.span("adam", t1, t2, cid=cid, kernel_ms=kernel_s * 1e3,
+                                elements=sum(s.stop - s.start for s in job.segments))
             self.stats.updates += 1
             self.stats.elements_updated += sum(s.stop - s.start for s in job.segments)
             for n in self._state_names:
