@@ -104,7 +104,8 @@ class PipelinePayloads:
     exp_avg: str = "exp_avg"
     exp_avg_sq: str = "exp_avg_sq"
     lowp: Optional[str] = "params"
-    """bf16/fp16 working copy that receives the updated params (None: fp32 training)."""
+    """bf16/fp16 working copy that receives the updated params (None: fp32 training). Used for
+    the chunks that have a payload of this name; a chunk without one updates ``master`` only."""
     accum: Optional[str] = None
     """fp32 CPU buffer summing grads over micro-batches (None: no accumulation)."""
 
@@ -437,7 +438,8 @@ class StepPipeline:
             master, exp_avg, exp_avg_sq = (held.enter_context(store.use(cid, n, Tier.CPU, write=True))
                                            for n in self._state_names)
             grad = held.enter_context(store.use(cid, job.source, Tier.CPU))
-            lowp = self._lowp_buffer(cid, job, held) if names.lowp is not None else None
+            lowp = (self._lowp_buffer(cid, job, held)
+                    if names.lowp is not None and store.has_payload(cid, names.lowp) else None)
             a = job.args
             t1 = time.perf_counter()
             self.stats.state_wait_s += t1 - t0

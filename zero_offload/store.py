@@ -768,6 +768,14 @@ class ChunkStore:
         with self._lock:
             return self._payload(cid, name).spec
 
+    def has_payload(self, cid: int, name: str) -> bool:
+        """Whether chunk ``cid`` has a payload called ``name`` (chunks may differ)."""
+        with self._lock:
+            self._check_open()
+            if isinstance(cid, bool) or not isinstance(cid, int) or not 0 <= cid < len(self._chunks):
+                raise KeyError(f"no chunk {cid!r}: this store has chunks 0..{len(self._chunks) - 1}")
+            return name in self._chunks[cid].payloads
+
     def set_policy(self, policy: EvictionPolicy) -> None:
         if not callable(getattr(policy, "order", None)):
             raise TypeError("an eviction policy needs an order(candidates) method")
