@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -31,8 +32,7 @@
 #include <cpuid.h>
 #endif
 
-#include <chrono>
-
+#include "kernel_queue.h"
 #include "thread_pool.h"
 
 namespace py = pybind11;
@@ -352,10 +352,13 @@ Scalars make_scalars(double step, double lr, double beta1, double beta2, double 
   return s;
 }
 
-double adam_step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg,
-               uintptr_t exp_avg_sq, int64_t numel, uintptr_t out, int out_dtype, double step,
-               double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
-               double grad_scale, int threads) {
+// Checks one adam_step call and returns it as a job that runs the kernel and returns its
+// seconds (run now by adam_step, or later on the KernelQueue by adam_step_async).
+std::function<double()> adam_job(uintptr_t param, uintptr_t grad, int grad_dtype,
+                                 uintptr_t exp_avg, uintptr_t exp_avg_sq, int64_t numel,
+                                 uintptr_t out, int out_dtype, double step, double lr,
+                                 double beta1, double beta2, double eps, double weight_decay,
+                                 bool adamw, double grad_scale, int threads) {
   check_common(numel, threads);
   const Dtype g = grad_dtype_from(grad_dtype);
   if (out_dtype != -1 && out_dtype != 1 && out_dtype != 2) {
@@ -366,7 +369,7 @@ double adam_step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_
     throw std::invalid_argument("out and out_dtype must be given together");
   }
   if (!(step >= 1)) throw std::invalid_argument("step must be >= 1");
-  if (numel == 0) return 0.0;
+  if (numel == 0) return [] { return 0.0; };
   if (!param || !grad || !exp_avg || !exp_avg_sq) {
     throw std::invalid_argument("null buffer address with numel > 0");
   }
@@ -375,12 +378,33 @@ double adam_step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_
                         reinterpret_cast<void*>(out), g, static_cast<Dtype>(out_dtype)};
   const Scalars scalars =
       make_scalars(step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale);
-  const Kernels& k = active_kernels();
-  const auto start = std::chrono::steady_clock::now();
-  parallel_chunks(numel, threads, [&](int64_t, int64_t begin, int64_t end) {
-    k.adam(buffers, scalars, begin, end);
-  });
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const Kernels* k = &active_kernels();
+  return [buffers, scalars, k, numel, threads] {
+    const auto start = std::chrono::steady_clock::now();
+    parallel_chunks(numel, threads, [&](int64_t, int64_t begin, int64_t end) {
+      k->adam(buffers, scalars, begin, end);
+    });
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+}
+
+double adam_step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg,
+                 uintptr_t exp_avg_sq, int64_t numel, uintptr_t out, int out_dtype, double step,
+                 double lr, double beta1, double beta2, double eps, double weight_decay,
+                 bool adamw, double grad_scale, int threads) {
+  return adam_job(param, grad, grad_dtype, exp_avg, exp_avg_sq, numel, out, out_dtype, step, lr,
+                  beta1, beta2, eps, weight_decay, adamw, grad_scale, threads)();
+}
+
+// Checks now (errors raise here, before anything is queued), runs later on the KernelQueue
+// (see [Note: why a native queue]); returns the ticket for kernel_wait.
+uint64_t adam_step_async(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg,
+                         uintptr_t exp_avg_sq, int64_t numel, uintptr_t out, int out_dtype,
+                         double step, double lr, double beta1, double beta2, double eps,
+                         double weight_decay, bool adamw, double grad_scale, int threads) {
+  return KernelQueue::get().submit(adam_job(param, grad, grad_dtype, exp_avg, exp_avg_sq, numel,
+                                            out, out_dtype, step, lr, beta1, beta2, eps,
+                                            weight_decay, adamw, grad_scale, threads));
 }
 
 double grad_sumsq(uintptr_t grad, int dtype, int64_t numel, double grad_scale, int threads) {
@@ -435,6 +459,19 @@ void register_cpu_adam(py::module_& m) {
           py::arg("grad_scale"), py::arg("threads"), py::call_guard<py::gil_scoped_release>(),
           "One fused Adam/AdamW step over `numel` elements, in place; optional low-precision "
           "copy-out of the updated params. Returns the seconds the kernel ran (GIL released).");
+  sub.def("adam_step_async", &adam_step_async, py::kw_only(), py::arg("param"), py::arg("grad"),
+          py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("numel"),
+          py::arg("out"), py::arg("out_dtype"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
+          py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"),
+          py::arg("grad_scale"), py::arg("threads"),
+          "adam_step checked now and queued on the native kernel thread; returns a ticket. The "
+          "buffers must stay alive until kernel_wait(ticket) returns.");
+  sub.def("kernel_wait", [](uint64_t ticket) { return KernelQueue::get().wait(ticket); },
+          py::arg("ticket"), py::call_guard<py::gil_scoped_release>(),
+          "Block until a queued kernel ran; returns (start, seconds) (start on time.perf_counter's "
+          "clock) or raises its error. Once per ticket.");
+  sub.def("kernel_ready", [](uint64_t ticket) { return KernelQueue::get().ready(ticket); },
+          py::arg("ticket"), "Whether a queued kernel has run (non-blocking).");
   sub.def("grad_sumsq", &grad_sumsq, py::kw_only(), py::arg("grad"), py::arg("dtype"),
           py::arg("numel"), py::arg("grad_scale"), py::arg("threads"),
           py::call_guard<py::gil_scoped_release>(), "sum((grad / grad_scale)^2) in fp64.");

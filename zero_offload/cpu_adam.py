@@ -35,6 +35,8 @@ __all__ = [
     "CPUAdam",
     "CPUAdamW",
     "adam_step",
+    "adam_step_async",
+    "KernelTicket",
     "grad_sumsq",
     "grad_nonfinite",
     "isa",
@@ -254,6 +256,71 @@ def adam_step(
     _check_operands(param, grad, exp_avg, exp_avg_sq, out_lowp)
     return _launch(param, grad, exp_avg, exp_avg_sq, out_lowp, step=step_value, hyper=hyper,
                    grad_scale=scale, threads=threads)
+
+
+class KernelTicket:
+    """A CPU-Adam call queued on the native kernel thread (``adam_step_async``). ``wait()``
+    blocks (GIL released) until it ran and returns its kernel seconds, or raises its error;
+    ``ready()`` polls. The tensors it reads and writes stay referenced until ``wait`` returns."""
+
+    __slots__ = ("_ticket", "_keep", "_seconds", "_written", "start")
+
+    def __init__(self, ticket: int, keep: tuple, written: list):
+        self._ticket, self._keep, self._written, self._seconds = ticket, keep, written, None
+        self.start: Optional[float] = None
+        """When the kernel began, on ``time.perf_counter``'s clock (set by ``wait``)."""
+
+    def ready(self) -> bool:
+        return self._seconds is not None or kernels.kernel_ready(self._ticket)
+
+    def wait(self) -> float:
+        if self._seconds is None:
+            try:
+                self.start, self._seconds = kernels.kernel_wait(self._ticket)
+            finally:
+                self._keep = ()
+            if _set_version is not None and self._written:
+                _set_version(self._written, [t._version + 1 for t in self._written])
+            self._written = []
+        return self._seconds
+
+
+def adam_step_async(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    adamw: bool,
+    grad_scale: float = 1.0,
+    out_lowp: Optional[torch.Tensor] = None,
+    threads: Optional[int] = None,
+) -> KernelTicket:
+    """``adam_step`` queued on the native kernel thread: the arguments are checked now (errors
+    raise here, before anything is queued or changed), the kernel runs after the calls queued
+    before it, and the caller goes on at once. Calls run one at a time in submission order, each
+    on all ``threads``. The buffers must not be read or written until ``wait()`` returns: see
+    [Note: why a native queue] in csrc/kernel_queue.h."""
+    hyper = AdamHyper.checked(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw)
+    step_value = _check_step(step)
+    scale = _check_grad_scale(grad_scale)
+    threads = _check_threads(threads)
+    _check_operands(param, grad, exp_avg, exp_avg_sq, out_lowp)
+    ticket = kernels.adam_step_async(
+        param=param.data_ptr(), grad=grad.data_ptr(), grad_dtype=int(TORCH_DTYPES[grad.dtype]),
+        exp_avg=exp_avg.data_ptr(), exp_avg_sq=exp_avg_sq.data_ptr(), numel=param.numel(),
+        out=0 if out_lowp is None else out_lowp.data_ptr(),
+        out_dtype=int(Dtype.NONE if out_lowp is None else TORCH_DTYPES[out_lowp.dtype]),
+        step=step_value, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, eps=hyper.eps,
+        weight_decay=hyper.weight_decay, adamw=hyper.adamw, grad_scale=scale,
+        threads=default_threads() if threads is None else threads)
+    written = [param] if out_lowp is None else [param, out_lowp]
+    return KernelTicket(ticket, (param, grad, exp_avg, exp_avg_sq, out_lowp), written)
 
 
 def grad_sumsq(grad: torch.Tensor, *, grad_scale: float = 1.0, threads: Optional[int] = None) -> float:

@@ -302,9 +302,7 @@ class EngineStats:
     update_stall_s: float
     """Host time forward waited for a chunk's CPU update to finish."""
     adam_s: float
-    """Worker time inside adam_step calls (re-taking the GIL after each included)."""
-    kernel_s: float
-    """Of which the CPU-Adam kernel itself ran."""
+    """Seconds the CPU-Adam kernels ran."""
     worker_busy_s: float
     """Worker time on jobs of any kind (waits for grads to land and bookkeeping included)."""
     gpu_stall_share: float
@@ -1017,7 +1015,7 @@ class Engine:
             bytes_moved={h.value: n - self._bytes0.get(h, 0) for h, n in st.bytes_moved.items()},
             forward_s=fwd, backward_s=bwd, step_s=self._times["step"],
             fetch_stall_s=fetch_stall, update_stall_s=update_stall,
-            adam_s=self.pipeline.stats.adam_s, kernel_s=self.pipeline.stats.kernel_s,
+            adam_s=self.pipeline.stats.adam_s,
             worker_busy_s=self.pipeline.stats.busy_s,
             gpu_stall_share=(fetch_stall + update_stall) / compute if compute > 0 else 0.0,
             prefetch_hit_rate=pf.hit_rate, prefetch_ahead_rate=pf.ahead_rate,
@@ -1033,7 +1031,7 @@ class Engine:
         self.prefetcher.stats.stall_s = 0.0
         self.prefetcher.stats.uses = self.prefetcher.stats.hits = self.prefetcher.stats.ahead = 0
         ps = self.pipeline.stats
-        ps.wait_chunk_s = ps.adam_s = ps.kernel_s = ps.busy_s = 0.0
+        ps.wait_chunk_s = ps.adam_s = ps.busy_s = 0.0
 
     # ---- checkpoints ------------------------------------------------------------------------
 
