@@ -59,8 +59,8 @@ import zero_offload as zo  # noqa: E402
 from zero_offload.models import GPT, GPTConfig, preset  # noqa: E402
 
 GiB = float(2 ** 30)
-CASES = ("torch", "engine-cpu", "offload-adamw", "torchao", "engine-nvme", "engine-auto",
-         "offload-adamw-nvme", "engine-largest")
+CASES = ("torch", "engine-cpu", "offload-adamw", "offload-adamw-fwd", "torchao", "engine-nvme",
+         "engine-auto", "offload-adamw-nvme", "engine-largest")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,7 +269,8 @@ class Bench:
         return r
 
     def trace_steps(self, name, engine, step, n_steps):
-        """Two more steps with the engine's trace on, written as a Chrome trace (Perfetto)."""
+        """Two more steps with the engine's (or optimizer's) trace on, written as a Chrome trace
+        (open in Perfetto)."""
         from zero_offload.pipeline import Trace
 
         engine.trace = Trace()
@@ -281,6 +282,8 @@ class Bench:
         engine.trace.write(path)
         engine.trace = None
         print(f"[{name}] trace of 2 steps -> {path}", flush=True)
+
+    trace_optimizer = trace_steps  # OffloadAdamW has the same trace / synchronize surface
 
     # -- plain torch --------------------------------------------------------------------------
 
@@ -362,12 +365,14 @@ class Bench:
 
     # -- optimizer only -----------------------------------------------------------------------
 
-    def case_offload_adamw(self, name="offload-adamw", *, state="cpu", threads=None, steps=None, warmup=None):
+    def case_offload_adamw(self, name="offload-adamw", *, state="cpu", threads=None, steps=None, warmup=None,
+                           overlap_forward=False):
         self.start_case()
         model = self.build(device=self.device)
         opt = zo.OffloadAdamW(model.parameters(), lr=1e-4, weight_decay=0.1, state=state,
                               nvme_dir=self.nvme_dir() if state == "nvme" else None,
-                              chunk_mb=self.args.chunk_mb, threads=threads or self.args.threads)
+                              chunk_mb=self.args.chunk_mb, threads=threads or self.args.threads,
+                              **({"overlap_forward": True} if overlap_forward else {}))
         losses = []
 
         step = self.optimizer_step(model, opt, losses)
@@ -380,9 +385,12 @@ class Bench:
         moved = {"gpu->cpu": s.d2h_bytes / len(times), "cpu->gpu": s.h2d_bytes / len(times),
                  "nvme->cpu": read / len(times), "cpu->nvme": written / len(times)}
         self.record(name, f"zero_offload OffloadAdamW (state {state}; fp32 params on GPU, bf16 autocast; "
+                    f"{'update overlaps backward and the next forward' if overlap_forward else 'update overlaps backward'}; "
                     f"CPU-Adam threads {opt._threads or 'all'})",
                     times, losses=[float(x) for x in losses], stall=s.step_wait_s / total, moved=moved,
                     notes=f"CPU-Adam {s.adam_s / len(times):.3f} s/step on the worker")
+        if self.args.trace_dir and hasattr(opt, "trace"):
+            self.trace_optimizer(name, opt, step, len(times))
         opt.close()
         del model, opt
 
@@ -566,6 +574,8 @@ def main(argv=None) -> int:
                 bench.case_engine(case, params="cpu", optimizer="auto", nvme=True)
             elif case == "offload-adamw":
                 bench.case_offload_adamw(threads=args.adamw_threads)
+            elif case == "offload-adamw-fwd":
+                bench.case_offload_adamw(case, threads=args.adamw_threads, overlap_forward=True)
             elif case == "offload-adamw-nvme":
                 bench.case_offload_adamw(case, state="nvme", threads=args.adamw_threads,
                                          steps=args.nvme_steps, warmup=1)

@@ -18,14 +18,16 @@ python3 -c "import zero_offload.cpu_adam as c, torch; print('isa', c.isa(), 'tor
 [ $# -eq 0 ] && set -- tests train io
 for what in "$@"; do
   case $what in
-    tests)
-      python3 -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tee "$OUT/tests_gpu.log" | tail -3
-      ZO_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_engine_*.py 2>&1 \
-        | tee "$OUT/tests_engine_cuda.log" | tail -3 ;;
-    train)
-      python3 benchmarks/bench_train.py --model 1.3b --batch 8 --steps 5 --warmup 2 \
-        --cases torch,engine-cpu,engine-auto,offload-adamw,torchao --nvme-dir /tmp/zo \
-        --md-out "$OUT/train_1.3b.md" --json-out "$OUT/train_1.3b.json" 2>&1 | tee "$OUT/train_1.3b.log" | tail -25 ;;
+    tests)  # one log: GPU-marked tests, then the engine parity suite with CUDA as the device
+      { python3 -m pytest -q -m gpu -p no:cacheprovider 2>&1
+        ZO_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_engine_*.py 2>&1; } \
+        | tee "$OUT/tests_cuda.log" | grep -E "passed|failed|error" ;;
+    train)  # traces of two steps per case go into one tarball (the device returns at most 8 files)
+      python3 benchmarks/bench_train.py --model 1.3b --batch 8 --steps 7 --warmup 2 \
+        --cases torch,engine-cpu,engine-auto,offload-adamw,offload-adamw-fwd,torchao --nvme-dir /tmp/zo \
+        --trace-dir /tmp/zo_traces --md-out "$OUT/train_1.3b.md" --json-out "$OUT/train_1.3b.json" 2>&1 \
+        | grep -E '^\[|\*\*'
+      tar czf "$OUT/traces_1.3b.tar.gz" -C /tmp/zo_traces . ;;
     nvme)
       python3 benchmarks/bench_train.py --model 1.3b --batch 8 --steps 2 --warmup 1 --nvme-steps 2 \
         --cases torch,engine-nvme --nvme-dir /tmp/zo --disk-probe-mb 4096 \
