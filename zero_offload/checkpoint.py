@@ -194,6 +194,12 @@ def load_checkpoint(engine, path) -> None:
             f"{[(n, tuple(saved[n]['shape']), tuple(ours[n].shape)) for n in wrong[:5]]}, "
             f"trainable flag changed {frozen_flip[:5]}; build the same architecture (and the same "
             f"requires_grad flags) before load_checkpoint")
+    saved_groups = len(meta["optimizer_state"]["param_groups"])
+    if saved_groups != len(engine.optimizer.param_groups):
+        raise CheckpointError(
+            f"{path} was saved with {saved_groups} optimizer param group(s), this engine has "
+            f"{len(engine.optimizer.param_groups)}; pass the same initialize(param_groups=...) "
+            f"as the run that saved it")
     # Where each saved slot is: name -> (file, offset, numel).
     where = {}
     for c in meta["chunks"]:

@@ -89,6 +89,7 @@ Both orders give results equal to ``torch.optim.Adam``/``AdamW`` on the same gra
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import functools
 import math
@@ -96,7 +97,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -325,7 +326,8 @@ class EngineStats:
 
 def initialize(model: nn.Module, *, optimizer: Optional[Adam] = None,
                config: Any = None, lr_scheduler: Optional[Callable] = None,
-               device: "str | torch.device | None" = None) -> "Engine":
+               device: "str | torch.device | None" = None,
+               param_groups: Optional[Sequence[dict]] = None) -> "Engine":
     """Wrap ``model`` for offloaded training.
 
     Args:
@@ -340,15 +342,24 @@ def initialize(model: nn.Module, *, optimizer: Optional[Adam] = None,
             e.g. ``lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)``.
             ``engine.step()`` advances it once per optimizer update (not on skipped fp16 steps).
         device: compute device (default: CUDA when available, else the CPU).
+        param_groups: groups of parameters with their own hyperparameters, as torch optimizers
+            take them: ``[{"params": [...], "weight_decay": 0.0}, ...]``. ``params`` lists
+            ``nn.Parameter`` objects of ``model`` or their names; a group may set ``lr``,
+            ``betas``, ``eps``, ``weight_decay``. Every trainable parameter not listed is in the
+            default group (group 0: the ``optimizer`` spec's values); ``engine.optimizer``'s
+            ``param_groups`` are group 0 followed by these, in order, so an lr scheduler can
+            drive each (e.g. ``LambdaLR`` with one function per group).
     """
-    return Engine(model, optimizer=optimizer, config=config, lr_scheduler=lr_scheduler, device=device)
+    return Engine(model, optimizer=optimizer, config=config, lr_scheduler=lr_scheduler, device=device,
+                  param_groups=param_groups)
 
 
 class Engine:
     """See the module docstring and ``initialize``."""
 
     def __init__(self, model: nn.Module, *, optimizer: Optional[Adam] = None, config: Any = None,
-                 lr_scheduler: Optional[Callable] = None, device=None):
+                 lr_scheduler: Optional[Callable] = None, device=None,
+                 param_groups: Optional[Sequence[dict]] = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"initialize needs an nn.Module, got {type(model).__name__}")
         cfg, spec = _resolve_config(config, optimizer)
@@ -371,6 +382,8 @@ class Engine:
         if not any(s.trainable for s in self.partition.slots):
             raise ValueError("the model has no trainable parameter (requires_grad=True); the engine "
                              "trains parameters. Unfreeze some, or run inference without the engine")
+        self._group_overrides, self._slot_group = _resolve_groups(param_groups, model, self.partition,
+                                                                  spec)
         if cfg.nvme_dir is not None:
             os.makedirs(cfg.nvme_dir, exist_ok=True)  # OffloadConfig.nvme_dir: created if missing
         store_budgets = {Tier.GPU: cfg.gpu_budget, Tier.CPU: cfg.cpu_budget,
@@ -400,7 +413,7 @@ class Engine:
         self._chunks: list[_Chunk] = []
         self._placeholder = torch.full((), float("nan"), dtype=self.dtype, device=self.device)
         # The scheduler factory runs before the weights move, so its errors change nothing.
-        self.optimizer = _HyperParams(self.spec)
+        self.optimizer = _HyperParams(self.spec, self._group_overrides)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         if self.lr_scheduler is not None and not callable(getattr(self.lr_scheduler, "step", None)):
             raise TypeError(f"lr_scheduler(optimizer) returned {type(self.lr_scheduler).__name__}, "
@@ -914,19 +927,23 @@ class Engine:
                 run = None
                 continue
             chunk.steps[i] += 1
-            step = chunk.steps[i]
-            if run is not None and run[2] == step:
+            step, group = chunk.steps[i], self._slot_group.get(s.index, 0)
+            if run is not None and run[2] == step and run[3] == group:
                 run[1] = stop
             else:
-                run = [s.offset, stop, step]
+                run = [s.offset, stop, step, group]
                 segments.append(run)
-        g = self.optimizer.param_groups[0]
-        args = AdamArgs(lr=float(g["lr"]), betas=tuple(float(b) for b in g["betas"]),
+        args = [self._group_args(g, grad_scale) for g in range(len(self.optimizer.param_groups))]
+        source = "accum" if self.config.grad_accum > 1 else "grads"
+        return UpdateJob(cid=chunk.cid, args=args[0], source=source,
+                         segments=tuple(Segment(lo, hi, step, None if g == 0 else args[g])
+                                        for lo, hi, step, g in segments))
+
+    def _group_args(self, index: int, grad_scale: float) -> AdamArgs:
+        g = self.optimizer.param_groups[index]
+        return AdamArgs(lr=float(g["lr"]), betas=tuple(float(b) for b in g["betas"]),
                         eps=float(g["eps"]), weight_decay=float(g["weight_decay"]),
                         adamw=self.spec.adamw, grad_scale=grad_scale)
-        source = "accum" if self.config.grad_accum > 1 else "grads"
-        return UpdateJob(cid=chunk.cid, segments=tuple(Segment(*r) for r in segments),
-                         args=args, source=source)
 
     # ---- inspection -------------------------------------------------------------------------
 
@@ -1108,14 +1125,17 @@ class Engine:
 
 
 class _HyperParams(torch.optim.Optimizer):
-    """The optimizer handle an lr scheduler drives: one param group holding the Adam
-    hyperparameters (lr, betas, eps, weight_decay) that every CPU update reads when it is
-    queued. It holds no parameters and cannot step by itself (``engine.step()`` does)."""
+    """The optimizer handle an lr scheduler drives: one param group per engine param group
+    (group 0: the defaults), holding the Adam hyperparameters (lr, betas, eps, weight_decay)
+    that every CPU update reads when it is queued. Each group holds one empty placeholder
+    tensor, not the model's parameters (their values live in the engine's chunks); it cannot
+    step by itself (``engine.step()`` does)."""
 
-    def __init__(self, spec: Adam):
+    def __init__(self, spec: Adam, overrides: Sequence[dict] = ()):
         defaults = dict(lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps,
                         weight_decay=spec.weight_decay)
-        super().__init__([torch.zeros(0)], defaults)
+        super().__init__([{"params": [torch.zeros(0)]}]
+                         + [{"params": [torch.zeros(0)], **o} for o in overrides], defaults)
 
     def step(self, closure=None):
         raise RuntimeError("engine.optimizer holds hyperparameters only; call engine.step()")
@@ -1143,6 +1163,57 @@ def _resolve_config(config, optimizer) -> tuple:
                         f"{type(spec).__name__}; a torch.optim optimizer cannot be used (the engine "
                         f"builds the optimizer state itself, where the config places it)")
     return cfg, spec
+
+
+_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def _resolve_groups(groups, model: nn.Module, partition: Partition, spec: Adam) -> tuple:
+    """Check ``initialize(param_groups=...)`` (before anything changes) and return
+    (hyperparameter overrides per listed group, {slot index: group index}); group 0 is the
+    default group of every trainable param not listed."""
+    if groups is None:
+        return [], {}
+    if isinstance(groups, dict) or not isinstance(groups, (list, tuple)):
+        raise TypeError(f"param_groups must be a list of dicts like [{{'params': [...], "
+                        f"'weight_decay': 0.0}}], got {type(groups).__name__}")
+    by_param = {id(s.param): s for s in partition.slots}
+    by_name = {name: by_param[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
+    overrides, slot_group = [], {}
+    for gi, group in enumerate(groups, start=1):
+        where = f"param_groups[{gi - 1}]"
+        if not isinstance(group, dict) or "params" not in group:
+            raise TypeError(f"{where} must be a dict with a 'params' list (and optional "
+                            f"{', '.join(_GROUP_KEYS)})")
+        unknown = sorted(set(group) - {"params", *_GROUP_KEYS})
+        if unknown:
+            raise ValueError(f"{where} has unknown keys {unknown}; a group may set only "
+                             f"{', '.join(_GROUP_KEYS)} (the optimizer kind comes from the spec)")
+        override = {k: group[k] for k in _GROUP_KEYS if k in group}
+        checked = dataclasses.replace(spec, **override)  # validates; the error names the field
+        overrides.append({k: getattr(checked, k) for k in override})
+        params = group["params"]
+        if isinstance(params, (torch.Tensor, str)):
+            params = [params]
+        for p in params:
+            if isinstance(p, str):
+                slot = by_name.get(p)
+                what = f"parameter name {p!r}"
+            elif isinstance(p, torch.Tensor):
+                slot = by_param.get(id(p))
+                what = f"a parameter of shape {tuple(p.shape)}"
+            else:
+                raise TypeError(f"{where}['params'] holds {type(p).__name__}; list nn.Parameter "
+                                f"objects of the model or their names")
+            if slot is None:
+                raise ValueError(f"{where}: {what} is not a parameter of the model; list "
+                                 f"model.parameters() (or model.named_parameters() names)")
+            if slot.index in slot_group and slot_group[slot.index] != gi:
+                raise ValueError(f"{where}: parameter {slot.name!r} is already in "
+                                 f"param_groups[{slot_group[slot.index] - 1}]; a parameter "
+                                 f"belongs to one group")
+            slot_group[slot.index] = gi
+    return overrides, slot_group
 
 
 def _adam_threads(cfg: OffloadConfig, device: torch.device) -> Optional[int]:

@@ -135,11 +135,13 @@ class Accumulate(enum.Enum):
 @dataclass(frozen=True)
 class Segment:
     """Elements [start, stop) of a chunk updated by one kernel call with bias-correction step
-    ``step`` (1-based; params that missed steps keep their own count, as torch.optim does)."""
+    ``step`` (1-based; params that missed steps keep their own count, as torch.optim does), and
+    with ``args`` when given (a param group's own hyperparameters) instead of the job's."""
 
     start: int
     stop: int
     step: int
+    args: Optional["AdamArgs"] = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -507,8 +509,8 @@ class StepPipeline:
                 if names.lowp is not None and store.has_payload(cid, names.lowp) else None)
         self.stats.state_wait_s += time.perf_counter() - t0
         run.update, run.lowp = job, lowp is not None
-        a = job.args
         for seg in job.segments:
+            a = seg.args or job.args
             sl = slice(seg.start, seg.stop)
             run.tickets.append(self._adam.adam_step_async(
                 master[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], step=seg.step, lr=a.lr,
