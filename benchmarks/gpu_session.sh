@@ -12,8 +12,8 @@ fi
 [ -d .carry_bench/site ] && export PYTHONPATH=${PYTHONPATH:-}:$PWD/.carry_bench/site   # torchao, if carried
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 lscpu | grep -E 'Model name|^CPU\(s\)' | tee -a "$OUT/gpu.txt"
-python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
-  || { echo "pip install -e failed:"; tail -5 "$OUT/build.log"; exit 1; }
+python3 -m pip install --no-build-isolation --no-deps -e . > /tmp/zo_build.log 2>&1 \
+  || { echo "pip install -e failed:"; tail -5 /tmp/zo_build.log; exit 1; }
 python3 -c "import zero_offload.cpu_adam as c, torch; print('isa', c.isa(), 'torch', torch.__version__)"
 [ $# -eq 0 ] && set -- tests train io
 for what in "$@"; do
@@ -31,11 +31,11 @@ for what in "$@"; do
     nvme)
       python3 benchmarks/bench_train.py --model 1.3b --batch 8 --steps 2 --warmup 1 --nvme-steps 2 \
         --cases torch,engine-nvme --nvme-dir /tmp/zo --disk-probe-mb 4096 \
-        --md-out "$OUT/train_nvme.md" --json-out "$OUT/train_nvme.json" 2>&1 | tee "$OUT/train_nvme.log" | tail -20 ;;
+        --md-out "$OUT/train_nvme.md" --json-out "$OUT/train_nvme.json" 2>&1 | grep -E '^\[|\*\*' ;;
     largest)
       python3 benchmarks/bench_train.py --layers 35 --hidden 4096 --heads 32 --vocab 32000 --seq 1024 --batch 4 \
         --steps 2 --warmup 1 --cases engine-largest --largest-params gpu --nvme-dir /tmp/zo \
-        --md-out "$OUT/train_largest.md" --json-out "$OUT/train_largest.json" 2>&1 | tee "$OUT/train_largest.log" | tail -20 ;;
+        --md-out "$OUT/train_largest.md" --json-out "$OUT/train_largest.json" 2>&1 | grep -E '^\[|\*\*' ;;
     io)
       python3 benchmarks/bench_io.py --dir /tmp/zo_bench --size-gib 4 --repeats 3 --max-seconds 100 \
         --out "$OUT/io" 2>&1 | tail -14 ;;
