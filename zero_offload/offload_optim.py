@@ -2,17 +2,23 @@
 
 The model stays where it is (on the GPU, in fp32 or bf16/fp16); the optimizer state — an fp32
 master copy of every param, exp_avg and exp_avg_sq, 12 bytes per param — lives in host RAM
-(``state="cpu"``) or in NVMe swap files (``state="nvme"``). Per step:
+(``state="cpu"``) or in NVMe swap files (``state="nvme"``). Params are packed into chunks of
+about ``chunk_mb`` MiB of fp32 state (per param group and dtype); each chunk is a set of payloads
+in a ``ChunkStore`` and is updated by the shared ``StepPipeline`` (pipeline.py), as in the
+engine. Per chunk, the store holds "grads" (working dtype, host RAM, pinned with CUDA),
+"master"/"exp_avg"/"exp_avg_sq" (fp32, home per ``state``) and, for bf16/fp16 chunks, "params"
+(working dtype, host RAM: CPU-Adam writes the rounded updated params there). Per step:
 
 1. backward: a post-accumulate-grad hook on each param copies its finished grad, on a side CUDA
-   stream, into a pinned staging buffer of its chunk (params are packed into chunks of about
-   ``chunk_mb`` MiB of fp32 state, per param group and dtype);
-2. when the last grad of a chunk has been queued, the chunk goes to a worker thread, which
-   waits for those copies, runs the native CPU-Adam over the chunk (GIL released), and copies
-   the updated params back to the GPU on another side stream — all while the GPU keeps running
-   the rest of backward;
-3. ``step()`` finishes the chunks still in flight and makes the current CUDA stream wait for the
-   param copies (device-side events; no device synchronisation).
+   stream, into the chunk's "grads" host buffer;
+2. when the last grad of a chunk has been queued, the chunk goes to the pipeline's worker thread,
+   which waits for those copies only, runs the native CPU-Adam over the chunk (GIL released;
+   NVMe state read ahead and written behind by the pipeline) and calls ``_write_back``, which
+   copies the updated params into the model's tensors on another side stream — all while the
+   GPU keeps running the rest of backward;
+3. ``step()`` hands over what is left, waits for every chunk's update and makes the current CUDA
+   stream wait for the param copies (device-side events; no device synchronisation). With
+   ``overlap_forward=True`` it returns at once instead: see [Note: forward overlap].
 
 With ``overlap=False`` nothing happens in backward: ``step()`` reads ``p.grad`` and runs the
 same per-chunk pipeline (grad copies, CPU-Adam and param copies of different chunks still
@@ -43,6 +49,43 @@ back to the GPU is ordered after the compute stream's work up to that param's ho
 grad-copy event). A model that reads a param again after its grad is complete (outside
 autograd, e.g. in a backward hook) needs ``overlap=False``.
 
+[Note: forward overlap] With ``overlap_forward=True``, ``step()`` hands over what is left and
+returns without waiting: the updates still queued (the chunks whose grads came last in backward,
+i.e. the first layers) overlap the next forward. The worker runs them in chunk order (the order
+params were given, which is forward order for usual models), and while a chunk of the last step
+is not yet synced a global module forward pre-hook is installed: before a module runs, each of
+its *own* parameters (``module._parameters``) whose chunk is not synced is waited for (the host
+waits for that chunk's update only; the current stream waits for its param copies). The hook
+removes itself once every chunk is synced. The rule that follows: **params are waited for by the
+module that owns them**. A model that reads a submodule's parameter functionally before calling
+that submodule, or any host-side read or write of params after ``step()`` (an EMA, a
+``model.state_dict()``, a checkpoint, ``load_state_dict`` into the model), must call
+``synchronize()`` first (DeepSpeed ZeRO-3 has the same rule for external parameters). Chunks the
+next forward does not use are synced by the next backward (before their grads are staged) or by
+``synchronize()``, ``state_dict()``, ``load_state_dict()`` and ``close()``. With
+``overlap=False`` the grads ``step()`` copies stay the caller's (``p.grad``), so ``step()`` makes
+the current stream wait for those copies before anything else may write to them: the next
+forward then starts once every grad has left the device.
+
+[Note: copy-back source] The updated params reach the model's tensors by copies out of a host
+buffer of the store ("params" for bf16/fp16 chunks, "master" for fp32 chunks); with CUDA they
+run asynchronously on the H2D stream. Two hazards:
+- Overwrite: the chunk's next update must not rewrite the source before the copies have read
+  it. Before the d2h stream stages a chunk's next grads it waits for the chunk's last H2D event,
+  so the grads-ready event the next update waits for implies that those copies are done
+  (device-side ordering; the host never blocks on it).
+- Lifetime: the source must stay allocated until the copies have read it. "params" and a
+  host-homed "master" are home copies, kept for the store's life. With ``state="nvme"`` the
+  pipeline writes "master" home behind the update and evicts its host copy *before* it calls
+  ``_write_back``; the store would then free that memory as soon as the NVMe write has read it,
+  under copies still in flight. So ``_Store.evict`` leaves the host masters of fp32 NVMe chunks
+  alone (the write-behind itself still runs), ``_write_back`` pins the copy (``use``: fetched
+  back from NVMe in the rare case the store's budget policy evicted it in between), and
+  ``_release_masters`` unpins and drops it once its H2D event is complete and no job of the chunk
+  is queued (at each write-back, ``step()`` and ``synchronize()``; ``state_dict()`` and
+  ``close()`` wait). Without CUDA the copies are synchronous and the copy is dropped at once.
+  A held master still resident at its chunk's next update is simply reused (no NVMe read).
+
 [Note: params changed outside the optimizer] The fp32 master is the truth for the update. If a
 param is modified in place by anyone else (``load_state_dict`` into the model, ``p.copy_()``
 under no_grad), its ``_version`` counter moves; the optimizer notices before the next update of
@@ -52,70 +95,72 @@ value, exactly as a fresh optimizer would start.
 """
 from __future__ import annotations
 
-import concurrent.futures
+import contextlib
 import enum
 import threading
 import time
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
 from .config import Adam as _AdamSpec
-from .config import Placement, _as_float, _as_int
-from .pinned_pool import PinnedPool, PoolBuffer
-from .store import ChunkStore, PayloadSpec, StoreConfig, Tier
-from .swap_io import round_up
+from .config import _as_budget, _as_float, _as_int
+from .pipeline import (AdamArgs, GradJob, PipelineError, PipelinePayloads, Segment, StepPipeline,
+                       Trace, UpdateJob)
+from .store import ChunkStore, Handle, PayloadSpec, StoreConfig, Tier
+from .swap_io import ALIGNMENT, round_up
 
 __all__ = ["OffloadAdam", "OffloadAdamW", "OffloadStats"]
 
-_STATE = "state"
-"""Store payload name: one fp32 buffer per chunk, ``[master | exp_avg | exp_avg_sq]``, so each
-chunk moves in one transfer to and from NVMe."""
-
 _LOWP = (torch.bfloat16, torch.float16)
+
+_STATE = ("master", "exp_avg", "exp_avg_sq")
+"""Store payloads of the optimizer state (fp32, home per ``state``)."""
+_PAYLOADS = PipelinePayloads(grads="grads", master="master", exp_avg="exp_avg",
+                             exp_avg_sq="exp_avg_sq", lowp="params", accum=None)
+"""Every chunk has "grads" and the state; bf16/fp16 chunks also "params" (see module docstring)."""
 
 
 class _Phase(enum.Enum):
-    """Where a chunk is in the current step. See ``_PHASE_LEGAL``."""
+    """Where a chunk is in the step cycle. See ``_PHASE_LEGAL``."""
 
-    IDLE = "idle"          # no grad staged in this step yet
-    FILLING = "filling"    # some grads staged; waiting for the rest
-    QUEUED = "queued"      # handed to the worker thread (CPU-Adam, copy back)
-    DONE = "done"          # updated; params written back (CUDA: copies enqueued)
+    IDLE = "idle"          # params final and ordered before the compute stream; no grad staged
+    FILLING = "filling"    # some grads of this step staged
+    UPDATING = "updating"  # handed to the pipeline, not synced yet (see [Note: forward overlap])
 
 
 _PHASE_LEGAL = {
     _Phase.IDLE: frozenset({_Phase.FILLING}),
-    _Phase.FILLING: frozenset({_Phase.QUEUED}),
-    _Phase.QUEUED: frozenset({_Phase.DONE, _Phase.IDLE}),  # IDLE: the worker's job failed
-    _Phase.DONE: frozenset({_Phase.IDLE}),
+    _Phase.FILLING: frozenset({_Phase.UPDATING}),
+    _Phase.UPDATING: frozenset({_Phase.IDLE}),
 }
-
-
-class _Deferred(NamedTuple):
-    """A release that must wait for a chunk's param copies (see [Note: deferred release])."""
-
-    chunk: "_Chunk"
-    event: Any
-    """The CUDA event after the copies that read the buffer."""
-    action: Callable[[], None]
-
-
-class _Hyper(NamedTuple):
-    """A param group's hyperparameters, read when its chunk is handed to the worker."""
-
-    lr: float
-    betas: tuple[float, float]
-    eps: float
-    weight_decay: float
 
 
 class _Streams(NamedTuple):
     """The optimizer's CUDA streams (both created on the params' device)."""
 
-    d2h: "torch.cuda.Stream"  # grads GPU -> pinned staging, issued by the grad hooks / step()
+    d2h: "torch.cuda.Stream"  # grads GPU -> pinned "grads", issued by the grad hooks / step()
     h2d: "torch.cuda.Stream"  # updated params pinned -> GPU, issued by the worker after CPU-Adam
+
+
+class _Store(ChunkStore):
+    """The optimizer's ChunkStore: ``evict`` leaves the host copies listed in ``kept`` alone, for
+    the optimizer to ``drop`` once nothing reads them. See [Note: copy-back source]."""
+
+    def __init__(self, config: StoreConfig):
+        super().__init__(config)
+        self.kept: set[tuple[int, str]] = set()
+
+    def evict(self, cid: int, name: str, tier) -> None:
+        if Tier.of(tier) is Tier.CPU and (cid, name) in self.kept:
+            return
+        super().evict(cid, name, tier)
+
+    def drop(self, cid: int, name: str) -> None:
+        """``ChunkStore.evict`` of the host copy, also for the copies in ``kept``."""
+        super().evict(cid, name, Tier.CPU)
 
 
 @dataclass(eq=False)
@@ -141,10 +186,10 @@ class _Slot:
 
 @dataclass(eq=False)
 class _Chunk:
-    """Consecutive params of one param group and one dtype, and their state in the store."""
+    """Consecutive params of one param group and one dtype; store chunk ``cid``."""
 
     cid: int
-    """The store's chunk id (payload ``_STATE``)."""
+    """The store's chunk id (also its index in the optimizer's chunk list and its priority)."""
     group: dict
     """The param group (read at hand-off time for hyperparameters)."""
     dtype: torch.dtype
@@ -154,14 +199,20 @@ class _Chunk:
     phase: _Phase = _Phase.IDLE
     landed: int = 0
     """Slots whose grad is staged in the current step."""
-    grads: PoolBuffer | None = None
-    """Staging buffer for the grads (pinned with CUDA), from the pool; released after the update."""
+    grads: torch.Tensor | None = None
+    """The host copy of "grads" while FILLING."""
+    job_slots: tuple = ()
+    """Slots updated by the last job handed over (the worker writes these back)."""
     d2h_done: Any = None
-    """CUDA event after the last grad copy of this chunk."""
+    """CUDA event after the last grad copy of the last job handed over."""
     h2d_done: Any = None
-    """CUDA event after the param copies of its last update (the next update waits on it before
-    overwriting the pinned source)."""
-    job: concurrent.futures.Future | None = None
+    """CUDA event after the param copies of its last update (see [Note: copy-back source])."""
+    holds_master: bool = False
+    """The write-back holds a pin on the host "master" (fp32 NVMe chunks; [Note: copy-back source])."""
+
+    @property
+    def lowp(self) -> bool:
+        return self.dtype in _LOWP
 
     def to(self, phase: _Phase) -> None:
         if phase not in _PHASE_LEGAL[self.phase]:
@@ -180,11 +231,13 @@ class OffloadStats:
     h2d_bytes: int = 0
     """Param bytes copied host -> device."""
     adam_s: float = 0.0
-    """Worker seconds inside CPU-Adam."""
+    """Seconds the CPU-Adam kernels ran (the pipeline's ``adam_s``)."""
     worker_s: float = 0.0
-    """Worker seconds per chunk job in total (waits for copies / NVMe reads + CPU-Adam + copy back)."""
+    """Seconds the pipeline's worker spent on jobs: waits for grad copies, NVMe reads and kernels,
+    bookkeeping, the copies back (the pipeline's ``busy_s``)."""
     step_wait_s: float = 0.0
-    """Seconds ``step()`` waited for the pipeline to finish (what overlap did not hide)."""
+    """Seconds the caller's thread waited for updates (in ``step()``, and with
+    ``overlap_forward`` in the forward hooks): what overlap did not hide."""
 
 
 def _check_flag(name: str, value) -> bool:
@@ -193,12 +246,23 @@ def _check_flag(name: str, value) -> bool:
     return value
 
 
+def _weak(method: Callable) -> Callable:
+    """``method`` called through a weak reference to its object (a no-op once it is gone), so a
+    worker thread or a global hook does not keep the optimizer alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        bound = ref()
+        return None if bound is None else bound(*args)
+    return call
+
+
 class OffloadAdam(torch.optim.Optimizer):
     """Adam with state in host RAM or on NVMe, stepped by CPU-Adam during backward.
 
     ``torch.optim.Adam`` semantics (``weight_decay`` as an L2 penalty); ``OffloadAdamW`` has
     ``torch.optim.AdamW``'s decoupled decay. Read the module docstring, in particular
-    [Note: overlap semantics].
+    [Note: overlap semantics] and [Note: forward overlap].
 
     Args:
         params: iterable of params or of param-group dicts (as any torch optimizer); groups may
@@ -210,9 +274,12 @@ class OffloadAdam(torch.optim.Optimizer):
         chunk_mb: MiB of fp32 master per chunk (the unit of transfer and of CPU-Adam jobs).
         threads: CPU-Adam threads (None: every core this process may use).
         overlap: step each chunk during backward (True) or everything in ``step()`` (False).
+        overlap_forward: ``step()`` returns without waiting for the updates; each module's
+            forward waits for its own params (see [Note: forward overlap]; call
+            ``synchronize()`` before reading params outside a forward).
         grad_accum: backward passes per ``step()`` (``overlap=True`` only needs to know).
-        prefetch_depth: NVMe chunks read ahead of the one being filled.
-        cpu_budget: bytes (or "auto") of pinned host memory the state may use ("cpu" state
+        prefetch_depth: NVMe chunks read ahead of the update being run.
+        cpu_budget: bytes (or "auto") of pinned host memory the optimizer may use ("cpu" state
             must fit whole; "nvme" state stages through it).
     """
 
@@ -221,8 +288,8 @@ class OffloadAdam(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, state: str = "cpu",
                  nvme_dir=None, chunk_mb: float = 64.0, threads: int | None = None,
-                 overlap: bool = True, grad_accum: int = 1, prefetch_depth: int = 2,
-                 cpu_budget: int | str = "auto"):
+                 overlap: bool = True, overlap_forward: bool = False, grad_accum: int = 1,
+                 prefetch_depth: int = 2, cpu_budget: int | str = "auto"):
         name = type(self).__name__
         spec = _AdamSpec(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)  # validates
         home = {"cpu": Tier.CPU, "nvme": Tier.NVME}.get(state.lower() if isinstance(state, str) else state)
@@ -235,32 +302,32 @@ class OffloadAdam(torch.optim.Optimizer):
                                                    min_inclusive=False) * 2**20 / 4))
         self._threads = None if threads is None else _as_int(name, "threads", threads, minimum=1)
         self._overlap = _check_flag("overlap", overlap)
+        self._overlap_forward = _check_flag("overlap_forward", overlap_forward)
         self._grad_accum = _as_int(name, "grad_accum", grad_accum, minimum=1)
         self._depth = _as_int(name, "prefetch_depth", prefetch_depth, minimum=0)
-        from .config import _as_budget
         self._cpu_budget = _as_budget(name, "cpu_budget", cpu_budget)
         self._home = home
         self._nvme_dir = nvme_dir
 
         # Filled by add_param_group (called by Optimizer.__init__ below).
-        self._chunks: list[_Chunk] = []
+        self._chunks: list[_Chunk] = []          # index = store chunk id
         self._slots: list[_Slot] = []            # in param order (state_dict indices)
+        self._chunk_of: dict[torch.Tensor, _Chunk] = {}  # trainable param -> its chunk (forward hook)
         self._frozen: list[torch.Tensor] = []    # params without grad: no state, no chunk
         self._hook_handles: list = []
+        self._forward_hook = None                # see [Note: forward overlap]
+        self._updating: dict[int, _Chunk] = {}   # chunks in phase UPDATING, by id
         self._device: torch.device | None = None
-        self._store: ChunkStore | None = None
-        self._pool: PinnedPool | None = None
+        self._store: _Store | None = None
+        self._pipeline: StepPipeline | None = None
         self._streams: _Streams | None = None
-        self._order: list[_Chunk] = []           # chunks in the order they filled last step
-        self._filling: list[_Chunk] = []         # this step's fill order
-        self._deferred: list[_Deferred] = []     # see [Note: deferred release]
-        self._lock = threading.Lock()            # guards _deferred (worker and main thread)
-        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1,
-                                                             thread_name_prefix="zero_offload-adam")
-        self._failure: BaseException | None = None
+        self._lock = threading.Lock()            # _Chunk.holds_master / h2d_done: worker vs caller
         self._closed = False
-        self.stats = OffloadStats()
+        self._counters = OffloadStats()
+        self._worker_base = (0.0, 0.0)           # pipeline (adam_s, busy_s) at the last reset_stats
 
+        params = _read_once(params)
+        self._nvme_need = _state_bytes(params)   # the swap space is preallocated: size it for all groups
         defaults = dict(lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay,
                         amsgrad=False, maximize=False, foreach=None, capturable=False,
                         differentiable=False, fused=None, decoupled_weight_decay=self._adamw)
@@ -287,7 +354,20 @@ class OffloadAdam(torch.optim.Optimizer):
         super().add_param_group(param_group)  # torch's checks: sets, duplicates, leaf tensors
         if len(self.param_groups) == n_before:
             return
-        self._build_group(self.param_groups[-1])
+        group = self.param_groups[-1]
+        runs = self._pack(group["params"])
+        if self._store is not None and self._home is Tier.NVME:
+            need = sum(3 * round_up(4 * sum(p.numel() for p in run), ALIGNMENT) for run in runs)
+            free = self._store.budgets[Tier.NVME] - self._store.bytes(Tier.NVME)
+            if need > free:
+                self.param_groups.pop()
+                raise ValueError(
+                    f"{type(self).__name__}(state='nvme'): the swap space was sized for the params "
+                    f"given to the constructor and has {free} bytes left, this group needs {need}; "
+                    f"pass every param group to the constructor")
+        if self._pipeline is not None:
+            self._drain()  # new chunks are written while no job runs
+        self._build_group(group, runs)
 
     def _check_group(self, group: dict) -> None:
         """Hyperparameters of a group (with defaults filled in), as torch.optim.Adam checks them."""
@@ -320,17 +400,11 @@ class OffloadAdam(torch.optim.Optimizer):
                 raise ValueError(f"{name}: all params must be on one device; got {device} and "
                                  f"{p.device}. Use one optimizer per device")
 
-    def _build_group(self, group: dict) -> None:
-        params = group["params"]
-        if self._device is None and params:
-            self._device = params[0].device
-        if self._store is None and params:
-            self._open_store(params)
-        # Pack consecutive trainable params of one dtype into chunks of about chunk_numel.
+    def _pack(self, params) -> list[list[torch.Tensor]]:
+        """Consecutive trainable params of one dtype, in chunks of about ``chunk_numel``."""
         runs: list[list[torch.Tensor]] = []
         for p in params:
             if not p.requires_grad:
-                self._frozen.append(p)
                 continue
             last = runs[-1] if runs else None
             if last and last[0].dtype == p.dtype and \
@@ -338,66 +412,99 @@ class OffloadAdam(torch.optim.Optimizer):
                 last.append(p)
             else:
                 runs.append([p])
+        return runs
+
+    def _build_group(self, group: dict, runs: list[list[torch.Tensor]]) -> None:
+        params = group["params"]
+        self._frozen.extend(p for p in params if not p.requires_grad)
+        if self._device is None and params:
+            self._device = params[0].device  # one device for all params (_check_params)
+        if self._store is None and runs:
+            self._open()
         index0 = sum(len(g["params"]) for g in self.param_groups[:-1])
         position = {id(p): index0 + i for i, p in enumerate(params)}
-        new = []
         for run in runs:
             numel = sum(p.numel() for p in run)
-            cid = self._store.add_chunk({_STATE: PayloadSpec(3 * numel, torch.float32, self._home)})
+            dtype = run[0].dtype
+            payloads = {"grads": PayloadSpec(numel, dtype, Tier.CPU)}
+            payloads.update((n, PayloadSpec(numel, torch.float32, self._home)) for n in _STATE)
+            if dtype in _LOWP:
+                payloads["params"] = PayloadSpec(numel, dtype, Tier.CPU)
+            cid = self._store.add_chunk(payloads)
+            if dtype not in _LOWP and self._home is Tier.NVME:
+                self._store.kept.add((cid, "master"))  # see [Note: copy-back source]
             slots, offset = [], 0
             for p in run:
                 slots.append(_Slot(param=p, index=position[id(p)], offset=offset, numel=p.numel(),
                                    version=p._version))
                 offset += p.numel()
-            chunk = _Chunk(cid=cid, group=group, dtype=run[0].dtype, slots=slots, numel=numel)
+            chunk = _Chunk(cid=cid, group=group, dtype=dtype, slots=slots, numel=numel)
+            self._chunks.append(chunk)
             self._init_state(chunk)
-            new.append(chunk)
-        self._chunks.extend(new)
-        self._slots.extend(s for c in new for s in c.slots)
+            self._slots.extend(slots)
+            for slot in slots:
+                self._chunk_of[slot.param] = chunk
+                if self._overlap:
+                    self._hook_handles.append(slot.param.register_post_accumulate_grad_hook(
+                        _GradHook(self, chunk, slot)))
         self._slots.sort(key=lambda s: s.index)
-        self._order = list(reversed(self._chunks))  # first guess: backward runs in reverse
-        for chunk in new if self._overlap else ():
-            for slot in chunk.slots:
-                self._hook_handles.append(slot.param.register_post_accumulate_grad_hook(
-                    _GradHook(self, chunk, slot)))
 
-    def _open_store(self, params) -> None:
-        total = sum(3 * p.numel() * 4 + 4096 for p in params if p.requires_grad)
-        cuda = self._device.type == "cuda"
+    def _open(self) -> None:
+        """The store, the streams and the pipeline (with the first trainable param)."""
+        device = self._device
+        cuda = device.type == "cuda"
         budgets = {Tier.CPU: self._cpu_budget}
         if self._home is Tier.NVME:
-            # Exact: the swap file is preallocated; add_param_group later adds to a new space.
-            budgets[Tier.NVME] = max(4096, round_up(total))
-        self._store = ChunkStore(StoreConfig(device=self._device if cuda else "cpu", budgets=budgets,
-                                             nvme_dir=self._nvme_dir))
-        self._pool = self._store.pool
+            budgets[Tier.NVME] = max(ALIGNMENT, self._nvme_need)
+        self._store = _Store(StoreConfig(device=device if cuda else "cpu", budgets=budgets,
+                                         nvme_dir=self._nvme_dir))
         if cuda:
-            with torch.cuda.device(self._device):
+            with torch.cuda.device(device):
                 self._streams = _Streams(d2h=torch.cuda.Stream(), h2d=torch.cuda.Stream())
+        self._pipeline = StepPipeline(self._store, payloads=_PAYLOADS, prefetch_depth=self._depth,
+                                      threads=self._threads, on_update_done=_weak(self._write_back))
 
     @torch.no_grad()
     def _init_state(self, chunk: _Chunk) -> None:
         """Master = the params (fp32), moments = 0; written home (NVMe: then dropped from RAM)."""
-        n = chunk.numel
-        if self._home is Tier.CPU:
-            buf = self._store.get(chunk.cid, _STATE, Tier.CPU, write=True)
-        else:
-            buf = self._store.allocate(chunk.cid, _STATE, Tier.CPU)
-        for slot in chunk.slots:
-            buf[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
-        buf[n:].zero_()
-        self._store.mark_dirty(chunk.cid, _STATE, Tier.CPU)
-        if self._home is Tier.NVME:
-            self._store.flush(chunk.cid, _STATE)
-            self._store.evict(chunk.cid, _STATE, Tier.CPU)
+        with self._state(chunk, write=True, fresh=True) as (master, exp_avg, exp_avg_sq):
+            for slot in chunk.slots:
+                master[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
+            exp_avg.zero_()
+            exp_avg_sq.zero_()
+
+    @contextlib.contextmanager
+    def _state(self, chunk: _Chunk, *, write: bool, fresh: bool = False):
+        """The chunk's (master, exp_avg, exp_avg_sq) host buffers, for the caller's thread while no
+        job of the chunk is queued. ``write``: marked dirty after the block. ``fresh``: every
+        element will be written (NVMe: nothing is read). NVMe copies are dropped after the block
+        (written home first when dirty)."""
+        store, cid = self._store, chunk.cid
+        self._release_masters(wait=True, only=chunk)
+        nvme = self._home is Tier.NVME
+        with contextlib.ExitStack() as held:
+            bufs = []
+            for name in _STATE:
+                if fresh and nvme:
+                    bufs.append(store.allocate(cid, name, Tier.CPU))
+                    store.pin(cid, name, Tier.CPU)
+                    held.callback(store.unpin, cid, name, Tier.CPU)
+                else:
+                    bufs.append(held.enter_context(store.use(cid, name, Tier.CPU, write=write)))
+            yield bufs
+            if write:
+                for name in _STATE:
+                    store.mark_dirty(cid, name, Tier.CPU)
+        if nvme:
+            for name in _STATE:
+                store.drop(cid, name)
 
     # ------------------------------------------------------------------------------------
-    # backward side (main thread)
+    # backward side (caller's thread, or autograd's)
 
     def _on_grad(self, chunk: _Chunk, slot: _Slot) -> None:
         """Post-accumulate-grad hook of ``slot.param`` (overlap=True)."""
-        if self._failure is not None:
-            self._raise_failure()
+        self._check_worker()
         slot.hooks += 1
         if slot.hooks < self._grad_accum:
             return
@@ -413,21 +520,23 @@ class OffloadAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _stage(self, chunk: _Chunk, slot: _Slot, *, consume: bool) -> None:
-        """Queue the copy of ``slot``'s grad into the chunk's staging buffer."""
+        """Queue the copy of ``slot``'s grad into the chunk's "grads" host buffer."""
         p = slot.param
         grad = p.grad
         if grad.is_sparse:
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
         if grad.shape != p.shape:
             raise RuntimeError(f"grad of shape {tuple(grad.shape)} for a param of shape {tuple(p.shape)}")
+        if chunk.phase is not _Phase.FILLING:  # the chunk's first grad in this step
+            if chunk.phase is _Phase.UPDATING:
+                self._sync(chunk)  # the last update must have read "grads" before we overwrite it
+            chunk.grads = self._store.get(chunk.cid, "grads", Tier.CPU, write=True)
+            if self._streams is not None and chunk.h2d_done is not None:
+                self._streams.d2h.wait_event(chunk.h2d_done)  # see [Note: copy-back source]
+            chunk.to(_Phase.FILLING)
         if p._version != slot.version:
             self._resync_master(chunk, slot)
-        if chunk.phase is _Phase.IDLE:
-            chunk.to(_Phase.FILLING)
-            chunk.grads = self._pool.acquire(chunk.numel * chunk.dtype.itemsize)
-            self._filling.append(chunk)
-            self._read_ahead(chunk)
-        dst = chunk.grads.view(chunk.dtype, chunk.numel)[slot.offset:slot.offset + slot.numel]
+        dst = chunk.grads[slot.offset:slot.offset + slot.numel]
         if self._streams is not None:
             d2h = self._streams.d2h
             d2h.wait_stream(torch.cuda.current_stream(self._device))
@@ -436,7 +545,7 @@ class OffloadAdam(torch.optim.Optimizer):
             grad.record_stream(d2h)
         else:
             dst.copy_(grad.reshape(-1))
-        self.stats.d2h_bytes += slot.numel * chunk.dtype.itemsize
+        self._counters.d2h_bytes += slot.numel * chunk.dtype.itemsize
         if consume:
             p.grad = None
         slot.landed = True
@@ -444,163 +553,101 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def _resync_master(self, chunk: _Chunk, slot: _Slot) -> None:
         """See [Note: params changed outside the optimizer]. Rare: synchronous."""
-        self._wait_job(chunk)
-        self._run_deferred(chunk)
-        with self._store.use(chunk.cid, _STATE, Tier.CPU, write=True) as buf:
-            buf[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
-            self._store.mark_dirty(chunk.cid, _STATE, Tier.CPU)
-        if self._home is Tier.NVME:
-            self._store.flush(chunk.cid, _STATE)
-            self._store.evict(chunk.cid, _STATE, Tier.CPU)
+        with self._state(chunk, write=True) as (master, _, _):
+            master[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
         slot.version = slot.param._version
 
-    def _read_ahead(self, chunk: _Chunk) -> None:
-        """NVMe: start reading this chunk's state and the next ``prefetch_depth`` ones in last
-        step's fill order (idempotent: the store keeps one move per copy)."""
-        if self._home is not Tier.NVME:
-            return
-        order = self._order
-        try:
-            i = order.index(chunk)
-        except ValueError:
-            i = -1
-        for c in [chunk] + order[i + 1:i + 1 + self._depth]:
-            if c.phase in (_Phase.IDLE, _Phase.FILLING):
-                self._store.fetch(c.cid, _STATE, Tier.CPU)
-
     def _submit(self, chunk: _Chunk) -> None:
-        """Hand a chunk whose staged grads are complete to the worker."""
+        """Hand a chunk whose staged grads are complete to the pipeline."""
+        self._store.mark_dirty(chunk.cid, "grads", Tier.CPU)
         if self._streams is not None:
-            chunk.d2h_done = torch.cuda.Event()
-            chunk.d2h_done.record(self._streams.d2h)
-        group = chunk.group
-        lr = group["lr"]
-        hyper = _Hyper(lr=float(lr.item() if isinstance(lr, torch.Tensor) else lr),
-                       betas=(float(group["betas"][0]), float(group["betas"][1])),
-                       eps=float(group["eps"]), weight_decay=float(group["weight_decay"]))
-        chunk.to(_Phase.QUEUED)
-        chunk.job = self._worker.submit(self._update, chunk, hyper)
+            chunk.d2h_done = self._streams.d2h.record_event()
+            ready = Handle(event=chunk.d2h_done)
+        else:
+            ready = Handle.completed()
+        segments = tuple(Segment(lo, hi, step) for lo, hi, step in _runs(chunk.slots))
+        chunk.job_slots = tuple(s for s in chunk.slots if s.landed)
+        for s in chunk.job_slots:
+            s.step += 1
+        g = chunk.group
+        lr = g["lr"]
+        args = AdamArgs(lr=float(lr.item() if isinstance(lr, torch.Tensor) else lr),
+                        betas=(float(g["betas"][0]), float(g["betas"][1])), eps=float(g["eps"]),
+                        weight_decay=float(g["weight_decay"]), adamw=self._adamw)
+        chunk.grads = None
+        chunk.to(_Phase.UPDATING)
+        self._updating[chunk.cid] = chunk
+        with self._worker_errors():
+            self._pipeline.submit_grads(
+                GradJob(cid=chunk.cid, ready=ready,
+                        then=UpdateJob(cid=chunk.cid, segments=segments, args=args, source="grads")),
+                priority=chunk.cid)
 
     # ------------------------------------------------------------------------------------
     # worker thread
 
-    def _update(self, chunk: _Chunk, hyper: _Hyper) -> None:
-        """CPU-Adam over one chunk, then its params back to the device. Runs on the worker."""
-        from .cpu_adam import adam_step
-
-        t0 = time.perf_counter()
-        try:
-            if chunk.d2h_done is not None:
-                chunk.d2h_done.synchronize()
-            self._run_deferred(chunk)  # last step's copies read the pinned source: release it
-            n = chunk.numel
-            grads = chunk.grads.view(chunk.dtype, n)
-            out = None
-            if chunk.dtype in _LOWP:
-                out_buf = self._pool.acquire(n * chunk.dtype.itemsize)
-                out = out_buf.view(chunk.dtype, n)
-            store, cid = self._store, chunk.cid
-            store.fetch(cid, _STATE, Tier.CPU)  # NVMe: usually read ahead already
-            store.pin(cid, _STATE, Tier.CPU)
-            try:
-                state = store.get(cid, _STATE, Tier.CPU, write=True)
-                master, exp_avg, exp_avg_sq = state[:n], state[n:2 * n], state[2 * n:]
-                ta = time.perf_counter()
-                for lo, hi, step in _runs(chunk.slots):
-                    adam_step(master[lo:hi], grads[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi],
-                              step=step, lr=hyper.lr, betas=hyper.betas, eps=hyper.eps,
-                              weight_decay=hyper.weight_decay, adamw=self._adamw,
-                              out_lowp=None if out is None else out[lo:hi], threads=self._threads)
-                self.stats.adam_s += time.perf_counter() - ta
-                for slot in chunk.slots:
-                    if slot.landed:
-                        slot.step += 1
-                store.mark_dirty(cid, _STATE, Tier.CPU)
-                if self._home is Tier.NVME:
-                    store.flush(cid, _STATE)  # write-behind, reading beside the param copies
-                self._pool.release(chunk.grads)
-                chunk.grads = None
-                self._write_back(chunk, master if out is None else out)
-            except BaseException:
-                store.unpin(cid, _STATE, Tier.CPU)
-                raise
-            # The param copies read `out` (low precision) or the pinned master: release after them.
-            if out is not None:
-                self._after_h2d(chunk, lambda: self._pool.release(out_buf))
-            self._after_h2d(chunk, self._release_state_action(chunk))
-            chunk.to(_Phase.DONE)
-        finally:
-            self.stats.worker_s += time.perf_counter() - t0
-
-    def _release_state_action(self, chunk: _Chunk) -> Callable[[], None]:
-        store, cid = self._store, chunk.cid
-
-        def release():
-            store.unpin(cid, _STATE, Tier.CPU)
-            if self._home is Tier.NVME:
-                store.evict(cid, _STATE, Tier.CPU)  # freed once the write-behind has read it
-        return release
-
     @torch.no_grad()
-    def _write_back(self, chunk: _Chunk, src: torch.Tensor) -> None:
-        """Updated params into the model's tensors (CUDA: async on the H2D stream)."""
-        landed = [s for s in chunk.slots if s.landed]
-        if self._streams is not None:
-            h2d = self._streams.h2d
-            with torch.cuda.stream(h2d):
-                h2d.wait_event(chunk.d2h_done)  # after the compute stream's last use: see Note
-                for s in landed:
-                    s.param.data.view(-1).copy_(src[s.offset:s.offset + s.numel], non_blocking=True)
-                chunk.h2d_done = torch.cuda.Event()
-                chunk.h2d_done.record(h2d)
-        else:
-            for s in landed:
-                s.param.data.view(-1).copy_(src[s.offset:s.offset + s.numel])
-        self.stats.h2d_bytes += sum(s.numel for s in landed) * chunk.dtype.itemsize
-
-    def _after_h2d(self, chunk: _Chunk, action: Callable[[], None]) -> None:
-        """Run ``action`` once the chunk's param copies are done (at once without CUDA).
-
-        [Note: deferred release] The copies back to the GPU read a pinned buffer (the master, or
-        the low-precision staging buffer), so that buffer is unpinned / evicted / returned to the
-        pool only after their event. The release runs at the latest before the *same chunk's*
-        next update (``_run_deferred`` at the top of ``_update``), which re-pins the buffer; so
-        a release never meets a pin taken after it. ``step()`` runs the releases whose copies
-        have finished, without waiting; ``_drain`` runs them all."""
-        if chunk.h2d_done is None:
-            action()
-            return
+    def _write_back(self, cid: int) -> None:
+        """The pipeline's ``on_update_done``: updated params into the model's tensors (CUDA:
+        async on the H2D stream). See [Note: copy-back source]."""
+        chunk = self._chunks[cid]
+        store = self._store
+        name = "params" if chunk.lowp else "master"
+        kept = (cid, name) in store.kept
+        with store.use(cid, name, Tier.CPU) as src:
+            if self._streams is None:
+                for s in chunk.job_slots:
+                    s.param.data.view(-1).copy_(src[s.offset:s.offset + s.numel])
+                event = None
+            else:
+                if kept:
+                    with self._lock:
+                        if not chunk.holds_master:
+                            store.pin(cid, name, Tier.CPU)
+                            chunk.holds_master = True
+                h2d = self._streams.h2d
+                with torch.cuda.device(self._device), torch.cuda.stream(h2d):
+                    h2d.wait_event(chunk.d2h_done)  # after the compute stream's last use: see Notes
+                    for s in chunk.job_slots:
+                        s.param.data.view(-1).copy_(src[s.offset:s.offset + s.numel], non_blocking=True)
+                    event = h2d.record_event()
         with self._lock:
-            self._deferred.append(_Deferred(chunk, chunk.h2d_done, action))
+            chunk.h2d_done = event
+        if kept and self._streams is None:
+            store.drop(cid, name)  # the copies are done
+        self._counters.h2d_bytes += sum(s.numel for s in chunk.job_slots) * chunk.dtype.itemsize
+        self._release_masters()
 
-    def _run_deferred(self, chunk: _Chunk | None = None, *, block: bool = True) -> None:
-        """Run the deferred releases of ``chunk`` (all chunks: None), waiting for their copies
-        (``block``) or only those already finished."""
+    def _release_masters(self, *, wait: bool = False, only: _Chunk | None = None) -> None:
+        """Unpin and drop the host masters held for param copies (see [Note: copy-back source])
+        whose copies are done (``wait``: waiting for them) and whose chunk has no job queued."""
         with self._lock:
-            ready, keep = [], []
-            for d in self._deferred:
-                mine = chunk is None or d.chunk is chunk
-                (ready if mine and (block or d.event.query()) else keep).append(d)
-            self._deferred = keep
-        for d in ready:
-            d.event.synchronize()
-            d.action()
+            for chunk in self._chunks if only is None else (only,):
+                if not chunk.holds_master or self._pipeline.busy(chunk.cid):
+                    continue
+                if chunk.h2d_done is not None and not chunk.h2d_done.query():
+                    if not wait:
+                        continue
+                    chunk.h2d_done.synchronize()
+                self._store.unpin(chunk.cid, "master", Tier.CPU)
+                self._store.drop(chunk.cid, "master")
+                chunk.holds_master = False
 
     # ------------------------------------------------------------------------------------
-    # step
+    # step and synchronisation
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
-        """Finish this step: stage grads not yet streamed (all of them with ``overlap=False``),
-        wait for every chunk's CPU-Adam, and order the param copies before the current CUDA
-        stream's next work. Returns the closure's loss, if a closure is given."""
+        """Finish this step: stage grads not yet streamed (all of them with ``overlap=False``)
+        and hand their chunks over; then wait for every chunk's CPU-Adam and order the param
+        copies before the current CUDA stream's next work, or, with ``overlap_forward=True``,
+        return at once (see [Note: forward overlap]). Returns the closure's loss, if any."""
         self._check_open()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._failure is not None:
-            self._raise_failure()
+        self._check_worker()
         for p in self._frozen:
             if p.grad is not None:
                 raise RuntimeError(
@@ -608,65 +655,94 @@ class OffloadAdam(torch.optim.Optimizer):
                     f"built now has a grad; build the optimizer after unfreezing, or add the param "
                     f"in a new param group (add_param_group)")
         # Params whose grad did not come through the hooks (overlap=False, grads set by hand,
-        # fewer backwards than grad_accum): stage them now, in last step's fill order.
-        for chunk in self._order:
-            if chunk.phase in (_Phase.IDLE, _Phase.FILLING):
-                for slot in chunk.slots:
-                    if not slot.landed and slot.param.grad is not None:
-                        self._stage(chunk, slot, consume=False)
-                if chunk.phase is _Phase.FILLING:
-                    self._submit(chunk)
-        t0 = time.perf_counter()
-        errors = []
-        for chunk in self._filling:
-            try:
-                self._wait_job(chunk)
-            except BaseException as e:  # keep draining: no job may outlive the step
-                errors.append(e)
-        self.stats.step_wait_s += time.perf_counter() - t0
-        if errors:
-            self._failure = errors[0]
-            self._raise_failure()
-        if self._streams is not None:
-            current = torch.cuda.current_stream(self._device)
-            for chunk in self._filling:
-                if chunk.h2d_done is not None:
-                    current.wait_event(chunk.h2d_done)
-        self._run_deferred(block=False)
-        self._end_step()
-        self.stats.steps += 1
-        return loss
-
-    def _wait_job(self, chunk: _Chunk) -> None:
-        if chunk.job is not None:
-            job, chunk.job = chunk.job, None
-            job.result()
-
-    def _end_step(self) -> None:
-        if self._filling:
-            self._order = list(self._filling) + [c for c in self._order if c not in self._filling]
-        for chunk in self._filling:
-            chunk.to(_Phase.IDLE)
-            chunk.landed = 0
-        self._filling = []
+        # fewer backwards than grad_accum): stage them now, in chunk order.
+        staged = False
+        for chunk in self._chunks:
+            for slot in chunk.slots:
+                if not slot.landed and slot.param.grad is not None:
+                    self._stage(chunk, slot, consume=False)
+                    staged = True
+            if chunk.phase is _Phase.FILLING:
+                self._submit(chunk)
+        if staged and self._streams is not None:
+            # p.grad stays the caller's: later work on it (zero_grad(set_to_none=False), the next
+            # backward accumulating into it) must come after our copies read it.
+            torch.cuda.current_stream(self._device).wait_stream(self._streams.d2h)
         for slot in self._slots:
             slot.hooks = 0
             slot.landed = False
+        for chunk in self._chunks:
+            chunk.landed = 0
+        self._counters.steps += 1
+        if not self._overlap_forward:
+            self._sync_all()
+        elif self._updating and self._forward_hook is None:
+            self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(
+                _weak(self._pre_forward))
+        return loss
 
-    def _raise_failure(self):
+    def synchronize(self) -> None:
+        """Wait for every update handed over and order the param copies before the current CUDA
+        stream's next work: the params are final. Needed with ``overlap_forward=True`` before
+        reading params outside a forward (see [Note: forward overlap]); a no-op otherwise."""
+        self._check_open()
+        self._sync_all()
+
+    def _sync_all(self) -> None:
+        for chunk in list(self._updating.values()):
+            self._sync(chunk)
+        self._release_masters()
+
+    def _sync(self, chunk: _Chunk) -> None:
+        """Wait (host) for the chunk's update; the current stream waits for its param copies."""
+        t0 = time.perf_counter()
+        with self._worker_errors():
+            self._pipeline.wait_chunk(chunk.cid)
+        self._counters.step_wait_s += time.perf_counter() - t0
+        if self._streams is not None and chunk.h2d_done is not None:
+            torch.cuda.current_stream(self._device).wait_event(chunk.h2d_done)
+        chunk.to(_Phase.IDLE)
+        del self._updating[chunk.cid]
+        if not self._updating:
+            self._remove_forward_hook()
+
+    def _pre_forward(self, module: torch.nn.Module, args) -> None:
+        """The global module forward pre-hook of [Note: forward overlap]."""
+        for p in module._parameters.values():
+            chunk = self._chunk_of.get(p) if p is not None else None
+            if chunk is not None and chunk.phase is _Phase.UPDATING:
+                self._sync(chunk)
+
+    def _remove_forward_hook(self) -> None:
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
+
+    def _drain(self) -> None:
+        """Every update done, its params ordered, every held master dropped (state_dict, close)."""
+        self._sync_all()
+        self._release_masters(wait=True)
+
+    @contextlib.contextmanager
+    def _worker_errors(self):
+        try:
+            yield
+        except PipelineError as e:
+            self._raise_failure(e)
+
+    def _check_worker(self) -> None:
+        if self._pipeline is not None and self._pipeline.failed:
+            with self._worker_errors():
+                self._pipeline.drain()  # raises the worker's error
+
+    def _raise_failure(self, cause: BaseException):
         raise RuntimeError(f"{type(self).__name__}: a CPU-Adam job failed; the optimizer state is no "
                            f"longer consistent with the model (rebuild it or load a state_dict)") \
-            from self._failure
+            from cause
 
     def _check_open(self):
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} is closed; build a new optimizer")
-
-    def _drain(self) -> None:
-        """Wait for every job in flight (state_dict, close)."""
-        for chunk in self._chunks:
-            self._wait_job(chunk)
-        self._run_deferred()
 
     # ------------------------------------------------------------------------------------
     # state dict: torch.optim.Adam(W)'s format
@@ -675,9 +751,10 @@ class OffloadAdam(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim.AdamW``'s format: ``state[i] = {"step", "exp_avg", "exp_avg_sq"}`` (fp32 CPU
         tensors shaped like the param) for every param stepped at least once, plus ``"master"``
-        (fp32) for bf16/fp16 params; ``param_groups`` with torch's keys."""
+        (fp32) for bf16/fp16 params; ``param_groups`` with torch's keys. Waits for the updates
+        in flight (``synchronize``)."""
         self._check_open()
-        if any(c.phase is not _Phase.IDLE for c in self._chunks):
+        if any(s.landed or s.hooks for s in self._slots):
             raise RuntimeError(f"{type(self).__name__}.state_dict() in the middle of a step: call step() first")
         self._drain()
         state: dict[int, dict[str, torch.Tensor]] = {}
@@ -685,18 +762,15 @@ class OffloadAdam(torch.optim.Optimizer):
             stepped = [s for s in chunk.slots if s.step > 0]
             if not stepped:
                 continue
-            n = chunk.numel
-            with self._store.use(chunk.cid, _STATE, Tier.CPU) as buf:
+            with self._state(chunk, write=False) as (master, exp_avg, exp_avg_sq):
                 for s in stepped:
                     sl = slice(s.offset, s.offset + s.numel)
                     entry = {"step": torch.tensor(float(s.step)),
-                             "exp_avg": buf[n:][sl].clone().view(s.param.shape),
-                             "exp_avg_sq": buf[2 * n:][sl].clone().view(s.param.shape)}
-                    if chunk.dtype in _LOWP:
-                        entry["master"] = buf[sl].clone().view(s.param.shape)
+                             "exp_avg": exp_avg[sl].clone().view(s.param.shape),
+                             "exp_avg_sq": exp_avg_sq[sl].clone().view(s.param.shape)}
+                    if chunk.lowp:
+                        entry["master"] = master[sl].clone().view(s.param.shape)
                     state[s.index] = entry
-            if self._home is Tier.NVME:
-                self._store.evict(chunk.cid, _STATE, Tier.CPU)
         groups, start = [], 0
         for g in self.param_groups:
             packed = {k: v for k, v in g.items() if k != "params"}
@@ -757,37 +831,60 @@ class OffloadAdam(torch.optim.Optimizer):
                 if k != "params":
                     g[k] = v
         for chunk in self._chunks:
-            n = chunk.numel
-            with self._store.use(chunk.cid, _STATE, Tier.CPU, write=True) as buf:
+            with self._state(chunk, write=True, fresh=True) as (master, exp_avg, exp_avg_sq):
                 for s in chunk.slots:
                     sl = slice(s.offset, s.offset + s.numel)
                     entry = entries.get(s.index)
                     master_src = entry.get("master") if entry is not None else None
                     if master_src is None:
                         master_src = s.param.detach()
-                    buf[sl].copy_(master_src.reshape(-1))
+                    master[sl].copy_(master_src.reshape(-1))
                     if entry is None:
-                        buf[n:][sl].zero_()
-                        buf[2 * n:][sl].zero_()
+                        exp_avg[sl].zero_()
+                        exp_avg_sq[sl].zero_()
                         s.step = 0
                     else:
-                        buf[n:][sl].copy_(entry["exp_avg"].reshape(-1))
-                        buf[2 * n:][sl].copy_(entry["exp_avg_sq"].reshape(-1))
+                        exp_avg[sl].copy_(entry["exp_avg"].reshape(-1))
+                        exp_avg_sq[sl].copy_(entry["exp_avg_sq"].reshape(-1))
                         step = entry["step"]
                         s.step = int(step.item() if isinstance(step, torch.Tensor) else step)
                     s.version = s.param._version
-                self._store.mark_dirty(chunk.cid, _STATE, Tier.CPU)
-            if self._home is Tier.NVME:
-                self._store.flush(chunk.cid, _STATE)
-                self._store.evict(chunk.cid, _STATE, Tier.CPU)
 
     # ------------------------------------------------------------------------------------
     # misc
 
+    @property
+    def stats(self) -> OffloadStats:
+        """Counters since construction or ``reset_stats`` (the worker's from the pipeline)."""
+        c = self._counters
+        adam_s = worker_s = 0.0
+        if self._pipeline is not None:
+            adam_s = self._pipeline.stats.adam_s - self._worker_base[0]
+            worker_s = self._pipeline.stats.busy_s - self._worker_base[1]
+        return OffloadStats(steps=c.steps, d2h_bytes=c.d2h_bytes, h2d_bytes=c.h2d_bytes,
+                            adam_s=adam_s, worker_s=worker_s, step_wait_s=c.step_wait_s)
+
     def reset_stats(self) -> None:
-        self.stats = OffloadStats()
+        self._counters = OffloadStats()
+        if self._pipeline is not None:
+            self._worker_base = (self._pipeline.stats.adam_s, self._pipeline.stats.busy_s)
         if self._store is not None:
             self._store.stats.bytes_moved = {h: 0 for h in self._store.stats.bytes_moved}
+
+    @property
+    def trace(self) -> Trace | None:
+        """A ``Trace`` recording the worker's spans (jobs, kernel calls, waits), or None (the
+        default: nothing recorded). Set one, run steps, ``write`` it."""
+        return None if self._pipeline is None else self._pipeline.trace
+
+    @trace.setter
+    def trace(self, trace: Trace | None) -> None:
+        if trace is not None and not isinstance(trace, Trace):
+            raise TypeError(f"{type(self).__name__}.trace takes a zero_offload.pipeline.Trace or None, "
+                            f"got {type(trace).__name__}")
+        if self._pipeline is None:
+            raise RuntimeError(f"{type(self).__name__} has no trainable params: nothing to trace")
+        self._pipeline.trace = trace
 
     def nvme_bytes(self) -> tuple[int, int]:
         """(bytes read from, bytes written to) NVMe since construction, from the store."""
@@ -797,25 +894,30 @@ class OffloadAdam(torch.optim.Optimizer):
         return moved["nvme->cpu"], moved["cpu->nvme"]
 
     def host_state_bytes(self) -> int:
-        """Host bytes the optimizer holds now (state copies in RAM + staging buffers)."""
+        """Host bytes the optimizer holds now: its home buffers in RAM plus the pinned pool that
+        stages NVMe state (the pool's buffers in use are copies the store counts too)."""
         if self._store is None:
             return 0
-        return self._store.bytes(Tier.CPU) + self._pool.reserved_bytes
+        pool = self._store.pool
+        return self._store.bytes(Tier.CPU) - pool.in_use_bytes + pool.reserved_bytes
 
     def close(self) -> None:
-        """Finish jobs, remove the hooks and free the state (and swap files). Idempotent."""
+        """Finish the queued jobs, remove the hooks and free the state (and swap files).
+        Idempotent. Does not raise the worker's errors (``step``/``synchronize`` do)."""
         if self._closed:
             return
+        self._closed = True
         try:
-            try:
-                self._drain()
-            finally:
-                self._worker.shutdown(wait=True)
-                for h in self._hook_handles:
-                    h.remove()
-                self._hook_handles.clear()
+            if self._pipeline is not None:
+                self._pipeline.close()
+            if self._streams is not None:  # copies still reading or writing host buffers
+                self._streams.d2h.synchronize()
+                self._streams.h2d.synchronize()
         finally:
-            self._closed = True
+            self._remove_forward_hook()
+            for h in self._hook_handles:
+                h.remove()
+            self._hook_handles.clear()
             if self._store is not None:
                 self._store.close()
 
@@ -828,7 +930,8 @@ class OffloadAdam(torch.optim.Optimizer):
     def __repr__(self):
         n = sum(c.numel for c in self._chunks)
         return (f"{type(self).__name__}(params={n}, chunks={len(self._chunks)}, "
-                f"state={self._home.value!r}, overlap={self._overlap}, groups={len(self.param_groups)})")
+                f"state={self._home.value!r}, overlap={self._overlap}, "
+                f"overlap_forward={self._overlap_forward}, groups={len(self.param_groups)})")
 
 
 class OffloadAdamW(OffloadAdam):
@@ -839,10 +942,11 @@ class OffloadAdamW(OffloadAdam):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, state: str = "cpu",
                  nvme_dir=None, chunk_mb: float = 64.0, threads: int | None = None,
-                 overlap: bool = True, grad_accum: int = 1, prefetch_depth: int = 2,
-                 cpu_budget: int | str = "auto"):
+                 overlap: bool = True, overlap_forward: bool = False, grad_accum: int = 1,
+                 prefetch_depth: int = 2, cpu_budget: int | str = "auto"):
         super().__init__(params, lr, betas, eps, weight_decay, state=state, nvme_dir=nvme_dir,
-                         chunk_mb=chunk_mb, threads=threads, overlap=overlap, grad_accum=grad_accum,
+                         chunk_mb=chunk_mb, threads=threads, overlap=overlap,
+                         overlap_forward=overlap_forward, grad_accum=grad_accum,
                          prefetch_depth=prefetch_depth, cpu_budget=cpu_budget)
 
 
@@ -859,9 +963,37 @@ class _GradHook:
         self.opt._on_grad(self.chunk, self.slot)
 
 
+def _read_once(params):
+    """The constructor's ``params`` with generators (of params or of a group's params) read into
+    lists: they are walked twice (swap-space sizing, then torch's ``add_param_group``)."""
+    if isinstance(params, torch.Tensor):
+        return params  # torch names the mistake
+    out = []
+    for g in params:
+        if isinstance(g, dict) and g.get("params") is not None and \
+                not isinstance(g["params"], (torch.Tensor, list, tuple, set)):
+            g = {**g, "params": list(g["params"])}
+        out.append(g)
+    return out
+
+
+def _state_bytes(params) -> int:
+    """Bytes of NVMe state for the trainable params in ``params`` (as read by ``_read_once``):
+    12 per element, each of the 3 payloads of a chunk padded to 4 KiB (at most one chunk per
+    param)."""
+    if isinstance(params, torch.Tensor):
+        return 0
+    tensors = []
+    for g in params:
+        ps = g.get("params") if isinstance(g, dict) else [g]
+        tensors.extend([ps] if isinstance(ps, torch.Tensor) else (ps or ()))
+    seen = {id(t): t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad}
+    return sum(12 * t.numel() + 3 * ALIGNMENT for t in seen.values())
+
+
 def _runs(slots: list[_Slot]):
     """Maximal ranges ``(lo, hi, step)`` of consecutive landed slots with equal step counts: one
-    CPU-Adam call each (normally one per chunk)."""
+    CPU-Adam call each (normally one per chunk). ``step`` is the count after this update."""
     lo = hi = None
     step = None
     for s in slots:
