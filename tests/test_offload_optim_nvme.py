@@ -52,7 +52,8 @@ def test_copy_back_reads_the_kept_master(evicted_between, overlap_forward, tmp_p
     once, and nothing of it stays in host RAM after the step. If that master is gone when the
     write-back runs (as when the store's budget policy evicts it in between), the write-back
     reads it back from NVMe: same result, one more read.
-    prefetch_depth=0: the pipeline's read-ahead may read back a chunk whose update is running,
+    prefetch_depth=0: a read-ahead for the next step can meet the kept master of this one just
+    before the write-back drops it; the chunk is then read once more (same result, ~1 run in 20),
     which would blur the exact counts."""
     if evicted_between:
         original = OffloadAdamW._write_back

@@ -391,8 +391,10 @@ class StepPipeline:
         if self.prefetch_depth <= 0:
             return
         with self._cv:
-            upcoming = [q.cid for q in sorted(self._queue, key=lambda q: q.key)
-                        if isinstance(q.job, UpdateJob) or getattr(q.job, "then", None) is not None]
+            # Jobs already started hold their state (pinned); re-reading a chunk whose update just
+            # ended would fetch back what its write-behind is sending home.
+            upcoming = [q.cid for q in sorted(self._queue, key=lambda q: q.key) if not q.running
+                        and (isinstance(q.job, UpdateJob) or getattr(q.job, "then", None) is not None)]
         try:
             for cid in list(dict.fromkeys(upcoming))[:self.prefetch_depth]:
                 for name in self._state_names:
