@@ -253,3 +253,23 @@ def test_stats_and_trace():
     opt.reset_stats()
     assert opt.stats == type(s)()
     opt.close()
+
+
+def test_update_order_follows_the_forward_not_the_param_groups():
+    """[Note: update order]: after a step, the chunk the forward uses first (the first layer's)
+    has the best priority, even when the param groups list it last."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8),
+                                torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    layers = [model[0], model[2], model[4]]
+    groups = [{"params": list(m.parameters())} for m in reversed(layers)]  # last layer first
+    opt = OffloadAdamW(groups, lr=1e-3, chunk_mb=1e-4, threads=1, overlap_forward=True)
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        model(x).square().mean().backward()
+        opt.step()
+    opt.synchronize()
+    chunk_of = {id(s.param): c.cid for c in opt._chunks for s in c.slots}
+    rank = [min(opt._priority[chunk_of[id(p)]] for p in m.parameters()) for m in layers]
+    assert rank == sorted(rank) and rank[0] == 0
+    opt.close()

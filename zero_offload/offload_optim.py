@@ -317,6 +317,8 @@ class OffloadAdam(torch.optim.Optimizer):
         self._hook_handles: list = []
         self._forward_hook = None                # see [Note: forward overlap]
         self._updating: dict[int, _Chunk] = {}   # chunks in phase UPDATING, by id
+        self._submitted: list[int] = []          # chunk ids in this step's hand-over order
+        self._priority: dict[int, int] = {}      # chunk id -> rank in the next forward (guess)
         self._device: torch.device | None = None
         self._store: _Store | None = None
         self._pipeline: StepPipeline | None = None
@@ -577,11 +579,12 @@ class OffloadAdam(torch.optim.Optimizer):
         chunk.grads = None
         chunk.to(_Phase.UPDATING)
         self._updating[chunk.cid] = chunk
+        self._submitted.append(chunk.cid)
         with self._worker_errors():
             self._pipeline.submit_grads(
                 GradJob(cid=chunk.cid, ready=ready,
                         then=UpdateJob(cid=chunk.cid, segments=segments, args=args, source="grads")),
-                priority=chunk.cid)
+                priority=self._priority.get(chunk.cid, len(self._chunks) + chunk.cid))
 
     # ------------------------------------------------------------------------------------
     # worker thread
@@ -673,6 +676,15 @@ class OffloadAdam(torch.optim.Optimizer):
             slot.landed = False
         for chunk in self._chunks:
             chunk.landed = 0
+        # [Note: update order] The worker runs queued updates in priority order, and the next
+        # forward needs the chunks in forward order: the reverse of the order in which backward
+        # finished them (the last chunk handed over is the first one the forward uses). Param
+        # order (chunk index) is only the first step's guess: with param groups (decay / no
+        # decay) it is group by group, not the model's order.
+        if self._submitted:
+            last = len(self._submitted) - 1
+            self._priority = {cid: last - i for i, cid in enumerate(self._submitted)}
+            self._submitted = []
         self._counters.steps += 1
         if not self._overlap_forward:
             self._sync_all()
