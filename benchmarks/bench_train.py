@@ -376,7 +376,8 @@ class Bench:
         model = self.build(device=self.device)
         opt = zo.OffloadAdamW(model.parameters(), lr=1e-4, weight_decay=0.1, state=state,
                               nvme_dir=self.nvme_dir() if state == "nvme" else None,
-                              chunk_mb=self.args.chunk_mb, threads=threads or self.args.threads,
+                              chunk_mb=self.args.adamw_chunk_mb or self.args.chunk_mb,
+                              threads=threads or self.args.threads,
                               **({"overlap_forward": True} if overlap_forward else {}))
         losses = []
 
@@ -563,6 +564,9 @@ def main(argv=None) -> int:
                          "(Chrome trace: open in https://ui.perfetto.dev)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the whole run (seconds; default: Python's own)")
+    ap.add_argument("--adamw-chunk-mb", type=float, default=None,
+                    help="chunk_mb of the OffloadAdamW cases (MiB of fp32 master per chunk; default: "
+                         "--chunk-mb)")
     ap.add_argument("--adamw-threads", type=int, default=None,
                     help="CPU-Adam threads of the OffloadAdamW cases (default: --threads)")
     ap.add_argument("--nvme-dir", default=None)
