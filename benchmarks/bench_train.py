@@ -431,8 +431,8 @@ class Bench:
         # [Note: CPU-Adam bound] Over all params, in the engine's chunk-sized calls, on every core
         # (the engine itself leaves two cores to the threads driving the GPU), when host memory
         # has room for a second copy of the optimizer state (16 B/param); otherwise from a
-        # sample. A sample is ~5-10% faster per param than the whole pass on the H100 host,
-        # so both are recorded when both are measured.
+        # sample. On the H100 host the two differed by up to 14% per param, either way, between
+        # calls (host noise), so both are recorded when both are measured.
         n = min(self.params, self.args.adam_sample)
         sample_s = measure_cpu_adam(n, threads=self.args.threads)
         rate = n / sample_s
