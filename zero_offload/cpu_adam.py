@@ -197,26 +197,47 @@ def _check_operands(param, grad, exp_avg, exp_avg_sq, out_lowp, *, prefix: str =
     _check_no_overlap(named)
 
 
-def _launch(param, grad, exp_avg, exp_avg_sq, out_lowp, *, step: float, hyper: AdamHyper,
-            grad_scale: float, threads: Optional[int]) -> float:
-    """Runs the kernel on checked operands (see [Note: validate, then mutate]); returns the
-    seconds the kernel ran."""
-    n = param.numel()
-    if n == 0:
-        return 0.0
-    seconds = kernels.adam_step(
+def _native_args(param, grad, exp_avg, exp_avg_sq, out_lowp, *, step: float, hyper: AdamHyper,
+                 grad_scale: float, threads: Optional[int]) -> dict:
+    """The keyword arguments of the native adam_step / adam_step_async for checked operands."""
+    return dict(
         param=param.data_ptr(), grad=grad.data_ptr(), grad_dtype=int(TORCH_DTYPES[grad.dtype]),
-        exp_avg=exp_avg.data_ptr(), exp_avg_sq=exp_avg_sq.data_ptr(), numel=n,
+        exp_avg=exp_avg.data_ptr(), exp_avg_sq=exp_avg_sq.data_ptr(), numel=param.numel(),
         out=0 if out_lowp is None else out_lowp.data_ptr(),
         out_dtype=int(Dtype.NONE if out_lowp is None else TORCH_DTYPES[out_lowp.dtype]),
         step=step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, eps=hyper.eps,
         weight_decay=hyper.weight_decay, adamw=hyper.adamw, grad_scale=grad_scale,
         threads=default_threads() if threads is None else threads,
     )
-    if _set_version is not None:
-        written = [param] if out_lowp is None else [param, out_lowp]
+
+
+def _bump_versions(written: list) -> None:
+    """Tell autograd the kernel wrote these tensors (as an in-place torch op would)."""
+    if _set_version is not None and written:
         _set_version(written, [t._version + 1 for t in written])
+
+
+def _launch(param, grad, exp_avg, exp_avg_sq, out_lowp, *, step: float, hyper: AdamHyper,
+            grad_scale: float, threads: Optional[int]) -> float:
+    """Runs the kernel on checked operands (see [Note: validate, then mutate]); returns the
+    seconds the kernel ran."""
+    if param.numel() == 0:
+        return 0.0
+    seconds = kernels.adam_step(**_native_args(param, grad, exp_avg, exp_avg_sq, out_lowp, step=step,
+                                               hyper=hyper, grad_scale=grad_scale, threads=threads))
+    _bump_versions([param] if out_lowp is None else [param, out_lowp])
     return seconds
+
+
+def _checked_flat_call(param, grad, exp_avg, exp_avg_sq, out_lowp, *, step, lr, betas, eps,
+                       weight_decay, adamw, grad_scale, threads) -> dict:
+    """Every check of a flat-buffer call (raises before anything changes); returns the checked
+    keyword arguments of ``_launch`` / ``_native_args``."""
+    hyper = AdamHyper.checked(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw)
+    checked = dict(step=_check_step(step), hyper=hyper, grad_scale=_check_grad_scale(grad_scale),
+                   threads=_check_threads(threads))
+    _check_operands(param, grad, exp_avg, exp_avg_sq, out_lowp)
+    return checked
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,13 +270,10 @@ def adam_step(
     ValueError before touching anything on bad input. Returns the seconds the kernel itself ran
     (without the checks and without re-taking the GIL): the worker's trace tells the two apart.
     """
-    hyper = AdamHyper.checked(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw)
-    step_value = _check_step(step)
-    scale = _check_grad_scale(grad_scale)
-    threads = _check_threads(threads)
-    _check_operands(param, grad, exp_avg, exp_avg_sq, out_lowp)
-    return _launch(param, grad, exp_avg, exp_avg_sq, out_lowp, step=step_value, hyper=hyper,
-                   grad_scale=scale, threads=threads)
+    checked = _checked_flat_call(param, grad, exp_avg, exp_avg_sq, out_lowp, step=step, lr=lr,
+                                 betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw,
+                                 grad_scale=grad_scale, threads=threads)
+    return _launch(param, grad, exp_avg, exp_avg_sq, out_lowp, **checked)
 
 
 class KernelTicket:
@@ -279,8 +297,7 @@ class KernelTicket:
                 self.start, self._seconds = kernels.kernel_wait(self._ticket)
             finally:
                 self._keep = ()
-            if _set_version is not None and self._written:
-                _set_version(self._written, [t._version + 1 for t in self._written])
+            _bump_versions(self._written)
             self._written = []
         return self._seconds
 
@@ -306,19 +323,10 @@ def adam_step_async(
     before it, and the caller goes on at once. Calls run one at a time in submission order, each
     on all ``threads``. The buffers must not be read or written until ``wait()`` returns: see
     [Note: why a native queue] in csrc/kernel_queue.h."""
-    hyper = AdamHyper.checked(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw)
-    step_value = _check_step(step)
-    scale = _check_grad_scale(grad_scale)
-    threads = _check_threads(threads)
-    _check_operands(param, grad, exp_avg, exp_avg_sq, out_lowp)
-    ticket = kernels.adam_step_async(
-        param=param.data_ptr(), grad=grad.data_ptr(), grad_dtype=int(TORCH_DTYPES[grad.dtype]),
-        exp_avg=exp_avg.data_ptr(), exp_avg_sq=exp_avg_sq.data_ptr(), numel=param.numel(),
-        out=0 if out_lowp is None else out_lowp.data_ptr(),
-        out_dtype=int(Dtype.NONE if out_lowp is None else TORCH_DTYPES[out_lowp.dtype]),
-        step=step_value, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, eps=hyper.eps,
-        weight_decay=hyper.weight_decay, adamw=hyper.adamw, grad_scale=scale,
-        threads=default_threads() if threads is None else threads)
+    checked = _checked_flat_call(param, grad, exp_avg, exp_avg_sq, out_lowp, step=step, lr=lr,
+                                 betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw,
+                                 grad_scale=grad_scale, threads=threads)
+    ticket = kernels.adam_step_async(**_native_args(param, grad, exp_avg, exp_avg_sq, out_lowp, **checked))
     written = [param] if out_lowp is None else [param, out_lowp]
     return KernelTicket(ticket, (param, grad, exp_avg, exp_avg_sq, out_lowp), written)
 
