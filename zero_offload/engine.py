@@ -933,7 +933,7 @@ class Engine:
             else:
                 run = [s.offset, stop, step, group]
                 segments.append(run)
-        args = [self._group_args(g, grad_scale) for g in range(len(self.optimizer.param_groups))]
+        args = {g: self._group_args(g, grad_scale) for g in {0, *(r[3] for r in segments)}}
         source = "accum" if self.config.grad_accum > 1 else "grads"
         return UpdateJob(cid=chunk.cid, args=args[0], source=source,
                          segments=tuple(Segment(lo, hi, step, None if g == 0 else args[g])

@@ -771,10 +771,7 @@ class ChunkStore:
     def has_payload(self, cid: int, name: str) -> bool:
         """Whether chunk ``cid`` has a payload called ``name`` (chunks may differ)."""
         with self._lock:
-            self._check_open()
-            if isinstance(cid, bool) or not isinstance(cid, int) or not 0 <= cid < len(self._chunks):
-                raise KeyError(f"no chunk {cid!r}: this store has chunks 0..{len(self._chunks) - 1}")
-            return name in self._chunks[cid].payloads
+            return name in self._chunk(cid).payloads
 
     def set_policy(self, policy: EvictionPolicy) -> None:
         if not callable(getattr(policy, "order", None)):
@@ -835,12 +832,15 @@ class ChunkStore:
         if self._closed:
             raise StoreError("this ChunkStore is closed; build a new one")
 
-    def _payload(self, cid: int, name: str) -> _Payload:
+    def _chunk(self, cid: int):
         self._check_open()
         if isinstance(cid, bool) or not isinstance(cid, int) or not 0 <= cid < len(self._chunks):
             raise KeyError(f"no chunk {cid!r}: this store has chunks 0..{len(self._chunks) - 1} "
                            f"(ids come from add_chunk)")
-        chunk = self._chunks[cid]
+        return self._chunks[cid]
+
+    def _payload(self, cid: int, name: str) -> _Payload:
+        chunk = self._chunk(cid)
         try:
             return chunk.payloads[name]
         except KeyError:
