@@ -616,7 +616,7 @@ _BENCH_SCRIPTS = {"adam": "bench_cpu_adam.py", "io": "bench_io.py"}
 
 def benchmarks_dir() -> Path:
     """The repository's benchmarks/ (next to the package in a source checkout)."""
-    return Path(os.environ.get("ZERO_OFFLOAD_BENCHMARKS", Path(__file__).resolve().parent.parent / "benchmarks"))
+    return Path(os.environ.get("ZERO_OFFLOAD_BENCHMARKS", Path(__file__).resolve().parents[2] / "benchmarks"))
 
 
 def cmd_bench_script(which: str, argv: list[str]) -> int:
