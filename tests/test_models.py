@@ -139,14 +139,19 @@ def test_meta_model_materializes():
 
 
 def test_from_hf_follows_the_gpt_contract():
-    pytest.importorskip("transformers", reason="transformers is not installed (it is on the GPU machine)")
     torch.manual_seed(0)
     model = models.from_hf({"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 64,
                             "n_positions": 64, "vocab_size": 256})
     x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    # transformers builds the model in train mode with GPT-2's dropout (0.1): two calls draw
+    # different masks, so compare the contract in eval mode (the 0.28% gap seen with transformers
+    # 5.x was dropout, not the loss).
+    assert model.training
+    model.eval()
     logits = model(x)
     assert logits.shape == (2, 16, 256)
     torch.testing.assert_close(model(x, y), F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1)))
+    model.train()
     meta = models.from_hf({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
                            "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 256},
                           device="meta")
