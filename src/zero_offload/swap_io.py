@@ -544,23 +544,21 @@ def remove_stale_spaces(directory, *, dry_run: bool = False) -> list[tuple[Found
     for space in find_spaces(directory):
         if not space.stale:
             continue
+        if not dry_run:
+            try:
+                _remove_created(os.path.join(space.path, SWAP_FILE), space.path)
+            except OSError as e:
+                results.append((space, f"removing it failed: {e.strerror or e}; remove it by hand"))
+                continue
         foreign = []
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             foreign = sorted(set(os.listdir(space.path)) - {SWAP_FILE, OWNER_FILE})
         if foreign:
-            results.append((space, f"it holds files zero_offload did not write ({', '.join(foreign[:3])}"
-                                   f"{', ...' if len(foreign) > 3 else ''}); remove them by hand"))
-            continue
-        if dry_run:
+            results.append((space, f"its directory holds files zero_offload did not write "
+                                   f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}), so only "
+                                   f"its swap file {'would go' if dry_run else 'was removed'}; remove the rest by hand"))
+        else:
             results.append((space, None))
-            continue
-        try:
-            _remove_created(os.path.join(space.path, SWAP_FILE), space.path)
-        except OSError as e:
-            results.append((space, f"removing it failed: {e.strerror or e}"))
-            continue
-        results.append((space, None if not os.path.exists(space.path) else
-                        "it holds files zero_offload did not write; remove them by hand"))
     return results
 
 
