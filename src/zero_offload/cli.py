@@ -784,8 +784,8 @@ def _format_info(info: dict) -> str:
         lines.append(f"swap spaces:  cannot list: {n['swap_spaces_error']}")
     elif spaces:
         stale = [sp for sp in spaces if sp["stale"]]
-        lines.append(f"swap spaces:  {len(spaces)} ({len(stale)} stale, {_human_bytes(n['stale_bytes'])}, "
-                     f"left by dead processes)")
+        lines.append(f"swap spaces:  {len(spaces)} ({len(stale)} stale: {_human_bytes(n['stale_bytes'])} left by "
+                     f"dead processes)" if stale else f"swap spaces:  {len(spaces)}, none stale")
         for sp in spaces:
             who = {"alive": "running", "dead": "dead: stale",
                    "unknown": "another host or PID namespace: cannot tell"}[sp["owner"]]
