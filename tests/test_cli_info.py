@@ -13,6 +13,7 @@ def run(*argv):
 
 
 def test_info_json_parses_and_matches_the_machine(tmp_path):
+    (tmp_path / "swap").mkdir()
     r = run("--json", "--nvme-dir", str(tmp_path / "swap"))
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)

@@ -74,9 +74,9 @@ def test_not_enough_free_space(tmp_path):
 def test_directory_is_a_file(tmp_path):
     f = tmp_path / "file"
     f.write_bytes(b"x")
-    with pytest.raises(OSError, match="cannot create swap directory"):
+    with pytest.raises(NotADirectoryError, match="cannot be created: .* is a regular file"):
         SwapSpace(f / "sub", capacity_bytes=4096)
-    with pytest.raises(NotADirectoryError, match="not a directory"):
+    with pytest.raises(NotADirectoryError, match="is a regular file, not a directory"):
         SwapSpace(f, capacity_bytes=4096)
     assert f.read_bytes() == b"x"
 

@@ -26,6 +26,7 @@ import math
 import os
 import platform
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -695,24 +696,43 @@ def gather_info(nvme_dir: str, *, measure: bool = True) -> dict:
     }
     nvme: dict[str, Any] = {"directory": os.path.abspath(nvme_dir)}
     try:
+        from .swap_io import SwapSpace, find_spaces, swap_dir_problem
+
         probe_dir = Path(nvme_dir)
         existing = probe_dir
         while not existing.exists():
             existing = existing.parent
+        nvme["exists"] = existing == probe_dir
         nvme["free_bytes"] = shutil.disk_usage(existing).free
         mounts = [p for p in psutil.disk_partitions(all=True) if str(existing.resolve()).startswith(p.mountpoint)]
         if mounts:
             m = max(mounts, key=lambda p: len(p.mountpoint))
             nvme.update(filesystem=m.fstype, device=m.device, mountpoint=m.mountpoint)
-        from .swap_io import SwapSpace
-
-        space = SwapSpace(nvme_dir, capacity_bytes=1 << 20)
+        problem = swap_dir_problem(nvme_dir)
+        if problem is not None:
+            raise ValueError(f"{problem}; pass a directory as --nvme-dir")
+        if not nvme["exists"]:  # info only looks: it creates nothing
+            raise FileNotFoundError("does not exist (a run creates it, mode 0700; nothing to check yet)")
+        # [Note: info looks only] remove_stale=False: the stale spaces are reported, not removed.
+        space = SwapSpace(nvme_dir, capacity_bytes=1 << 20, remove_stale=False)
         try:
             nvme["o_direct"] = bool(space.direct)
         finally:
             space.close()
     except Exception as e:  # report, don't fail: info is a diagnostic
         nvme["error"] = _one_line(e)
+    try:
+        spaces = find_spaces(nvme_dir)
+        nvme["swap_spaces"] = [{"path": f.path, "bytes": f.nbytes, "pid": f.owner.pid, "hostname": f.owner.hostname,
+                                "owner": f.state.value, "stale": f.stale,
+                                "created": datetime.datetime.fromtimestamp(f.owner.created).isoformat(timespec="seconds")}
+                               for f in spaces]
+        stale = [f for f in spaces if f.stale]
+        nvme["stale_bytes"] = sum(f.nbytes for f in stale)
+        nvme["clean_command"] = (f"zero-offload clean --nvme-dir {shlex.quote(os.path.abspath(nvme_dir))}"
+                                 if stale else None)
+    except Exception as e:
+        nvme["swap_spaces_error"] = _one_line(e)
     info["nvme"] = nvme
     try:
         from . import cpu_adam
@@ -759,6 +779,20 @@ def _format_info(info: dict) -> str:
         fs = f" [{n.get('filesystem')} on {n.get('device')}]" if n.get("filesystem") else ""
         lines.append(f"swap dir:     {n['directory']}{fs}: {gb(n.get('free_bytes'))} free, "
                      f"O_DIRECT {'yes' if n.get('o_direct') else 'no (buffered fallback)'}")
+    spaces = n.get("swap_spaces") or []
+    if "swap_spaces_error" in n:
+        lines.append(f"swap spaces:  cannot list: {n['swap_spaces_error']}")
+    elif spaces:
+        stale = [sp for sp in spaces if sp["stale"]]
+        lines.append(f"swap spaces:  {len(spaces)} ({len(stale)} stale: {_human_bytes(n['stale_bytes'])} left by "
+                     f"dead processes)" if stale else f"swap spaces:  {len(spaces)}, none stale")
+        for sp in spaces:
+            who = {"alive": "running", "dead": "dead: stale",
+                   "unknown": "another host or PID namespace: cannot tell"}[sp["owner"]]
+            lines.append(f"  {sp['path']}  {_human_bytes(sp['bytes'])}  pid {sp['pid']} on {sp['hostname']} "
+                         f"({who}), created {sp['created']}")
+        if n.get("clean_command"):
+            lines.append(f"  remove the stale ones with: {n['clean_command']}")
     isa = info["cpu_adam_isa"]
     lines.append("CPU-Adam:     " + (f"{isa} path" if isa else f"unavailable ({info.get('cpu_adam_error')})"))
     for key, value in info.get("bandwidth", {}).items():
@@ -771,6 +805,34 @@ def cmd_info(args) -> int:
     info = gather_info(args.nvme_dir or tempfile.gettempdir(), measure=not args.no_measure)
     print(json.dumps(info, indent=1) if args.json else _format_info(info))
     return EXIT_OK
+
+
+def cmd_clean(args) -> int:
+    """Remove the stale swap spaces in --nvme-dir (see swap_io [Note: owner file])."""
+    from .swap_io import find_spaces, remove_stale_spaces, swap_dir_problem
+
+    directory = os.path.abspath(args.nvme_dir)
+    problem = swap_dir_problem(directory)
+    if problem is not None:
+        raise UsageError(f"--nvme-dir {directory} {problem}; pass the swap directory your runs used")
+    if not os.path.isdir(directory):
+        raise UsageError(f"--nvme-dir {directory} does not exist; pass the swap directory your runs used")
+    results = remove_stale_spaces(directory, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    freed, kept = 0, 0
+    for space, reason in results:
+        what = f"{space.path} ({_human_bytes(space.nbytes)}, pid {space.owner.pid} on {space.owner.hostname}, dead)"
+        if reason is None:
+            freed += space.nbytes
+            print(f"{verb} {what}")
+        else:
+            kept += 1
+            print(f"kept {what}: {reason}")
+    others = [f for f in find_spaces(directory) if not f.stale]
+    print(f"{verb} {len(results) - kept} stale swap space(s), {_human_bytes(freed)}"
+          + (f"; {kept} kept (see above)" if kept else "")
+          + (f"; left alone {len(others)} of running processes or other hosts" if others else ""))
+    return EXIT_FAILURE if kept else EXIT_OK
 
 
 # ---------------------------------------------------------------------------------- parser
@@ -847,6 +909,14 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--nvme-dir", default=None, metavar="DIR", help="swap directory to check (default: the temp dir)")
     i.add_argument("--no-measure", action="store_true", help="skip the bandwidth measurements")
     i.set_defaults(func=cmd_info)
+    cl = sub.add_parser("clean", help="remove swap spaces left in --nvme-dir by killed runs (dead owner, this host)",
+                        description="Removes the swap spaces (zero_offload-* directories with an owner file) "
+                                    "whose process died on this host without removing them. Nothing else "
+                                    "is touched: not the spaces of running processes or other hosts, not "
+                                    "files zero_offload did not write.")
+    cl.add_argument("--nvme-dir", required=True, metavar="DIR", help="the swap directory to clean")
+    cl.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    cl.set_defaults(func=cmd_clean)
     return parser
 
 

@@ -290,7 +290,8 @@ class OffloadConfig:
     """Home tier of the fp32 master weights and both Adam moments: "cpu" | "nvme" | "auto".
     "auto" keeps state in host RAM within ``cpu_budget`` and spills the rest to NVMe."""
     nvme_dir: str | None = None
-    """Directory for NVMe swap files (created if missing; files are removed on close). Required
+    """Directory for NVMe swap files (created 0700 if missing; files are removed on close, and
+    those of a killed run at the next start). Must not be a file. Required
     when ``params`` or ``optimizer`` is "nvme"; used by "auto" to spill when set."""
     dtype: Precision | str = Precision.BF16
     """Working precision of params and grads on the GPU: "fp32" | "bf16" | "fp16". The master
@@ -352,6 +353,12 @@ class OffloadConfig:
             if not isinstance(self.nvme_dir, (str, os.PathLike)) or not os.fspath(self.nvme_dir):
                 raise _fail(o, "nvme_dir", self.nvme_dir, "a directory path (str or os.PathLike) or None")
             setv("nvme_dir", os.fspath(self.nvme_dir))
+            from .swap_io import swap_dir_problem
+
+            problem = swap_dir_problem(self.nvme_dir)  # only looks: nothing is created here
+            if problem is not None:
+                raise ValueError(f"{o}.nvme_dir={self.nvme_dir!r} {problem}; set nvme_dir to a directory "
+                                 f"path (it is created 0700 if missing), or move that file away")
         nvme_users = [n for n in ("params", "optimizer") if getattr(self, n) is Placement.NVME]
         if nvme_users and self.nvme_dir is None:
             raise ValueError(

@@ -97,6 +97,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import os
 import threading
 import time
 import weakref
@@ -110,7 +111,7 @@ from .config import _as_budget, _as_float, _as_int
 from .pipeline import (AdamArgs, GradJob, PipelineError, PipelinePayloads, Segment, StepPipeline,
                        Trace, UpdateJob)
 from .store import ChunkStore, Handle, PayloadSpec, StoreConfig, Tier
-from .swap_io import ALIGNMENT, round_up
+from .swap_io import ALIGNMENT, prepare_swap_dir, round_up, swap_dir_problem
 
 __all__ = ["OffloadAdam", "OffloadAdamW", "OffloadStats"]
 
@@ -298,6 +299,16 @@ class OffloadAdam(torch.optim.Optimizer):
                              f"(swap files; also pass nvme_dir)")
         if home is Tier.NVME and nvme_dir is None:
             raise ValueError(f"{name}: state='nvme' needs nvme_dir='/path/on/a/fast/disk'")
+        if home is not Tier.NVME:
+            nvme_dir = None  # no state lives on NVMe: the directory is never touched nor created
+        else:
+            if not isinstance(nvme_dir, (str, os.PathLike)) or not os.fspath(nvme_dir):
+                raise TypeError(f"{name}: nvme_dir must be a directory path (str or os.PathLike), "
+                                f"got {nvme_dir!r}")
+            problem = swap_dir_problem(nvme_dir)
+            if problem is not None:
+                raise ValueError(f"{name}: nvme_dir={os.fspath(nvme_dir)!r} {problem}; pass a directory "
+                                 f"path as nvme_dir (it is created 0700 if missing), or move that file away")
         self._chunk_numel = max(1, round(_as_float(name, "chunk_mb", chunk_mb, minimum=0.0,
                                                    min_inclusive=False) * 2**20 / 4))
         self._threads = None if threads is None else _as_int(name, "threads", threads, minimum=1)
@@ -307,7 +318,8 @@ class OffloadAdam(torch.optim.Optimizer):
         self._depth = _as_int(name, "prefetch_depth", prefetch_depth, minimum=0)
         self._cpu_budget = _as_budget(name, "cpu_budget", cpu_budget)
         self._home = home
-        self._nvme_dir = nvme_dir
+        # Last check before params get hooks: the swap directory exists (0700) and is writable.
+        self._nvme_dir = None if nvme_dir is None else prepare_swap_dir(nvme_dir, name=f"{name} nvme_dir")
 
         # Filled by add_param_group (called by Optimizer.__init__ below).
         self._chunks: list[_Chunk] = []          # index = store chunk id

@@ -8,6 +8,10 @@ Three layers, each usable alone:
   buffers, each request split into ``block_size`` pieces; the GIL is released while waiting.
 - ``SwapSpace``: one private directory of preallocated files, a slot allocator for fixed-size
   payloads, blocking-handle and asyncio fronts.
+
+Swap directories: ``prepare_swap_dir`` checks (and creates 0700) a directory meant to hold swap
+spaces; ``find_spaces`` / ``remove_stale_spaces`` find the spaces other processes left there and
+remove those whose owner died (see [Note: owner file]).
 """
 from __future__ import annotations
 
@@ -17,10 +21,15 @@ import contextlib
 import dataclasses
 import enum
 import errno
+import json
 import mmap
 import os
+import socket
+import stat
 import tempfile
 import threading
+import time
+import warnings
 import weakref
 
 import psutil
@@ -342,10 +351,19 @@ class _Files:
 
 
 def _remove_created(path: str, directory: str) -> None:
+    """Remove the swap file ``path`` and its private ``directory`` with its owner file, unless the
+    directory holds something else (then the owner file stays, so the space is still known)."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    with contextlib.suppress(FileNotFoundError, OSError):
-        os.rmdir(directory)  # only if empty: never removes what someone else put there
+    try:
+        rest = os.listdir(directory)
+    except FileNotFoundError:
+        return
+    if set(rest) <= {OWNER_FILE}:  # never removes what someone else put there
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, OWNER_FILE))
+        with contextlib.suppress(FileNotFoundError, OSError):
+            os.rmdir(directory)
 
 
 def _probe_direct(path: str) -> int | None:
@@ -369,13 +387,265 @@ def _probe_direct(path: str) -> int | None:
     return fd
 
 
+# ---------------------------------------------------------------------------------------------
+# Swap directories: checks, creation, and the owners of the spaces in them
+
+SPACE_PREFIX = "zero_offload-"
+"""Name prefix of every SwapSpace's private subdirectory: ``zero_offload-<pid>-<random>``."""
+OWNER_FILE = "owner.json"
+"""The owner file in a SwapSpace's private subdirectory; see [Note: owner file]."""
+SWAP_FILE = "swap.bin"
+"""The swap file in a SwapSpace's private subdirectory."""
+_OWNER_FORMAT = "zero_offload swap space"
+_OWNER_VERSION = 1
+_START_TIME_SLACK = 1.0
+"""Seconds two readings of one process's start time may differ by (psutil derives it from the
+boot time, which the kernel reports to the second)."""
+
+# [Note: owner file] Every SwapSpace writes OWNER_FILE into its private directory before the swap
+# file exists: one JSON object {"format": "zero_offload swap space", "version": 1, "pid",
+# "hostname", "pid_namespace" (inode of /proc/self/ns/pid, or null), "start_time" (the process's
+# start, psutil create_time, seconds since the epoch), "created" (seconds since the epoch),
+# "uid"}. It is what proves a directory is ours: only a directory named SPACE_PREFIX* that holds a
+# well-formed owner file is ever removed, and then only SWAP_FILE and OWNER_FILE in it (the
+# directory goes only if that empties it). Its owner is dead when the space was made on this host
+# and PID namespace and no process has that pid with that start time (pid reuse cannot fool it)
+# or that process is a zombie. Spaces of another host or PID namespace cannot be judged and are
+# never removed. A directory without an owner file (being set up, or made by someone else) is
+# not a space.
+
+
+def _pid_namespace() -> int | None:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+class OwnerState(enum.Enum):
+    """Whether the process that created a swap space still runs."""
+
+    ALIVE = "alive"
+    DEAD = "dead"
+    """On this host and PID namespace, and gone (or a zombie, or its pid reused): the space is stale."""
+    UNKNOWN = "unknown"
+    """Another host or PID namespace (a shared disk): cannot tell; never removed."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpaceOwner:
+    """What a swap space's owner file records (see [Note: owner file])."""
+
+    pid: int
+    hostname: str
+    pid_namespace: int | None
+    start_time: float
+    """The process's start, seconds since the epoch: with ``pid`` it names one process."""
+    created: float
+    """When the space was created, seconds since the epoch."""
+    uid: int
+
+    @classmethod
+    def of_this_process(cls) -> "SpaceOwner":
+        return cls(pid=os.getpid(), hostname=socket.gethostname(), pid_namespace=_pid_namespace(),
+                   start_time=psutil.Process().create_time(), created=time.time(), uid=os.geteuid())
+
+    def to_json(self) -> str:
+        return json.dumps({"format": _OWNER_FORMAT, "version": _OWNER_VERSION, **dataclasses.asdict(self)})
+
+    @classmethod
+    def read(cls, path: str) -> "SpaceOwner | None":
+        """The owner recorded in the owner file ``path``; None unless it is one of ours."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            data = json.loads(os.read(fd, 1 << 16))
+            if data.pop("format") != _OWNER_FORMAT or data.pop("version") != _OWNER_VERSION:
+                return None
+            owner = cls(**data)
+            types = [(owner.pid, int), (owner.hostname, str), (owner.start_time, (int, float)),
+                     (owner.created, (int, float)), (owner.uid, int), (owner.pid_namespace, (int, type(None)))]
+            return owner if all(isinstance(v, t) and not isinstance(v, bool) for v, t in types) else None
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            return None
+        finally:
+            os.close(fd)
+
+    def state(self) -> OwnerState:
+        if self.hostname != socket.gethostname() or self.pid_namespace != _pid_namespace():
+            return OwnerState.UNKNOWN
+        try:
+            process = psutil.Process(self.pid)
+            if abs(process.create_time() - self.start_time) > _START_TIME_SLACK:
+                return OwnerState.DEAD  # the pid now names another process
+            if process.status() == psutil.STATUS_ZOMBIE:
+                return OwnerState.DEAD
+        except psutil.NoSuchProcess:
+            return OwnerState.DEAD
+        except psutil.Error:
+            return OwnerState.ALIVE  # access denied: assume it runs
+        return OwnerState.ALIVE
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FoundSpace:
+    """A swap space found in a swap directory (``find_spaces``)."""
+
+    path: str
+    """Its private subdirectory."""
+    owner: SpaceOwner
+    state: OwnerState
+    nbytes: int
+    """Bytes of the files in it."""
+
+    @property
+    def stale(self) -> bool:
+        """Its owner is dead: nothing will use or remove it."""
+        return self.state is OwnerState.DEAD
+
+
+def find_spaces(directory) -> list[FoundSpace]:
+    """Every swap space (a ``zero_offload-*`` subdirectory with an owner file) in ``directory``,
+    alive or not, sorted by path. Creates nothing; [] if ``directory`` does not exist."""
+    directory = os.path.abspath(os.fspath(directory))
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = []
+    for entry in entries:
+        if not entry.name.startswith(SPACE_PREFIX) or not entry.is_dir(follow_symlinks=False):
+            continue
+        owner = SpaceOwner.read(os.path.join(entry.path, OWNER_FILE))
+        if owner is None:
+            continue
+        nbytes = 0
+        with contextlib.suppress(OSError):
+            for f in os.scandir(entry.path):
+                if f.is_file(follow_symlinks=False):
+                    nbytes += f.stat(follow_symlinks=False).st_size
+        found.append(FoundSpace(path=entry.path, owner=owner, state=owner.state(), nbytes=nbytes))
+    return sorted(found, key=lambda f: f.path)
+
+
+def remove_stale_spaces(directory, *, dry_run: bool = False) -> list[tuple[FoundSpace, str | None]]:
+    """Remove the stale swap spaces in ``directory`` (owner dead, see [Note: owner file]).
+
+    Returns each stale space with None where it was removed (or would be, with ``dry_run``), or
+    the reason it was kept (it holds files zero_offload did not write, or removal failed). Only
+    the swap file and the owner file are removed; live spaces, spaces of other hosts and anything
+    without an owner file are never touched.
+    """
+    results = []
+    for space in find_spaces(directory):
+        if not space.stale:
+            continue
+        if not dry_run:
+            try:
+                _remove_created(os.path.join(space.path, SWAP_FILE), space.path)
+            except OSError as e:
+                results.append((space, f"removing it failed: {e.strerror or e}; remove it by hand"))
+                continue
+        foreign = []
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            foreign = sorted(set(os.listdir(space.path)) - {SWAP_FILE, OWNER_FILE})
+        if foreign:
+            results.append((space, f"its directory holds files zero_offload did not write "
+                                   f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}), so only "
+                                   f"its swap file {'would go' if dry_run else 'was removed'}; remove the rest by hand"))
+        else:
+            results.append((space, None))
+    return results
+
+
+def swap_dir_problem(directory) -> str | None:
+    """Why ``directory`` can never hold swap spaces, as a phrase ("is a regular file, not a
+    directory"), or None. Only looks: creates nothing (a missing directory is no problem)."""
+    path = os.path.abspath(os.fspath(directory))
+    probe = path
+    while True:
+        try:
+            st = os.stat(probe)
+            break
+        except (FileNotFoundError, NotADirectoryError):
+            parent = os.path.dirname(probe)
+            if parent == probe:
+                return None
+            probe = parent
+        except OSError:
+            return None  # e.g. a parent we may not search: prepare_swap_dir reports it
+    if stat.S_ISDIR(st.st_mode):
+        return None
+    kind = "a regular file" if stat.S_ISREG(st.st_mode) else "not a directory"
+    if probe == path:
+        return f"is {kind}, not a directory" if kind != "not a directory" else "is not a directory"
+    return f"cannot be created: {probe!r} is {kind}" + (", not a directory" if kind != "not a directory" else "")
+
+
+def _unwritable(err: int, name: str, path: str, *, action: str = "create swap files in") -> OSError:
+    if err == errno.EROFS:
+        msg = f"{name} {path!r} is on a read-only file system; use a directory on a writable local disk"
+    elif err in (errno.EACCES, errno.EPERM):
+        msg = (f"{name} {path!r} is not writable by this user (permission denied); use a directory you "
+               f"can write to, or give yourself write permission on it")
+    else:
+        msg = (f"cannot {action} {name} {path!r}: {os.strerror(err)}; use a writable directory on a "
+               f"local disk")
+    return OSError(err, msg)  # OSError(EACCES, ...) is a PermissionError
+
+
+def prepare_swap_dir(directory, *, name: str = "swap directory") -> str:
+    """Make ``directory`` ready to hold swap spaces; returns its absolute path.
+
+    Missing directories on the way are created 0700 (swap files hold the model's state; only the
+    owner may read them); an existing directory's mode is never changed. Raises
+    NotADirectoryError when the path (or a parent) is not a directory, PermissionError or
+    OSError(EROFS) when it cannot be written; each message is one line naming ``name`` (e.g.
+    "OffloadConfig.nvme_dir"), the path and the fix.
+    """
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a str or os.PathLike, got {type(directory).__name__}")
+    path = os.path.abspath(os.fspath(directory))
+    problem = swap_dir_problem(path)
+    if problem is not None:
+        raise NotADirectoryError(errno.ENOTDIR, f"{name} {path!r} {problem}; use a directory path instead "
+                                                f"(created 0700 if missing), or move that file away")
+    missing = []
+    probe = path
+    while not os.path.isdir(probe):
+        missing.append(probe)
+        probe = os.path.dirname(probe)
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            if not os.path.isdir(d):  # made by someone else meanwhile
+                raise NotADirectoryError(errno.ENOTDIR, f"{name} {path!r} cannot be created: {d!r} is not "
+                                                        f"a directory; use a directory path instead") from None
+        except OSError as e:
+            raise _unwritable(e.errno, name, path, action="create swap directory") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        readonly = False
+        with contextlib.suppress(OSError):
+            readonly = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+        raise _unwritable(errno.EROFS if readonly else errno.EACCES, name, path)
+    return path
+
+
 class SwapSpace:
     """Preallocated swap file in a private subdirectory of ``directory``, with a slot allocator.
 
-    - ``directory`` is created (0700) if missing. The space lives in its own ``zero_offload-<pid>-*``
-      subdirectory (0700) holding one file (0600) of ``capacity_bytes`` (rounded up to 4096),
-      preallocated with posix_fallocate after checking free space, so a full disk is reported
-      here, before training starts. Two spaces (or processes) on one directory never collide.
+    - ``directory`` is created (0700, with any missing parent) if missing. The space lives in its
+      own ``zero_offload-<pid>-*`` subdirectory (0700) holding its owner file (see [Note: owner
+      file]) and one file (0600) of ``capacity_bytes`` (rounded up to 4096), preallocated with
+      posix_fallocate after checking free space, so a full disk is reported here, before training
+      starts. Two spaces (or processes) on one directory never collide.
+    - ``remove_stale`` (default True): first remove the spaces in ``directory`` whose owner process
+      died without removing them (kill -9, a crash); a RuntimeWarning names any it had to keep.
     - ``mode``: None probes O_DIRECT with a real write and falls back to buffered I/O where the
       file system refuses it; IoMode.DIRECT requires it; IoMode.BUFFERED forces the page cache.
       ``.mode`` / ``.direct`` say which is in use.
@@ -389,7 +659,7 @@ class SwapSpace:
     """
 
     def __init__(self, directory, *, capacity_bytes: int, engine: AioEngine | None = None,
-                 mode: IoMode | str | None = None):
+                 mode: IoMode | str | None = None, remove_stale: bool = True):
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"directory must be a str or os.PathLike, got {type(directory).__name__}")
         directory = os.path.abspath(os.fspath(directory))
@@ -405,30 +675,39 @@ class SwapSpace:
             except ValueError:
                 raise ValueError(f"mode must be None, 'direct' or 'buffered', got {mode!r}") from None
 
-        if os.path.exists(directory) and not os.path.isdir(directory):
-            raise NotADirectoryError(errno.ENOTDIR, f"swap directory {directory!r} is not a directory; "
-                                                    f"pass a directory path", directory)
-        try:
-            os.makedirs(directory, mode=0o700, exist_ok=True)
-        except OSError as e:
-            raise type(e)(e.errno, f"cannot create swap directory {directory!r}: {e.strerror}; "
-                                   f"pass a directory you can write to", directory) from None
-        if not os.access(directory, os.W_OK | os.X_OK):
-            raise PermissionError(errno.EACCES, f"swap directory {directory!r} is not writable; "
-                                                f"pass a directory you can write to", directory)
+        directory = prepare_swap_dir(directory)
+        if not isinstance(remove_stale, bool):
+            raise TypeError(f"remove_stale must be True or False, got {remove_stale!r}")
+        if remove_stale:
+            for space, kept in remove_stale_spaces(directory):
+                if kept is not None:
+                    warnings.warn(f"stale swap space {space.path} (pid {space.owner.pid}, dead) was kept: "
+                                  f"{kept}", RuntimeWarning, stacklevel=2)
         free = psutil.disk_usage(directory).free
         if free < capacity:
             raise OSError(errno.ENOSPC, f"swap space needs {capacity} bytes but the file system of "
                                         f"{directory!r} has {free} bytes free; lower capacity_bytes or "
                                         f"pick another directory", directory)
 
-        private = tempfile.mkdtemp(prefix=f"zero_offload-{os.getpid()}-", dir=directory)  # 0700
-        path = os.path.join(private, "swap.bin")
+        try:
+            private = tempfile.mkdtemp(prefix=f"{SPACE_PREFIX}{os.getpid()}-", dir=directory)  # 0700
+        except OSError as e:
+            raise _unwritable(e.errno, "swap directory", directory) from None
+        path = os.path.join(private, SWAP_FILE)
         fd = -1
         try:
+            owner = os.open(os.path.join(private, OWNER_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                            0o600)
+            try:  # before the swap file exists: see [Note: owner file]
+                os.write(owner, SpaceOwner.of_this_process().to_json().encode())
+            finally:
+                os.close(owner)
             # [Note: preallocation] fallocate through a buffered fd: glibc's emulation on file
             # systems without fallocate writes single bytes, which O_DIRECT would refuse.
-            prealloc = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                prealloc = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            except OSError as e:
+                raise _unwritable(e.errno, "swap directory", directory) from None
             try:
                 os.posix_fallocate(prealloc, 0, capacity)
             except OSError as e:
