@@ -95,16 +95,23 @@ def _fsync_dir(path: str) -> None:
 
 
 class _Checksummed:
-    """Write-only file wrapper: counts the bytes and folds them into a CRC-32 as they pass."""
+    """Write-only file wrapper: counts the bytes and folds them into a CRC-32 as they pass, and
+    keeps the first OSError (torch's zip writer masks it: a full disk surfaces as "unexpected
+    pos" from its end-of-file record)."""
 
     def __init__(self, f):
         self._f = f
         self.size = 0
         self.crc = 0
+        self.error: Optional[OSError] = None
 
     def write(self, data) -> int:
         view = memoryview(data)
-        self._f.write(view)
+        try:
+            self._f.write(view)
+        except OSError as e:
+            self.error = self.error or e
+            raise
         self.crc = zlib.crc32(view, self.crc)
         self.size += view.nbytes
         return view.nbytes
@@ -117,7 +124,12 @@ def _save(obj, path: str) -> dict:
     """torch.save ``obj`` to ``path``, fsynced; returns its manifest record (size, CRC-32)."""
     with open(path, "wb") as f:
         out = _Checksummed(f)
-        torch.save(obj, out)
+        try:
+            torch.save(obj, out)
+        except Exception:
+            if out.error is not None:
+                raise out.error from None
+            raise
         f.flush()
         os.fsync(f.fileno())
     return {"size": out.size, "crc32": out.crc}
