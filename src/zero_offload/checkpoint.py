@@ -375,7 +375,9 @@ def _read_manifest(path: str) -> Optional[dict]:
             manifest = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise _damaged(file, f"is unreadable ({e})") from None
-    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(manifest, dict):
+        raise _damaged(file, "is not a zero_offload manifest (not a JSON object)")
+    files = manifest.get("files")
     if manifest.get("kind") != _MANIFEST_KIND or not isinstance(files, dict) or not all(
             isinstance(r, dict) and isinstance(r.get("size"), int) and isinstance(r.get("crc32"), int)
             for r in files.values()) or META not in files:
