@@ -27,7 +27,7 @@ def test_train_resume_matches_uninterrupted_run(tmp_path):
     assert loss4 < first - 0.5  # the model learns
     state = json.loads((ck / "train_state.json").read_text())
     assert state["step"] == 4 and state["settings"]["preset"] == "tiny"
-    assert sorted(p.name for p in ck.iterdir()) == ["step_0000004", "train_state.json"]
+    assert sorted(p.name for p in ck.iterdir()) == ["step_0000002", "step_0000004", "train_state.json"]  # --keep 2
 
     again = run("--steps", "4", "--out", str(ck))  # would clobber the checkpoint
     assert again.returncode == 2 and "--resume" in again.stderr

@@ -25,8 +25,8 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
         def failing_save(obj, file):
             calls.append(file)
             if len(calls) == 2:
-                raise OSError(28, "No space left on device (simulated)")
-            real_save(obj, file)
+                raise OSError(5, "Input/output error (simulated)")
+            return real_save(obj, file)
 
         monkeypatch.setattr(ckpt, "_save", failing_save)
         with pytest.raises(OSError, match="simulated"):

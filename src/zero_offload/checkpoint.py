@@ -1,12 +1,17 @@
-"""Engine checkpoints: the whole training state in one directory, written atomically.
+"""Engine checkpoints: the whole training state in one directory, written atomically and verified
+on load.
 
 Layout of a checkpoint directory::
 
+    .zero_offload      marker, written first: proves zero_offload wrote this directory (only
+                       directories carrying it are ever removed by zero_offload)
     engine.pt          meta: format version, counters (global step, skipped steps), the slot
                        table (name, shape, per-slot optimizer step), loss scaler, lr scheduler,
                        hyperparameters, RNG states (torch CPU and CUDA, python, numpy), config
     chunk_00000.pt     per saved chunk: {"master", "exp_avg", "exp_avg_sq"} fp32 flat tensors
     ...                (trainable) or {"frozen"} in the working dtype, plus the chunk's slot table
+    manifest.json      written last: every other file's size and CRC-32 (computed while the
+                       file was written, so nothing is read back)
 
 Values are stored by parameter *name*, so a checkpoint loads into an engine with another chunk
 size, placement or working dtype (the working copy is rebuilt from the fp32 master, rounded to
@@ -17,29 +22,59 @@ through host memory one chunk at a time, so saving needs no more RAM than one ch
 fsynced; then an existing checkpoint at the target is renamed aside to ``.<name>.old-<pid>-<n>``,
 the new one renamed into place, and the old one removed. A crash while writing leaves the
 previous checkpoint untouched at the target (the temp dir is removed on the next save or by the
-failing save itself); a crash between the two renames leaves the previous one whole under its
-``.old`` name, which ``load_checkpoint`` falls back to when the target is missing.
+failing save itself; a full disk is one ``CheckpointError``); a crash between the two renames
+leaves the previous one whole under its ``.old`` name, which ``load_checkpoint`` falls back to
+when the target is missing. Temp and ``.old`` dirs are removed only when they carry the marker.
+
+[Note: verified load] ``load_checkpoint`` checks everything before it writes anything: the
+manifest, every file's size and CRC-32, the format version, parameter names/shapes/trainable
+flags, the chunk files' slot tables and payloads, optimizer group counts, scheduler presence
+(and a dry-run load into copies of the optimizer and scheduler), loss scaler and RNG states.
+Only then are weights, optimizer state, counters, hyperparameters and RNG written, so a refused
+load leaves the engine exactly as it was. A damaged file raises ``CheckpointCorrupt`` naming the
+file and what is wrong; a checkpoint that does not fit the engine raises ``CheckpointError``.
+Verification reads each file once (engine.pt is parsed from the bytes that were checksummed);
+the chunk files are read again while they are applied (from the page cache when they fit).
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+import errno
 import glob
+import io
 import itertools
+import json
 import os
 import random
 import shutil
 import warnings
+import zlib
+from typing import Optional
 
 import torch
 
-__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "FORMAT_VERSION"]
+__all__ = ["save_checkpoint", "load_checkpoint", "verify", "is_zero_offload_checkpoint",
+           "remove_checkpoint", "CheckpointError", "CheckpointCorrupt", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
 META = "engine.pt"
+MANIFEST = "manifest.json"
+MARKER = ".zero_offload"
+_MARKER_TEXT = "zero_offload checkpoint: written by zero_offload.checkpoint.save_checkpoint\n"
+_MANIFEST_KIND = "zero_offload checkpoint manifest"
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_READ_BLOCK = 8 << 20
 _counter = itertools.count()
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, or does not match the model."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint's files are damaged: missing, truncated, failing their checksum, or the save
+    that wrote them did not finish. An earlier checkpoint may still be whole."""
 
 
 def _chunk_file(i: int) -> str:
@@ -59,11 +94,136 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _save(obj, path: str) -> None:
+class _Checksummed:
+    """Write-only file wrapper: counts the bytes and folds them into a CRC-32 as they pass, and
+    keeps the first OSError (torch's zip writer masks it: a full disk surfaces as "unexpected
+    pos" from its end-of-file record)."""
+
+    def __init__(self, f):
+        self._f = f
+        self.size = 0
+        self.crc = 0
+        self.error: Optional[OSError] = None
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        try:
+            self._f.write(view)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def _save(obj, path: str) -> dict:
+    """torch.save ``obj`` to ``path``, fsynced; returns its manifest record (size, CRC-32)."""
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        out = _Checksummed(f)
+        try:
+            torch.save(obj, out)
+        except Exception:
+            if out.error is not None:
+                raise out.error from None
+            raise
         f.flush()
         os.fsync(f.fileno())
+    return {"size": out.size, "crc32": out.crc}
+
+
+def _write_small(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def is_zero_offload_checkpoint(path) -> bool:
+    """True when directory ``path`` carries the marker every checkpoint directory (and temp dir)
+    written by ``save_checkpoint`` gets first, whole or not. Only such directories are ever
+    removed by zero_offload."""
+    try:
+        with open(os.path.join(os.fspath(path), MARKER)) as f:
+            return f.read(len(_MARKER_TEXT) + 1) == _MARKER_TEXT
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def remove_checkpoint(path) -> bool:
+    """Remove directory ``path`` if zero_offload wrote it (``is_zero_offload_checkpoint``);
+    anything else is left alone. Returns whether it was removed."""
+    path = os.fspath(path)
+    if os.path.islink(path) or not is_zero_offload_checkpoint(path):
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return not os.path.exists(path)
+
+
+def _owner_alive(temp_name: str) -> bool:
+    """Whether the process named in a ``.<name>.tmp-<pid>-<n>`` dir is still running (a save in
+    progress elsewhere); False for our own pid (our own temp dirs are removed as they fail)."""
+    try:
+        pid = int(temp_name.rsplit("-", 2)[-2])
+    except (ValueError, IndexError):
+        return False
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def _remove_stale(parent: str, name: str) -> None:
+    """Temp dirs of killed saves of ``name``, and ``.old`` dirs once ``name`` is whole again;
+    only those carrying the marker (or empty ones, killed before the marker was written)."""
+    for stale in glob.glob(os.path.join(parent, f".{name}.tmp-*")):
+        if _owner_alive(os.path.basename(stale)):
+            continue
+        if not remove_checkpoint(stale):
+            try:
+                os.rmdir(stale)  # only succeeds when empty
+            except OSError:
+                pass
+    if os.path.isfile(os.path.join(parent, name, MANIFEST)):
+        for old in glob.glob(os.path.join(parent, f".{name}.old-*")):
+            remove_checkpoint(old)
+
+
+def _mount_point(path: str) -> str:
+    path = os.path.realpath(path)
+    while not os.path.ismount(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def _estimated_bytes(engine) -> int:
+    total = 0
+    for chunk in engine._chunks:
+        layout = chunk.layout
+        per = 3 * 4 if layout.trainable else torch.empty(0, dtype=engine.dtype).element_size()
+        total += layout.numel * per
+    return total
+
+
+def _no_space(err: OSError, path: str, parent: str, file: str, needed: int) -> CheckpointError:
+    try:
+        free = shutil.disk_usage(parent).free
+    except OSError:
+        free = -1
+    what = "no space left" if err.errno == errno.ENOSPC else "disk quota exceeded"
+    previous = (f"the previous checkpoint {path} is intact" if os.path.isdir(path)
+                else f"no earlier checkpoint at {path} was touched")
+    return CheckpointError(
+        f"{what} on {_mount_point(parent)} while writing {file} of checkpoint {path} (about "
+        f"{needed} bytes needed, {free} free); free space or save elsewhere; {previous}")
 
 
 def _rng_state() -> dict:
@@ -104,14 +264,18 @@ def save_checkpoint(engine, path) -> None:
             f"save_checkpoint called in the middle of a gradient accumulation window "
             f"({engine._micro} of {engine.config.grad_accum} micro-batches done); save after the "
             f"step() that completes the window")
-    for stale in glob.glob(os.path.join(parent, f".{name}.tmp-*")):
-        shutil.rmtree(stale, ignore_errors=True)  # left by a save that crashed
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"{path} exists and is not a directory; pass a checkpoint directory path")
+    _remove_stale(parent, name)
     tmp = os.path.join(parent, f".{name}.tmp-{os.getpid()}-{next(_counter)}")
-    os.makedirs(tmp)
+    writing = tmp
     try:
+        os.makedirs(tmp)
+        writing = MARKER
+        _write_small(os.path.join(tmp, MARKER), _MARKER_TEXT)
         engine.synchronize()
         names = _optimizer_names(engine)
-        chunks_meta = []
+        chunks_meta, files = [], {}
         for chunk in engine._chunks:
             layout = chunk.layout
             if layout.trainable:
@@ -119,7 +283,9 @@ def save_checkpoint(engine, path) -> None:
             else:
                 payload = {"frozen": engine._read_payload(chunk, "params")}
             slots = [(s.name, s.offset, s.numel) for s in layout.slots]
-            _save({"slots": slots, **payload}, os.path.join(tmp, _chunk_file(layout.index)))
+            writing = _chunk_file(layout.index)
+            files[writing] = _save({"slots": slots, **payload}, os.path.join(tmp, writing))
+            del payload
             chunks_meta.append({"file": _chunk_file(layout.index), "trainable": layout.trainable})
         slot_table = {}
         for chunk in engine._chunks:
@@ -141,8 +307,17 @@ def save_checkpoint(engine, path) -> None:
             "config": engine.config.to_dict(),
             "spec": engine.spec.to_dict(),
         }
-        _save(meta, os.path.join(tmp, META))
+        writing = META
+        files[META] = _save(meta, os.path.join(tmp, META))
+        writing = MANIFEST  # last: its presence means every file above is whole
+        _write_small(os.path.join(tmp, MANIFEST), json.dumps(
+            {"kind": _MANIFEST_KIND, "format_version": FORMAT_VERSION, "files": files}, indent=1))
         _fsync_dir(tmp)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno in _NO_SPACE:
+            raise _no_space(e, path, parent, writing, _estimated_bytes(engine)) from e
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -156,31 +331,152 @@ def save_checkpoint(engine, path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _is_whole_dir(path: str) -> bool:
+    """A finished checkpoint: a manifest, or an engine.pt without our marker (written before
+    manifests existed, where engine.pt was the last file)."""
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        return True
+    return os.path.isfile(os.path.join(path, META)) and not os.path.exists(os.path.join(path, MARKER))
+
+
 def _resolve(path: str) -> str:
     """The checkpoint directory to read: ``path``, or the previous checkpoint left under its
     ``.old`` name by a save interrupted between its two renames ([Note: atomic save])."""
-    if os.path.isfile(os.path.join(path, META)):
+    if _is_whole_dir(path):
         return path
     parent, name = os.path.split(path)
     olds = sorted(glob.glob(os.path.join(parent, f".{name}.old-*")), key=os.path.getmtime)
-    olds = [o for o in olds if os.path.isfile(os.path.join(o, META))]
+    olds = [o for o in olds if _is_whole_dir(o)]
     if not os.path.exists(path) and olds:
         warnings.warn(f"checkpoint {path} is missing; a save was interrupted while replacing it. "
                       f"Loading the previous checkpoint, {olds[-1]}")
         return olds[-1]
+    if os.path.isdir(path) and is_zero_offload_checkpoint(path):
+        raise CheckpointCorrupt(f"{path} is an incomplete checkpoint (no {MANIFEST}: the save that "
+                                f"wrote it was killed before it finished); load an earlier checkpoint")
     if os.path.isdir(path):
-        raise CheckpointError(f"{path} is not a zero_offload checkpoint (no {META} inside); pass the "
-                              f"directory written by engine.save_checkpoint")
+        raise CheckpointError(f"{path} is not a zero_offload checkpoint (no {MANIFEST} or {META} "
+                              f"inside); pass the directory written by engine.save_checkpoint")
     raise CheckpointError(f"no checkpoint at {path}")
 
 
-def load_checkpoint(engine, path) -> None:
-    """Restore everything ``save_checkpoint`` wrote. Checks first that every parameter name and
-    shape matches the engine's model; nothing changes in the engine when it raises."""
+def _damaged(path: str, what: str) -> CheckpointCorrupt:
+    return CheckpointCorrupt(f"{path} {what}; the checkpoint is damaged: load an earlier checkpoint "
+                             f"(or restore this one from a copy)")
+
+
+def _read_manifest(path: str) -> Optional[dict]:
+    """The manifest's file table, or None for a checkpoint written before manifests existed."""
+    file = os.path.join(path, MANIFEST)
+    if not os.path.exists(file):
+        return None
+    try:
+        with open(file) as f:
+            manifest = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _damaged(file, f"is unreadable ({e})") from None
+    if not isinstance(manifest, dict):
+        raise _damaged(file, "is not a zero_offload manifest (not a JSON object)")
+    files = manifest.get("files")
+    if manifest.get("kind") != _MANIFEST_KIND or not isinstance(files, dict) or not all(
+            isinstance(r, dict) and isinstance(r.get("size"), int) and isinstance(r.get("crc32"), int)
+            for r in files.values()) or META not in files:
+        raise _damaged(file, "is not a zero_offload manifest (fields missing)")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint format {manifest.get('format_version')!r}, this "
+                              f"version of zero_offload reads format {FORMAT_VERSION}")
+    return files
+
+
+def _crc_file(file: str, keep: bool) -> tuple:
+    """(CRC-32, the bytes if ``keep``) of a file, read once in blocks."""
+    crc, parts = 0, []
+    with open(file, "rb", buffering=0) as f:
+        while True:
+            block = f.read(_READ_BLOCK)
+            if not block:
+                break
+            crc = zlib.crc32(block, crc)
+            if keep:
+                parts.append(block)
+    return crc, (b"".join(parts) if keep else None)
+
+
+def _check_files(path: str, files: dict, *, checksums: bool) -> Optional[bytes]:
+    """Sizes of every file (all first: cheap), then CRC-32s; returns engine.pt's bytes when its
+    checksum was computed (so it is parsed from what was verified, not read again)."""
+    for fname, rec in files.items():
+        file = os.path.join(path, fname)
+        try:
+            size = os.path.getsize(file)
+        except OSError:
+            raise _damaged(file, "is missing") from None
+        if size < rec["size"]:
+            raise _damaged(file, f"is truncated: {size} of {rec['size']} bytes")
+        if size != rec["size"]:
+            raise _damaged(file, f"has {size} bytes, the manifest says {rec['size']}")
+    meta_bytes = None
+    if checksums:
+        for fname, rec in files.items():
+            file = os.path.join(path, fname)
+            crc, data = _crc_file(file, keep=fname == META)
+            if crc != rec["crc32"]:
+                raise _damaged(file, f"fails its checksum (CRC-32 {crc:08x}, the manifest says "
+                                     f"{rec['crc32']:08x}: its bytes changed after the save)")
+            if data is not None:
+                meta_bytes = data
+    return meta_bytes
+
+
+def verify(path, *, checksums: bool = True) -> str:
+    """Check that the checkpoint directory ``path`` is whole without loading it: the marker and
+    manifest are present, and every file has its recorded size and (``checksums=True``) CRC-32.
+    Returns the directory that ``load_checkpoint`` would read (``path``, or the previous one kept
+    by a save interrupted between its renames). Raises ``CheckpointCorrupt`` naming the damaged
+    file, ``CheckpointError`` when ``path`` is no checkpoint. Checkpoints written before manifests
+    existed pass with a warning (nothing to check them against)."""
+    resolved = _resolve(os.path.abspath(os.fspath(path)))
+    files = _read_manifest(resolved)
+    if files is None:
+        warnings.warn(f"{resolved} was written by an older zero_offload without a manifest; its "
+                      f"files cannot be verified")
+        return resolved
+    _check_files(resolved, files, checksums=checksums)
+    return resolved
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _LoadPlan:
+    """What ``load_checkpoint`` writes, built only after every check passed."""
+    path: str
+    meta: dict
+    where: dict  # slot name -> (chunk file, offset, numel)
+
+
+def _load_file(file: str, **kw):
+    try:
+        return torch.load(file, map_location="cpu", **kw)
+    except Exception as e:  # torch raises RuntimeError/pickle errors for damaged zip files
+        raise _damaged(file, f"cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def _plan_load(engine, path: str) -> _LoadPlan:
+    """Every check of [Note: verified load]; changes nothing."""
     path = _resolve(os.path.abspath(os.fspath(path)))
-    meta = torch.load(os.path.join(path, META), map_location="cpu", weights_only=False)
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: checkpoint format {meta.get('format_version')!r}, this version "
+    files = _read_manifest(path)
+    if files is None:
+        warnings.warn(f"{path} was written by an older zero_offload without a manifest; its files "
+                      f"cannot be verified")
+        meta = _load_file(os.path.join(path, META), weights_only=False)
+    else:
+        meta_bytes = _check_files(path, files, checksums=True)
+        try:
+            meta = torch.load(io.BytesIO(meta_bytes), map_location="cpu", weights_only=False)
+        except Exception as e:
+            raise _damaged(os.path.join(path, META), f"cannot be read ({type(e).__name__}: {e})") from None
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        version = meta.get("format_version") if isinstance(meta, dict) else None
+        raise CheckpointError(f"{path}: checkpoint format {version!r}, this version "
                               f"of zero_offload reads format {FORMAT_VERSION}")
     saved = meta["slots"]
     ours = {s.name: s for s in engine.partition.slots}
@@ -200,13 +496,61 @@ def load_checkpoint(engine, path) -> None:
             f"{path} was saved with {saved_groups} optimizer param group(s), this engine has "
             f"{len(engine.optimizer.param_groups)}; pass the same initialize(param_groups=...) "
             f"as the run that saved it")
-    # Where each saved slot is: name -> (file, offset, numel).
+    if engine.lr_scheduler is not None and meta["lr_scheduler"] is None:
+        raise CheckpointError(f"{path} has no lr scheduler state but this engine has a scheduler; "
+                              f"initialize without lr_scheduler=, or load a checkpoint of a run "
+                              f"that had one")
+    # Dry runs into copies: whatever torch's own load_state_dict refuses is refused here, first.
+    for what, obj, state in (("optimizer", engine.optimizer, meta["optimizer_state"]),
+                             ("lr scheduler", engine.lr_scheduler, meta["lr_scheduler"])):
+        if obj is None:
+            continue
+        try:
+            copy.deepcopy(obj).load_state_dict(state)
+        except Exception as e:
+            raise CheckpointError(f"{path}: its {what} state does not load into this engine's "
+                                  f"({type(e).__name__}: {e}); use the same {what} as the run that "
+                                  f"saved it") from None
+    scaler = meta["loss_scaler"]
+    if engine.scaler is not None and scaler is not None and not (
+            isinstance(scaler, dict) and {"scale", "growth_tracker"} <= set(scaler)):
+        raise _damaged(os.path.join(path, META), "holds no valid loss scaler state")
+    rng = meta["rng"]
+    if not (isinstance(rng, dict) and isinstance(rng.get("torch"), torch.Tensor)
+            and rng["torch"].dtype is torch.uint8 and "python" in rng):
+        raise _damaged(os.path.join(path, META), "holds no valid RNG state")
+    if "cuda" in rng and torch.cuda.is_available() and len(rng["cuda"]) > torch.cuda.device_count():
+        raise CheckpointError(f"{path} holds RNG states of {len(rng['cuda'])} GPUs, this machine has "
+                              f"{torch.cuda.device_count()}; load it where as many GPUs are visible")
+    # Where each saved slot is, and that its bytes are there: name -> (file, offset, numel).
     where = {}
     for c in meta["chunks"]:
-        slots = torch.load(os.path.join(path, c["file"]), map_location="cpu", mmap=True,
-                           weights_only=True)["slots"]
-        for n, off, numel in slots:
+        file = os.path.join(path, c["file"])
+        if files is not None and c["file"] not in files:
+            raise _damaged(file, f"is named by {META} but not by {MANIFEST}")
+        saved_chunk = _load_file(file, mmap=True, weights_only=True)
+        keys = ("master", "exp_avg", "exp_avg_sq") if c["trainable"] else ("frozen",)
+        if not isinstance(saved_chunk, dict) or not all(
+                isinstance(saved_chunk.get(k), torch.Tensor) and saved_chunk[k].dim() == 1 for k in keys):
+            raise _damaged(file, f"lacks its payloads {list(keys)}")
+        for n, off, numel in saved_chunk["slots"]:
+            if n in ours and ours[n].numel != numel:
+                raise _damaged(file, f"records {numel} values for {n}, the model has {ours[n].numel}")
+            if any(off + numel > saved_chunk[k].numel() for k in keys):
+                raise _damaged(file, f"is too short for {n} (needs {off + numel} values)")
             where[n] = (c["file"], off, numel)
+        del saved_chunk
+    not_saved = sorted(set(ours) - set(where))
+    if not_saved:
+        raise _damaged(path, f"has no values for {not_saved[:5]} in its chunk files")
+    return _LoadPlan(path=path, meta=meta, where=where)
+
+
+def load_checkpoint(engine, path) -> None:
+    """Restore everything ``save_checkpoint`` wrote. Checks everything first ([Note: verified
+    load]); nothing changes in the engine when it raises ``CheckpointError``."""
+    plan = _plan_load(engine, path)
+    path, meta, where, saved = plan.path, plan.meta, plan.where, plan.meta["slots"]
 
     engine.synchronize()
     cache: dict = {}
@@ -248,8 +592,6 @@ def load_checkpoint(engine, path) -> None:
     engine.skipped_steps = int(meta["skipped_steps"])
     engine.optimizer.load_state_dict(meta["optimizer_state"])
     if engine.lr_scheduler is not None:
-        if meta["lr_scheduler"] is None:
-            raise CheckpointError(f"{path} has no lr scheduler state but this engine has a scheduler")
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     if engine.scaler is not None and meta["loss_scaler"] is not None:
         engine.scaler.load_state_dict(meta["loss_scaler"])

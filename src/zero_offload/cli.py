@@ -301,16 +301,84 @@ def _write_state(out: Path, state: dict) -> None:
     os.replace(tmp, out / STATE_FILE)  # atomic: the state always names a whole checkpoint
 
 
-def _save(engine, out: Path, step: int, state: dict) -> None:
-    """Engine checkpoint into out/step_NNNNNN, then point the state file at it, then drop the
-    previous one. A crash anywhere leaves the state file naming a whole checkpoint."""
+_STATE_WRITER = "zero_offload train"  # the state file's proof that zero_offload wrote it
+_STEP_DIR = re.compile(r"step_\d{7}")
+_STEP_TEMP = re.compile(r"\.step_\d{7}\.(tmp|old)-\d+-\d+")
+
+
+def _checkpoints(state: Optional[dict]) -> list:
+    """The state file's checkpoints, oldest first: [{"name", "step"}] (a state file of an older
+    zero_offload names one)."""
+    if not state:
+        return []
+    if "checkpoints" in state:
+        return list(state["checkpoints"])
+    return [{"name": state["checkpoint"], "step": state["step"]}] if state.get("checkpoint") else []
+
+
+def _check_run_dir(out: Path, previous: Optional[dict], *, replacing: bool) -> None:
+    """--out may hold the user's files; zero_offload replaces only a state file it wrote (one of
+    an older zero_offload, without the writer field, can still be resumed)."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file; pass a directory (it is created if missing)")
+    if replacing and previous is not None and previous.get("writer") != _STATE_WRITER:
+        raise UsageError(f"{out / STATE_FILE} was not written by this zero_offload (no "
+                         f"\"writer\": \"{_STATE_WRITER}\"); remove it yourself or pass another --out")
+
+
+def _clean_run_dir(out: Path, referenced: set) -> None:
+    """Remove what zero_offload wrote in ``out`` and no state file names: step_* checkpoints of
+    older runs or of killed saves, and their temp dirs. Only directories carrying the checkpoint
+    marker go (checkpoint.remove_checkpoint); a temp dir of a save still running is kept."""
+    from . import checkpoint
+    for entry in out.iterdir():
+        if _STEP_DIR.fullmatch(entry.name) and entry.name not in referenced:
+            checkpoint.remove_checkpoint(entry)
+        elif _STEP_TEMP.fullmatch(entry.name) and not checkpoint._owner_alive(entry.name):
+            checkpoint.remove_checkpoint(entry)
+
+
+def _save(engine, out: Path, step: int, state: dict, keep: int = 2) -> None:
+    """Engine checkpoint into out/step_NNNNNNN, then point the state file at it (and the
+    ``keep - 1`` before it), then remove what no state file names any more. A crash anywhere
+    leaves the state file naming whole checkpoints: an older run's checkpoints (--overwrite) go
+    only once this run's first one is whole."""
     name = f"step_{step:07d}"
+    ours = [c for c in _checkpoints(state) if c["name"] != name]
+    on_disk = _read_state(out) if (out / STATE_FILE).exists() else None
+    theirs = [c for c in _checkpoints(on_disk) if c not in ours]
+    if any(c["name"] == name for c in theirs):  # an older run's checkpoint is about to be replaced
+        kept = [c for c in theirs if c["name"] != name]
+        _write_state(out, {**on_disk, "checkpoints": kept, "checkpoint": kept[-1]["name"] if kept else None,
+                           "step": kept[-1]["step"] if kept else 0})
+        theirs = kept
+    _clean_run_dir(out, {c["name"] for c in ours + theirs})  # room first: nothing named is touched
     engine.save_checkpoint(str(out / name))
-    previous = state.get("checkpoint")
-    _write_state(out, {**state, "step": step, "checkpoint": name})
-    state.update(step=step, checkpoint=name)
-    if previous and previous != name:
-        shutil.rmtree(out / previous, ignore_errors=True)
+    ours = (ours + [{"name": name, "step": step}])[-keep:]
+    state.update(writer=_STATE_WRITER, step=step, checkpoint=name, checkpoints=ours)
+    _write_state(out, state)
+    _clean_run_dir(out, {c["name"] for c in ours})
+
+
+def _resume(engine, out: Path, previous: dict) -> dict:
+    """Load the newest whole checkpoint the state file names; a damaged one is skipped with one
+    line saying so. Returns the entry loaded ({"name", "step"})."""
+    from .checkpoint import CheckpointCorrupt
+    candidates = _checkpoints(previous)[::-1]
+    damaged = []
+    for entry in candidates:
+        try:
+            engine.load_checkpoint(str(out / entry["name"]))
+        except CheckpointCorrupt as e:  # the engine is unchanged: try the one before
+            damaged.append(f"{entry['name']}: {_one_line(e)}")
+            continue
+        if damaged:
+            print(f"zero-offload: the newest checkpoint is damaged ({damaged[0]}); resuming from the "
+                  f"previous whole one, {out / entry['name']} (step {entry['step']})",
+                  file=sys.stderr, flush=True)
+        return entry
+    raise CheckpointCorrupt(f"no whole checkpoint in {out}: " + "; ".join(damaged) +
+                            f" (no earlier one to fall back to); start again with --overwrite")
 
 
 def _batch_generator(seed: int, step: int) -> torch.Generator:
@@ -372,15 +440,17 @@ def cmd_train(args) -> int:
         engine = zero_offload.initialize(model, optimizer=spec, config=cfg)
         stack.callback(engine.close)
         device = getattr(engine, "device", None) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        _check_run_dir(out, previous, replacing=not args.resume)
+        resumed = None
         if args.resume:
-            engine.load_checkpoint(str(out / previous["checkpoint"]))
-            print(f"resumed from step {start} ({out / previous['checkpoint']})", flush=True)
-        else:
-            if args.overwrite and out.exists():
-                shutil.rmtree(out)
+            resumed = _resume(engine, out, previous)
+            start = resumed["step"]
+            print(f"resumed from step {start} ({out / resumed['name']})", flush=True)
         out.mkdir(parents=True, exist_ok=True)
-        state = {"settings": dataclasses.asdict(settings), "offload": cfg.to_dict() if hasattr(cfg, "to_dict") else None,
-                 "step": start, "checkpoint": previous["checkpoint"] if args.resume else None}
+        state = {"writer": _STATE_WRITER, "settings": dataclasses.asdict(settings),
+                 "offload": cfg.to_dict() if hasattr(cfg, "to_dict") else None, "step": start,
+                 "checkpoint": resumed["name"] if resumed else None,
+                 "checkpoints": [c for c in _checkpoints(previous) if c["step"] <= start] if resumed else []}
         state["settings"]["seq_len"] = seq_len
 
         tokens_per_step = settings.batch_size * seq_len
@@ -412,10 +482,10 @@ def cmd_train(args) -> int:
                     bar.update(1)
                 every = extras.get("save_every") or 0
                 if every and step % every == 0 and step < settings.steps:
-                    _save(engine, out, step, state)
+                    _save(engine, out, step, state, args.keep)
             if bar is not None:
                 bar.close()
-            _save(engine, out, step, state)
+            _save(engine, out, step, state, args.keep)
         median = statistics.median(step_times) if step_times else float("nan")
         print(f"step {step}: loss {losses[-1]:.4f} (first {losses[0]:.4f}), median step "
               f"{median * 1e3:.1f} ms, {tokens_per_step / median:,.0f} tokens/s", flush=True)
@@ -879,7 +949,11 @@ def build_parser() -> argparse.ArgumentParser:
     c = t.add_argument_group("checkpoint")
     c.add_argument("--out", default="zero_offload_ckpt", metavar="DIR", help="checkpoint directory (default ./zero_offload_ckpt)")
     c.add_argument("--resume", action="store_true", help="continue the checkpoint in --out up to --steps")
-    c.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out")
+    c.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out (only "
+                   "what zero_offload wrote there goes, once the new run's first checkpoint is whole)")
+    c.add_argument("--keep", type=_positive_int, default=2, metavar="N",
+                   help="checkpoints kept in --out (default 2; --resume falls back to an older one when "
+                        "the newest is damaged)")
     c.add_argument("--save-every", type=_nonneg_int, default=None, metavar="N",
                    help="also save every N steps (default 100; 0: only at the end)")
     c.add_argument("--sample-tokens", type=_nonneg_int, default=None, metavar="N",

@@ -1054,14 +1054,19 @@ class Engine:
     # ---- checkpoints ------------------------------------------------------------------------
 
     def save_checkpoint(self, path) -> None:
-        """Write the whole training state to directory ``path`` atomically (see checkpoint.py)."""
+        """Write the whole training state to directory ``path`` atomically, with a manifest of
+        every file's size and CRC-32 (see checkpoint.py). A full disk raises one
+        ``CheckpointError`` naming the file and the free space; the previous checkpoint at
+        ``path`` stays whole."""
         from .checkpoint import save_checkpoint
         self._require_idle("save_checkpoint")
         save_checkpoint(self, path)
 
     def load_checkpoint(self, path) -> None:
         """Restore the state written by ``save_checkpoint`` (the model must be the same
-        architecture; the offload config may differ)."""
+        architecture; the offload config may differ). Everything is checked first (files against
+        the manifest, model, groups, scheduler): on ``CheckpointError`` (``CheckpointCorrupt``
+        for a damaged file) the engine is unchanged."""
         from .checkpoint import load_checkpoint
         self._require_idle("load_checkpoint")
         load_checkpoint(self, path)

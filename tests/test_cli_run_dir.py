@@ -1,0 +1,96 @@
+"""zero-offload train's --out: --overwrite removes only what zero_offload wrote, and only once the
+new run's first checkpoint is whole; --keep checkpoints are kept; --resume falls back past a
+damaged one; orphans of killed saves are cleaned, the user's files never."""
+import json
+import shutil
+import signal
+import subprocess
+import sys
+
+import zero_offload.checkpoint as ckpt
+
+
+def run(*argv):
+    return subprocess.run([sys.executable, "-m", "zero_offload", "train", "--no-progress",
+                           "--sample-tokens", "0", *argv], capture_output=True, text=True, timeout=300)
+
+
+def names(d):
+    return sorted(p.name for p in d.iterdir())
+
+
+def test_overwrite_keeps_user_files_and_old_checkpoint_until_first_save(tmp_path):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "notes.txt").write_text("mine")
+    (ck / "step_0000099").mkdir()  # the user's, named like ours but without the marker
+    (ck / "step_0000099" / "w.pt").write_text("mine too")
+    r = run("--steps", "2", "--save-every", "0", "--out", str(ck))
+    assert r.returncode == 0, r.stderr
+    old = ck / "step_0000002"
+    ckpt.verify(old)
+
+    # killed before its first save: the old run's checkpoint and state stay whole
+    p = subprocess.Popen([sys.executable, "-m", "zero_offload", "train", "--no-progress", "--overwrite",
+                          "--steps", "100000", "--save-every", "0", "--out", str(ck)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in p.stdout:
+            if line.startswith("training started"):
+                break
+        p.send_signal(signal.SIGKILL)
+        p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert names(ck) == ["notes.txt", "step_0000002", "step_0000099", "train_state.json"]
+    ckpt.verify(old)
+    r = run("--resume", "--steps", "3", "--out", str(ck))
+    assert r.returncode == 0, r.stderr
+    assert "resumed from step 2" in r.stdout
+
+    r = run("--overwrite", "--steps", "1", "--save-every", "0", "--out", str(ck))
+    assert r.returncode == 0, r.stderr
+    assert names(ck) == ["notes.txt", "step_0000001", "step_0000099", "train_state.json"]
+    assert (ck / "notes.txt").read_text() == "mine"
+    assert (ck / "step_0000099" / "w.pt").read_text() == "mine too"
+    state = json.loads((ck / "train_state.json").read_text())
+    assert [c["name"] for c in state["checkpoints"]] == ["step_0000001"]
+
+
+def test_out_dot_overwrite_touches_only_ours(tmp_path):
+    (tmp_path / "train.py").write_text("print('my script')")
+    r = run("--steps", "1", "--save-every", "0", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    r = run("--overwrite", "--steps", "2", "--save-every", "0", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert names(tmp_path) == ["step_0000002", "train.py", "train_state.json"]
+
+
+def test_keep_fallback_and_orphans(tmp_path):
+    ck = tmp_path / "ck"
+    r = run("--steps", "4", "--save-every", "1", "--keep", "3", "--out", str(ck))
+    assert r.returncode == 0, r.stderr
+    assert names(ck) == ["step_0000002", "step_0000003", "step_0000004", "train_state.json"]
+
+    victim = ck / "step_0000004" / "chunk_00000.pt"
+    size = victim.stat().st_size
+    with open(victim, "r+b") as f:
+        f.truncate(size - 100)
+    shutil.copytree(ck / "step_0000003", ck / "step_0000009")  # a save killed before the state write
+    partial = ck / ".step_0000010.tmp-999999999-0"  # a save killed while writing
+    partial.mkdir()
+    (partial / ".zero_offload").write_text(ckpt._MARKER_TEXT)
+    (ck / "step_0000011").mkdir()  # the user's
+    (ck / "step_0000011" / "keep.txt").write_text("mine")
+
+    r = run("--resume", "--steps", "5", "--out", str(ck))
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "damaged" in ln]
+    assert len(lines) == 1, r.stderr
+    assert "step_0000004" in lines[0] and f"truncated: {size - 100} of {size} bytes" in lines[0]
+    assert "step_0000003 (step 3)" in lines[0]
+    assert "resumed from step 3" in r.stdout
+    assert names(ck) == ["step_0000003", "step_0000005", "step_0000011", "train_state.json"]
+    assert (ck / "step_0000011" / "keep.txt").read_text() == "mine"
+    ckpt.verify(ck / "step_0000005")
