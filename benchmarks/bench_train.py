@@ -53,10 +53,8 @@ from typing import Callable
 import psutil
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import zero_offload as zo  # noqa: E402
-from zero_offload.models import GPT, GPTConfig, preset  # noqa: E402
+import zero_offload as zo
+from zero_offload.models import GPT, GPTConfig, preset
 
 GiB = float(2 ** 30)
 CASES = ("torch", "engine-cpu", "offload-adamw", "offload-adamw-fwd", "torchao", "engine-nvme",

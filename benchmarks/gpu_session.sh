@@ -40,7 +40,7 @@ for what in "$@"; do
       python3 benchmarks/bench_io.py --dir /tmp/zo_bench --size-gib 4 --repeats 3 --max-seconds 100 \
         --out "$OUT/io" 2>&1 | tail -14 ;;
     diag)  # what slows CPU-Adam inside a step: kernel alone vs beside PCIe / GIL load; traced steps
-      python3 benchmarks/diag_adam_contention.py --params 1.31e9 --chunk-mb 64 --json-out "$OUT/diag_adam.json" \
+      python3 benchmarks/lab/diag_adam_contention.py --params 1.31e9 --chunk-mb 64 --json-out "$OUT/diag_adam.json" \
         2>&1 | tee "$OUT/diag_adam.log"
       for si in default 0.00025; do
         extra=(--cases torch,engine-cpu); [ $si != default ] && extra=(--switch-interval $si --cases torch,engine-cpu,offload-adamw,torchao)

@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import importlib.util
 import json
 import math
 import os
@@ -682,39 +681,22 @@ def cmd_bench_prefetch(args) -> int:
     return EXIT_OK
 
 
-_BENCH_SCRIPTS = {"adam": "bench_cpu_adam.py", "io": "bench_io.py"}
-
-
-def benchmarks_dir() -> Path:
-    """The repository's benchmarks/ (next to the package in a source checkout)."""
-    return Path(os.environ.get("ZERO_OFFLOAD_BENCHMARKS", Path(__file__).resolve().parents[2] / "benchmarks"))
+_BENCH_SCRIPTS = {"adam": "CPU-Adam throughput vs torch's Adam", "io": "swap I/O engine vs dd with O_DIRECT"}
 
 
 def cmd_bench_script(which: str, argv: list[str]) -> int:
-    path = benchmarks_dir() / _BENCH_SCRIPTS[which]
-    if not path.is_file():
-        raise UsageError(f"`bench {which}` runs {path.name} from the repository's benchmarks/ directory, "
-                         f"which is not at {path.parent}: run it from a source checkout (pip install -e .) "
-                         f"or set ZERO_OFFLOAD_BENCHMARKS to that directory")
-    spec = importlib.util.spec_from_file_location(f"zero_offload_bench_{which}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(path.parent))
-    saved_argv = sys.argv
-    sys.modules[spec.name] = module  # dataclasses and pickling look the module up by name
+    """Runs the packaged benchmark ``which`` (a key of ``_BENCH_SCRIPTS``) with its own flags."""
+    if which == "adam":
+        from .bench import cpu_adam as bench
+    else:
+        from .bench import io as bench
     try:
-        spec.loader.exec_module(module)
-        main = getattr(module, "main", None)
-        if main is None:
-            raise UsageError(f"{path} has no main(argv) function to call")
-        sys.argv = [str(path), *argv]
-        code = main(argv)
-    except SystemExit as e:  # argparse inside the benchmark
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    finally:
-        sys.argv = saved_argv
-        sys.path.remove(str(path.parent))
-        sys.modules.pop(spec.name, None)
-    return int(code or 0)
+        return int(bench.main(argv, prog=f"zero-offload bench {which}") or 0)
+    except SystemExit as e:  # argparse inside the benchmark (--help, a bad flag), or a failed check
+        if isinstance(e.code, int) or e.code is None:
+            return e.code or 0
+        print(f"zero-offload bench {which}: error: {e.code}", file=sys.stderr)
+        return EXIT_FAILURE
 
 
 # ------------------------------------------------------------------------------------ info
@@ -974,9 +956,8 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--out", default="zero_offload_bench", metavar="DIR", help="where the JSON and PNG go")
     _add_run_flags(bp, what="small on CPU, 1.3b on CUDA")
     bp.set_defaults(func=cmd_bench_prefetch)
-    for which, script in _BENCH_SCRIPTS.items():
-        bsub.add_parser(which, add_help=False,
-                        help=f"run benchmarks/{script} (arguments are passed through; try --help)")
+    for which, what in _BENCH_SCRIPTS.items():
+        bsub.add_parser(which, add_help=False, help=f"{what} (own flags: bench {which} --help)")
 
     i = sub.add_parser("info", help="GPU, host and pinnable memory, swap dir (O_DIRECT), CPU-Adam path, bandwidths")
     i.add_argument("--json", action="store_true", help="machine-readable output")

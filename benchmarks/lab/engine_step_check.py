@@ -9,7 +9,7 @@ stalls on fetches and on CPU updates, worker time in adam_step, bytes per hop pe
 The bound for params and optimizer offloaded to the CPU is max(no-offload step, CPU-Adam over
 all params, PCIe bytes / bandwidth); step / bound is the figure of merit (issue 5 asks <= 1.2).
 
-Usage: python benchmarks/engine_step_check.py [--preset 350m] [--batch 8] [--steps 6]
+Usage: python benchmarks/lab/engine_step_check.py [--preset 350m] [--batch 8] [--steps 6]
          [--cases cpu,cpu-clip,auto] [--json-out PATH]
 """
 from __future__ import annotations

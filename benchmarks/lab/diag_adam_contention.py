@@ -4,7 +4,7 @@ alone, with fewer threads, beside full-speed pinned H2D + D2H copies (the engine
 traffic), beside a Python thread that keeps the GIL busy (the engine's hooks), and on memory
 advised for transparent huge pages.
 
-    python benchmarks/diag_adam_contention.py --params 1.31e9 --chunk-mb 64 --json-out out.json
+    python benchmarks/lab/diag_adam_contention.py --params 1.31e9 --chunk-mb 64 --json-out out.json
 
 Prints one row per setting: median seconds over all params (kernel time as the native code
 measures it, and wall time of the calls from Python), and the ratio to the first row.
@@ -22,9 +22,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from zero_offload import cpu_adam  # noqa: E402
-from zero_offload.swap_io import aligned_empty  # noqa: E402
+from zero_offload import cpu_adam
+from zero_offload.swap_io import aligned_empty
 
 
 def huge_empty(n: int, dtype: torch.dtype) -> torch.Tensor:

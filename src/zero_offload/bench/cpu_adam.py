@@ -1,0 +1,316 @@
+"""CPU-Adam throughput: zero_offload's kernel vs torch's CPU Adam, side by side in one process.
+
+Question: is CPUAdam faster than torch.optim.Adam(fused=True) on the update an offload engine
+really does, and how close is it to the memory bandwidth the machine has?
+
+Cases, at each size (default 10M and 100M params), all on the same thread count:
+  (a) fp32 grads, no copy-out:   CPUAdam.step  vs  torch Adam(fused=True).step  vs  Adam(foreach=True)
+                                 (and DeepSpeedCPUAdam when it is importable)
+  (b) the offload update, bf16 grads in and bf16 params out:
+        ours:   adam_step(param, grad_bf16, ..., out_lowp=param_bf16)   (one pass)
+        torch:  p.grad = grad_bf16.float(); Adam(fused=True).step(); param.to(torch.bfloat16)
+Reference -> check -> timing: before timing, the script checks that our result equals torch's
+fused result bit for bit (all but the last numel % 16 elements, where torch runs a scalar loop).
+
+Reported per implementation: median seconds per step over --repeats (the implementations are
+interleaved within each repeat, so machine noise hits them alike), Mparams/s, GB/s counting the
+minimum traffic of the update (28 bytes/param for both cases: fp32 param, exp_avg, exp_avg_sq
+read+written = 24, plus the grad read and, in (b), the bf16 copy written), the ratio to torch,
+and the percentage of an in-place read-modify-write bandwidth (x.mul_(c) over --rmw-gib GiB,
+2 x bytes per pass) timed in the same interleaved loop.
+
+    zero-offload bench adam --threads 2 --sizes 10M,100M --repeats 5 \
+        --json-out /tmp/cpu_adam.json --md-out cpu_adam_<hw>_<date>.md
+
+(``python benchmarks/bench_cpu_adam.py ARGS`` in a source checkout runs the same ``main``.)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from ..cpu_adam import CPUAdam, adam_step, default_threads, isa, set_isa
+
+BYTES_PER_PARAM = 28  # see the module docstring
+HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Result:
+    """One implementation's timing of one case at one size."""
+
+    case: str
+    """"a" (fp32 grads, no copy-out) or "b" (bf16 grads in, bf16 params out)."""
+    impl: str
+    """Which implementation."""
+    numel: int
+    """Params updated per step."""
+    seconds: list[float] = field(default_factory=list)
+    """Every timed step, in order."""
+    median_s: float = 0.0
+    """Median of ``seconds``."""
+    mparams_per_s: float = 0.0
+    """numel / median_s / 1e6."""
+    gb_per_s: float = 0.0
+    """BYTES_PER_PARAM * numel / median_s / 1e9."""
+    ratio_to_torch: Optional[float] = None
+    """Our Mparams/s over torch fused's (case a) or torch composite's (case b)."""
+    pct_of_rmw: float = 0.0
+    """gb_per_s as a percentage of the RMW bandwidth measured in this run."""
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper()
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale != 1 else text) * scale)
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def time_once(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+RMW = "x.mul_(c), RMW reference"
+
+
+def rmw_buffer(gib: float) -> torch.Tensor:
+    """The in-place read-modify-write reference: x.mul_(c) over `gib` GiB of fp32 moves 2 x its
+    bytes. Timed inside the same interleaved loop as the optimizers, so it sees the same noise."""
+    x = torch.ones(int(gib * 2**30) // 4)
+    x.mul_(1.0)  # fault the pages in
+    return x
+
+
+def check_parity() -> None:
+    """Reference -> check: our step equals torch's fused step on a small buffer."""
+    n = 100_003
+    gen = torch.Generator().manual_seed(0)
+    init, grad = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    ref = init.clone().requires_grad_()
+    ref.grad = grad.to(torch.bfloat16).float()
+    torch.optim.AdamW([ref], fused=True, **HYPER).step()
+    param, m, v, out = init.clone(), torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16)
+    adam_step(param, grad.to(torch.bfloat16), m, v, step=1, adamw=True, out_lowp=out, **HYPER)
+    body = n - n % 16
+    if not torch.equal(param[:body], ref.detach()[:body]) or not torch.equal(out, param.to(torch.bfloat16)):
+        raise SystemExit("parity check failed: CPU-Adam differs from torch fused AdamW; not timing a wrong kernel")
+
+
+def deepspeed_adam():
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401
+    except Exception as exc:  # any failure (not installed, op build error) means "not available"
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return DeepSpeedCPUAdam, None
+
+
+def bench_size(numel: int, *, repeats: int, threads: int, cases: str, with_foreach: bool,
+               ds_cls, rmw: torch.Tensor, gap_s: float) -> list[Result]:
+    gen = torch.Generator().manual_seed(1)
+    grad32 = torch.randn(numel, generator=gen).mul_(1e-2)
+    grad16 = grad32.to(torch.bfloat16)
+    impls: dict[tuple[str, str], Callable[[], None]] = {}
+    keep = []  # optimizers and buffers alive for the whole size
+
+    def param():
+        p = torch.randn(numel, generator=gen).requires_grad_()
+        keep.append(p)
+        return p
+
+    if "a" in cases:
+        p_ours = param()
+        p_ours.grad = grad32
+        ours = CPUAdam([p_ours], threads=threads, decoupled_weight_decay=True, **HYPER)
+        impls[("a", "zero_offload CPUAdam")] = ours.step
+        p_fused = param()
+        p_fused.grad = grad32
+        fused = torch.optim.AdamW([p_fused], fused=True, **HYPER)
+        impls[("a", "torch Adam fused")] = fused.step
+        if with_foreach:
+            p_foreach = param()
+            p_foreach.grad = grad32
+            foreach = torch.optim.AdamW([p_foreach], foreach=True, **HYPER)
+            impls[("a", "torch Adam foreach")] = foreach.step
+        if ds_cls is not None:
+            p_ds = param()
+            p_ds.grad = grad32
+            ds = ds_cls([p_ds], adamw_mode=True, **HYPER)
+            impls[("a", "DeepSpeedCPUAdam")] = ds.step
+        keep += [ours, fused]
+
+    if "b" in cases:
+        flat = torch.randn(numel, generator=gen)
+        m, v = torch.zeros(numel), torch.zeros(numel)
+        out = torch.empty(numel, dtype=torch.bfloat16)
+        counter = {"step": 0}
+
+        def ours_b():
+            counter["step"] += 1
+            adam_step(flat, grad16, m, v, step=counter["step"], adamw=True, out_lowp=out,
+                      threads=threads, **HYPER)
+
+        p_comp = param()
+        comp = torch.optim.AdamW([p_comp], fused=True, **HYPER)
+
+        def torch_b():
+            p_comp.grad = grad16.float()
+            comp.step()
+            p_comp.detach().to(torch.bfloat16)
+
+        impls[("b", "zero_offload adam_step")] = ours_b
+        impls[("b", "torch composite")] = torch_b
+        keep += [flat, m, v, out, comp]
+
+    impls[("rmw", RMW)] = lambda: rmw.mul_(1.0000001)
+    for fn in impls.values():  # warm-up: lazy state, page faults
+        fn()
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in impls}
+    for _ in range(repeats):
+        for key, fn in impls.items():
+            # [Note: idle gap before each timed step]: see --gap-ms
+            if gap_s:
+                time.sleep(gap_s)
+            times[key].append(time_once(fn))
+    results = []
+    for (case, impl), seconds in times.items():
+        med = statistics.median(seconds)
+        if case == "rmw":
+            results.append(Result(case=case, impl=impl, numel=numel, seconds=seconds, median_s=med,
+                                  gb_per_s=2 * rmw.numel() * 4 / med / 1e9))
+            continue
+        results.append(Result(case=case, impl=impl, numel=numel, seconds=seconds, median_s=med,
+                              mparams_per_s=numel / med / 1e6, gb_per_s=BYTES_PER_PARAM * numel / med / 1e9))
+    del keep
+    return results
+
+
+def finish(results: list[Result]) -> list[Result]:
+    """Adds the ratio to torch and the % of the RMW bandwidth measured in the same loop."""
+    reference = {("a", r.numel): r for r in results if r.impl == "torch Adam fused"}
+    reference.update({("b", r.numel): r for r in results if r.impl == "torch composite"})
+    rmw = {r.numel: r.gb_per_s for r in results if r.case == "rmw"}
+    done = []
+    for r in results:
+        ref = reference.get((r.case, r.numel))
+        ratio = None if ref is None else r.mparams_per_s / ref.mparams_per_s
+        done.append(Result(**{**asdict(r), "ratio_to_torch": ratio, "pct_of_rmw": 100 * r.gb_per_s / rmw[r.numel]}))
+    return done
+
+
+def markdown(results: list[Result], meta: dict) -> str:
+    lines = [
+        f"# CPU-Adam throughput — {meta['cpu']}, {meta['threads']} threads, {meta['date']}",
+        "",
+        f"Command: `{meta['command']}`  ",
+        f"Machine: {meta['cpu']} ({meta['cpus_online']} CPUs online, {meta['threads']} threads used), "
+        f"torch {meta['torch']} (CPU capability {meta['torch_capability']}), zero_offload ISA path {meta['isa']}.  ",
+        f"RMW reference: x.mul_(c) over {meta['rmw_gib']} GiB of fp32 (read+write counted), timed in the same "
+        "interleaved loop as the optimizers (its row in each size's block; % of RMW is relative to it).  ",
+        f"Medians of {meta['repeats']} interleaved steps, each after {meta['gap_ms']:g} ms idle; "
+        f"GB/s counts {BYTES_PER_PARAM} B/param. "
+        "Parity check (bit-equal to torch fused AdamW) passed before timing.",
+        "",
+        "| case | params | implementation | median ms | Mparams/s | GB/s | vs torch | % of RMW |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        ratio = "—" if r.ratio_to_torch is None else f"{r.ratio_to_torch:.2f}x"
+        if r.case == "rmw":
+            lines.append(f"| — | {r.numel / 1e6:g}M | {r.impl} | {r.median_s * 1e3:.1f} | — | "
+                         f"{r.gb_per_s:.1f} | — | 100% |")
+            continue
+        lines.append(f"| {r.case} | {r.numel / 1e6:g}M | {r.impl} | {r.median_s * 1e3:.1f} | "
+                     f"{r.mparams_per_s:.0f} | {r.gb_per_s:.1f} | {ratio} | {r.pct_of_rmw:.0f}% |")
+    lines += ["", "(a) fp32 grads, no copy-out; torch = Adam(fused=True). (b) bf16 grads in, bf16 params out; "
+              "torch = grad.float() + fused step + param.to(bfloat16).", ""]
+    if meta.get("deepspeed"):
+        lines.append(f"DeepSpeedCPUAdam: not run ({meta['deepspeed']}).")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None, *, prog: str = "python -m zero_offload.bench.cpu_adam") -> int:
+    """Runs the benchmark with command-line arguments ``argv`` (default ``sys.argv[1:]``); ``prog``
+    is how it was invoked, shown in ``--help`` and recorded as the command in the results."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=None, help="threads for every implementation (default: CPUs available)")
+    parser.add_argument("--sizes", default="10M,100M", help="comma-separated param counts, e.g. 10M,100M")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per implementation (median reported)")
+    parser.add_argument("--cases", default="ab", help="'a', 'b' or 'ab'")
+    parser.add_argument("--isa", default=None, choices=["scalar", "avx2", "avx512"], help="force our ISA path")
+    parser.add_argument("--no-foreach", action="store_true", help="skip torch foreach (slow at 100M on few threads)")
+    parser.add_argument("--rmw-gib", type=float, default=1.0, help="buffer size of the RMW bandwidth reference")
+    parser.add_argument(
+        "--gap-ms", type=float, default=50.0,
+        help="idle time before each timed step (default 50). [Note: idle gap before each timed step] "
+             "In an offload training loop the optimizer step follows tens of ms of GPU work, so no CPU "
+             "thread pool is still busy from the previous op. Back to back (0), torch's OpenMP threads "
+             "spin for a while after each torch op and can compete for the cores with whatever runs next "
+             "(our pool when ours is next, nothing when torch's own pool is next), which measures the "
+             "order of the loop, not the kernels.")
+    parser.add_argument("--json-out", default=None, help="write all results (every timing) as JSON here")
+    parser.add_argument("--md-out", default=None, help="write the markdown table here")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    threads = args.threads or default_threads()
+    if threads < 1:
+        parser.error("--threads must be >= 1")
+    if args.isa:
+        set_isa(args.isa)
+    torch.set_num_threads(threads)
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    ds_cls, ds_reason = deepspeed_adam()
+
+    check_parity()
+    print("parity check: ok", flush=True)
+    rmw = rmw_buffer(args.rmw_gib)
+    results = []
+    for numel in sizes:
+        results += bench_size(numel, repeats=args.repeats, threads=threads, cases=args.cases,
+                              with_foreach=not args.no_foreach, ds_cls=ds_cls, rmw=rmw,
+                              gap_s=args.gap_ms / 1e3)
+        print(f"done {numel / 1e6:g}M", flush=True)
+    results = finish(results)
+    meta = {
+        "cpu": cpu_model(), "cpus_online": os.cpu_count(), "threads": threads,
+        "torch": torch.__version__, "torch_capability": torch.backends.cpu.get_cpu_capability(),
+        "isa": isa(), "rmw_gib": args.rmw_gib, "repeats": args.repeats, "gap_ms": args.gap_ms,
+        "date": datetime.date.today().isoformat(), "python": sys.version.split()[0],
+        "command": " ".join([prog] + (argv if argv is not None else sys.argv[1:])),
+        "deepspeed": ds_reason,
+    }
+    text = markdown(results, meta)
+    print(text)
+    if args.md_out:
+        with open(args.md_out, "w") as f:
+            f.write(text)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"meta": meta, "results": [asdict(r) for r in results]}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
