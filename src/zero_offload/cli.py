@@ -1035,8 +1035,8 @@ def _exit_codes() -> tuple:
 
 
 _OS_FIXES = {
-    errno.ENOSPC: "the disk is full; free space there or choose a directory on another disk",
-    errno.EDQUOT: "the disk quota is exceeded; free space there or choose another directory",
+    errno.ENOSPC: "the disk is full; free space, or pass an --out/--nvme-dir on another disk",
+    errno.EDQUOT: "the disk quota is exceeded; free space, or pass an --out/--nvme-dir elsewhere",
     errno.EROFS: "the file system is read-only; choose a writable directory",
     errno.EACCES: "permission denied; choose a directory you can write, or change its permissions",
     errno.EPERM: "operation not permitted; choose a directory you can write",
