@@ -9,7 +9,7 @@
 Exit codes: 0 done; 1 runtime failure; 2 bad flag or config value; 130 interrupted by Ctrl-C,
 143 by SIGTERM (the run stopped after its current step and saved a whole checkpoint). Every
 failure is one line on stderr, ``zero-offload: error: <problem and fix>``; ``--debug`` adds the
-traceback (see ``EXIT_CODES``).
+traceback (see [Note: exit codes] at ``_exit_codes``).
 
 [Note: config precedence] built-in defaults < the checkpoint's settings (``train --resume``) <
 ``--config FILE`` < flags; each layer sets only the fields it names. The command's defaults
@@ -248,6 +248,8 @@ def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack, saved: Opt
     base, base_source = {}, {}
     _layer(base, base_source, "default", {"params": "cpu", "optimizer": "nvme", "dtype": _default_dtype()})
     saved_offload = dict(saved.get("offload") or {})
+    if _is_temp_swap(saved_offload.get("nvme_dir")):  # a state file written before _saved_offload
+        saved_offload["nvme_dir"] = None  # that run's temporary swap is gone: make a new one
     _layer(base, base_source, "checkpoint", saved_offload)
     optim, optim_source = None, "default"
     if saved.get("optim"):
@@ -1051,9 +1053,10 @@ def _describe(e: BaseException, args) -> str:
         path = e.filename if e.filename is not None else ""
         for flag in ("nvme_dir", "out"):
             value = getattr(args, flag, None)
-            if value and path and os.path.abspath(str(path)).startswith(os.path.abspath(value)):
-                path = f"{_flag_name(flag)} {value} ({path})" if os.path.abspath(str(path)) != os.path.abspath(value) \
-                    else f"{_flag_name(flag)} {value}"
+            where = Path(os.path.abspath(os.fsdecode(path))) if path else None
+            if value and where is not None and (where == Path(os.path.abspath(value)) or
+                                                Path(os.path.abspath(value)) in where.parents):
+                path = f"{_flag_name(flag)} {value}" + ("" if where == Path(os.path.abspath(value)) else f" ({path})")
                 break
         fix = _OS_FIXES.get(e.errno, f"{e.strerror}; check the path")
         return f"{path}: {e.strerror} ({fix})" if path else f"{e.strerror} ({fix})"
@@ -1064,7 +1067,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = None
-    previous_sigterm = None
+    restore_sigterm = False
 
     def on_sigterm(signum, frame):
         raise Interrupted(signum)
@@ -1078,6 +1081,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             # SIGTERM unwinds like Ctrl-C (engine closed, temporary swap removed); `train` stops
             # after its current step instead (_StopOnSigint)
             previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+            restore_sigterm = True
         if args.command == "bench" and args.bench in _BENCH_SCRIPTS:
             return cmd_bench_script(args.bench, rest)
         if rest:
@@ -1099,8 +1103,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"zero-offload: error: {type(e).__name__}: {_describe(e, args)}{hint}", file=sys.stderr, flush=True)
         return EXIT_FAILURE
     finally:
-        if previous_sigterm is not None:
-            signal.signal(signal.SIGTERM, previous_sigterm)
+        if restore_sigterm:
+            signal.signal(signal.SIGTERM, previous_sigterm or signal.SIG_DFL)
 
 
 if __name__ == "__main__":
