@@ -44,8 +44,8 @@ def test_train_resume_matches_uninterrupted_run(tmp_path):
 
     done = run("--resume", "--steps", "7", "--out", str(ck))
     assert done.returncode == 2 and "larger than 7" in done.stderr
-    changed = run("--resume", "--steps", "9", "--batch-size", "3", "--out", str(ck))
-    assert changed.returncode == 2 and "differs from the checkpoint" in changed.stderr
+    changed = run("--resume", "--steps", "9", "--preset", "small", "--out", str(ck))
+    assert changed.returncode == 2 and "differs from the checkpoint's model" in changed.stderr
 
 
 def test_config_file_with_flag_override(tmp_path):

@@ -6,13 +6,20 @@
     zero-offload bench prefetch --depths 0,1,2,4,8 --out bench/
     zero-offload info --json
 
-Exit codes: 0 done; 1 runtime failure (message on stderr); 2 bad flag or config value (one line
-on stderr naming the fix); 130 interrupted (Ctrl-C: the last checkpoint is whole).
+Exit codes: 0 done; 1 runtime failure; 2 bad flag or config value; 130 interrupted by Ctrl-C,
+143 by SIGTERM (the run stopped after its current step and saved a whole checkpoint). Every
+failure is one line on stderr, ``zero-offload: error: <problem and fix>``; ``--debug`` adds the
+traceback (see [Note: exit codes] at ``_exit_codes``).
 
-[Note: config precedence] built-in defaults < ``--config FILE`` < flags. A config file replaces
-the command's placement defaults (params=cpu, optimizer=nvme) with ``OffloadConfig``'s own
-defaults for the fields it does not set; its optional ``"train"`` section sets the flags of
-the command (``{"train": {"preset": "small", "steps": 100}}``).
+[Note: config precedence] built-in defaults < the checkpoint's settings (``train --resume``) <
+``--config FILE`` < flags; each layer sets only the fields it names. The command's defaults
+are params=cpu, optimizer=nvme, dtype bf16 on CUDA / fp32 on CPU, then ``OffloadConfig``'s. A
+resume continues with the settings saved beside its checkpoint (model, data, placement, dtype,
+optimizer hyperparameters); a file or flag that changes one is reported in one line, and one
+that changes the model (preset, hf_config) is refused. A config file's optional ``"train"``
+section sets the flags of the command (``{"train": {"preset": "small", "steps": 100}}``) and its
+``"optim"`` section the optimizer. A DeepSpeed config (``"zero_optimization"``) is translated
+whole: what it leaves out has DeepSpeed's meaning (no ``bf16`` section: fp32).
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import errno
 import json
 import math
 import os
@@ -31,7 +39,9 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -41,6 +51,7 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
 
 STATE_FILE = "train_state.json"
 """In the checkpoint directory: which engine checkpoint is the latest, and the run's settings."""
@@ -48,6 +59,14 @@ STATE_FILE = "train_state.json"
 
 class UsageError(Exception):
     """A bad flag or config value: reported as one line on stderr, exit code 2."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A signal that stops the command at once: Ctrl-C (exit 130) or SIGTERM (exit 143)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.exit_code = 128 + signum
 
 
 class _Parser(argparse.ArgumentParser):
@@ -145,14 +164,44 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
 
 
-def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack):
-    """Flags + --config file -> (OffloadConfig, optimizer spec, RunSettings, extra train keys).
+_MODEL_KEYS = ("preset", "hf_config")
+"""Settings a resumed run cannot change: they decide which parameters exist."""
 
-    Raises UsageError for any bad value (config.py's messages name the field and the fix).
+_TEMP_SWAP_PREFIX = "zero_offload_swap_"
+
+
+def _is_temp_swap(nvme_dir: Optional[str]) -> bool:
+    """Whether ``nvme_dir`` is the temporary swap directory ``resolve`` made (removed at exit)."""
+    return bool(nvme_dir) and Path(nvme_dir).parent == Path(tempfile.gettempdir()) \
+        and Path(nvme_dir).name.startswith(_TEMP_SWAP_PREFIX)
+
+
+def _flag_name(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _layer(merged: dict, source: dict, name: str, values: dict) -> None:
+    """Apply one precedence layer: its values win over the layers below (see [Note: config
+    precedence] in the module docstring); ``source`` records which layer set each key."""
+    for key, value in values.items():
+        merged[key] = value
+        source[key] = name
+
+
+def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack, saved: Optional[dict] = None):
+    """Flags + --config file (+ the settings of the checkpoint being resumed) -> (OffloadConfig,
+    optimizer spec, RunSettings, extra train keys).
+
+    ``saved`` is the resumed run's state (``{"settings", "offload", "optim"}``, each optional);
+    every value that a file or flag changes against it is reported in one line on stdout, and a
+    change of model (preset, hf_config) is refused. Raises UsageError for any bad value
+    (config.py's messages name the field and the fix).
     """
     from . import config as zc
 
+    saved = saved or {}
     file_cfg = _read_config_file(args.config) if args.config else None
+    file_name = f"--config {args.config}"
     train_section = {}
     if file_cfg is not None:
         train_section = file_cfg.pop("train", {}) or {}
@@ -163,18 +212,23 @@ def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack):
             raise UsageError(f"--config {args.config}: unknown \"train\" key(s) {sorted(unknown)}; "
                              f"valid keys: {', '.join(sorted(TRAIN_KEYS))}")
 
-    # settings: defaults < file "train" section < flags
-    run = dict(defaults)
-    run.update(train_section)
-    for key in TRAIN_KEYS:
-        value = getattr(args, key, None)
-        if value is not None:
-            run[key] = value
-    extras = {k: run.pop(k) for k in ("save_every", "sample_tokens") if k in run}
+    # settings: defaults < checkpoint < file "train" section < flags
+    run, run_source = {}, {}
+    _layer(run, run_source, "default", defaults)
+    # the checkpoint's lr is in its optimizer spec ("optim"), which the file's "optim" may override
+    skip = {"lr"} if saved.get("optim") else set()
+    _layer(run, run_source, "checkpoint", {k: v for k, v in (saved.get("settings") or {}).items()
+                                           if k in TRAIN_KEYS and k not in skip})
+    _layer(run, run_source, file_name, train_section)
+    _layer(run, run_source, "flag", {k: getattr(args, k) for k in TRAIN_KEYS if getattr(args, k, None) is not None})
     if run.get("hf_config"):
         if getattr(args, "preset", None) is not None or train_section.get("preset"):
+            if run_source["hf_config"] == "checkpoint":
+                raise UsageError(f"--resume: the checkpoint is of the HF model {run['hf_config']}, a preset "
+                                 f"cannot load its weights; drop --preset, or pass another --out")
             raise UsageError("both a preset and an HF config are given: pass --preset or --hf-config, not both")
         run["preset"] = None  # the default preset gives way to the HF architecture
+    extras = {k: run.pop(k) for k in ("save_every", "sample_tokens") if k in run}
     try:
         settings = RunSettings(**run)
     except TypeError as e:
@@ -188,27 +242,79 @@ def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise UsageError(f"{name} must be a positive integer, got {value!r}")
 
-    # offload config: flags override the file (or the command's defaults)
+    # offload config: the command's placement defaults < checkpoint < file < flags. A DeepSpeed
+    # file is translated whole (its absent sections have DeepSpeed's meaning, e.g. no bf16 = fp32).
     flags = {k: getattr(args, k) for k in _PLACEMENT_FLAGS if getattr(args, k, None) is not None}
+    base, base_source = {}, {}
+    _layer(base, base_source, "default", {"params": "cpu", "optimizer": "nvme", "dtype": _default_dtype()})
+    saved_offload = dict(saved.get("offload") or {})
+    if _is_temp_swap(saved_offload.get("nvme_dir")):  # a state file written before _saved_offload
+        saved_offload["nvme_dir"] = None  # that run's temporary swap is gone: make a new one
+    _layer(base, base_source, "checkpoint", saved_offload)
+    optim, optim_source = None, "default"
+    if saved.get("optim"):
+        optim, optim_source = saved["optim"], "checkpoint"
     try:
         if file_cfg is not None and "zero_optimization" in file_cfg:  # a DeepSpeed config
-            cfg, spec = zc.load_config(file_cfg)
-            cfg = dataclasses.replace(cfg, **flags)
-        else:
-            base = dict(file_cfg) if file_cfg is not None else {
-                "params": "cpu", "optimizer": "nvme", "dtype": _default_dtype()}
-            base.update(flags)
-            wants_nvme = "nvme" in (str(base.get("params", "")).lower(), str(base.get("optimizer", "")).lower())
-            if wants_nvme and not base.get("nvme_dir"):
-                base["nvme_dir"] = temp_dirs.enter_context(tempfile.TemporaryDirectory(prefix="zero_offload_swap_"))
-            cfg, spec = zc.load_config(base)
+            ds_cfg, ds_spec = zc.load_config(file_cfg)
+            _layer(base, base_source, file_name, ds_cfg.to_dict())
+            if ds_spec is not None:
+                optim, optim_source = ds_spec.to_dict(), file_name
+        elif file_cfg is not None:
+            named = dict(file_cfg)
+            if "optim" in named:
+                optim, optim_source = named.pop("optim"), file_name
+            _layer(base, base_source, file_name, named)
+        _layer(base, base_source, "flag", flags)
+        wants_nvme = "nvme" in (str(base.get("params", "")).lower(), str(base.get("optimizer", "")).lower())
+        if wants_nvme and not base.get("nvme_dir"):
+            base["nvme_dir"] = temp_dirs.enter_context(tempfile.TemporaryDirectory(prefix=_TEMP_SWAP_PREFIX))
+        cfg, _ = zc.load_config(base)
+        spec = None if optim is None else zc.spec_from_dict(optim)
     except (ValueError, TypeError) as e:
         raise UsageError(_one_line(e)) from None
     if spec is None:
         spec = zc.AdamW(lr=1e-2, weight_decay=0.0)  # tuned on the tiny char model: 3e-3 plateaus at ~3.3
     if settings.lr is not None:
         spec = dataclasses.replace(spec, lr=settings.lr)
+    if saved:
+        _report_overrides(saved, settings=settings, run_source=run_source, cfg=cfg,
+                          base_source=base_source, spec=spec, optim_source=optim_source)
     return cfg, spec, settings, extras
+
+
+def _report_overrides(saved: dict, *, settings: RunSettings, run_source: dict, cfg, base_source: dict,
+                      spec, optim_source: str) -> None:
+    """One line on stdout per setting of the resumed run that a file or flag changes; UsageError
+    for a change of model (its parameters would not match the checkpoint's)."""
+    def who(source: str, key: str, value) -> str:
+        return f"{_flag_name(key)} {value}" if source == "flag" else f"{key} {value} from {source}"
+
+    lines = []
+    old_settings = saved.get("settings") or {}
+    for key in _MODEL_KEYS:
+        new, old = getattr(settings, key), old_settings.get(key)
+        if key in old_settings and new != old:
+            was = f"hf:{old_settings['hf_config']}" if old_settings.get("hf_config") else old_settings.get("preset")
+            raise UsageError(f"--resume: {who(run_source[key], key, new)} differs from the checkpoint's "
+                             f"model {was}, whose weights it cannot load; drop it, or pass another --out "
+                             f"to start a new run")
+    for key in ("steps", "batch_size", "seq_len", "seed"):
+        new, old = getattr(settings, key), old_settings.get(key)
+        if key in old_settings and new is not None and new != old:
+            lines.append(f"--resume: {who(run_source[key], key, new)} overrides the checkpoint's {old}")
+    new_offload = cfg.to_dict()
+    for key, old in (saved.get("offload") or {}).items():
+        new = new_offload.get(key)
+        if base_source.get(key) not in (None, "default", "checkpoint") and new != old:
+            lines.append(f"--resume: {who(base_source[key], key, new)} overrides the checkpoint's {old}")
+    for key, new in spec.to_dict().items():
+        old = (saved.get("optim") or {}).get(key)
+        if old is not None and new != old:
+            source = run_source["lr"] if key == "lr" and settings.lr is not None else optim_source
+            lines.append(f"--resume: {who(source, key, new)} overrides the checkpoint's {old}")
+    for line in lines:
+        print(line, flush=True)
 
 
 # --------------------------------------------------------------------------------- models
@@ -259,26 +365,51 @@ def _human_bytes(n: float) -> str:
 # ------------------------------------------------------------------------------------ train
 
 class _StopOnSigint:
-    """First Ctrl-C: finish the current step, save, exit 130. Second: stop at once (the
-    engine's checkpoints are atomic, so the last one stays whole)."""
+    """First Ctrl-C or SIGTERM: finish the current step, save, exit 128 + the signal (130, 143).
+    Second: stop at once (the engine's checkpoints are atomic, so the last one stays whole)."""
+
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
         self.requested = False
-        self._previous = None
+        self.signum: Optional[int] = None
+        self._previous: dict = {}
+
+    @property
+    def what(self) -> str:
+        return "Ctrl-C" if self.signum == signal.SIGINT else signal.Signals(self.signum).name
 
     def _handler(self, signum, frame):
         if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        print("\nzero-offload: Ctrl-C: stopping after this step and saving a checkpoint "
-              "(Ctrl-C again stops at once; the last checkpoint stays whole)", file=sys.stderr, flush=True)
+            raise Interrupted(signum)
+        self.requested, self.signum = True, signum
+        print(f"\nzero-offload: {self.what}: stopping after this step and saving a checkpoint "
+              f"(Ctrl-C or SIGTERM again stops at once; the last checkpoint stays whole)",
+              file=sys.stderr, flush=True)
 
     def __enter__(self):
-        self._previous = signal.signal(signal.SIGINT, self._handler)
+        self._previous = {s: signal.signal(s, self._handler) for s in self._SIGNALS}
         return self
 
     def __exit__(self, *exc):
-        signal.signal(signal.SIGINT, self._previous)
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
+
+
+def _saved_offload(cfg) -> dict:
+    """The offload settings a resumed run starts from: the temporary swap directory (gone at exit)
+    is recorded as None, so a resume makes a new one."""
+    d = cfg.to_dict()
+    if _is_temp_swap(d.get("nvme_dir")):
+        d["nvme_dir"] = None
+    return d
+
+
+def _apply_spec(engine, spec) -> None:
+    """Set the optimizer hyperparameters of every param group to ``spec``'s: after
+    ``load_checkpoint`` (which restores the saved ones) so that a resume's overrides take effect."""
+    for group in engine.optimizer.param_groups:
+        group.update(lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps, weight_decay=spec.weight_decay)
 
 
 def _read_state(out: Path) -> Optional[dict]:
@@ -400,6 +531,9 @@ def cmd_train(args) -> int:
     from .models import generate
 
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file, not a directory; pass a directory for the checkpoints "
+                         f"(it is created if missing)")
     with contextlib.ExitStack() as stack:
         defaults = dict(preset="tiny", hf_config=None, steps=300, batch_size=16, seq_len=None,
                         seed=0, lr=None, save_every=100, sample_tokens=200)
@@ -408,17 +542,11 @@ def cmd_train(args) -> int:
             if previous is None:
                 raise UsageError(f"--resume: no checkpoint in {out} (no {STATE_FILE}); run without "
                                  f"--resume first, or pass the --out of an earlier run")
-            # the model and data settings of the run being continued; flags may not change them
-            for key in ("preset", "hf_config", "seq_len", "batch_size", "seed"):
-                flag = getattr(args, key, None)
-                if flag is not None and flag != previous["settings"][key]:
-                    raise UsageError(f"--resume: --{key.replace('_', '-')} {flag} differs from the "
-                                     f"checkpoint's {previous['settings'][key]!r}; drop the flag")
-                defaults[key] = previous["settings"][key]
         elif previous is not None and not args.overwrite:
             raise UsageError(f"{out} already holds a checkpoint (step {previous.get('step')}); pass "
                              f"--resume to continue it, --overwrite to replace it, or another --out")
-        cfg, spec, settings, extras = resolve(args, defaults=defaults, temp_dirs=stack)
+        cfg, spec, settings, extras = resolve(args, defaults=defaults, temp_dirs=stack,
+                                              saved=previous if args.resume else None)
         start = previous["step"] if args.resume else 0
         if start >= settings.steps:
             raise UsageError(f"--resume: the checkpoint is at step {start} already; pass --steps "
@@ -426,7 +554,7 @@ def cmd_train(args) -> int:
         torch.manual_seed(settings.seed)
         model, seq_len = build_model(settings)
         corpus = CharCorpus.default()
-        if args.nvme_dir is None and cfg.nvme_dir and cfg.nvme_dir.startswith(tempfile.gettempdir()):
+        if _is_temp_swap(cfg.nvme_dir):
             where = f"{cfg.nvme_dir} (temporary)"
         else:
             where = cfg.nvme_dir
@@ -443,14 +571,15 @@ def cmd_train(args) -> int:
         resumed = None
         if args.resume:
             resumed = _resume(engine, out, previous)
+            _apply_spec(engine, spec)  # the checkpoint's hyperparameters, or the overrides reported above
             start = resumed["step"]
             print(f"resumed from step {start} ({out / resumed['name']})", flush=True)
         out.mkdir(parents=True, exist_ok=True)
         state = {"writer": _STATE_WRITER, "settings": dataclasses.asdict(settings),
-                 "offload": cfg.to_dict() if hasattr(cfg, "to_dict") else None, "step": start,
+                 "offload": _saved_offload(cfg), "optim": spec.to_dict(), "step": start,
                  "checkpoint": resumed["name"] if resumed else None,
                  "checkpoints": [c for c in _checkpoints(previous) if c["step"] <= start] if resumed else []}
-        state["settings"]["seq_len"] = seq_len
+        state["settings"].update(seq_len=seq_len, **extras)
 
         tokens_per_step = settings.batch_size * seq_len
         losses, step_times = [], []
@@ -490,8 +619,8 @@ def cmd_train(args) -> int:
               f"{median * 1e3:.1f} ms, {tokens_per_step / median:,.0f} tokens/s", flush=True)
         print(f"checkpoint: {out / state['checkpoint']} (continue with --resume --out {out})", flush=True)
         if stop.requested:
-            print("stopped by Ctrl-C", file=sys.stderr)
-            return EXIT_INTERRUPTED
+            print(f"stopped by {stop.what}", file=sys.stderr)
+            return 128 + stop.signum
         n_sample = extras.get("sample_tokens") or 0
         if n_sample:
             prompt = corpus.encode("\n").view(1, -1).to(device)
@@ -517,8 +646,8 @@ def plot_prefetch(results: Sequence[dict], path, *, title: str = "", recommended
     try:
         import matplotlib
     except ImportError:
-        raise UsageError("the plot needs matplotlib: `pip install matplotlib` "
-                         "(or `pip install 'zero_offload[plot]'`)") from None
+        raise ImportError("the plot needs matplotlib: `pip install matplotlib` "
+                          "(or `pip install 'zero_offload[plot]'`)") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -674,10 +803,15 @@ def cmd_bench_prefetch(args) -> int:
         "recommended_depth": recommended, "results": results,
     }
     stem.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str))
-    plot_prefetch(results, stem.with_suffix(".png"), recommended=recommended,
-                  title=f"prefetch depth: {_describe_model(settings)} on {_hardware_slug()}")
     print(f"\nrecommended prefetch depth: {recommended} (smallest within {args.tolerance:.0%} of the "
-          f"best median step time)\nwrote {stem}.json and {stem}.png")
+          f"best median step time)", flush=True)
+    try:
+        plot_prefetch(results, stem.with_suffix(".png"), recommended=recommended,
+                      title=f"prefetch depth: {_describe_model(settings)} on {_hardware_slug()}")
+    except ImportError as e:  # the measurements stand without the picture
+        print(f"wrote {stem}.json (no PNG: {_one_line(e)})")
+    else:
+        print(f"wrote {stem}.json and {stem}.png")
     return EXIT_OK
 
 
@@ -903,7 +1037,7 @@ def _add_run_flags(p: argparse.ArgumentParser, *, what: str) -> None:
     m.add_argument("--seq-len", type=_positive_int, default=None, help="default: the model's")
     m.add_argument("--lr", type=_positive_float, default=None, help="learning rate (AdamW; default 1e-2)")
     m.add_argument("--seed", type=_nonneg_int, default=None, help="model init and batch order (default 0)")
-    o = p.add_argument_group("offload (flags override --config)")
+    o = p.add_argument_group("offload (flags override --config, which overrides a resumed checkpoint)")
     o.add_argument("--config", default=None, metavar="FILE",
                    help="JSON: OffloadConfig fields (or a DeepSpeed config), optional \"optim\" "
                         "{type, lr, ...} and \"train\" {preset, steps, ...} sections")
@@ -919,18 +1053,46 @@ def _add_run_flags(p: argparse.ArgumentParser, *, what: str) -> None:
                    help="working precision (default bf16 on CUDA, fp32 on CPU)")
 
 
+PRECEDENCE_HELP = """\
+settings, lowest to highest precedence (each layer sets only the fields it names):
+  1. defaults: params cpu, optimizer nvme (temporary swap dir), dtype bf16 on CUDA / fp32 on CPU
+  2. the checkpoint's settings (train --resume): model, data, placement, dtype, optimizer
+  3. --config FILE: its OffloadConfig fields, "optim" and "train" sections
+  4. flags
+On --resume, each setting a file or flag changes is reported in one line; a change of model
+(--preset, --hf-config) is refused."""
+
+EXIT_HELP = """\
+exit codes: 0 done, 1 runtime failure, 2 bad flag or config value, 130 Ctrl-C, 143 SIGTERM
+(train stops after the current step and saves). A failure is one line on stderr; --debug adds
+the traceback."""
+
+
+def _add_debug_flag(p: argparse.ArgumentParser) -> None:
+    # also after the command; SUPPRESS keeps the main parser's value when it is not given here
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="print the traceback of a failure too")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="zero-offload", description="Offload training engine: train, benchmark, inspect.")
+    import zero_offload
+
+    parser = _Parser(prog="zero-offload", description="Offload training engine: train, benchmark, inspect.",
+                     epilog=EXIT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"zero-offload {zero_offload.__version__}")
+    parser.add_argument("--debug", action="store_true", help="print the traceback of a failure too")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
 
     t = sub.add_parser("train", help="train a GPT on the shipped text with params and optimizer offloaded",
                        description="Train (by default the tiny GPT on the shipped public-domain text, about "
                                    "a minute on 2 CPU cores) with params on the CPU and optimizer state in "
-                                   "an NVMe swap space; saves a checkpoint and prints a sample.")
+                                   "an NVMe swap space; saves a checkpoint and prints a sample.",
+                       epilog=PRECEDENCE_HELP + "\n\n" + EXIT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_run_flags(t, what="tiny")
     c = t.add_argument_group("checkpoint")
     c.add_argument("--out", default="zero_offload_ckpt", metavar="DIR", help="checkpoint directory (default ./zero_offload_ckpt)")
-    c.add_argument("--resume", action="store_true", help="continue the checkpoint in --out up to --steps")
+    c.add_argument("--resume", action="store_true", help="continue the checkpoint in --out up to --steps, with "
+                   "its saved settings (flags and --config override them, each override reported)")
     c.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out (only "
                    "what zero_offload wrote there goes, once the new run's first checkpoint is whole)")
     c.add_argument("--keep", type=_positive_int, default=2, metavar="N",
@@ -941,13 +1103,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--sample-tokens", type=_nonneg_int, default=None, metavar="N",
                    help="characters of text to generate at the end (default 200; 0: none)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_debug_flag(t)
     t.set_defaults(func=cmd_train)
 
     b = sub.add_parser("bench", help="benchmarks: prefetch depth, CPU-Adam, NVMe I/O")
     bsub = b.add_subparsers(dest="bench", required=True, parser_class=_Parser, metavar="BENCH")
     bp = bsub.add_parser("prefetch", help="step time, stall, bytes moved and peak memory per prefetch depth",
                          description="Runs real training steps at each prefetch depth; prints a table, "
-                                     "writes JSON + PNG to --out and recommends a depth.")
+                                     "writes JSON + PNG to --out and recommends a depth.",
+                         epilog=PRECEDENCE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     bp.add_argument("--depths", type=_depths, default=[0, 1, 2, 4, 8], help="comma-separated (default 0,1,2,4,8)")
     bp.add_argument("--warmup", type=_nonneg_int, default=2, help="untimed steps per depth (default 2; "
                     "the first records the access order)")
@@ -955,6 +1119,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="recommend the smallest depth within this fraction of the best (default 0.03)")
     bp.add_argument("--out", default="zero_offload_bench", metavar="DIR", help="where the JSON and PNG go")
     _add_run_flags(bp, what="small on CPU, 1.3b on CUDA")
+    _add_debug_flag(bp)
     bp.set_defaults(func=cmd_bench_prefetch)
     for which, what in _BENCH_SCRIPTS.items():
         bsub.add_parser(which, add_help=False, help=f"{what} (own flags: bench {which} --help)")
@@ -975,25 +1140,96 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_codes() -> tuple:
+    """[Note: exit codes] The one mapping from what a command raised to its exit code, first match
+    wins: a bad flag or config value exits 2, a failure while running exits 1. Every failure is
+    one line on stderr; ``--debug`` prints the traceback before it."""
+    from .checkpoint import CheckpointError
+    from .pipeline import PipelineError
+    from .placement import FitError
+    from .store import BudgetError, StoreError
+
+    return (
+        (UsageError, EXIT_USAGE),             # flags, --config, --resume/--out misuse
+        (FitError, EXIT_FAILURE),             # budgets cannot hold the model (a ValueError: before it)
+        (CheckpointError, EXIT_FAILURE),      # missing, corrupted or mismatched checkpoint
+        (BudgetError, EXIT_FAILURE),          # a tier ran out of its budget while running
+        ((StoreError, PipelineError), EXIT_FAILURE),
+        (OSError, EXIT_FAILURE),              # swap/checkpoint directory: read-only, full, in the way
+        (ValueError, EXIT_USAGE),             # a config value the API refused
+        (RuntimeError, EXIT_FAILURE),         # the engine (e.g. a non-finite loss)
+    )
+
+
+_OS_FIXES = {
+    errno.ENOSPC: "the disk is full; free space, or pass an --out/--nvme-dir on another disk",
+    errno.EDQUOT: "the disk quota is exceeded; free space, or pass an --out/--nvme-dir elsewhere",
+    errno.EROFS: "the file system is read-only; choose a writable directory",
+    errno.EACCES: "permission denied; choose a directory you can write, or change its permissions",
+    errno.EPERM: "operation not permitted; choose a directory you can write",
+    errno.EEXIST: "a file is in the way where a directory is needed; pass a directory path",
+    errno.ENOTDIR: "a file is in the way where a directory is needed; pass a directory path",
+}
+
+
+def _describe(e: BaseException, args) -> str:
+    """The one line for a failure: the message, with an OSError's path named by its flag."""
+    if isinstance(e, OSError) and e.errno is not None and e.strerror:
+        path = e.filename if e.filename is not None else ""
+        for flag in ("nvme_dir", "out"):
+            value = getattr(args, flag, None)
+            where = Path(os.path.abspath(os.fsdecode(path))) if path else None
+            if value and where is not None and (where == Path(os.path.abspath(value)) or
+                                                Path(os.path.abspath(value)) in where.parents):
+                path = f"{_flag_name(flag)} {value}" + ("" if where == Path(os.path.abspath(value)) else f" ({path})")
+                break
+        fix = _OS_FIXES.get(e.errno, f"{e.strerror}; check the path")
+        return f"{path}: {e.strerror} ({fix})" if path else f"{e.strerror} ({fix})"
+    return _one_line(e) or type(e).__name__
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    args = None
+    restore_sigterm = False
+
+    def on_sigterm(signum, frame):
+        raise Interrupted(signum)
+
     try:
         try:
             args, rest = parser.parse_known_args(argv)
-        except SystemExit as e:  # --help
+        except SystemExit as e:  # --help, --version
             return int(e.code or 0)
+        if threading.current_thread() is threading.main_thread():
+            # SIGTERM unwinds like Ctrl-C (engine closed, temporary swap removed); `train` stops
+            # after its current step instead (_StopOnSigint)
+            previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+            restore_sigterm = True
         if args.command == "bench" and args.bench in _BENCH_SCRIPTS:
             return cmd_bench_script(args.bench, rest)
         if rest:
             raise UsageError(f"unrecognized arguments: {' '.join(rest)} (see `zero-offload {args.command} --help`)")
         return args.func(args)
-    except UsageError as e:
-        print(f"zero-offload: error: {_one_line(e)}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("zero-offload: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as e:
+        code = getattr(e, "exit_code", EXIT_INTERRUPTED)
+        print(f"zero-offload: interrupted ({'Ctrl-C' if code == EXIT_INTERRUPTED else 'SIGTERM'})", file=sys.stderr)
+        return code
+    except Exception as e:
+        debug = bool(getattr(args, "debug", False))
+        if debug:
+            traceback.print_exc()
+        for types, code in _exit_codes():
+            if isinstance(e, types):
+                print(f"zero-offload: error: {_describe(e, args)}", file=sys.stderr, flush=True)
+                return code
+        hint = "" if debug else " (run with --debug for the traceback)"
+        print(f"zero-offload: error: {type(e).__name__}: {_describe(e, args)}{hint}", file=sys.stderr, flush=True)
+        return EXIT_FAILURE
+    finally:
+        if restore_sigterm:
+            signal.signal(signal.SIGTERM, previous_sigterm or signal.SIG_DFL)
 
 
 if __name__ == "__main__":
