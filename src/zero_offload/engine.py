@@ -809,8 +809,8 @@ class Engine:
             site = (f" in {type(module).__name__} {names[module] or '(the model)'!r}, "
                     f"{code.co_name} at {os.path.basename(code.co_filename)}:{lineno}: `{line}`")
             prefix = names[module] + "." if names[module] else ""
-            for path in re.findall(r"\bself\.([A-Za-z_][\w.]*)", line):
-                parts = path.split(".")
+            for path in re.findall(r"\bself\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*|\[\d+\])*)", line):
+                parts = re.sub(r"\[(\d+)\]", r".\1", path).split(".")
                 for k in range(len(parts), 0, -1):
                     try:
                         t = module.get_parameter(".".join(parts[:k]))
