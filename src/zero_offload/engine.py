@@ -14,8 +14,11 @@ Ownership, outer to inner (see docs/internals.md): ``Engine`` owns a ``Partition
 parameter lives where, partition.py), a ``ChunkStore`` (bytes and tiers, store.py), a
 ``Prefetcher`` for the working params (prefetch.py) and a ``StepPipeline`` (the CPU-Adam worker,
 pipeline.py). It keeps one ``_Chunk`` record per chunk and one ``_ModuleRecord`` per module that
-holds parameters directly; nothing is written onto the user's modules or parameters except
-``param.data`` (see [Note: parameter data] While a chunk is in use on the compute device, each of its parameters'
+holds parameters directly (or reads other modules' ones, see [Note: external parameters]);
+nothing is written onto the user's modules or parameters except ``param.data`` (see
+[Note: parameter data]) and the hooks it registers (removed by ``close``).
+
+[Note: parameter data] While a chunk is in use on the compute device, each of its parameters'
 ``.data`` is a view of the chunk's device buffer (working dtype). Otherwise ``.data`` is the
 parameter's placeholder (one per parameter, made at initialize): a tensor of the parameter's
 shape, the working dtype and the compute device whose storage has zero bytes, as FSDP2 frees
@@ -23,8 +26,8 @@ unsharded parameters. ``shape``, ``numel``, ``dtype`` and ``device`` stay meanin
 inspects them, and a read never sees stale or uninitialised numbers: every view (``weight.t()``
 in ``F.linear``, indexing, ``embedding``) and every kernel taking a typed data pointer raises
 ("... out of bounds for storage of size 0" / "data is not allocated yet"), and ``engine(...)`` /
-``engine.backward`` re-raise that as an error naming the module and the read. Caveat (checked on
-torch 2.13): an element-wise kernel fed the placeholder directly (``w * x``, ``w.sum()``,
+``engine.backward`` re-raise that as an error naming the module and the read. Caveat (seen with torch
+2.13 on the CPU and 2.11 on an H100): an element-wise kernel fed the placeholder directly (``w * x``, ``w.sum()``,
 ``print(w)``) reads through an untyped data pointer that torch does not check, i.e. a null
 pointer: a segfault on the CPU, an illegal-address error on CUDA. Such a read can only happen
 where [Note: external parameters] did not see it (a branch first taken after recording, or user
