@@ -62,7 +62,7 @@ def test_cuda_bf16_parity(params, optimizer, tmp_path):
             losses.append(loss.item())
         handle.remove()
         assert seen and all(s == ("cuda", torch.bfloat16, False) for s in seen)
-        assert engine.module.blocks[0].attn.qkv.weight.isnan().all()  # released after use
+        assert engine.module.blocks[0].attn.qkv.weight.untyped_storage().nbytes() == 0  # released after use
         for a, b in zip(losses, ref_losses):
             assert a == pytest.approx(b, rel=5e-3)
         sd = engine.state_dict()

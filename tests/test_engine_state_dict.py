@@ -25,6 +25,6 @@ def test_state_dict_loads_into_fresh_model():
         assert got == pytest.approx(want, rel=1e-6)
         with engine.gathered() as m:  # read-only fp32 view through the user's module
             assert torch.equal(m.blocks[0].attn.qkv.weight, sd["blocks.0.attn.qkv.weight"])
-        assert engine.module.blocks[0].attn.qkv.weight.isnan().all()  # placeholder again
+        assert engine.module.blocks[0].attn.qkv.weight.untyped_storage().nbytes() == 0  # placeholder again
     finally:
         engine.close()

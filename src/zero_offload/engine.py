@@ -14,15 +14,42 @@ Ownership, outer to inner (see docs/internals.md): ``Engine`` owns a ``Partition
 parameter lives where, partition.py), a ``ChunkStore`` (bytes and tiers, store.py), a
 ``Prefetcher`` for the working params (prefetch.py) and a ``StepPipeline`` (the CPU-Adam worker,
 pipeline.py). It keeps one ``_Chunk`` record per chunk and one ``_ModuleRecord`` per module that
-holds parameters directly; nothing is written onto the user's modules or parameters except
-``param.data`` (see [Note: parameter data]) and the hooks it registers (removed by ``close``).
+holds parameters directly (or reads other modules' ones, see [Note: external parameters]);
+nothing is written onto the user's modules or parameters except ``param.data`` (see
+[Note: parameter data]) and the hooks it registers (removed by ``close``).
 
 [Note: parameter data] While a chunk is in use on the compute device, each of its parameters'
-``.data`` is a view of the chunk's device buffer (working dtype). Otherwise ``.data`` is a
-placeholder: a NaN scalar of the working dtype on the compute device expanded to the
-parameter's shape (no memory; ``shape``, ``numel``, ``dtype`` and ``device`` stay meaningful for
-code that inspects them; a value read by mistake is NaN, never stale numbers). To read the
-values use ``engine.gathered()`` (fp32 copies on the CPU) or ``engine.state_dict()``.
+``.data`` is a view of the chunk's device buffer (working dtype). Otherwise ``.data`` is the
+parameter's placeholder (one per parameter, made at initialize): a tensor of the parameter's
+shape, the working dtype and the compute device whose storage has zero bytes, as FSDP2 frees
+unsharded parameters. ``shape``, ``numel``, ``dtype`` and ``device`` stay meaningful for code that
+inspects them, and a read never sees stale or uninitialised numbers: every view (``weight.t()``
+in ``F.linear``, indexing, ``embedding``) and every kernel taking a typed data pointer raises
+("... out of bounds for storage of size 0" / "data is not allocated yet"), and ``engine(...)`` /
+``engine.backward`` re-raise that as an error naming the module and the read. Caveat (seen with torch
+2.13 on the CPU and 2.11 on an H100): an element-wise kernel fed the placeholder directly (``w * x``, ``w.sum()``,
+``print(w)``) reads through an untyped data pointer that torch does not check, i.e. a null
+pointer: a segfault on the CPU, an illegal-address error on CUDA. Such a read can only happen
+where [Note: external parameters] did not see it (a branch first taken after recording, or user
+code outside ``engine(...)``). To read the values use ``engine.gathered()`` (fp32 copies on the
+CPU) or ``engine.state_dict()``; ``close()`` writes them back into the parameters.
+
+[Note: external parameters] A module's hooks fetch the chunks of the parameters it holds
+directly, but models read parameters elsewhere too: a parent's ``F.linear(x, self.tok.weight)``
+(tied head), a parameter handed to a custom ``autograd.Function``, one weight shared by two
+modules, a parent reading a child's bias. So forwards run under a ``TorchFunctionMode``
+(``_ReadRecorder``) until one forward with grad enabled has completed: it sees every torch call,
+and when an argument is a parameter whose chunk is not held by a module on the current call stack
+(temporary hooks on every module keep that stack while recording; the root is always on it) it
+holds the chunk right there, until that module's forward ends, and records the parameter as an
+*external* read of the innermost running module. When the forward ends, each such module's
+``_ModuleRecord`` gets the parameter (``external``) and its chunk: later forwards hold it in that
+module's pre-forward and backward holds it with the module's backward token, and its grad is
+``expect``ed like the module's own (modules without parameters get a record and hooks then).
+During the recording pass backward reaches such chunks through saved views (held until backward
+ends). After recording the mode is off (no per-op cost); a read it did not see finds the
+placeholder. ``engine.record_reads()`` makes the next forward record again (e.g. before a step
+that takes a branch the first forward did not).
 
 [Note: saved parameter views] Autograd may save views of parameters for backward (``linear``
 saves ``weight.t()``); such a view would keep the chunk's device buffer alive after the chunk is
@@ -92,15 +119,20 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import linecache
 import math
 import os
+import re
 import threading
 import time
+import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -206,11 +238,81 @@ class _Chunk:
 
 @dataclass(eq=False)
 class _ModuleRecord:
-    """A module that holds parameters directly, and the chunks they live in."""
+    """A module whose forward uses parameters (its own, or external ones read in its forward;
+    see [Note: external parameters]), and the chunks they live in."""
 
     module: nn.Module
     slots: tuple
+    """Slots of the parameters the module holds directly."""
     chunks: tuple
+    """Chunks of ``slots`` and ``external``, each once."""
+    external: tuple = ()
+    """Slots of other modules' parameters this module's forward reads (recorded)."""
+
+
+@dataclass(eq=False)
+class _ReadFrame:
+    """One module call while reads are recorded; see [Note: external parameters]."""
+
+    module: nn.Module
+    covers: frozenset
+    """Slots the module's hooks hold and expect during this call (own and recorded external)."""
+    grad: bool
+    """Grad mode at the call (a read's grad is expected only then)."""
+    read: set = field(default_factory=set)
+    """Slots recorded as external reads of this call."""
+    held: list = field(default_factory=list)
+    """Chunks held for those reads (let go when the call ends)."""
+
+
+_VALUE_GETTERS = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
+"""Tensor properties whose getter returns the values (the others are metadata)."""
+
+_METADATA_CALLS = frozenset({
+    "__set__", "size", "dim", "numel", "nelement", "stride", "storage_offset", "is_contiguous",
+    "element_size", "is_floating_point", "is_complex", "untyped_storage", "data_ptr",
+    "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "get_device",
+    "is_pinned", "__len__", "__hash__"})
+"""Torch calls on a tensor that do not read its values (and the ``.data`` setter)."""
+
+
+def _reads_values(func) -> bool:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", "") in _VALUE_GETTERS
+    return name not in _METADATA_CALLS
+
+
+class _ReadRecorder(TorchFunctionMode):
+    """Sees every torch call of a recording forward; see [Note: external parameters]."""
+
+    def __init__(self, engine: "Engine"):
+        super().__init__()
+        self._engine = engine
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _reads_values(func):
+            self._engine._note_reads(args, kwargs)
+        return func(*args, **kwargs)
+
+
+_UNREADABLE_MARKERS = ("for storage of size 0", "data is not allocated yet",
+                       "tensor with unallocated storage")
+"""torch's messages for a read of a zero-byte placeholder; see [Note: parameter data]."""
+
+
+def _unreadable(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor with a parameter's metadata and a storage of zero bytes (allocated once at full
+    size and freed: the caching allocator reuses the block)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    t.untyped_storage().resize_(0)
+    return t
+
+
+_OPEN_ENGINES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+"""Every module of a model an open engine manages -> that engine (weakly): initialize refuses
+a model, or a model containing or inside one, that an open engine holds."""
 
 
 @dataclass(eq=False)
@@ -362,6 +464,7 @@ class Engine:
                  param_groups: Optional[Sequence[dict]] = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"initialize needs an nn.Module, got {type(model).__name__}")
+        _check_not_managed(model)
         cfg, spec = _resolve_config(config, optimizer)
         self.config: OffloadConfig = cfg
         self.spec: Adam = spec
@@ -402,6 +505,9 @@ class Engine:
         except BaseException:
             self.store.close()
             raise
+        ref = weakref.ref(self)
+        for m in model.modules():
+            _OPEN_ENGINES[m] = ref
 
     # ---- construction -----------------------------------------------------------------------
 
@@ -412,7 +518,14 @@ class Engine:
         self._phase = Phase.IDLE
         self._closed = False
         self._chunks: list[_Chunk] = []
-        self._placeholder = torch.full((), float("nan"), dtype=self.dtype, device=self.device)
+        # Where each param/buffer came from: close() puts the trained values back there.
+        self._origins = tuple((s.param.device, s.param.dtype) for s in self.partition.slots)
+        self._empty_origins = tuple((p, p.device, p.dtype) for _, p in self.partition.empty)
+        self._buffer_origins = tuple((m, name, b.device) for m in self.module.modules()
+                                     for name, b in m._buffers.items() if b is not None)
+        # See [Note: parameter data]; indexed by slot index.
+        self._placeholders = tuple(_unreadable(s.shape, self.dtype, self.device)
+                                   for s in self.partition.slots)
         # The scheduler factory runs before the weights move, so its errors change nothing.
         self.optimizer = _HyperParams(self.spec, self._group_overrides)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
@@ -465,21 +578,32 @@ class Engine:
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._bytes0 = dict(self.store.stats.bytes_moved)
 
+        # See [Note: external parameters].
+        self._recorded = False
+        self._recorder = _ReadRecorder(self)
+        self._read_frames: list[_ReadFrame] = []
+        self._reads: dict = {}  # module -> {slot: None} read outside its owners (recording only)
+
         self._hook_handles = []
+        self._records: dict = {}  # module -> its _ModuleRecord
         for m in self.module.modules():
             slots = self.partition.module_slots(m)
             if not slots:
                 continue
-            rec = _ModuleRecord(module=m, slots=slots,
-                                chunks=tuple(dict.fromkeys(self._chunks[s.chunk] for s in slots)))
-            self._hook_handles.append(m.register_forward_pre_hook(
-                functools.partial(self._pre_forward, rec), with_kwargs=True))
-            self._hook_handles.append(m.register_forward_hook(
-                functools.partial(self._post_forward, rec), with_kwargs=True, always_call=True))
+            self._add_record(_ModuleRecord(
+                module=m, slots=slots,
+                chunks=tuple(dict.fromkeys(self._chunks[s.chunk] for s in slots))))
         for s in self.partition.slots:
             if s.trainable:
                 self._hook_handles.append(s.param.register_post_accumulate_grad_hook(
                     functools.partial(self._grad_landed, s)))
+
+    def _add_record(self, rec: _ModuleRecord) -> None:
+        self._records[rec.module] = rec
+        self._hook_handles.append(rec.module.register_forward_pre_hook(
+            functools.partial(self._pre_forward, rec), with_kwargs=True))
+        self._hook_handles.append(rec.module.register_forward_hook(
+            functools.partial(self._post_forward, rec), with_kwargs=True, always_call=True))
 
     def _add_chunk(self, layout: ChunkLayout, homes) -> _Chunk:
         dtypes = payload_dtypes(layout, self.config)
@@ -518,12 +642,16 @@ class Engine:
         return out
 
     def _give_weights_back(self) -> None:
-        """initialize failed part-way: put the fp32 values of the chunks loaded so far back into
-        the model's parameters (on the CPU), so the user's model is as it was."""
+        """Put the values of every chunk (the fp32 master, or the params payload for fp32 and
+        frozen chunks) back into the model's parameters, on the device and in the dtype each had
+        at initialize, chunk by chunk (host memory: one chunk's copy at a time). Used when
+        initialize fails part-way (the chunks loaded so far) and by ``close``."""
         for chunk in self._chunks:
-            flat = self._read_payload(chunk, self._fp32_payload_name(chunk)).float()
+            flat = self._read_payload(chunk, self._fp32_payload_name(chunk))
             for s in chunk.layout.slots:
-                s.param.data = flat[s.offset:s.end].view(s.shape).clone()
+                device, dtype = self._origins[s.index]
+                s.param.data = flat[s.offset:s.end].view(s.shape).to(device=device, dtype=dtype,
+                                                                       copy=True)
 
     def _load_initial(self, chunk: _Chunk) -> None:
         slots = chunk.layout.slots
@@ -536,7 +664,7 @@ class Engine:
         if chunk.layout.trainable and self.dtype is not torch.float32:
             self._write_payload(chunk, "master", fill_from_model)
         for s in slots:
-            s.param.data = self._placeholder.expand(s.shape)
+            s.param.data = self._placeholders[s.index]
 
     # ---- forward ----------------------------------------------------------------------------
 
@@ -555,19 +683,160 @@ class Engine:
             self._compute_stream = torch.cuda.current_stream(self.device)
         self.prefetcher.start_pass()
         self._set_phase(Phase.FORWARD)
+        recording = not self._recorded
         t0 = time.perf_counter()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
                     _range("zero_offload::forward"):
-                return self.module(*args, **kwargs)
-        except BaseException:
+                if not recording:
+                    return self.module(*args, **kwargs)
+                with self._recording():
+                    out = self.module(*args, **kwargs)
+                self._finish_recording()
+                return out
+        except BaseException as e:
             self._reset_holds()
-            raise
+            self._reads.clear()
+            raise self._explain(e) from e
         finally:
             self._set_phase(Phase.IDLE)
             if not torch.is_grad_enabled():
                 self._release_idle()  # no backward follows: go idle now
             self._span("forward", t0)
+
+    # ---- external parameters ([Note: external parameters]) ------------------------------------
+
+    def record_reads(self) -> None:
+        """Make the next forward record again which module reads which parameter (the first one
+        does by itself): call it before a forward that takes a branch earlier forwards did not,
+        if that branch reads a parameter outside the module holding it. That forward is slower
+        (every torch call is inspected)."""
+        self._check_open()
+        self._recorded = False
+
+    @contextlib.contextmanager
+    def _recording(self):
+        grad = torch.is_grad_enabled()
+        handles = []
+
+        def covers(module) -> frozenset:
+            rec = self._records.get(module)
+            return frozenset(rec.slots + rec.external) if rec is not None else frozenset()
+
+        def push(module, args):
+            self._read_frames.append(_ReadFrame(module=module, covers=covers(module),
+                                                grad=torch.is_grad_enabled()))
+
+        def pop(module, args, output):
+            if not self._read_frames:
+                return
+            frame = self._read_frames.pop()
+            with self._lock:
+                for c in frame.held:
+                    self._unhold(c)
+
+        try:
+            for m in self.module.modules():
+                handles.append(m.register_forward_pre_hook(push))
+                handles.append(m.register_forward_hook(pop, always_call=True))
+            # Reads before the root's hooks run (e.g. in user pre-hooks) belong to the root.
+            self._read_frames.append(_ReadFrame(module=self.module, covers=covers(self.module),
+                                                grad=grad))
+            with self._recorder:
+                yield
+        finally:
+            for h in handles:
+                h.remove()
+            with self._lock:
+                for frame in self._read_frames:
+                    for c in frame.held:
+                        self._unhold(c)
+            self._read_frames.clear()
+        if grad:
+            self._recorded = True
+
+    def _note_reads(self, args, kwargs) -> None:
+        """A torch call of a recording forward reads these arguments; called by _ReadRecorder."""
+        frames = self._read_frames
+        if not frames:
+            return
+        flat, _ = tree_flatten((args, kwargs))
+        for x in flat:
+            if not isinstance(x, torch.Tensor):
+                continue
+            slot = self.partition.slot_of(x)
+            if slot is None:
+                continue
+            if any(slot in f.covers or slot in f.read for f in frames):
+                continue  # held and expected by a module on the call stack for all of this call
+            frame = frames[-1]
+            chunk = self._chunks[slot.chunk]
+            with self._lock:
+                self._hold(chunk)
+                frame.held.append(chunk)
+                if frame.grad and slot.trainable:
+                    chunk.expect(slot)
+            frame.read.add(slot)
+            self._reads.setdefault(frame.module, {})[slot] = None
+
+    def _finish_recording(self) -> None:
+        """Give each module whose forward read other modules' parameters those reads."""
+        for module, slots in self._reads.items():
+            rec = self._records.get(module)
+            new = rec is None
+            if new:
+                rec = _ModuleRecord(module=module, slots=(), chunks=())
+            ext = tuple(s for s in slots if s not in rec.slots and s not in rec.external)
+            rec.external += ext
+            rec.chunks = tuple(dict.fromkeys(rec.chunks + tuple(self._chunks[s.chunk] for s in ext)))
+            if new:
+                self._add_record(rec)
+        self._reads.clear()
+
+    def _explain(self, e: BaseException) -> BaseException:
+        """A RuntimeError from a read of a placeholder becomes one naming the read and the fix;
+        anything else is returned as is. See [Note: parameter data]."""
+        if not isinstance(e, RuntimeError) or not any(m in str(e) for m in _UNREADABLE_MARKERS):
+            return e
+        names = {m: n for n, m in self.module.named_modules()}
+        site, module, frame = "", None, None
+        tb = e.__traceback__
+        while tb is not None:  # the innermost frame running code of a module of the model
+            owner = tb.tb_frame.f_locals.get("self")
+            if isinstance(owner, nn.Module) and owner in names:
+                module, frame, lineno = owner, tb.tb_frame, tb.tb_lineno
+            tb = tb.tb_next
+        params = []
+        if frame is not None:
+            code = frame.f_code
+            line = linecache.getline(code.co_filename, lineno).strip()
+            site = (f" in {type(module).__name__} {names[module] or '(the model)'!r}, "
+                    f"{code.co_name} at {os.path.basename(code.co_filename)}:{lineno}: `{line}`")
+            prefix = names[module] + "." if names[module] else ""
+            for path in re.findall(r"\bself\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*|\[\d+\])*)", line):
+                parts = re.sub(r"\[(\d+)\]", r".\1", path).split(".")
+                for k in range(len(parts), 0, -1):
+                    try:
+                        t = module.get_parameter(".".join(parts[:k]))
+                    except AttributeError:
+                        continue
+                    if self.partition.slot_of(t) is not None:
+                        params.append(prefix + ".".join(parts[:k]))
+                    break
+            for name, v in frame.f_locals.items():
+                if isinstance(v, torch.Tensor):
+                    slot = self.partition.slot_of(v)
+                    if slot is not None and slot.name not in params:
+                        params.append(slot.name)
+        what = (f"parameter {', '.join(repr(p) for p in dict.fromkeys(params))}" if params
+                else "a parameter")
+        return RuntimeError(
+            f"{what} was read{site} while zero_offload had paged it off the device: the read is "
+            f"outside the forward of the module that holds the parameter, and the engine did not "
+            f"see it when it recorded such reads (it records on the first forward; a branch taken "
+            f"later, or a read outside engine(...), is not seen). Fix: call engine.record_reads() "
+            f"before the forward that takes this path, or read the parameter inside the forward "
+            f"of the module holding it (outside the engine, use `with engine.gathered():`)")
 
     def _chunk_ready(self, cid: int) -> None:
         """On the CPU-Adam worker: see [Note: fetch on completion]."""
@@ -592,7 +861,7 @@ class Engine:
             if not torch.is_grad_enabled():
                 self._call_stack.append(None)
                 return None
-            for s in rec.slots:
+            for s in rec.slots + rec.external:
                 if s.trainable:
                     self._chunks[s.chunk].expect(s)
             token = _BackwardToken(record=rec)
@@ -656,7 +925,7 @@ class Engine:
 
     def _release(self, chunk: _Chunk) -> None:
         for s in chunk.layout.slots:
-            s.param.data = self._placeholder.expand(s.shape)
+            s.param.data = self._placeholders[s.index]
         self._live.pop(chunk.buffer.untyped_storage().data_ptr(), None)
         chunk.buffer = None
         keep = (self._phase is Phase.FORWARD and torch.is_grad_enabled()
@@ -747,10 +1016,10 @@ class Engine:
         try:
             with _range("zero_offload::backward"):
                 (loss * self.scaler.scale if self.scaler is not None else loss).backward()
-        except BaseException:
+        except BaseException as e:
             self._reset_holds()
             self._set_phase(Phase.IDLE)
-            raise
+            raise self._explain(e) from e
         self._finish_backward()
         self._span("backward", t0)
 
@@ -1016,7 +1285,7 @@ class Engine:
             yield self.module
         finally:
             for s, _ in values:
-                s.param.data = self._placeholder.expand(s.shape)
+                s.param.data = self._placeholders[s.index]
 
     def stats(self) -> EngineStats:
         """Counters since initialize (or ``reset_stats``); see ``EngineStats``."""
@@ -1082,11 +1351,43 @@ class Engine:
         return self
 
     def close(self) -> None:
-        """Remove the hooks, stop the worker, free the store (params keep their placeholders;
-        take ``state_dict()`` first to keep the weights). Idempotent."""
+        """Write the trained values back into the model's parameters (fp32 master, or the
+        params payload for fp32 and frozen ones; on the device and in the dtype each parameter
+        had at initialize, chunk by chunk; buffers back to their devices), then remove the hooks,
+        stop the worker and free the store. The model then trains or runs as a plain module, or
+        can be handed to ``initialize`` again. If the values cannot be read (a failed update or
+        I/O), the parameters are left as zero-byte placeholders that raise on use, and close
+        raises saying why (with ``with``: a warning, so the original error stays). Idempotent."""
+        self._close(write_back=True, quiet=False)
+
+    def _close(self, *, write_back: bool, quiet: bool) -> None:
         if getattr(self, "_closed", True):
             return
+        failure = None
+        if write_back:
+            try:
+                with torch.no_grad():
+                    if self._phase is not Phase.IDLE:
+                        self._reset_holds()
+                        self._phase = Phase.IDLE
+                    self._release_idle()
+                    self.pipeline.drain()
+                    self._give_weights_back()
+                    for p, device, dtype in self._empty_origins:
+                        p.data = p.data.to(device=device, dtype=dtype)
+                    for m, name, device in self._buffer_origins:
+                        b = m._buffers.get(name)
+                        if isinstance(b, torch.Tensor):
+                            m._buffers[name] = b.to(device)
+            except Exception as e:  # noqa: BLE001 - reported below, after the cleanup
+                failure = e
+                for s in self.partition.slots:
+                    s.param.data = self._placeholders[s.index]
         self._closed = True
+        for m in self.module.modules():
+            ref = _OPEN_ENGINES.get(m)
+            if ref is not None and ref() is self:
+                del _OPEN_ENGINES[m]
         for h in self._hook_handles:
             h.remove()
         self._hook_handles.clear()
@@ -1094,16 +1395,27 @@ class Engine:
             self.pipeline.close()
         finally:
             self.store.close()
+        if failure is not None:
+            msg = (f"engine.close could not write the trained values back into the model "
+                   f"({type(failure).__name__}: {failure}); its parameters are left as zero-byte "
+                   f"placeholders that raise on use. Restore them from your last checkpoint "
+                   f"(engine.save_checkpoint / state_dict taken before the failure)")
+            if quiet:
+                warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            else:
+                raise RuntimeError(msg) from failure
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        # With an exception in flight a failed write-back only warns: the original error stays.
+        self._close(write_back=True, quiet=exc_type is not None)
 
     def __del__(self):
+        # Just release (maybe at interpreter shutdown): no write-back; see close().
         try:
-            self.close()
+            self._close(write_back=False, quiet=True)
         except Exception:
             pass
 
@@ -1248,6 +1560,18 @@ def _resolve_device(device) -> torch.device:
     elif dev.type != "cpu":
         raise ValueError(f"device={device!r} is not supported; use a CUDA device or 'cpu'")
     return dev
+
+
+def _check_not_managed(model: nn.Module) -> None:
+    """Refuse a model that an open engine manages (or that contains or is inside one)."""
+    for m in model.modules():
+        ref = _OPEN_ENGINES.get(m)
+        engine = ref() if ref is not None else None
+        if engine is not None and not engine._closed:
+            what = "this model" if m is model else f"its submodule {type(m).__name__}"
+            raise ValueError(f"{what} is already managed by an open zero_offload engine; call "
+                             f"engine.close() first (it writes the trained values back into the "
+                             f"model), then initialize again")
 
 
 def _check_model(model: nn.Module) -> None:
