@@ -42,7 +42,7 @@ for what in "$@"; do
         else script=benchmarks/bench_train.py; pp=${PYTHONPATH:-}; fi
         PYTHONPATH=$pp python3 $script --model 1.3b --batch 8 --steps 7 --warmup 2 --cases $c --nvme-dir /tmp/zo \
           --json-out "$OUT/cmp_${c}_${side}.json" > "/tmp/cmp_${c}_${side}.log" 2>&1
-        echo "$side $c: $(grep -E '\*\*' /tmp/cmp_${c}_${side}.log | head -2 | tr '\n' ' ')"
+        echo "$side: $(grep -E "^\[$c\]" /tmp/cmp_${c}_${side}.log | head -1)"
       done; done ;;
     tests)  # one log: GPU-marked tests, then the engine parity suite with CUDA as the device
       { python3 -m pytest -q -m gpu -p no:cacheprovider 2>&1
