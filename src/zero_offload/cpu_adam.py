@@ -349,7 +349,8 @@ def adam_step(
 class KernelTicket:
     """A CPU-Adam call queued on the native kernel thread (``adam_step_async``). ``wait()``
     blocks (GIL released) until it ran and returns its kernel seconds, or raises its error;
-    ``ready()`` polls. The tensors it reads and writes stay referenced until ``wait`` returns."""
+    ``ready()`` polls. The tensors it reads and writes stay referenced until ``wait`` returns;
+    a ticket dropped unwaited waits in ``__del__`` before it lets them go."""
 
     __slots__ = ("_ticket", "_keep", "_seconds", "_written", "start")
 
@@ -360,6 +361,15 @@ class KernelTicket:
 
     def ready(self) -> bool:
         return self._seconds is not None or kernels.kernel_ready(self._ticket)
+
+    def __del__(self):
+        # Dropped before wait(): the tensors in _keep would be freed while the kernel thread may
+        # still write them. Wait first (errors were the caller's to collect).
+        if getattr(self, "_keep", ()):
+            try:
+                kernels.kernel_wait(self._ticket)
+            except BaseException:
+                pass
 
     def wait(self) -> float:
         if self._seconds is None:
