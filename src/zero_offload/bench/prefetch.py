@@ -509,9 +509,9 @@ Builds one engine per depth (same model, start and budgets) and times real train
 interleaved blocks (1 untimed settle step + --block timed steps per depth, round-robin), so that
 host drift hits every depth alike. Keeps measuring until every depth has separated from the
 baseline (the configured prefetch depth, --prefetch-depth, default 2) or --max-seconds pass;
---steps is the minimum of timed steps per depth. A depth is recommended only when the 95%
-bootstrap interval of its median gain over the baseline lies above 0 (Bonferroni-corrected over
-the depths) and the gain is at least --tolerance; otherwise it prints "no depth measurably
+--steps is the minimum of timed steps per depth. A depth is recommended only when the
+--confidence (95%) bootstrap interval of its median gain over the baseline lies above 0
+(Bonferroni-corrected over the depths) and the gain is at least --tolerance; otherwise it prints "no depth measurably
 better; keep N". Prints median, interquartile range, gain with its interval, steps and stall per
 depth; writes every step time to a JSON record (and a PNG) in --out.
 Memory: all engines live at once (the number of depths x the model's homes); "auto" budgets
