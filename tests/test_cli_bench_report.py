@@ -102,3 +102,24 @@ def test_plot_writes_a_png(tmp_path):
 
     height, width, _ = matplotlib.image.imread(path).shape
     assert width > height > 300
+
+
+def test_blocks_resampled_whole_keep_correlated_noise_from_recommending():
+    """Steps of one block share the host's load of that moment (here a random factor per block of
+    3). Resampling single steps treats them as independent and recommends a depth that is no
+    faster too often; resampling whole blocks (what the bench does) keeps that rare."""
+    per_step = per_block = 0
+    trials = 100
+    for seed in range(trials):
+        rng = np.random.default_rng(seed)
+
+        def blocks(n_blocks=6, size=3):
+            load = np.repeat(np.exp(rng.normal(0.0, 0.3, n_blocks)), size)
+            return list(0.1 * load * np.exp(rng.normal(0.0, 0.03, n_blocks * size)))
+
+        samples = {0: blocks(), 2: blocks()}
+        per_step += decide(samples, baseline=2, resamples=2000).better
+        per_block += decide(samples, baseline=2, resamples=2000, block=3).better
+    assert per_step / trials > 0.05 and per_block / trials <= 0.05, (per_step, per_block)
+    with pytest.raises(ValueError, match="multiple of the block"):
+        decide({0: [0.1] * 4, 2: [0.1] * 6}, baseline=2, block=3)

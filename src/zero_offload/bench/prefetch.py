@@ -26,8 +26,9 @@ finish, so they never overlap another depth's timed steps. Stall per step is the
 + update stall counters read around each timed step.
 
 [Note: separation rule] ``decide``: for every depth d other than the baseline K, the gain
-``1 - median(d) / median(K)`` with a percentile-bootstrap confidence interval (each depth's steps
-resampled on their own; ``resamples`` draws from a fixed seed, so the JSON's step times give
+``1 - median(d) / median(K)`` with a percentile-bootstrap confidence interval (each depth's
+blocks of steps resampled on their own: steps of one block share the host's load of that moment,
+so whole blocks are the independent units; ``resamples`` draws from a fixed seed, so the JSON's step times give
 the same interval again). The level is Bonferroni-corrected over the m comparisons (each
 interval at ``1 - (1 - confidence) / m``). d is *faster* when the interval lies above 0 and the
 gain is at least ``tolerance``; *not faster* when the whole interval lies below ``tolerance``;
@@ -100,6 +101,8 @@ class Decision:
     confidence: float
     resamples: int
     seed: int
+    block: int
+    """Steps per resampled block (see ``decide``)."""
 
     @property
     def better(self) -> bool:
@@ -125,6 +128,7 @@ class Decision:
         return {"baseline": self.baseline, "recommended": self.recommended, "separated": self.separated,
                 "measurably_better": self.better, "tolerance": self.tolerance,
                 "confidence": self.confidence, "resamples": self.resamples, "seed": self.seed,
+                "block": self.block,
                 "message": self.message(),
                 "comparisons": [{"depth": c.depth, "gain": c.gain, "low": c.low, "high": c.high,
                                  "verdict": c.verdict.value} for c in self.comparisons]}
@@ -135,12 +139,19 @@ def _join(depths: Sequence[int]) -> str:
 
 
 def decide(samples: Mapping[int, Sequence[float]], *, baseline: int, tolerance: float = 0.03,
-           confidence: float = 0.95, resamples: int = RESAMPLES, seed: int = BOOTSTRAP_SEED) -> Decision:
-    """Step times per depth (seconds) -> the ``Decision`` of [Note: separation rule]."""
+           confidence: float = 0.95, resamples: int = RESAMPLES, seed: int = BOOTSTRAP_SEED,
+           block: int = 1) -> Decision:
+    """Step times per depth (seconds) -> the ``Decision`` of [Note: separation rule].
+
+    ``block``: the steps were measured in consecutive blocks of this many (each depth's count a
+    multiple of it); the bootstrap resamples whole blocks, since steps of one block share the
+    host's load of that moment and are not independent."""
     if baseline not in samples:
         raise ValueError(f"the baseline depth {baseline} has no step times; add it to the depths")
     if any(len(v) < 2 for v in samples.values()):
         raise ValueError("every depth needs at least 2 step times to compare; raise --steps")
+    if block < 1 or any(len(v) % block for v in samples.values()):
+        raise ValueError(f"every depth's step count must be a multiple of the block ({block})")
     if not (0.0 < confidence < 1.0) or tolerance < 0 or resamples < 100:
         raise ValueError(f"need 0 < confidence < 1, tolerance >= 0 and resamples >= 100; got "
                          f"{confidence}, {tolerance}, {resamples}")
@@ -149,8 +160,9 @@ def decide(samples: Mapping[int, Sequence[float]], *, baseline: int, tolerance: 
     rng = np.random.default_rng(seed)
 
     def boot_medians(values) -> np.ndarray:
-        x = np.asarray(values, dtype=np.float64)
-        return np.median(x[rng.integers(0, len(x), size=(resamples, len(x)))], axis=1)
+        x = np.asarray(values, dtype=np.float64).reshape(-1, block)
+        picked = x[rng.integers(0, len(x), size=(resamples, len(x)))]  # (resamples, blocks, block)
+        return np.median(picked.reshape(resamples, -1), axis=1)
 
     base = np.asarray(samples[baseline], dtype=np.float64)
     base_boot = boot_medians(base)
@@ -174,7 +186,7 @@ def decide(samples: Mapping[int, Sequence[float]], *, baseline: int, tolerance: 
     return Decision(baseline=baseline, recommended=recommended,
                     separated=all(c.verdict is not Verdict.UNDECIDED for c in comparisons),
                     comparisons=tuple(comparisons), tolerance=tolerance, confidence=confidence,
-                    resamples=resamples, seed=seed)
+                    resamples=resamples, seed=seed, block=block)
 
 
 def decision_of_record(record: dict) -> Decision:
@@ -182,7 +194,7 @@ def decision_of_record(record: dict) -> Decision:
     d = record["decision"]
     samples = {r["depth"]: r["step_time_s"]["all"] for r in record["results"]}
     return decide(samples, baseline=d["baseline"], tolerance=d["tolerance"], confidence=d["confidence"],
-                  resamples=d["resamples"], seed=d["seed"])
+                  resamples=d["resamples"], seed=d["seed"], block=d["block"])
 
 
 def next_look(n: int) -> int:
@@ -440,7 +452,7 @@ def run(args) -> int:
 
         def verdict(n: int) -> Decision:
             return decide(samples(), baseline=baseline, tolerance=args.tolerance,
-                          confidence=args.confidence)
+                          confidence=args.confidence, block=args.block)
 
         t0 = time.perf_counter()
         looks, rounds, look_at, decision = [], 0, settings.steps, None
@@ -490,7 +502,8 @@ def run(args) -> int:
     why = ("separated" if decision.separated else f"time budget {args.max_seconds:g} s reached")
     print(f"\n{decision.message()}", flush=True)
     print(f"({why} after {measure_s:.0f} s, {rounds} rounds, {min(r['n'] for r in results)} timed steps per "
-          f"depth; rule: {decision.confidence:.0%} bootstrap CI of the median gain over depth {baseline}, "
+          f"depth; rule: {decision.confidence:.0%} bootstrap CI (blocks of {args.block} resampled) of the median gain over "
+          f"depth {baseline}, "
           f"Bonferroni over {len(depths) - 1}, above 0 and a gain >= {args.tolerance:.0%})", flush=True)
     try:
         plot_prefetch(results, stem.with_suffix(".png"), recommended=decision.recommended, baseline=baseline,
@@ -510,7 +523,7 @@ interleaved blocks (1 untimed settle step + --block timed steps per depth, round
 host drift hits every depth alike. Keeps measuring until every depth has separated from the
 baseline (the configured prefetch depth, --prefetch-depth, default 2) or --max-seconds pass;
 --steps is the minimum of timed steps per depth. A depth is recommended only when the
---confidence (95%) bootstrap interval of its median gain over the baseline lies above 0
+--confidence (95%) bootstrap interval (whole blocks resampled) of its median gain over the baseline lies above 0
 (Bonferroni-corrected over the depths) and the gain is at least --tolerance; otherwise it prints "no depth measurably
 better; keep N". Prints median, interquartile range, gain with its interval, steps and stall per
 depth; writes every step time to a JSON record (and a PNG) in --out.
