@@ -133,17 +133,19 @@ def _assert_clean(r, end: str) -> None:
         assert r.stderr.strip().splitlines()[-1] == "KeyboardInterrupt", r.stderr
 
 
-@pytest.mark.parametrize("mode, end", [(m, "normal") for m in MODES] + [(m, "exception") for m in ("engine-auto", "optim")]
-                         + [("engine-auto", "exit3"), ("optim", "interrupt")])
+# Each front end and each way of ending once (the full cross product took ~7 minutes of the suite
+# on a loaded 2-core host; engine-cpu and engine-auto share the engine's exit path).
+@pytest.mark.parametrize("mode, end", [(m, "normal") for m in MODES if m != "engine-cpu"]
+                         + [("optim", "exception"), ("engine-auto", "exit3"), ("optim", "interrupt")])
 def test_updates_in_flight_at_exit(tmp_path, mode, end):
     """The worker is inside a kernel wait when the interpreter finalizes (deterministic)."""
     _assert_clean(*_run(tmp_path, mode, end, slow=True), end)
 
 
-@pytest.mark.parametrize("mode", ["engine-auto", "engine-cpu", "optim"])
+@pytest.mark.parametrize("mode", ["engine-auto", "optim"])
 def test_plain_scripts_exit_cleanly_every_time(tmp_path, mode):
     """The scripts as a user writes them, no close(), run repeatedly (the abort was racy)."""
-    for r in _run(tmp_path, mode, "normal", times=4):
+    for r in _run(tmp_path, mode, "normal", times=3):
         _assert_clean(r, "normal")
 
 
