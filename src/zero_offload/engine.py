@@ -132,7 +132,6 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -265,36 +264,81 @@ class _ReadFrame:
     """Chunks held for those reads (let go when the call ends)."""
 
 
-_VALUE_GETTERS = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
-"""Tensor properties whose getter returns the values (the others are metadata)."""
+def _metadata_calls() -> frozenset:
+    """Torch calls on a tensor that neither read nor hand out its values: property getters and
+    setters of metadata (``data``'s setter, not its getter), shape queries, hook registration."""
+    getters = ("shape", "dtype", "device", "layout", "requires_grad", "is_leaf", "grad", "_grad",
+               "grad_fn", "_grad_fn", "ndim", "is_cuda", "is_cpu", "is_meta", "is_sparse",
+               "is_sparse_csr", "is_quantized", "is_mkldnn", "is_nested", "is_xpu", "is_mps",
+               "_version", "output_nr", "retains_grad", "name", "itemsize", "nbytes",
+               "_backward_hooks", "_post_accumulate_grad_hooks")
+    setters = ("data", "grad", "_grad", "requires_grad", "name", "_backward_hooks",
+               "_post_accumulate_grad_hooks")
+    methods = ("size", "dim", "numel", "nelement", "stride", "storage_offset", "is_contiguous",
+               "element_size", "is_floating_point", "is_complex", "is_signed", "get_device",
+               "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
+               "__hash__", "__len__", "data_ptr", "untyped_storage", "is_pinned", "is_shared",
+               "_is_view")
+    t = torch.Tensor
+    out = {getattr(t, n).__get__ for n in getters if hasattr(t, n)}
+    out |= {getattr(t, n).__set__ for n in setters if hasattr(t, n)}
+    out |= {getattr(t, n) for n in methods if hasattr(t, n)}
+    return frozenset(out)
 
-_METADATA_CALLS = frozenset({
-    "__set__", "size", "dim", "numel", "nelement", "stride", "storage_offset", "is_contiguous",
-    "element_size", "is_floating_point", "is_complex", "untyped_storage", "data_ptr",
-    "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "get_device",
-    "is_pinned", "__len__", "__hash__"})
-"""Torch calls on a tensor that do not read its values (and the ``.data`` setter)."""
+
+_METADATA_CALLS = _metadata_calls()
+"""Calls ``_PagedParameter`` lets through without a check; see [Note: parameter data]."""
 
 
-def _reads_values(func) -> bool:
-    name = getattr(func, "__name__", "")
-    if name == "__get__":
-        return getattr(getattr(func, "__self__", None), "__name__", "") in _VALUE_GETTERS
-    return name not in _METADATA_CALLS
+def _call_name(func) -> str:
+    """``torch.Tensor.sum``, ``.data`` (a property) or ``F.linear`` as the user wrote it."""
+    name = getattr(func, "__name__", repr(func))
+    if name in ("__get__", "__set__"):
+        return f".{getattr(getattr(func, '__self__', None), '__name__', '?')}"
+    return name
 
 
-class _ReadRecorder(TorchFunctionMode):
-    """Sees every torch call of a recording forward; see [Note: external parameters]."""
+def _tensor_args(args, kwargs) -> Iterator:
+    """The arguments torch's dispatch looks at: positional and keyword ones, and the items of a
+    list/tuple among them (tensor lists: ``torch.cat``, ``_foreach_*``)."""
+    for a in args:
+        if type(a) in (list, tuple):
+            yield from a
+        else:
+            yield a
+    if kwargs:
+        for a in kwargs.values():
+            if type(a) in (list, tuple):
+                yield from a
+            else:
+                yield a
 
-    def __init__(self, engine: "Engine"):
-        super().__init__()
-        self._engine = engine
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if _reads_values(func):
-            self._engine._note_reads(args, kwargs)
-        return func(*args, **kwargs)
+class _PagedParameter(nn.Parameter):
+    """The class of a managed parameter while an engine holds it (the per-engine subclass made
+    by ``Engine._guard_class`` carries ``_engine``); see [Note: parameter data]."""
+
+    _engine: Callable = staticmethod(lambda: None)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        if func not in _METADATA_CALLS:
+            for a in _tensor_args(args, kwargs):
+                if isinstance(a, _PagedParameter):
+                    engine = type(a)._engine()
+                    if engine is None:
+                        raise RuntimeError(
+                            "this parameter's values were held by a zero_offload engine that was "
+                            "dropped without close(), so they are lost; call engine.close() (or "
+                            "use `with zo.initialize(...) as engine:`) to write them back")
+                    engine._guard_read(a, func)
+        with torch._C.DisableTorchFunctionSubclass():
+            if func is torch.Tensor.__repr__:  # print as the plain parameter it stands for
+                t = args[0]
+                return repr(t.detach().requires_grad_(t.requires_grad))
+            return func(*args, **kwargs)
 
 
 _UNREADABLE_MARKERS = ("for storage of size 0", "data is not allocated yet",
@@ -508,6 +552,14 @@ class Engine:
         ref = weakref.ref(self)
         for m in model.modules():
             _OPEN_ENGINES[m] = ref
+        # See [Note: parameter data]: from here on every torch call reading a param is checked.
+        self._classes = tuple(type(s.param) for s in self.partition.slots)
+        guards: dict = {}
+        for s, cls in zip(self.partition.slots, self._classes):
+            if cls not in guards:
+                name = "_PagedParameter" if cls is nn.Parameter else f"_Paged{cls.__name__}"
+                guards[cls] = type(name, (_PagedParameter, cls), {"_engine": ref})
+            s.param.__class__ = guards[cls]
 
     # ---- construction -----------------------------------------------------------------------
 
@@ -580,9 +632,10 @@ class Engine:
 
         # See [Note: external parameters].
         self._recorded = False
-        self._recorder = _ReadRecorder(self)
         self._read_frames: list[_ReadFrame] = []
-        self._reads: dict = {}  # module -> {slot: None} read outside its owners (recording only)
+        self._reads: dict = {}  # module -> {slot: None} read outside its owners in this forward
+        self._forward_holds: list[_Chunk] = []  # chunks held for such reads until forward ends
+        self._gathering = False  # inside gathered(): the params hold CPU copies
 
         self._hook_handles = []
         self._records: dict = {}  # module -> its _ModuleRecord
@@ -689,16 +742,22 @@ class Engine:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
                     _range("zero_offload::forward"):
                 if not recording:
-                    return self.module(*args, **kwargs)
-                with self._recording():
                     out = self.module(*args, **kwargs)
-                self._finish_recording()
+                else:
+                    with self._recording():
+                        out = self.module(*args, **kwargs)
+                if self._reads:
+                    self._finish_recording()
                 return out
         except BaseException as e:
             self._reset_holds()
             self._reads.clear()
             raise self._explain(e) from e
         finally:
+            with self._lock:
+                for c in self._forward_holds:
+                    self._unhold(c)
+                self._forward_holds.clear()
             self._set_phase(Phase.IDLE)
             if not torch.is_grad_enabled():
                 self._release_idle()  # no backward follows: go idle now
@@ -742,8 +801,7 @@ class Engine:
             # Reads before the root's hooks run (e.g. in user pre-hooks) belong to the root.
             self._read_frames.append(_ReadFrame(module=self.module, covers=covers(self.module),
                                                 grad=grad))
-            with self._recorder:
-                yield
+            yield
         finally:
             for h in handles:
                 h.remove()
@@ -755,29 +813,69 @@ class Engine:
         if grad:
             self._recorded = True
 
-    def _note_reads(self, args, kwargs) -> None:
-        """A torch call of a recording forward reads these arguments; called by _ReadRecorder."""
-        frames = self._read_frames
-        if not frames:
+    def _guard_read(self, param: torch.Tensor, func) -> None:
+        """A torch call reads ``param`` (called by ``_PagedParameter`` on any thread). Returns at
+        once when its values are on the device and nothing is to be recorded; otherwise fetches
+        them (forward, backward) or raises (idle). See [Note: parameter data]."""
+        slot = self.partition.slot_of(param)
+        if slot is None:
             return
-        flat, _ = tree_flatten((args, kwargs))
-        for x in flat:
-            if not isinstance(x, torch.Tensor):
-                continue
-            slot = self.partition.slot_of(x)
-            if slot is None:
-                continue
-            if any(slot in f.covers or slot in f.read for f in frames):
-                continue  # held and expected by a module on the call stack for all of this call
-            frame = frames[-1]
-            chunk = self._chunks[slot.chunk]
-            with self._lock:
+        chunk = self._chunks[slot.chunk]
+        if chunk.buffer is not None:
+            phase = self._phase
+            if phase is not Phase.FORWARD:
+                return
+            if self._recorded and (slot in chunk.expected or not slot.trainable
+                                   or not torch.is_grad_enabled()):
+                return
+        with self._lock:
+            self._read_slow(slot, chunk, func)
+
+    def _read_slow(self, slot: ParamSlot, chunk: _Chunk, func) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"parameter {slot.name!r} was read ({_call_name(func)}) after its engine was "
+                f"closed without writing its values back; restore them from a checkpoint "
+                f"(engine.save_checkpoint / engine.state_dict)")
+        phase = self._phase
+        if phase is Phase.IDLE:
+            if chunk.buffer is not None or self._gathering:
+                return
+            raise RuntimeError(
+                f"parameter {slot.name!r} was read ({_call_name(func)}) outside the engine: its "
+                f"values live in zero_offload's chunks (device/CPU/NVMe), not in the parameter, "
+                f"between engine calls. Read them with `with engine.gathered():` (fp32 CPU "
+                f"copies) or engine.state_dict(), or call engine.close() to write them back into "
+                f"the model")
+        if phase is Phase.BACKWARD:
+            if chunk.buffer is None:  # e.g. a custom Function's backward reading ctx.weight
                 self._hold(chunk)
-                frame.held.append(chunk)
-                if frame.grad and slot.trainable:
-                    chunk.expect(slot)
-            frame.read.add(slot)
-            self._reads.setdefault(frame.module, {})[slot] = None
+                self._transient.append(chunk)
+            return
+        if self._read_frames:  # the recording forward
+            self._note_read(slot, chunk)
+            return
+        # A read no recording saw: fetch it now, and hold it with the innermost running module
+        # from the next forward on.
+        self._hold(chunk)
+        self._forward_holds.append(chunk)
+        if torch.is_grad_enabled() and slot.trainable:
+            chunk.expect(slot)
+        module = self._call_stack[-1][0].module if self._call_stack else self.module
+        self._reads.setdefault(module, {})[slot] = None
+
+    def _note_read(self, slot: ParamSlot, chunk: _Chunk) -> None:
+        """A torch call of the recording forward reads ``slot``'s parameter."""
+        frames = self._read_frames
+        if any(slot in f.covers or slot in f.read for f in frames):
+            return  # held and expected by a module on the call stack for all of this call
+        frame = frames[-1]
+        self._hold(chunk)
+        frame.held.append(chunk)
+        if frame.grad and slot.trainable:
+            chunk.expect(slot)
+        frame.read.add(slot)
+        self._reads.setdefault(frame.module, {})[slot] = None
 
     def _finish_recording(self) -> None:
         """Give each module whose forward read other modules' parameters those reads."""
@@ -859,13 +957,13 @@ class Engine:
             for c in rec.chunks:
                 self._hold(c)
             if not torch.is_grad_enabled():
-                self._call_stack.append(None)
+                self._call_stack.append((rec, None))
                 return None
             for s in rec.slots + rec.external:
                 if s.trainable:
                     self._chunks[s.chunk].expect(s)
             token = _BackwardToken(record=rec)
-            self._call_stack.append(token)
+            self._call_stack.append((rec, token))
             if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
                 flat, spec = list(args), None  # the common case, without pytree's cost
             else:
@@ -883,7 +981,7 @@ class Engine:
         if self._phase is Phase.IDLE:
             return None  # the pre-forward hook refused this call (always_call runs us anyway)
         with self._lock, _range("zero_offload::post_forward"):
-            token = self._call_stack.pop() if self._call_stack else None
+            token = self._call_stack.pop()[1] if self._call_stack else None
             for c in rec.chunks:
                 self._unhold(c)
             if token is None or output is None:
@@ -966,6 +1064,7 @@ class Engine:
             self._call_stack.clear()
             self._tokens.clear()
             self._transient.clear()
+            self._forward_holds.clear()
             for c in self._chunks:
                 c.holds = 0
                 c.clear_pass()
@@ -1280,10 +1379,12 @@ class Engine:
         self._require_idle("gathered")
         values = list(self._slot_values())
         try:
+            self._gathering = True
             for s, v in values:
                 s.param.data = v
             yield self.module
         finally:
+            self._gathering = False
             for s, _ in values:
                 s.param.data = self._placeholders[s.index]
 
@@ -1383,6 +1484,10 @@ class Engine:
                 failure = e
                 for s in self.partition.slots:
                     s.param.data = self._placeholders[s.index]
+            else:
+                # The values are back: plain parameters again (else they stay guarded and raise).
+                for s, cls in zip(self.partition.slots, self._classes):
+                    s.param.__class__ = cls
         self._closed = True
         for m in self.module.modules():
             ref = _OPEN_ENGINES.get(m)
