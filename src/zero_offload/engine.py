@@ -15,41 +15,48 @@ parameter lives where, partition.py), a ``ChunkStore`` (bytes and tiers, store.p
 ``Prefetcher`` for the working params (prefetch.py) and a ``StepPipeline`` (the CPU-Adam worker,
 pipeline.py). It keeps one ``_Chunk`` record per chunk and one ``_ModuleRecord`` per module that
 holds parameters directly (or reads other modules' ones, see [Note: external parameters]);
-nothing is written onto the user's modules or parameters except ``param.data`` (see
-[Note: parameter data]) and the hooks it registers (removed by ``close``).
+nothing is written onto the user's modules or parameters except ``param.data`` and the class of
+a parameter holding its placeholder (see [Note: parameter data]) and the hooks it registers
+(all undone by ``close``).
 
 [Note: parameter data] While a chunk is in use on the compute device, each of its parameters'
 ``.data`` is a view of the chunk's device buffer (working dtype). Otherwise ``.data`` is the
 parameter's placeholder (one per parameter, made at initialize): a tensor of the parameter's
 shape, the working dtype and the compute device whose storage has zero bytes, as FSDP2 frees
-unsharded parameters. ``shape``, ``numel``, ``dtype`` and ``device`` stay meaningful for code that
-inspects them, and a read never sees stale or uninitialised numbers: every view (``weight.t()``
-in ``F.linear``, indexing, ``embedding``) and every kernel taking a typed data pointer raises
-("... out of bounds for storage of size 0" / "data is not allocated yet"), and ``engine(...)`` /
-``engine.backward`` re-raise that as an error naming the module and the read. Caveat (seen with torch
-2.13 on the CPU and 2.11 on an H100): an element-wise kernel fed the placeholder directly (``w * x``, ``w.sum()``,
-``print(w)``) reads through an untyped data pointer that torch does not check, i.e. a null
-pointer: a segfault on the CPU, an illegal-address error on CUDA. Such a read can only happen
-where [Note: external parameters] did not see it (a branch first taken after recording, or user
-code outside ``engine(...)``). To read the values use ``engine.gathered()`` (fp32 copies on the
-CPU) or ``engine.state_dict()``; ``close()`` writes them back into the parameters.
+unsharded parameters, so ``shape``, ``numel``, ``dtype`` and ``device`` stay meaningful. Torch
+does not check every read of such a tensor (an element-wise kernel, ``w * x``, ``w.sum()``,
+``print(w)``, reads a null pointer: a segfault on the CPU, an illegal address on CUDA), so a
+parameter holding its placeholder has the class ``_PagedParameter`` (a per-engine subclass of
+its own class: identity, ``isinstance(p, nn.Parameter)``, hooks and grads unchanged), whose
+``__torch_function__`` sees every torch call taking it. Metadata calls (``_METADATA_CALLS``)
+pass; any other call reaches ``Engine._guard_read``: in forward or backward (any thread) the
+chunk is fetched on the spot (a forward read is recorded as in [Note: external parameters], held
+until the forward ends; a backward read, e.g. a custom Function's ``ctx.weight``, until backward
+ends); idle it raises naming the parameter and the fix (``engine.gathered()``,
+``engine.state_dict()``, ``engine.close()``); so does ``p.data``, ``state_dict()``'s ``detach``
+and pickling. The call itself runs with subclass dispatch off, so outputs are plain tensors.
+A materialized chunk's parameters get their own class back (``_materialize``; ``_release``
+guards them again), so reads of real values pay nothing per op (measured: the subclass path
+costs tens of µs per ``F.linear`` on the CPU, mostly torch's slower path with subclass dispatch
+disabled), except during a recording forward, where every parameter stays guarded. ``close()``
+restores each class once the values are back; if they cannot be read the parameters stay
+guarded and raise.
 
 [Note: external parameters] A module's hooks fetch the chunks of the parameters it holds
 directly, but models read parameters elsewhere too: a parent's ``F.linear(x, self.tok.weight)``
 (tied head), a parameter handed to a custom ``autograd.Function``, one weight shared by two
-modules, a parent reading a child's bias. So forwards run under a ``TorchFunctionMode``
-(``_ReadRecorder``) until one forward with grad enabled has completed: it sees every torch call,
-and when an argument is a parameter whose chunk is not held by a module on the current call stack
-(temporary hooks on every module keep that stack while recording; the root is always on it) it
-holds the chunk right there, until that module's forward ends, and records the parameter as an
+modules, a parent reading a child's bias. The first forward with grad enabled records them: every
+parameter is guarded ([Note: parameter data]) and temporary hooks on every module keep a call
+stack (``_ReadFrame``; the root is always on it); a read of a parameter whose chunk is not held
+by a module on that stack holds the chunk until that module's forward ends and is recorded as an
 *external* read of the innermost running module. When the forward ends, each such module's
 ``_ModuleRecord`` gets the parameter (``external``) and its chunk: later forwards hold it in that
 module's pre-forward and backward holds it with the module's backward token, and its grad is
 ``expect``ed like the module's own (modules without parameters get a record and hooks then).
 During the recording pass backward reaches such chunks through saved views (held until backward
-ends). After recording the mode is off (no per-op cost); a read it did not see finds the
-placeholder. ``engine.record_reads()`` makes the next forward record again (e.g. before a step
-that takes a branch the first forward did not).
+ends). A read first seen later (a branch taken on step 3) meets a guarded placeholder and is
+fetched and recorded the same way, on the innermost running module that has a record (else the
+root); ``engine.record_reads()`` makes the next forward record with the exact call stack again.
 
 [Note: saved parameter views] Autograd may save views of parameters for backward (``linear``
 saves ``weight.t()``); such a view would keep the chunk's device buffer alive after the chunk is
@@ -555,11 +562,12 @@ class Engine:
         # See [Note: parameter data]: from here on every torch call reading a param is checked.
         self._classes = tuple(type(s.param) for s in self.partition.slots)
         guards: dict = {}
-        for s, cls in zip(self.partition.slots, self._classes):
+        for cls in self._classes:
             if cls not in guards:
                 name = "_PagedParameter" if cls is nn.Parameter else f"_Paged{cls.__name__}"
                 guards[cls] = type(name, (_PagedParameter, cls), {"_engine": ref})
-            s.param.__class__ = guards[cls]
+        self._guards = tuple(guards[cls] for cls in self._classes)
+        self._guard_all()
 
     # ---- construction -----------------------------------------------------------------------
 
@@ -765,13 +773,20 @@ class Engine:
 
     # ---- external parameters ([Note: external parameters]) ------------------------------------
 
+    def _guard_all(self) -> None:
+        """Every parameter checks its reads, materialized or not (the recording forward: it sees
+        reads of chunks that happen to be on the device too)."""
+        for s in self.partition.slots:
+            s.param.__class__ = self._guards[s.index]
+
     def record_reads(self) -> None:
         """Make the next forward record again which module reads which parameter (the first one
-        does by itself): call it before a forward that takes a branch earlier forwards did not,
-        if that branch reads a parameter outside the module holding it. That forward is slower
-        (every torch call is inspected)."""
+        does by itself). Optional: a read first seen later is fetched anyway and attributed to
+        the innermost running module with parameters; a recording forward attributes it to the
+        exact module (shorter holds). That forward is slower (every parameter read is checked)."""
         self._check_open()
         self._recorded = False
+        self._guard_all()
 
     @contextlib.contextmanager
     def _recording(self):
@@ -929,12 +944,11 @@ class Engine:
         what = (f"parameter {', '.join(repr(p) for p in dict.fromkeys(params))}" if params
                 else "a parameter")
         return RuntimeError(
-            f"{what} was read{site} while zero_offload had paged it off the device: the read is "
-            f"outside the forward of the module that holds the parameter, and the engine did not "
-            f"see it when it recorded such reads (it records on the first forward; a branch taken "
-            f"later, or a read outside engine(...), is not seen). Fix: call engine.record_reads() "
-            f"before the forward that takes this path, or read the parameter inside the forward "
-            f"of the module holding it (outside the engine, use `with engine.gathered():`)")
+            f"{what} was read{site} while zero_offload had paged it off the device, by a path "
+            f"torch's dispatch does not show the parameter to (e.g. a parameter nested inside "
+            f"another object). Fix: pass the parameter itself to the torch call, or read it "
+            f"inside the forward of the module holding it (outside the engine, use `with "
+            f"engine.gathered():`)")
 
     def _chunk_ready(self, cid: int) -> None:
         """On the CPU-Adam worker: see [Note: fetch on completion]."""
@@ -1022,8 +1036,10 @@ class Engine:
             self._release(self._parked.pop(0))
 
     def _release(self, chunk: _Chunk) -> None:
+        guards = self._guards
         for s in chunk.layout.slots:
             s.param.data = self._placeholders[s.index]
+            s.param.__class__ = guards[s.index]
         self._live.pop(chunk.buffer.untyped_storage().data_ptr(), None)
         chunk.buffer = None
         keep = (self._phase is Phase.FORWARD and torch.is_grad_enabled()
@@ -1053,8 +1069,11 @@ class Engine:
         buf = self.prefetcher.use(chunk.cid)["params"]
         if self.pipeline.trace is not None:
             self.pipeline.trace.span("use", t0, time.perf_counter(), cid=chunk.cid)
+        recorded, classes = self._recorded, self._classes
         for s in chunk.layout.slots:
             s.param.data = buf[s.offset:s.end].view(s.shape)
+            if recorded:  # real values: a plain parameter, no per-op check ([Note: parameter data])
+                s.param.__class__ = classes[s.index]
         chunk.buffer = buf
         self._live[buf.untyped_storage().data_ptr()] = chunk
 
@@ -1484,6 +1503,7 @@ class Engine:
                 failure = e
                 for s in self.partition.slots:
                     s.param.data = self._placeholders[s.index]
+                    s.param.__class__ = self._guards[s.index]  # raises on use, naming the param
             else:
                 # The values are back: plain parameters again (else they stay guarded and raise).
                 for s, cls in zip(self.partition.slots, self._classes):
