@@ -28,7 +28,8 @@ def _reference_bf16(model, batches):
         loss = work(idx.to(CUDA), tgt.to(CUDA))
         loss.backward()
         for p, m in zip(work.parameters(), masters):
-            m.grad = p.grad.float()
+            # A param no read reached this step has no grad: torch's AdamW skips it, as we do.
+            m.grad = None if p.grad is None else p.grad.float()
             p.grad = None
         opt.step()
         opt.zero_grad()
