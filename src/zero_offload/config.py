@@ -30,6 +30,8 @@ from typing import Any, Mapping, Union
 
 import torch
 
+from .runtime.vocab import Placement, round_up
+
 __all__ = [
     "Adam",
     "AdamW",
@@ -44,19 +46,6 @@ __all__ = [
 
 Budget = Union[int, str]
 """A tier budget: bytes as an int, or "auto" (the store sizes it from free memory)."""
-
-
-class Placement(enum.StrEnum):
-    """Home tier of a payload. A ``StrEnum``: ``Placement.CPU == "cpu"`` holds."""
-
-    GPU = "gpu"
-    """The compute device (CUDA; the CPU itself with its own budget when there is no CUDA)."""
-    CPU = "cpu"
-    """Pinned host memory."""
-    NVME = "nvme"
-    """Files under ``OffloadConfig.nvme_dir``, staged through pinned host memory."""
-    AUTO = "auto"
-    """Fill the fastest tier first within its budget, then the next, per chunk."""
 
 
 class Precision(enum.StrEnum):
@@ -405,7 +394,7 @@ class OffloadConfig:
     @property
     def chunk_bytes(self) -> int:
         """``chunk_mb`` in bytes, rounded up to a multiple of 4096."""
-        return -(-round(self.chunk_mb * 2**20) // 4096) * 4096
+        return round_up(round(self.chunk_mb * 2**20))
 
     @property
     def torch_dtype(self) -> torch.dtype:

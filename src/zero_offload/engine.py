@@ -138,15 +138,16 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .config import Adam, OffloadConfig, load_config
 from .mixed_precision import LossScaler, cast_inputs
-from .partition import ChunkLayout, ParamSlot, Partition, partition_parameters
-from .pipeline import (Accumulate, AdamArgs, GradJob, PipelinePayloads, Segment, StepPipeline,
-                       Trace, UpdateJob)
-from .placement import (PlacementPlan, keep_limit, optimizer_payloads, payload_dtypes,
-                        plan_placement)
-from .prefetch import Prefetcher
-from .store import ChunkStore, Handle, PayloadSpec, StoreConfig, Tier
+from .runtime.partition import ChunkLayout, ParamSlot, Partition, partition_parameters
+from .runtime.pipeline import (Accumulate, AdamArgs, GradJob, PipelinePayloads, Segment, StepPipeline,
+                               UpdateJob)
+from .runtime.placement import (PARKED_CHUNKS, PlacementPlan, keep_limit, optimizer_payloads,
+                                payload_dtypes, plan_placement)
+from .runtime.prefetch import Prefetcher
+from .runtime.store import ChunkStore, Handle, PayloadSpec, StoreConfig, Tier
+from .runtime.trace import Trace
 
-__all__ = ["Engine", "EngineStats", "Phase", "initialize", "OffloadAdam", "OffloadAdamW"]
+__all__ = ["Engine", "EngineStats", "Phase", "initialize"]
 
 
 def _range(name: str):
@@ -154,15 +155,6 @@ def _range(name: str):
     profiler records, nothing otherwise: the hooks run a few hundred times per step and an idle
     ``record_function`` still costs microseconds each."""
     return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
-
-
-def __getattr__(name):
-    # The optimizer-only entry points live in offload_optim.py; the package's lazy export table
-    # points at this module for them.
-    if name in ("OffloadAdam", "OffloadAdamW"):
-        from . import offload_optim
-        return getattr(offload_optim, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,9 +168,6 @@ class Phase(enum.Enum):
     FORWARD = "forward"    # inside engine(...)
     BACKWARD = "backward"  # between the first backward hook and the end of backward
 
-
-PARKED_CHUNKS = 2
-"""Chunks kept on the device after their last user let go; see [Note: parked chunks]."""
 
 _PHASES = {
     Phase.IDLE: frozenset({Phase.FORWARD, Phase.BACKWARD}),
@@ -1327,7 +1316,7 @@ class Engine:
         every file's size and CRC-32 (see checkpoint.py). A full disk raises one
         ``CheckpointError`` naming the file and the free space; the previous checkpoint at
         ``path`` stays whole."""
-        from .checkpoint import save_checkpoint
+        from .runtime.checkpoint import save_checkpoint
         self._require_idle("save_checkpoint")
         save_checkpoint(self, path)
 
@@ -1336,7 +1325,7 @@ class Engine:
         architecture; the offload config may differ). Everything is checked first (files against
         the manifest, model, groups, scheduler): on ``CheckpointError`` (``CheckpointCorrupt``
         for a damaged file) the engine is unchanged."""
-        from .checkpoint import load_checkpoint
+        from .runtime.checkpoint import load_checkpoint
         self._require_idle("load_checkpoint")
         load_checkpoint(self, path)
 

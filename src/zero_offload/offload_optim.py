@@ -108,10 +108,12 @@ import torch
 
 from .config import Adam as _AdamSpec
 from .config import _as_budget, _as_float, _as_int
-from .pipeline import (AdamArgs, GradJob, PipelineError, PipelinePayloads, Segment, StepPipeline,
-                       Trace, UpdateJob)
-from .store import ChunkStore, Handle, PayloadSpec, StoreConfig, Tier
-from .swap_io import ALIGNMENT, prepare_swap_dir, round_up, swap_dir_problem
+from .runtime.pipeline import (AdamArgs, GradJob, PipelineError, PipelinePayloads, Segment,
+                               StepPipeline, UpdateJob)
+from .runtime.store import ChunkStore, Handle, PayloadSpec, StoreConfig, Tier
+from .runtime.swap_io import prepare_swap_dir, swap_dir_problem
+from .runtime.trace import Trace
+from .runtime.vocab import ALIGNMENT, round_up
 
 __all__ = ["OffloadAdam", "OffloadAdamW", "OffloadStats"]
 

@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.optim import Optimizer
 
-from zero_offload._native import TORCH_DTYPES, Dtype, default_threads, kernels, set_isa, supported_isas
-from zero_offload._native import isa as _native_isa
+from ._native import TORCH_DTYPES, Dtype, default_threads, kernels, set_isa, supported_isas
+from ._native import isa as _native_isa
 
 __all__ = [
     "CPUAdam",

@@ -49,7 +49,8 @@ import psutil
 import torch
 
 from .pinned_pool import PinnedPool, PoolBuffer
-from .swap_io import ALIGNMENT, aligned_empty, round_up
+from .swap_io import aligned_empty
+from .vocab import ALIGNMENT, round_up
 
 __all__ = [
     "Tier", "Residency", "Hop", "PayloadSpec", "StoreConfig", "ChunkStore", "Handle", "StoreStats",

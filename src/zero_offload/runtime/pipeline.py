@@ -64,42 +64,10 @@ from typing import Callable, Optional
 import torch
 
 from .store import BudgetError, ChunkStore, Handle, StoreError, Tier
+from .trace import Trace
 
 __all__ = ["Accumulate", "AdamArgs", "GradJob", "PipelineError", "PipelinePayloads",
-           "PipelineStats", "Segment", "StepPipeline", "Trace", "UpdateJob"]
-
-
-class Trace:
-    """Timed spans from every thread of a training step (the worker's jobs and kernel calls,
-    the consumer's waits, the engine's phases), written as a Chrome trace (open the file in
-    https://ui.perfetto.dev or chrome://tracing). Recording costs one list append per span."""
-
-    def __init__(self):
-        self.events: list = []
-
-    def span(self, name: str, t0: float, t1: float, *, thread: Optional[str] = None, **args) -> None:
-        """A span from ``t0`` to ``t1`` (``time.perf_counter()`` seconds) on ``thread`` (default:
-        the calling thread's name)."""
-        self.events.append((name, thread or threading.current_thread().name, t0, t1, args))
-
-    def clear(self) -> None:
-        self.events.clear()
-
-    def to_chrome(self) -> dict:
-        origin = min((e[2] for e in self.events), default=0.0)
-        threads = {name: i for i, name in enumerate(dict.fromkeys(e[1] for e in self.events))}
-        out = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": name}}
-               for name, tid in threads.items()]
-        out += [{"name": name, "ph": "X", "pid": 0, "tid": threads[thread],
-                 "ts": (t0 - origin) * 1e6, "dur": (t1 - t0) * 1e6, "args": args}
-                for name, thread, t0, t1, args in self.events]
-        return {"traceEvents": out, "displayTimeUnit": "ms"}
-
-    def write(self, path) -> None:
-        import json
-
-        with open(path, "w") as f:
-            json.dump(self.to_chrome(), f)
+           "PipelineStats", "Segment", "StepPipeline", "UpdateJob"]
 
 
 class PipelineError(RuntimeError):
@@ -257,7 +225,7 @@ class StepPipeline:
                  prefetch_depth: int = 2, threads: Optional[int] = None,
                  on_update_done: Optional[Callable[[int], None]] = None,
                  on_chunk_idle: Optional[Callable[[int], None]] = None):
-        from . import cpu_adam  # the native kernel; imported here so importing this module stays cheap
+        from ..ops import cpu_adam  # the native kernel; imported here so importing this module stays cheap
 
         self._adam = cpu_adam
         self.store = store
