@@ -16,8 +16,34 @@ python3 -m pip install --no-build-isolation --no-deps -e . > /tmp/zo_build.log 2
   || { echo "pip install -e failed:"; tail -5 /tmp/zo_build.log; exit 1; }
 python3 -c "import zero_offload.cpu_adam as c, torch; print('isa', c.isa(), 'torch', torch.__version__)"
 [ $# -eq 0 ] && set -- tests train io
+# before_tree: a checkout of an earlier commit at .before/ (carried, git-excluded) for side-by-side
+# runs; built in place, used through PYTHONPATH (its own benchmarks/ scripts).
+before_tree() {
+  [ -f .before/setup.py ] || { echo "no .before/ checkout carried"; return 1; }
+  [ -n "$(ls .before/zero_offload/_C*.so .before/src/zero_offload/_C*.so 2>/dev/null)" ] \
+    || (cd .before && python3 setup.py build_ext --inplace > /tmp/zo_before_build.log 2>&1) \
+    || { echo "build of .before failed"; tail -5 /tmp/zo_before_build.log; return 1; }
+  if [ -d .before/src ]; then echo "$PWD/.before/src"; else echo "$PWD/.before"; fi
+}
 for what in "$@"; do
   case $what in
+    trust)  # issue 10 on CUDA: the new GPU tests on this tree, then the tied-head test on the old engine
+      { python3 -m pytest -q -m gpu -p no:cacheprovider 2>&1
+        ZO_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_engine_*.py 2>&1
+        echo "== before (.before): tied head on CUDA"
+        bt=$(before_tree) && PYTHONPATH=$bt:${PYTHONPATH:-} python3 -m pytest -q -p no:cacheprovider \
+          tests/test_engine_external_params_gpu.py -k parity 2>&1 | tail -15; } \
+        | tee "$OUT/tests_trust_cuda.log" | grep -E "passed|failed|error|^==" ;;
+    compare*)  # before/after on the 1.31B benchmark, alternating per case (host drift hits both alike)
+      bt=$(before_tree) || exit 1
+      case $what in compare-engine) cases="engine-cpu engine-auto" ;; *) cases="offload-adamw offload-adamw-fwd" ;; esac
+      for c in $cases; do for side in before after; do
+        if [ $side = before ]; then script=.before/benchmarks/bench_train.py; pp=$bt:${PYTHONPATH:-}
+        else script=benchmarks/bench_train.py; pp=${PYTHONPATH:-}; fi
+        PYTHONPATH=$pp python3 $script --model 1.3b --batch 8 --steps 7 --warmup 2 --cases $c --nvme-dir /tmp/zo \
+          --json-out "$OUT/cmp_${c}_${side}.json" > "/tmp/cmp_${c}_${side}.log" 2>&1
+        echo "$side: $(grep -E "^\[$c\]" /tmp/cmp_${c}_${side}.log | head -1)"
+      done; done ;;
     tests)  # one log: GPU-marked tests, then the engine parity suite with CUDA as the device
       { python3 -m pytest -q -m gpu -p no:cacheprovider 2>&1
         ZO_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_engine_*.py 2>&1; } \
