@@ -508,12 +508,13 @@ class StepPipeline:
         run.held.close()  # unpin before the write-behind may evict
         # See [Note: state read-ahead] and [Note: what an update writes]: write-behind.
         written = list(self._state_names) + ([names.lowp] if run.lowp else [])
-        for n in written:
-            if store.payload_spec(cid, n).home is not Tier.CPU:
-                store.flush(cid, n)
-                store.evict(cid, n, Tier.CPU)
+        behind = [n for n in written if store.payload_spec(cid, n).home is not Tier.CPU]
+        for n in behind:
+            store.flush(cid, n)
         if self.on_update_done is not None:
-            self.on_update_done(cid)
+            self.on_update_done(cid)  # may pin a host copy to read it on: its eviction waits for that
+        for n in behind:
+            store.evict(cid, n, Tier.CPU, defer=True)
 
     def _lowp_buffer(self, cid: int, job: UpdateJob, held: contextlib.ExitStack) -> torch.Tensor:
         """The CPU copy of the working params, pinned in ``held``, ready to be overwritten."""

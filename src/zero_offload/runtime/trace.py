@@ -1,11 +1,12 @@
 """Chrome-trace spans from every thread of a training step (cross-cutting: the pipeline's worker,
-the kernel thread and both front ends record into one ``Trace``)."""
+the kernel thread and both front ends record into one ``Trace``), and the stats window the front
+ends read the lower layers' counters through."""
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
-__all__ = ["Trace"]
+__all__ = ["StatsWindow", "Trace"]
 
 
 class Trace:
@@ -39,3 +40,19 @@ class Trace:
 
         with open(path, "w") as f:
             json.dump(self.to_chrome(), f)
+
+
+class StatsWindow:
+    """Counters since a base snapshot, for counters that belong to other objects: ``read()`` is
+    ``sample() - base`` per key, ``reset()`` moves the base. The counters are never written, so
+    two windows over the same objects (two front ends, a benchmark) never disturb each other."""
+
+    def __init__(self, sample: Callable[[], dict]):
+        self._sample = sample
+        self._base = sample()
+
+    def reset(self) -> None:
+        self._base = self._sample()
+
+    def read(self) -> dict:
+        return {k: v - self._base.get(k, 0) for k, v in self._sample().items()}
