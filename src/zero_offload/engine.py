@@ -135,8 +135,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .config import Adam, OffloadConfig, load_config
 from .mixed_precision import LossScaler, cast_inputs
+from .runtime.chunk_group import adam_args, update_segments
 from .runtime.partition import ChunkLayout, ParamSlot, Partition, partition_parameters
-from .runtime.pipeline import (Accumulate, AdamArgs, GradJob, PipelinePayloads, Segment, StepPipeline,
+from .runtime.pipeline import (Accumulate, GradJob, PipelinePayloads, Segment, StepPipeline,
                                UpdateJob)
 from .runtime.placement import (PARKED_CHUNKS, PlacementPlan, keep_limit, optimizer_payloads,
                                 payload_dtypes, plan_placement)
@@ -1139,31 +1140,20 @@ class Engine:
 
     def _update_job(self, chunk: _Chunk, *, grad_scale: float) -> UpdateJob:
         """The update of a chunk's slots that had grads in this window; advances their steps."""
-        layout = chunk.layout
-        segments, run = [], None
+        layout, spans = chunk.layout, []
         for i, s in enumerate(layout.slots):
-            stop = layout.slots[i + 1].offset if i + 1 < len(layout.slots) else layout.numel
             if s not in chunk.window:
-                run = None
                 continue
             chunk.steps[i] += 1
-            step, group = chunk.steps[i], self._slot_group.get(s.index, 0)
-            if run is not None and run[2] == step and run[3] == group:
-                run[1] = stop
-            else:
-                run = [s.offset, stop, step, group]
-                segments.append(run)
-        args = {g: self._group_args(g, grad_scale) for g in {0, *(r[3] for r in segments)}}
+            stop = layout.slots[i + 1].offset if i + 1 < len(layout.slots) else layout.numel
+            spans.append((s.offset, stop, chunk.steps[i], self._slot_group.get(s.index, 0)))
+        segments = update_segments(spans)
+        args = {g: adam_args(self.optimizer.param_groups[g], adamw=self.spec.adamw, grad_scale=grad_scale)
+                for g in {0, *(r[3] for r in segments)}}
         source = "accum" if self.config.grad_accum > 1 else "grads"
         return UpdateJob(cid=chunk.cid, args=args[0], source=source,
                          segments=tuple(Segment(lo, hi, step, None if g == 0 else args[g])
                                         for lo, hi, step, g in segments))
-
-    def _group_args(self, index: int, grad_scale: float) -> AdamArgs:
-        g = self.optimizer.param_groups[index]
-        return AdamArgs(lr=float(g["lr"]), betas=tuple(float(b) for b in g["betas"]),
-                        eps=float(g["eps"]), weight_decay=float(g["weight_decay"]),
-                        adamw=self.spec.adamw, grad_scale=grad_scale)
 
     # ---- inspection -------------------------------------------------------------------------
 

@@ -105,7 +105,8 @@ import torch
 
 from .config import Adam as _AdamSpec
 from .config import _as_budget, _as_float, _as_int
-from .runtime.pipeline import (AdamArgs, GradJob, PipelineError, PipelinePayloads, Segment,
+from .runtime.chunk_group import adam_args, update_segments
+from .runtime.pipeline import (GradJob, PipelineError, PipelinePayloads, Segment,
                                StepPipeline, UpdateJob)
 from .runtime.store import ChunkStore, Handle, Hop, PayloadSpec, StoreConfig, Tier
 from .runtime.swap_io import prepare_swap_dir, swap_dir_problem
@@ -558,15 +559,12 @@ class OffloadAdam(torch.optim.Optimizer):
             ready = Handle(event=chunk.d2h_done)
         else:
             ready = Handle.completed()
-        segments = tuple(Segment(lo, hi, step) for lo, hi, step in _runs(chunk.slots))
         chunk.job_slots = tuple(s for s in chunk.slots if s.landed)
         for s in chunk.job_slots:
             s.step += 1
-        g = chunk.group
-        lr = g["lr"]
-        args = AdamArgs(lr=float(lr.item() if isinstance(lr, torch.Tensor) else lr),
-                        betas=(float(g["betas"][0]), float(g["betas"][1])), eps=float(g["eps"]),
-                        weight_decay=float(g["weight_decay"]), adamw=self._adamw)
+        segments = tuple(Segment(lo, hi, step) for lo, hi, step, _ in update_segments(
+            (s.offset, s.offset + s.numel, s.step, None) for s in chunk.job_slots))
+        args = adam_args(chunk.group, adamw=self._adamw)
         chunk.grads = None
         chunk.to(_Phase.UPDATING)
         self._updating[chunk.cid] = chunk
@@ -981,21 +979,3 @@ def _state_bytes(params) -> int:
         tensors.extend([ps] if isinstance(ps, torch.Tensor) else (ps or ()))
     seen = {id(t): t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad}
     return sum(12 * t.numel() + 3 * ALIGNMENT for t in seen.values())
-
-
-def _runs(slots: list[_Slot]):
-    """Maximal ranges ``(lo, hi, step)`` of consecutive landed slots with equal step counts: one
-    CPU-Adam call each (normally one per chunk). ``step`` is the count after this update."""
-    lo = hi = None
-    step = None
-    for s in slots:
-        if s.landed and lo is not None and s.step + 1 == step and s.offset == hi:
-            hi = s.offset + s.numel
-            continue
-        if lo is not None:
-            yield lo, hi, step
-            lo = None
-        if s.landed:
-            lo, hi, step = s.offset, s.offset + s.numel, s.step + 1
-    if lo is not None:
-        yield lo, hi, step
