@@ -445,7 +445,8 @@ class Engine:
                          Tier.NVME: cfg.nvme_budget if cfg.nvme_dir is not None else 0}
         self.store = ChunkStore(StoreConfig(device=self.device, budgets=store_budgets,
                                             nvme_dir=cfg.nvme_dir, io_threads=cfg.io_threads,
-                                            io_block_size=cfg.io_block_size))
+                                            io_block_size=cfg.io_block_size,
+                                            io_queue_depth=cfg.io_queue_depth))
         try:
             self.plan: PlacementPlan = plan_placement(self.partition, cfg, self.store.budgets,
                                                       has_nvme=cfg.nvme_dir is not None)

@@ -181,6 +181,9 @@ class StoreConfig:
     io_block_size: int = 1 << 20
     """Bytes per native I/O request (a multiple of 4096)."""
 
+    io_queue_depth: int = 16
+    """Native I/O requests in flight at once, engine-wide (``AioEngine(queue_depth=)``)."""
+
     copy_threads: int = 2
     """Host threads that run host-side copies and moves waiting on host-side dependencies."""
 
@@ -228,7 +231,7 @@ class StoreConfig:
                 budgets[tier] = value
         object.__setattr__(self, "budgets", budgets)
 
-        for name in ("io_threads", "copy_threads"):
+        for name in ("io_threads", "io_queue_depth", "copy_threads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"StoreConfig.{name} must be an int >= 1, got {value!r}")
@@ -982,7 +985,8 @@ class ChunkStore:
             if self.config.nvme_dir is None:
                 raise StoreError("this store has no NVMe tier: set StoreConfig.nvme_dir")
             from .swap_io import AioEngine, SwapSpace
-            engine = AioEngine(threads=self.config.io_threads, block_size=self.config.io_block_size)
+            engine = AioEngine(threads=self.config.io_threads, block_size=self.config.io_block_size,
+                               queue_depth=self.config.io_queue_depth)
             self._swap = SwapSpace(self.config.nvme_dir, capacity_bytes=self.budgets[Tier.NVME], engine=engine)
         return self._swap
 
