@@ -62,6 +62,8 @@ sys.meta_path.append(_MovedPath())
 
 
 def __getattr__(name):
+    if f"{__name__}.{name}" in _MOVED:  # zero_offload.pipeline without importing it first
+        return importlib.import_module(f"{__name__}.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'zero_offload' has no attribute {name!r}")

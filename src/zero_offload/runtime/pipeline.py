@@ -23,8 +23,7 @@ once backward is over it goes through the rest in the order the next forward nee
 forward starts as soon as its first chunk is updated and then runs behind the updates instead
 of waiting for all of them. One exception: a grad job whose grads are still in flight (the device
 has not reached the copy yet) does not hold the worker while another job could start at once;
-that one goes first (``_pick``), so the worker never idles on a move with work at hand. Each ``adam_step`` call is multi-threaded in the native kernel and
-releases the GIL, so the caller's thread keeps driving the GPU.
+that one goes first (``_pick``), so the worker never idles on a move with work at hand.
 
 [Note: two jobs in flight] The worker does not run the kernels itself: it queues them on the
 native kernel thread (``cpu_adam.adam_step_async``) and, while a job's kernels run, completes the
@@ -33,7 +32,7 @@ calls ``on_update_done``/``on_chunk_idle``) and starts the next one (waits for i
 its buffers, queues its kernels behind the running ones). So the cores go from one chunk's
 update to the next without waiting for Python, and the worker's bookkeeping and its re-takes
 of the GIL (up to the interpreter's switch interval each, while the main thread runs Python)
-are hidden behind the kernels. Measured on the H100 host before this: ~0.7 ms of bookkeeping
+are hidden behind the kernels. Measured on the H100 host before this: ~0.5-0.7 ms of bookkeeping
 per chunk outside the kernels, ~10% of a 1.3B step. A job still counts as queued (``busy``,
 ``wait_chunk``) until it is complete. The worker never blocks on a grad move while a job is in
 flight: it completes that one first (``_pick(can_defer=True)``).
