@@ -203,19 +203,14 @@ class Adam:
     """L2 penalty coefficient (Adam) / decoupled decay coefficient (AdamW), >= 0."""
 
     def __post_init__(self):
-        owner = type(self).__name__
-        object.__setattr__(self, "lr", _as_float(owner, "lr", self.lr, minimum=0.0))
-        betas = self.betas
-        if (isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2):
-            raise _fail(owner, "betas", betas, "a pair (beta1, beta2), each in [0, 1)",
-                        "e.g. betas=(0.9, 0.999)")
-        betas = tuple(
-            _as_float(owner, f"betas[{i}]", b, minimum=0.0, maximum=1.0, max_inclusive=False)
-            for i, b in enumerate(betas))
-        object.__setattr__(self, "betas", betas)
-        object.__setattr__(self, "eps", _as_float(owner, "eps", self.eps, minimum=0.0))
-        object.__setattr__(self, "weight_decay",
-                           _as_float(owner, "weight_decay", self.weight_decay, minimum=0.0))
+        from .ops.cpu_adam import AdamHyper  # the one validator of Adam hyperparameters
+
+        h = AdamHyper.checked(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
+                              adamw=self.adamw, owner=type(self).__name__)
+        object.__setattr__(self, "lr", h.lr)
+        object.__setattr__(self, "betas", (h.beta1, h.beta2))
+        object.__setattr__(self, "eps", h.eps)
+        object.__setattr__(self, "weight_decay", h.weight_decay)
 
     @property
     def adamw(self) -> bool:

@@ -103,8 +103,8 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
-from .config import Adam as _AdamSpec
 from .config import _as_budget, _as_float, _as_int
+from .ops.cpu_adam import UNSUPPORTED_OPTIONS, AdamHyper
 from .runtime.chunk_group import adam_args, update_segments
 from .runtime.pipeline import (GradJob, PipelineError, PipelinePayloads, Segment,
                                StepPipeline, UpdateJob)
@@ -274,7 +274,8 @@ class OffloadAdam(torch.optim.Optimizer):
                  overlap: bool = True, overlap_forward: bool = False, grad_accum: int = 1,
                  prefetch_depth: int = 2, cpu_budget: int | str = "auto"):
         name = type(self).__name__
-        spec = _AdamSpec(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)  # validates
+        h = AdamHyper.checked(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=self._adamw,
+                              owner=name)
         home = {"cpu": Tier.CPU, "nvme": Tier.NVME}.get(state.lower() if isinstance(state, str) else state)
         if home is None:
             raise ValueError(f"{name}: state={state!r} is invalid: use 'cpu' (host RAM) or 'nvme' "
@@ -324,7 +325,7 @@ class OffloadAdam(torch.optim.Optimizer):
 
         params = _read_once(params)
         self._nvme_need = _state_bytes(params)   # the swap space is preallocated: size it for all groups
-        defaults = dict(lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay,
+        defaults = dict(lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay,
                         amsgrad=False, maximize=False, foreach=None, capturable=False,
                         differentiable=False, fused=None, decoupled_weight_decay=self._adamw)
         super().__init__(params, defaults)
@@ -368,15 +369,11 @@ class OffloadAdam(torch.optim.Optimizer):
     def _check_group(self, group: dict) -> None:
         """Hyperparameters of a group (with defaults filled in), as torch.optim.Adam checks them."""
         name = type(self).__name__
-        for key in ("amsgrad", "maximize", "capturable", "differentiable"):
+        for key in UNSUPPORTED_OPTIONS:
             if group.get(key):
                 raise ValueError(f"{name}: {key}=True is not supported; remove it from the param group")
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor):
-            if lr.numel() != 1:
-                raise ValueError(f"{name}: lr must be a number (or a one-element tensor), got {lr!r}")
-            lr = lr.item()
-        _AdamSpec(lr=lr, betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
+        AdamHyper.checked(lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                          weight_decay=group["weight_decay"], adamw=self._adamw, owner=name)
 
     def _check_params(self, params) -> None:
         name = type(self).__name__
