@@ -17,6 +17,17 @@
 // (its result is then dropped). Jobs run one at a time, each using the whole fork-join pool.
 // The caller keeps the buffers alive until `wait` returns. A forked child gets a fresh queue
 // (the parent's thread does not exist there), as ParallelPool does.
+//
+// [Note: native threads at exit]
+// No native thread can end a process with std::terminate: the kernel thread and the pool's
+// workers are detached and their objects leaked, so no std::thread is ever destroyed joinable
+// and no static destructor waits for them; IoEngine (aio.h) joins its threads in its destructor,
+// after they drained the queue. None of them ever takes the GIL, so a join from a thread that
+// holds it (a pybind11 dealloc) cannot deadlock, and they may outlive Python finalization: they
+// touch only leaked objects and buffers Python keeps alive until the job is waited for
+// (KernelTicket waits in __del__ when dropped unwaited). The abort seen at exit came from the
+// Python side: a daemon thread returning from a GIL-released call during finalization (see
+// [Note: workers stop before the interpreter finalizes] in zero_offload/pipeline.py).
 #pragma once
 
 #include <unistd.h>

@@ -1,58 +1,72 @@
-"""zero-offload bench prefetch: real steps per depth -> table, JSON, PNG, recommendation."""
+"""zero-offload bench prefetch: interleaved steps per depth until they separate or the time
+budget ends -> table, JSON with every step time, PNG, and a decision the JSON reproduces."""
 import json
 import os
 import re
 import subprocess
 import sys
 
+from zero_offload.bench.prefetch import decision_of_record
 
-def expected_depth(record: dict) -> int:
-    """The smallest depth whose median step time is within the tolerance of the best."""
-    medians = {res["depth"]: res["step_time_s"]["median"] for res in record["results"]}
-    best = min(medians.values())
-    return min(d for d, m in medians.items() if m <= best * (1 + record["tolerance"]))
+TINY = ["--preset", "tiny", "--batch-size", "2", "--seq-len", "32", "--warmup", "1"]
 
 
-def test_bench_prefetch_writes_json_png_and_recommends(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "zero_offload", "bench", "prefetch", "--depths", "0,2",
-                        "--preset", "tiny", "--steps", "2", "--warmup", "1", "--batch-size", "4",
-                        "--seq-len", "64", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=300)
+def bench(tmp_path, *flags, env=None):
+    r = subprocess.run([sys.executable, "-m", "zero_offload", "bench", "prefetch", *TINY, *flags,
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr
-    assert "step ms (median)" in r.stdout and "recommended prefetch depth:" in r.stdout
     (js,) = tmp_path.glob("prefetch_*.json")
+    return r, json.loads(js.read_text()), js
+
+
+def test_bench_prefetch_interleaves_until_the_budget_and_the_json_reproduces_the_decision(tmp_path):
+    r, record, _ = bench(tmp_path, "--depths", "0,1", "--steps", "4", "--block", "2", "--max-seconds", "3")
+    # the configured depth (2) is the baseline and is added to the depths
+    assert "added depth 2 to --depths" in r.stdout
+    assert [res["depth"] for res in record["results"]] == [0, 1, 2]
     (png,) = tmp_path.glob("prefetch_*.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
-    record = json.loads(js.read_text())
-    assert [res["depth"] for res in record["results"]] == [0, 2]
-    # the smallest depth whose median is within the tolerance of the best, marked in the table
-    expected = expected_depth(record)
-    assert record["recommended_depth"] == expected
-    assert f"recommended prefetch depth: {expected} " in r.stdout
-    assert re.search(rf"^\s*{expected} \*\s", r.stdout, re.M), r.stdout
+    n = {res["depth"]: res["n"] for res in record["results"]}
+    # round-robin blocks of 2 timed steps: every depth has the same count, at least --steps
+    assert len(set(n.values())) == 1 and n[0] >= 4 and n[0] % 2 == 0 and n[0] == 2 * record["rounds"]
     for res in record["results"]:
-        assert len(res["step_time_s"]["all"]) == 2 and res["step_time_s"]["median"] > 0
-        # params live on the CPU, optimizer state on NVMe: every step moves bytes on those hops
-        assert res["bytes_per_step"].get("cpu->gpu", 0) > 0 or res["bytes_per_step"].get("nvme->cpu", 0) > 0
+        assert len(res["step_time_s"]["all"]) == res["n"] == len(res["stall_s"])
+        assert res["step_time_s"]["q25"] <= res["step_time_s"]["median"] <= res["step_time_s"]["q75"]
+        # params on the CPU, optimizer state on NVMe: every step moves bytes on those hops
+        assert res["bytes_per_step"].get("cpu->gpu", 0) > 0 and res["bytes_per_step"].get("nvme->cpu", 0) > 0
         assert res["peak_bytes"]["cpu"] > 0
+    # unless the depths separated, the loop ran until the budget (measuring only)
+    if not record["decision"]["separated"]:
+        assert record["measure_s"] >= 3
+    # the JSON's step times give the printed decision again
+    again = decision_of_record(record)
+    assert again.to_dict() == record["decision"]
+    assert again.message() in r.stdout.splitlines()
+    assert record["recommended_depth"] == again.recommended
+    assert re.search(rf"^\s*{again.recommended} \*\s", r.stdout, re.M), r.stdout
+    verdicts = {c["depth"]: c["verdict"] for c in record["decision"]["comparisons"]}
+    assert set(verdicts) == {0, 1}
+    for c in record["decision"]["comparisons"]:
+        assert re.search(rf"^\s*{c['depth']}\s+{n[0]}\s.*{c['verdict']}", r.stdout, re.M), r.stdout
 
 
-def test_bench_prefetch_without_matplotlib_still_recommends(tmp_path):
+def test_bench_prefetch_without_matplotlib_still_decides(tmp_path):
     blocker = tmp_path / "no_matplotlib"
     blocker.mkdir()
     (blocker / "matplotlib.py").write_text("raise ImportError(\"No module named 'matplotlib'\")\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocker), os.environ.get("PYTHONPATH", "")])}
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "zero_offload", "bench", "prefetch", "--depths", "0,1",
-                        "--preset", "tiny", "--steps", "1", "--warmup", "1", "--batch-size", "2",
-                        "--seq-len", "32", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stderr
-    assert "step ms (median)" in r.stdout and "recommended prefetch depth:" in r.stdout
-    (js,) = out.glob("prefetch_*.json")
+    r, record, js = bench(out, "--depths", "0,2", "--steps", "2", "--block", "1", "--max-seconds", "0.1",
+                          env=env)
     assert not list(out.glob("*.png"))
     note = [line for line in r.stdout.splitlines() if "no PNG" in line]
     assert len(note) == 1 and "pip install matplotlib" in note[0] and js.name in note[0]
-    record = json.loads(js.read_text())
-    assert record["recommended_depth"] == expected_depth(record)
-    assert f"recommended prefetch depth: {expected_depth(record)} " in r.stdout
+    assert all(res["n"] == 2 for res in record["results"])  # the minimum, then the budget was over
+    assert decision_of_record(record).message() in r.stdout.splitlines()
+
+
+def test_bench_prefetch_refuses_one_timed_step(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "zero_offload", "bench", "prefetch", *TINY, "--steps", "1",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].startswith("zero-offload: error: --steps 1: the comparison needs")

@@ -84,7 +84,9 @@ def test_keep_fallback_and_orphans(tmp_path):
     (ck / "step_0000011").mkdir()  # the user's
     (ck / "step_0000011" / "keep.txt").write_text("mine")
 
-    r = run("--resume", "--steps", "5", "--out", str(ck))
+    # --save-every 0: the resumed run keeps the checkpoint's settings (save every step) unless
+    # told otherwise; here it saves only at the end, so the damaged step_0000004 must go as an orphan.
+    r = run("--resume", "--steps", "5", "--save-every", "0", "--out", str(ck))
     assert r.returncode == 0, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if "damaged" in ln]
     assert len(lines) == 1, r.stderr

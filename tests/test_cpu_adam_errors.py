@@ -122,8 +122,8 @@ def test_constructor_rejects_bad_hyperparameters(kwargs, error, fragment):
 
 @pytest.mark.parametrize("param, error, fragment", [
     (torch.zeros(3, dtype=torch.float64, requires_grad=True), TypeError, "params\\[0\\] has dtype torch.float64"),
-    (torch.zeros(3, dtype=torch.bfloat16, requires_grad=True), TypeError, "expected torch.float32"),
-    (torch.zeros(4, 4).t().requires_grad_(), ValueError, "not contiguous"),
+    (torch.zeros(1, 3).expand(4, 3).requires_grad_(), ValueError, "overlaps itself or has gaps"),
+    (torch.zeros(4, 8)[:, ::2].requires_grad_(), ValueError, "overlaps itself or has gaps"),
     (torch.zeros(3, device="meta", requires_grad=True), ValueError, "CPU tensors only"),
 ])
 def test_constructor_rejects_bad_params(param, error, fragment):
@@ -167,13 +167,11 @@ def _bad_grad(kind, p):
         return torch.randn(p.shape, dtype=torch.float64), TypeError, "grad has dtype torch.float64"
     if kind == "sparse":
         return torch.randn(p.shape).to_sparse(), ValueError, "use torch.optim.SparseAdam"
-    if kind == "strided":
-        return torch.randn(2 * p.numel())[::2].view(p.shape), ValueError, "grad is not contiguous"
     raise AssertionError(kind)
 
 
 @pytest.mark.parametrize("index", [0, 2])
-@pytest.mark.parametrize("kind", ["fp64", "sparse", "strided"])
+@pytest.mark.parametrize("kind", ["fp64", "sparse"])
 def test_step_with_a_bad_grad_changes_nothing(kind, index):
     """One bad grad anywhere: no param, moment or step counter changes, in any group."""
     if kind == "fp64" and not TORCH_HAS_GRAD_DTYPE:

@@ -632,187 +632,10 @@ def cmd_train(args) -> int:
 
 # ----------------------------------------------------------------------------------- bench
 
-def recommend_depth(results: Sequence[dict], *, tolerance: float = 0.03) -> int:
-    """The smallest depth whose median step time is within ``tolerance`` of the best."""
-    if not results:
-        raise ValueError("no results to recommend a depth from")
-    best = min(r["step_time_s"]["median"] for r in results)
-    return min(r["depth"] for r in results if r["step_time_s"]["median"] <= best * (1 + tolerance))
-
-
-def plot_prefetch(results: Sequence[dict], path, *, title: str = "", recommended: Optional[int] = None) -> None:
-    """PNG of step time (median, min-max) and stall per step against depth, plus bytes moved
-    per step on each hop."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise ImportError("the plot needs matplotlib: `pip install matplotlib` "
-                          "(or `pip install 'zero_offload[plot]'`)") from None
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    depths = [r["depth"] for r in results]
-    med = [r["step_time_s"]["median"] * 1e3 for r in results]
-    lo = [m - r["step_time_s"]["min"] * 1e3 for m, r in zip(med, results)]
-    hi = [r["step_time_s"]["max"] * 1e3 - m for m, r in zip(med, results)]
-    stall = [r["stall_s_per_step"] * 1e3 if r["stall_s_per_step"] is not None else float("nan") for r in results]
-    hops = sorted({h for r in results for h in r["bytes_per_step"]})
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    ax1.errorbar(depths, med, yerr=[lo, hi], marker="o", capsize=3, label="step time (median, min-max)")
-    ax1.plot(depths, stall, marker="s", label="stall waiting for chunks")
-    if recommended is not None:
-        ax1.axvline(recommended, color="grey", linestyle="--", label=f"recommended depth {recommended}")
-    ax1.set_xticks(depths)
-    ax1.set_xlabel("prefetch depth (chunks in flight per hop)")
-    ax1.set_ylabel("ms per step")
-    ax1.set_ylim(bottom=0)
-    ax1.legend(fontsize=8)
-    ax1.grid(alpha=0.3)
-    width = 0.8 / max(len(hops), 1)
-    for i, hop in enumerate(hops):
-        ax2.bar([j + i * width for j in range(len(depths))],
-                [r["bytes_per_step"].get(hop, 0) / 2**20 for r in results], width=width, label=hop)
-    ax2.set_xticks([j + width * (len(hops) - 1) / 2 for j in range(len(depths))], [str(d) for d in depths])
-    ax2.set_xlabel("prefetch depth")
-    ax2.set_ylabel("MiB moved per step")
-    if hops:
-        ax2.legend(fontsize=8)
-    ax2.grid(alpha=0.3, axis="y")
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _hardware_slug() -> str:
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name(0)
-    else:
-        name = f"cpu{os.cpu_count()}"
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
-def _bench_one_depth(model_state, settings: RunSettings, cfg, spec, depth: int, *, warmup: int) -> dict:
-    import zero_offload
-    from .data import CharCorpus
-
-    torch.manual_seed(settings.seed)
-    model, seq_len = build_model(settings)
-    model.load_state_dict(model_state)
-    corpus = CharCorpus.default()
-    engine = zero_offload.initialize(model, optimizer=spec, config=dataclasses.replace(cfg, prefetch_depth=depth))
-    try:
-        device = getattr(engine, "device", None) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        cuda = torch.device(device).type == "cuda"
-        times = []
-        for i in range(warmup + settings.steps):
-            if i == warmup:
-                engine.reset_stats()  # byte counters, stall times and peaks cover the timed steps
-                if cuda:
-                    torch.cuda.reset_peak_memory_stats()
-            x, y = corpus.batch(batch_size=settings.batch_size, seq_len=seq_len,
-                                generator=_batch_generator(settings.seed, i), device=device)
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            loss.item()
-            if cuda:
-                torch.cuda.synchronize()
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-        engine.synchronize()  # queued CPU updates land inside the measured window's counters
-        stats = engine.stats()
-    finally:
-        engine.close()
-    n = settings.steps
-    flops = model.flops_per_token(seq_len) if hasattr(model, "flops_per_token") else None
-    med = statistics.median(times)
-    return {
-        "depth": depth,
-        "step_time_s": {"median": med, "min": min(times), "max": max(times), "all": times},
-        "tokens_per_s": settings.batch_size * seq_len / med,
-        "model_tflops": flops * settings.batch_size * seq_len / med / 1e12 if flops else None,
-        "stall_s_per_step": (stats.fetch_stall_s + stats.update_stall_s) / n,
-        "fetch_stall_s_per_step": stats.fetch_stall_s / n,
-        "update_stall_s_per_step": stats.update_stall_s / n,
-        "gpu_stall_share": stats.gpu_stall_share,
-        "prefetch_hit_rate": stats.prefetch_hit_rate,
-        "bytes_per_step": {hop: b / n for hop, b in stats.bytes_moved.items() if b},
-        "peak_bytes": dict(stats.peak_bytes),
-        "peak_cuda_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-        "loss_last": float(loss.detach().float().item()),
-    }
-
-
-def _print_table(results: Sequence[dict], recommended: int) -> None:
-    tiers = sorted({t for r in results for t in r["peak_bytes"]})
-    hops = sorted({h for r in results for h in r["bytes_per_step"]})
-    head = ["depth", "step ms (median)", "min ms", "stall ms/step", "tokens/s"] + \
-           [f"{h} /step" for h in hops] + [f"peak {t}" for t in tiers]
-    rows = []
-    for r in results:
-        stall = r["stall_s_per_step"]
-        rows.append([str(r["depth"]) + (" *" if r["depth"] == recommended else ""),
-                     f"{r['step_time_s']['median'] * 1e3:.1f}", f"{r['step_time_s']['min'] * 1e3:.1f}",
-                     "n/a" if stall is None else f"{stall * 1e3:.1f}", f"{r['tokens_per_s']:,.0f}"] +
-                    [_human_bytes(r["bytes_per_step"].get(h, 0)) for h in hops] +
-                    [_human_bytes(r["peak_bytes"].get(t, 0)) for t in tiers])
-    widths = [max(len(head[i]), *(len(row[i]) for row in rows)) for i in range(len(head))]
-    print("  ".join(h.rjust(w) for h, w in zip(head, widths)))
-    for row in rows:
-        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
-
-
 def cmd_bench_prefetch(args) -> int:
-    with contextlib.ExitStack() as stack:
-        defaults = dict(preset="small" if not torch.cuda.is_available() else "1.3b", hf_config=None,
-                        steps=5, batch_size=8, seq_len=None, seed=0, lr=None)
-        cfg, spec, settings, _ = resolve(args, defaults=defaults, temp_dirs=stack)
-        torch.manual_seed(settings.seed)
-        model, seq_len = build_model(settings)
-        state = {k: v.clone() for k, v in model.state_dict().items()}  # same start at every depth
-        del model
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        print(f"zero-offload bench prefetch: {_describe_model(settings)}, batch {settings.batch_size} x "
-              f"{seq_len}, params on {cfg.params}, optimizer on {cfg.optimizer}, dtype {cfg.dtype}, "
-              f"{args.warmup} warm-up + {settings.steps} timed steps per depth", flush=True)
-        results = []
-        for depth in args.depths:
-            r = _bench_one_depth(state, settings, cfg, spec, depth, warmup=args.warmup)
-            print(f"  depth {depth}: median step {r['step_time_s']['median'] * 1e3:.1f} ms", flush=True)
-            results.append(r)
-    recommended = recommend_depth(results, tolerance=args.tolerance)
-    print()
-    _print_table(results, recommended)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    stem = out / f"prefetch_{_hardware_slug()}_{stamp}"
-    record = {
-        "what": "zero-offload bench prefetch",
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": {"hardware": _hardware_slug(), "host": platform.node(), "cpus": os.cpu_count(),
-                    "torch": torch.__version__},
-        "model": _describe_model(settings), "batch_size": settings.batch_size, "seq_len": seq_len,
-        "offload": cfg.to_dict() if hasattr(cfg, "to_dict") else str(cfg),
-        "warmup_steps": args.warmup, "timed_steps": settings.steps, "tolerance": args.tolerance,
-        "recommended_depth": recommended, "results": results,
-    }
-    stem.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str))
-    print(f"\nrecommended prefetch depth: {recommended} (smallest within {args.tolerance:.0%} of the "
-          f"best median step time)", flush=True)
-    try:
-        plot_prefetch(results, stem.with_suffix(".png"), recommended=recommended,
-                      title=f"prefetch depth: {_describe_model(settings)} on {_hardware_slug()}")
-    except ImportError as e:  # the measurements stand without the picture
-        print(f"wrote {stem}.json (no PNG: {_one_line(e)})")
-    else:
-        print(f"wrote {stem}.json and {stem}.png")
-    return EXIT_OK
+    from .bench import prefetch
+
+    return prefetch.run(args)
 
 
 _BENCH_SCRIPTS = {"adam": "CPU-Adam throughput vs torch's Adam", "io": "swap I/O engine vs dd with O_DIRECT"}
@@ -1108,16 +931,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks: prefetch depth, CPU-Adam, NVMe I/O")
     bsub = b.add_subparsers(dest="bench", required=True, parser_class=_Parser, metavar="BENCH")
-    bp = bsub.add_parser("prefetch", help="step time, stall, bytes moved and peak memory per prefetch depth",
-                         description="Runs real training steps at each prefetch depth; prints a table, "
-                                     "writes JSON + PNG to --out and recommends a depth.",
+    from .bench import prefetch as bench_prefetch
+
+    bp = bsub.add_parser("prefetch", help=bench_prefetch.HELP, description=bench_prefetch.DESCRIPTION,
                          epilog=PRECEDENCE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bp.add_argument("--depths", type=_depths, default=[0, 1, 2, 4, 8], help="comma-separated (default 0,1,2,4,8)")
-    bp.add_argument("--warmup", type=_nonneg_int, default=2, help="untimed steps per depth (default 2; "
-                    "the first records the access order)")
-    bp.add_argument("--tolerance", type=_positive_float, default=0.03,
-                    help="recommend the smallest depth within this fraction of the best (default 0.03)")
-    bp.add_argument("--out", default="zero_offload_bench", metavar="DIR", help="where the JSON and PNG go")
+    bench_prefetch.add_arguments(bp, depths_type=_depths, nonneg_int=_nonneg_int, positive_int=_positive_int,
+                                 positive_float=_positive_float)
     _add_run_flags(bp, what="small on CPU, 1.3b on CUDA")
     _add_debug_flag(bp)
     bp.set_defaults(func=cmd_bench_prefetch)

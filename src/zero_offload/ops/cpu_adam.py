@@ -201,6 +201,76 @@ def _check_no_overlap(named: list[tuple[str, torch.Tensor]]) -> None:
             raise ValueError(f"{n0} and {n1} share memory; every kernel operand needs its own buffer")
 
 
+# [Note: optimizer params of any dense layout and dtype]
+# CPUAdam/CPUAdamW take what torch.optim.AdamW takes on the CPU: fp32, bf16 and fp16 params, in
+# any layout whose elements fill one block of memory without overlap (contiguous, channels_last,
+# a transposed or permuted view). Adam is elementwise, so the kernel runs over that block as a
+# flat buffer (`_flat`): no .contiguous() copy, whose update would be lost. State is created with
+# the param's strides (`zeros_like`, preserve_format, as torch's fused Adam) and the param's
+# dtype (torch keeps bf16 state for bf16 params); state loaded with other strides is re-laid out
+# once, a grad with other strides is copied into the param's layout (it is only read). bf16/fp16
+# params and state are widened to fp32, updated by the fp32 kernel and rounded back to nearest
+# even: exactly what torch's fused CPU Adam does (it loads them as fp32, computes in fp32 and
+# rounds each store), so results equal torch.optim.AdamW(fused=True) bit for bit.
+
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _dense_layout(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill exactly ``t.numel()`` consecutive slots of its storage from
+    ``storage_offset`` on (contiguous up to a permutation of its dims), each once."""
+    if t.numel() == 0:
+        return True
+    expected = 1
+    for size, stride in sorted((d for d in zip(t.shape, t.stride()) if d[0] != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _check_param(name: str, p: Any) -> None:
+    """An optimizer param: a dense CPU fp32/bf16/fp16 tensor of a layout `_flat` can update."""
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(p).__name__}")
+    if p.layout != torch.strided:
+        raise ValueError(f"{name} is a {p.layout} tensor; CPU-Adam needs dense params (call .to_dense())")
+    if p.device.type != "cpu":
+        raise ValueError(f"{name} is on {p.device}; CPU-Adam updates CPU tensors only (keep the model's "
+                         "params on the CPU, or use torch.optim.AdamW(fused=True) on the GPU)")
+    if p.dtype not in _PARAM_DTYPES:
+        raise TypeError(f"{name} has dtype {p.dtype}; expected torch.float32, torch.bfloat16 or torch.float16")
+    if not _dense_layout(p):
+        raise ValueError(
+            f"{name} (shape {tuple(p.shape)}, stride {p.stride()}) overlaps itself or has gaps in "
+            "memory; CPU-Adam updates a param's memory in place, so a copy would lose the update: "
+            "give the optimizer a param that owns its memory (e.g. p.data = p.data.contiguous() "
+            "before building it)")
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """The memory of a `_dense_layout` tensor as a 1-D view (writes go to ``t``)."""
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+def _in_layout_of(p: torch.Tensor, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` with ``p``'s strides and the given dtype: ``t`` itself when it already is."""
+    if t.dtype == dtype and (t.stride() == p.stride() or p.numel() <= 1) and _dense_layout(t):
+        return t
+    out = torch.empty_like(p, dtype=dtype)
+    out.copy_(t.reshape(p.shape))
+    return out
+
+
+def _check_buffer_any_layout(name: str, tensor: Any, *, dtypes: tuple, numel: int) -> None:
+    """A tensor the optimizer reads (grad) or re-lays out (loaded state): dense, on the CPU, of
+    one of ``dtypes`` and ``numel`` elements; any strides."""
+    if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided:
+        # The checks below on a flat view (or, with gaps, a copy: a copy is taken when used too).
+        tensor = _flat(tensor) if _dense_layout(tensor) else tensor.contiguous()
+    _check_buffer(name, tensor, dtypes=dtypes, numel=numel)
+
+
 def _check_operands(param, grad, exp_avg, exp_avg_sq, out_lowp, *, prefix: str = "") -> None:
     _check_buffer(f"{prefix}param", param, dtypes=(torch.float32,))
     n = param.numel()
@@ -297,7 +367,8 @@ def adam_step(
 class KernelTicket:
     """A CPU-Adam call queued on the native kernel thread (``adam_step_async``). ``wait()``
     blocks (GIL released) until it ran and returns its kernel seconds, or raises its error;
-    ``ready()`` polls. The tensors it reads and writes stay referenced until ``wait`` returns."""
+    ``ready()`` polls. The tensors it reads and writes stay referenced until ``wait`` returns;
+    a ticket dropped unwaited waits in ``__del__`` before it lets them go."""
 
     __slots__ = ("_ticket", "_keep", "_seconds", "_written", "start")
 
@@ -308,6 +379,15 @@ class KernelTicket:
 
     def ready(self) -> bool:
         return self._seconds is not None or kernels.kernel_ready(self._ticket)
+
+    def __del__(self):
+        # Dropped before wait(): the tensors in _keep would be freed while the kernel thread may
+        # still write them. Wait first (errors were the caller's to collect).
+        if getattr(self, "_keep", ()):
+            try:
+                kernels.kernel_wait(self._ticket)
+            except BaseException:
+                pass
 
     def wait(self) -> float:
         if self._seconds is None:
@@ -419,9 +499,11 @@ class CPUAdam(Optimizer):
     AdamW (see ``CPUAdamW``). Not implemented (NotImplementedError): ``amsgrad``, ``maximize``,
     ``capturable``, ``differentiable``. ``foreach`` and ``fused`` are accepted and ignored
     (this optimizer is always one fused pass; its groups record ``fused=True``, see
-    [Note: groups record fused=True]). Params: CPU fp32, contiguous; grads: CPU
-    fp32/bf16/fp16, contiguous, dense. State: ``step`` (float32 scalar tensor), ``exp_avg``,
-    ``exp_avg_sq``, as torch's, so state dicts load both ways.
+    [Note: groups record fused=True]). Params: CPU fp32/bf16/fp16 of any layout without
+    gaps or overlap (contiguous, channels_last, transposed; see [Note: optimizer params of any
+    dense layout and dtype]); grads: CPU fp32/bf16/fp16, dense, any strides. State: ``step``
+    (float32 scalar tensor), ``exp_avg``, ``exp_avg_sq`` in the param's dtype and strides, as
+    torch's, so state dicts load both ways.
 
     Keyword-only extra: ``threads`` (None = one per CPU this process may use).
     """
@@ -467,7 +549,7 @@ class CPUAdam(Optimizer):
             for index, item in enumerate(items):
                 tensor = item[1] if isinstance(item, tuple) and len(item) == 2 else item
                 if isinstance(tensor, torch.Tensor):  # anything else: torch's own TypeError below
-                    _check_buffer(f"params[{index}]", tensor, dtypes=(torch.float32,))
+                    _check_param(f"params[{index}]", tensor)
         super().add_param_group(param_group)
 
     def __setstate__(self, state: dict) -> None:
@@ -500,7 +582,10 @@ class CPUAdam(Optimizer):
             step = step.item() if step.numel() == 1 else step
         _check_step(step + 1 if isinstance(step, Real) and not isinstance(step, bool) else step)
         for key in ("exp_avg", "exp_avg_sq"):
-            _check_buffer(f"{where} state['{key}']", state[key], dtypes=(torch.float32,), numel=p.numel())
+            # Any layout: re-laid out to the param's before the update ([Note: optimizer params
+            # of any dense layout and dtype]); the dtype is the param's, as torch keeps it.
+            _check_buffer_any_layout(f"{where} state['{key}']", state[key], dtypes=(p.dtype,),
+                                     numel=p.numel())
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -517,27 +602,34 @@ class CPUAdam(Optimizer):
                 if p.grad is None:
                     continue
                 where = f"param_groups[{gi}]['params'][{pi}]"
+                _check_param(f"{where} param", p)
+                _check_buffer_any_layout(f"{where} grad", p.grad, dtypes=_GRAD_DTYPES, numel=p.numel())
+                named = [(f"{where} param", p)] + ([(f"{where} grad", p.grad)] if _dense_layout(p.grad) else [])
                 state = self.state.get(p)
                 if state:
                     self._check_state(p, state, where)
-                    _check_operands(p, p.grad, state["exp_avg"], state["exp_avg_sq"], None,
-                                    prefix=f"{where} ")
-                else:
-                    _check_buffer(f"{where} param", p, dtypes=(torch.float32,))
-                    _check_buffer(f"{where} grad", p.grad, dtypes=_GRAD_DTYPES, numel=p.numel())
-                    _check_no_overlap([(f"{where} param", p), (f"{where} grad", p.grad)])
+                    named += [(f"{where} state['{k}']", state[k]) for k in ("exp_avg", "exp_avg_sq")
+                              if _dense_layout(state[k])]
+                _check_no_overlap(named)
                 updates.append(_Update(param=p, grad=p.grad, hyper=hyper))
         for update in updates:
             p = update.param
             state = self.state[p]
-            if not state:  # lazy init, as torch's Adam
+            if not state:  # lazy init, as torch's Adam: the param's dtype and strides
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            for key in ("exp_avg", "exp_avg_sq"):  # loaded with other strides: same values, p's layout
+                state[key] = _in_layout_of(p, state[key], p.dtype)
+            grad = _flat(_in_layout_of(p, update.grad, update.grad.dtype))
             state["step"] += 1
-            _launch(p, update.grad, state["exp_avg"], state["exp_avg_sq"], None,
-                    step=float(state["step"]), hyper=update.hyper, grad_scale=1.0,
-                    threads=self.threads)
+            buffers = (_flat(p), _flat(state["exp_avg"]), _flat(state["exp_avg_sq"]))
+            wide = buffers if p.dtype == torch.float32 else tuple(t.float() for t in buffers)
+            _launch(wide[0], grad, wide[1], wide[2], None, step=float(state["step"]),
+                    hyper=update.hyper, grad_scale=1.0, threads=self.threads)
+            if wide is not buffers:  # round back to nearest even, as torch's fused kernel stores
+                for t, w in zip(buffers, wide):
+                    t.copy_(w)
         return loss
 
 

@@ -49,14 +49,33 @@ written copy is marked dirty in the store, so stale copies elsewhere (a GPU copy
 an NVMe home) are refreshed by the next fetch or written back. A working copy homed off the CPU
 (GPU or NVMe) is flushed home right after the update and its CPU copy dropped, so host memory
 holds only what the placement asks for.
+
+[Note: workers stop before the interpreter finalizes] A script that ends (normally, by an
+exception, ``sys.exit``, Ctrl-C) without ``close()`` leaves the worker running with updates in
+flight. The worker is a daemon thread, so CPython would let it run into finalization, where a
+daemon thread that re-takes the GIL is ended with ``pthread_exit``. If it was inside a call that
+released the GIL from C++ (``kernel_wait``, ``grad_sumsq``, torch ops, a CUDA event wait: all
+release it through pybind11's ``gil_scoped_release``), the forced unwind of ``pthread_exit``
+meets that object's noexcept destructor and the process aborts with "terminate called without
+an active exception" (status 134) instead of the script's own status. So every live pipeline is
+registered (weakly) with one exit hook that closes it, i.e. finishes its queued jobs and joins
+its worker, before finalization. The hook runs from ``threading``'s exit hooks, ahead of
+``concurrent.futures``' (registered later, run first), so a draining job can still use the
+store's executor; only pipelines of the process that built them are closed (a forked child
+inherits the list, not the threads). The native threads need no such step: see [Note: native
+threads at exit] in csrc/kernel_queue.h.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import enum
 import itertools
+import os
+import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -244,8 +263,10 @@ class StepPipeline:
         self._error: Optional[BaseException] = None
         self._closed = False
         self._stop = False
+        self._pid = os.getpid()
         self._thread = threading.Thread(target=self._run, name="zero_offload-cpu-adam", daemon=True)
         self._thread.start()
+        _close_at_exit(self)
 
     # ---- submission -----------------------------------------------------------------------
 
@@ -546,3 +567,37 @@ class StepPipeline:
     @property
     def failed(self) -> bool:
         return self._error is not None
+
+
+# ---- exit ([Note: workers stop before the interpreter finalizes]) -------------------------------
+
+_live_pipelines: "weakref.WeakSet[StepPipeline]" = weakref.WeakSet()
+_exit_hook_lock = threading.Lock()
+_exit_hook_registered = False
+
+
+def _close_at_exit(pipeline: StepPipeline) -> None:
+    """Close ``pipeline`` at interpreter exit unless it is closed (or gone) before."""
+    global _exit_hook_registered
+    with _exit_hook_lock:
+        if not _exit_hook_registered:
+            # concurrent.futures registers its own hook (joining executor threads, refusing new
+            # work) on import; registering after it makes ours run first.
+            import concurrent.futures.thread  # noqa: F401
+            register = getattr(threading, "_register_atexit", atexit.register)
+            try:
+                register(_close_live_pipelines)
+            except RuntimeError:  # threading is already shutting down: fall back to atexit
+                atexit.register(_close_live_pipelines)
+            _exit_hook_registered = True
+        _live_pipelines.add(pipeline)
+
+
+def _close_live_pipelines() -> None:
+    for pipeline in list(_live_pipelines):
+        if pipeline._pid != os.getpid() or pipeline._closed:
+            continue
+        try:
+            pipeline.close()
+        except BaseException as e:  # the interpreter is exiting: say so in one line, go on
+            print(f"zero_offload: stopping the CPU-Adam worker at exit failed: {e!r}", file=sys.stderr)
