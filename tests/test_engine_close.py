@@ -71,8 +71,11 @@ def test_close_without_readable_values_leaves_params_that_raise():
         engine.close()
     w = model.blocks[0].attn.qkv.weight
     assert w.untyped_storage().nbytes() == 0  # raises on use, never NaN
-    with pytest.raises(RuntimeError, match="storage of size 0"):
+    with pytest.raises(RuntimeError, match=r"'blocks\.0\.attn\.qkv\.weight' was read \(t\) "
+                                           r"after its engine was closed"):
         w.t()
+    with pytest.raises(RuntimeError, match="after its engine was closed"):
+        w * 2  # element-wise: once a null-pointer read
     engine.close()  # idempotent after the failure
 
 

@@ -15,41 +15,48 @@ parameter lives where, partition.py), a ``ChunkStore`` (bytes and tiers, store.p
 ``Prefetcher`` for the working params (prefetch.py) and a ``StepPipeline`` (the CPU-Adam worker,
 pipeline.py). It keeps one ``_Chunk`` record per chunk and one ``_ModuleRecord`` per module that
 holds parameters directly (or reads other modules' ones, see [Note: external parameters]);
-nothing is written onto the user's modules or parameters except ``param.data`` (see
-[Note: parameter data]) and the hooks it registers (removed by ``close``).
+nothing is written onto the user's modules or parameters except ``param.data`` and the class of
+a parameter holding its placeholder (see [Note: parameter data]) and the hooks it registers
+(all undone by ``close``).
 
 [Note: parameter data] While a chunk is in use on the compute device, each of its parameters'
 ``.data`` is a view of the chunk's device buffer (working dtype). Otherwise ``.data`` is the
 parameter's placeholder (one per parameter, made at initialize): a tensor of the parameter's
 shape, the working dtype and the compute device whose storage has zero bytes, as FSDP2 frees
-unsharded parameters. ``shape``, ``numel``, ``dtype`` and ``device`` stay meaningful for code that
-inspects them, and a read never sees stale or uninitialised numbers: every view (``weight.t()``
-in ``F.linear``, indexing, ``embedding``) and every kernel taking a typed data pointer raises
-("... out of bounds for storage of size 0" / "data is not allocated yet"), and ``engine(...)`` /
-``engine.backward`` re-raise that as an error naming the module and the read. Caveat (seen with torch
-2.13 on the CPU and 2.11 on an H100): an element-wise kernel fed the placeholder directly (``w * x``, ``w.sum()``,
-``print(w)``) reads through an untyped data pointer that torch does not check, i.e. a null
-pointer: a segfault on the CPU, an illegal-address error on CUDA. Such a read can only happen
-where [Note: external parameters] did not see it (a branch first taken after recording, or user
-code outside ``engine(...)``). To read the values use ``engine.gathered()`` (fp32 copies on the
-CPU) or ``engine.state_dict()``; ``close()`` writes them back into the parameters.
+unsharded parameters, so ``shape``, ``numel``, ``dtype`` and ``device`` stay meaningful. Torch
+does not check every read of such a tensor (an element-wise kernel, ``w * x``, ``w.sum()``,
+``print(w)``, reads a null pointer: a segfault on the CPU, an illegal address on CUDA), so a
+parameter holding its placeholder has the class ``_PagedParameter`` (a per-engine subclass of
+its own class: identity, ``isinstance(p, nn.Parameter)``, hooks and grads unchanged), whose
+``__torch_function__`` sees every torch call taking it. Metadata calls (``_METADATA_CALLS``)
+pass; any other call reaches ``Engine._guard_read``: in forward or backward (any thread) the
+chunk is fetched on the spot (a forward read is recorded as in [Note: external parameters], held
+until the forward ends; a backward read, e.g. a custom Function's ``ctx.weight``, until backward
+ends); idle it raises naming the parameter and the fix (``engine.gathered()``,
+``engine.state_dict()``, ``engine.close()``); so does ``p.data``, ``state_dict()``'s ``detach``
+and pickling. The call itself runs with subclass dispatch off, so outputs are plain tensors.
+A materialized chunk's parameters get their own class back (``_materialize``; ``_release``
+guards them again), so reads of real values pay nothing per op (measured: the subclass path
+costs tens of µs per ``F.linear`` on the CPU, mostly torch's slower path with subclass dispatch
+disabled), except during a recording forward, where every parameter stays guarded. ``close()``
+restores each class once the values are back; if they cannot be read the parameters stay
+guarded and raise.
 
 [Note: external parameters] A module's hooks fetch the chunks of the parameters it holds
 directly, but models read parameters elsewhere too: a parent's ``F.linear(x, self.tok.weight)``
 (tied head), a parameter handed to a custom ``autograd.Function``, one weight shared by two
-modules, a parent reading a child's bias. So forwards run under a ``TorchFunctionMode``
-(``_ReadRecorder``) until one forward with grad enabled has completed: it sees every torch call,
-and when an argument is a parameter whose chunk is not held by a module on the current call stack
-(temporary hooks on every module keep that stack while recording; the root is always on it) it
-holds the chunk right there, until that module's forward ends, and records the parameter as an
+modules, a parent reading a child's bias. The first forward with grad enabled records them: every
+parameter is guarded ([Note: parameter data]) and temporary hooks on every module keep a call
+stack (``_ReadFrame``; the root is always on it); a read of a parameter whose chunk is not held
+by a module on that stack holds the chunk until that module's forward ends and is recorded as an
 *external* read of the innermost running module. When the forward ends, each such module's
 ``_ModuleRecord`` gets the parameter (``external``) and its chunk: later forwards hold it in that
 module's pre-forward and backward holds it with the module's backward token, and its grad is
 ``expect``ed like the module's own (modules without parameters get a record and hooks then).
 During the recording pass backward reaches such chunks through saved views (held until backward
-ends). After recording the mode is off (no per-op cost); a read it did not see finds the
-placeholder. ``engine.record_reads()`` makes the next forward record again (e.g. before a step
-that takes a branch the first forward did not).
+ends). A read first seen later (a branch taken on step 3) meets a guarded placeholder and is
+fetched and recorded the same way, on the innermost running module that has a record (else the
+root); ``engine.record_reads()`` makes the next forward record with the exact call stack again.
 
 [Note: saved parameter views] Autograd may save views of parameters for backward (``linear``
 saves ``weight.t()``); such a view would keep the chunk's device buffer alive after the chunk is
@@ -129,7 +136,6 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -252,36 +258,81 @@ class _ReadFrame:
     """Chunks held for those reads (let go when the call ends)."""
 
 
-_VALUE_GETTERS = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
-"""Tensor properties whose getter returns the values (the others are metadata)."""
+def _metadata_calls() -> frozenset:
+    """Torch calls on a tensor that neither read nor hand out its values: property getters and
+    setters of metadata (``data``'s setter, not its getter), shape queries, hook registration."""
+    getters = ("shape", "dtype", "device", "layout", "requires_grad", "is_leaf", "grad", "_grad",
+               "grad_fn", "_grad_fn", "ndim", "is_cuda", "is_cpu", "is_meta", "is_sparse",
+               "is_sparse_csr", "is_quantized", "is_mkldnn", "is_nested", "is_xpu", "is_mps",
+               "_version", "output_nr", "retains_grad", "name", "itemsize", "nbytes",
+               "_backward_hooks", "_post_accumulate_grad_hooks")
+    setters = ("data", "grad", "_grad", "requires_grad", "name", "_backward_hooks",
+               "_post_accumulate_grad_hooks")
+    methods = ("size", "dim", "numel", "nelement", "stride", "storage_offset", "is_contiguous",
+               "element_size", "is_floating_point", "is_complex", "is_signed", "get_device",
+               "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
+               "__hash__", "__len__", "data_ptr", "untyped_storage", "is_pinned", "is_shared",
+               "_is_view")
+    t = torch.Tensor
+    out = {getattr(t, n).__get__ for n in getters if hasattr(t, n)}
+    out |= {getattr(t, n).__set__ for n in setters if hasattr(t, n)}
+    out |= {getattr(t, n) for n in methods if hasattr(t, n)}
+    return frozenset(out)
 
-_METADATA_CALLS = frozenset({
-    "__set__", "size", "dim", "numel", "nelement", "stride", "storage_offset", "is_contiguous",
-    "element_size", "is_floating_point", "is_complex", "untyped_storage", "data_ptr",
-    "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "get_device",
-    "is_pinned", "__len__", "__hash__"})
-"""Torch calls on a tensor that do not read its values (and the ``.data`` setter)."""
+
+_METADATA_CALLS = _metadata_calls()
+"""Calls ``_PagedParameter`` lets through without a check; see [Note: parameter data]."""
 
 
-def _reads_values(func) -> bool:
-    name = getattr(func, "__name__", "")
-    if name == "__get__":
-        return getattr(getattr(func, "__self__", None), "__name__", "") in _VALUE_GETTERS
-    return name not in _METADATA_CALLS
+def _call_name(func) -> str:
+    """``torch.Tensor.sum``, ``.data`` (a property) or ``F.linear`` as the user wrote it."""
+    name = getattr(func, "__name__", repr(func))
+    if name in ("__get__", "__set__"):
+        return f".{getattr(getattr(func, '__self__', None), '__name__', '?')}"
+    return name
 
 
-class _ReadRecorder(TorchFunctionMode):
-    """Sees every torch call of a recording forward; see [Note: external parameters]."""
+def _tensor_args(args, kwargs) -> Iterator:
+    """The arguments torch's dispatch looks at: positional and keyword ones, and the items of a
+    list/tuple among them (tensor lists: ``torch.cat``, ``_foreach_*``)."""
+    for a in args:
+        if type(a) in (list, tuple):
+            yield from a
+        else:
+            yield a
+    if kwargs:
+        for a in kwargs.values():
+            if type(a) in (list, tuple):
+                yield from a
+            else:
+                yield a
 
-    def __init__(self, engine: "Engine"):
-        super().__init__()
-        self._engine = engine
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if _reads_values(func):
-            self._engine._note_reads(args, kwargs)
-        return func(*args, **kwargs)
+class _PagedParameter(nn.Parameter):
+    """The class of a managed parameter while an engine holds it (the per-engine subclass made
+    by ``Engine._guard_class`` carries ``_engine``); see [Note: parameter data]."""
+
+    _engine: Callable = staticmethod(lambda: None)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        if func not in _METADATA_CALLS:
+            for a in _tensor_args(args, kwargs):
+                if isinstance(a, _PagedParameter):
+                    engine = type(a)._engine()
+                    if engine is None:
+                        raise RuntimeError(
+                            "this parameter's values were held by a zero_offload engine that was "
+                            "dropped without close(), so they are lost; call engine.close() (or "
+                            "use `with zo.initialize(...) as engine:`) to write them back")
+                    engine._guard_read(a, func)
+        with torch._C.DisableTorchFunctionSubclass():
+            if func is torch.Tensor.__repr__:  # print as the plain parameter it stands for
+                t = args[0]
+                return repr(t.detach().requires_grad_(t.requires_grad))
+            return func(*args, **kwargs)
 
 
 _UNREADABLE_MARKERS = ("for storage of size 0", "data is not allocated yet",
@@ -460,6 +511,15 @@ class Engine:
         ref = weakref.ref(self)
         for m in model.modules():
             _OPEN_ENGINES[m] = ref
+        # See [Note: parameter data]: from here on every torch call reading a param is checked.
+        self._classes = tuple(type(s.param) for s in self.partition.slots)
+        guards: dict = {}
+        for cls in self._classes:
+            if cls not in guards:
+                name = "_PagedParameter" if cls is nn.Parameter else f"_Paged{cls.__name__}"
+                guards[cls] = type(name, (_PagedParameter, cls), {"_engine": ref})
+        self._guards = tuple(guards[cls] for cls in self._classes)
+        self._guard_all()
 
     # ---- construction -----------------------------------------------------------------------
 
@@ -532,9 +592,10 @@ class Engine:
 
         # See [Note: external parameters].
         self._recorded = False
-        self._recorder = _ReadRecorder(self)
         self._read_frames: list[_ReadFrame] = []
-        self._reads: dict = {}  # module -> {slot: None} read outside its owners (recording only)
+        self._reads: dict = {}  # module -> {slot: None} read outside its owners in this forward
+        self._forward_holds: list[_Chunk] = []  # chunks held for such reads until forward ends
+        self._gathering = False  # inside gathered(): the params hold CPU copies
 
         self._hook_handles = []
         self._records: dict = {}  # module -> its _ModuleRecord
@@ -641,16 +702,22 @@ class Engine:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
                     _range("zero_offload::forward"):
                 if not recording:
-                    return self.module(*args, **kwargs)
-                with self._recording():
                     out = self.module(*args, **kwargs)
-                self._finish_recording()
+                else:
+                    with self._recording():
+                        out = self.module(*args, **kwargs)
+                if self._reads:
+                    self._finish_recording()
                 return out
         except BaseException as e:
             self._reset_holds()
             self._reads.clear()
             raise self._explain(e) from e
         finally:
+            with self._lock:
+                for c in self._forward_holds:
+                    self._unhold(c)
+                self._forward_holds.clear()
             self._set_phase(Phase.IDLE)
             if not torch.is_grad_enabled():
                 self._release_idle()  # no backward follows: go idle now
@@ -658,13 +725,20 @@ class Engine:
 
     # ---- external parameters ([Note: external parameters]) ------------------------------------
 
+    def _guard_all(self) -> None:
+        """Every parameter checks its reads, materialized or not (the recording forward: it sees
+        reads of chunks that happen to be on the device too)."""
+        for s in self.partition.slots:
+            s.param.__class__ = self._guards[s.index]
+
     def record_reads(self) -> None:
         """Make the next forward record again which module reads which parameter (the first one
-        does by itself): call it before a forward that takes a branch earlier forwards did not,
-        if that branch reads a parameter outside the module holding it. That forward is slower
-        (every torch call is inspected)."""
+        does by itself). Optional: a read first seen later is fetched anyway and attributed to
+        the innermost running module with parameters; a recording forward attributes it to the
+        exact module (shorter holds). That forward is slower (every parameter read is checked)."""
         self._check_open()
         self._recorded = False
+        self._guard_all()
 
     @contextlib.contextmanager
     def _recording(self):
@@ -694,8 +768,7 @@ class Engine:
             # Reads before the root's hooks run (e.g. in user pre-hooks) belong to the root.
             self._read_frames.append(_ReadFrame(module=self.module, covers=covers(self.module),
                                                 grad=grad))
-            with self._recorder:
-                yield
+            yield
         finally:
             for h in handles:
                 h.remove()
@@ -707,29 +780,69 @@ class Engine:
         if grad:
             self._recorded = True
 
-    def _note_reads(self, args, kwargs) -> None:
-        """A torch call of a recording forward reads these arguments; called by _ReadRecorder."""
-        frames = self._read_frames
-        if not frames:
+    def _guard_read(self, param: torch.Tensor, func) -> None:
+        """A torch call reads ``param`` (called by ``_PagedParameter`` on any thread). Returns at
+        once when its values are on the device and nothing is to be recorded; otherwise fetches
+        them (forward, backward) or raises (idle). See [Note: parameter data]."""
+        slot = self.partition.slot_of(param)
+        if slot is None:
             return
-        flat, _ = tree_flatten((args, kwargs))
-        for x in flat:
-            if not isinstance(x, torch.Tensor):
-                continue
-            slot = self.partition.slot_of(x)
-            if slot is None:
-                continue
-            if any(slot in f.covers or slot in f.read for f in frames):
-                continue  # held and expected by a module on the call stack for all of this call
-            frame = frames[-1]
-            chunk = self._chunks[slot.chunk]
-            with self._lock:
+        chunk = self._chunks[slot.chunk]
+        if chunk.buffer is not None:
+            phase = self._phase
+            if phase is not Phase.FORWARD:
+                return
+            if self._recorded and (slot in chunk.expected or not slot.trainable
+                                   or not torch.is_grad_enabled()):
+                return
+        with self._lock:
+            self._read_slow(slot, chunk, func)
+
+    def _read_slow(self, slot: ParamSlot, chunk: _Chunk, func) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"parameter {slot.name!r} was read ({_call_name(func)}) after its engine was "
+                f"closed without writing its values back; restore them from a checkpoint "
+                f"(engine.save_checkpoint / engine.state_dict)")
+        phase = self._phase
+        if phase is Phase.IDLE:
+            if chunk.buffer is not None or self._gathering:
+                return
+            raise RuntimeError(
+                f"parameter {slot.name!r} was read ({_call_name(func)}) outside the engine: its "
+                f"values live in zero_offload's chunks (device/CPU/NVMe), not in the parameter, "
+                f"between engine calls. Read them with `with engine.gathered():` (fp32 CPU "
+                f"copies) or engine.state_dict(), or call engine.close() to write them back into "
+                f"the model")
+        if phase is Phase.BACKWARD:
+            if chunk.buffer is None:  # e.g. a custom Function's backward reading ctx.weight
                 self._hold(chunk)
-                frame.held.append(chunk)
-                if frame.grad and slot.trainable:
-                    chunk.expect(slot)
-            frame.read.add(slot)
-            self._reads.setdefault(frame.module, {})[slot] = None
+                self._transient.append(chunk)
+            return
+        if self._read_frames:  # the recording forward
+            self._note_read(slot, chunk)
+            return
+        # A read no recording saw: fetch it now, and hold it with the innermost running module
+        # from the next forward on.
+        self._hold(chunk)
+        self._forward_holds.append(chunk)
+        if torch.is_grad_enabled() and slot.trainable:
+            chunk.expect(slot)
+        module = self._call_stack[-1][0].module if self._call_stack else self.module
+        self._reads.setdefault(module, {})[slot] = None
+
+    def _note_read(self, slot: ParamSlot, chunk: _Chunk) -> None:
+        """A torch call of the recording forward reads ``slot``'s parameter."""
+        frames = self._read_frames
+        if any(slot in f.covers or slot in f.read for f in frames):
+            return  # held and expected by a module on the call stack for all of this call
+        frame = frames[-1]
+        self._hold(chunk)
+        frame.held.append(chunk)
+        if frame.grad and slot.trainable:
+            chunk.expect(slot)
+        frame.read.add(slot)
+        self._reads.setdefault(frame.module, {})[slot] = None
 
     def _finish_recording(self) -> None:
         """Give each module whose forward read other modules' parameters those reads."""
@@ -783,12 +896,11 @@ class Engine:
         what = (f"parameter {', '.join(repr(p) for p in dict.fromkeys(params))}" if params
                 else "a parameter")
         return RuntimeError(
-            f"{what} was read{site} while zero_offload had paged it off the device: the read is "
-            f"outside the forward of the module that holds the parameter, and the engine did not "
-            f"see it when it recorded such reads (it records on the first forward; a branch taken "
-            f"later, or a read outside engine(...), is not seen). Fix: call engine.record_reads() "
-            f"before the forward that takes this path, or read the parameter inside the forward "
-            f"of the module holding it (outside the engine, use `with engine.gathered():`)")
+            f"{what} was read{site} while zero_offload had paged it off the device, by a path "
+            f"torch's dispatch does not show the parameter to (e.g. a parameter nested inside "
+            f"another object). Fix: pass the parameter itself to the torch call, or read it "
+            f"inside the forward of the module holding it (outside the engine, use `with "
+            f"engine.gathered():`)")
 
     def _chunk_ready(self, cid: int) -> None:
         """On the CPU-Adam worker: see [Note: fetch on completion]."""
@@ -811,13 +923,13 @@ class Engine:
             for c in rec.chunks:
                 self._hold(c)
             if not torch.is_grad_enabled():
-                self._call_stack.append(None)
+                self._call_stack.append((rec, None))
                 return None
             for s in rec.slots + rec.external:
                 if s.trainable:
                     self._chunks[s.chunk].expect(s)
             token = _BackwardToken(record=rec)
-            self._call_stack.append(token)
+            self._call_stack.append((rec, token))
             if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
                 flat, spec = list(args), None  # the common case, without pytree's cost
             else:
@@ -835,7 +947,7 @@ class Engine:
         if self._phase is Phase.IDLE:
             return None  # the pre-forward hook refused this call (always_call runs us anyway)
         with self._lock, _range("zero_offload::post_forward"):
-            token = self._call_stack.pop() if self._call_stack else None
+            token = self._call_stack.pop()[1] if self._call_stack else None
             for c in rec.chunks:
                 self._unhold(c)
             if token is None or output is None:
@@ -876,8 +988,10 @@ class Engine:
             self._release(self._parked.pop(0))
 
     def _release(self, chunk: _Chunk) -> None:
+        guards = self._guards
         for s in chunk.layout.slots:
             s.param.data = self._placeholders[s.index]
+            s.param.__class__ = guards[s.index]
         self._live.pop(chunk.buffer.untyped_storage().data_ptr(), None)
         chunk.buffer = None
         keep = (self._phase is Phase.FORWARD and torch.is_grad_enabled()
@@ -907,8 +1021,11 @@ class Engine:
         buf = self.prefetcher.use(chunk.cid)["params"]
         if self.pipeline.trace is not None:
             self.pipeline.trace.span("use", t0, time.perf_counter(), cid=chunk.cid)
+        recorded, classes = self._recorded, self._classes
         for s in chunk.layout.slots:
             s.param.data = buf[s.offset:s.end].view(s.shape)
+            if recorded:  # real values: a plain parameter, no per-op check ([Note: parameter data])
+                s.param.__class__ = classes[s.index]
         chunk.buffer = buf
         self._live[buf.untyped_storage().data_ptr()] = chunk
 
@@ -918,6 +1035,7 @@ class Engine:
             self._call_stack.clear()
             self._tokens.clear()
             self._transient.clear()
+            self._forward_holds.clear()
             for c in self._chunks:
                 c.holds = 0
                 c.clear_pass()
@@ -1221,10 +1339,12 @@ class Engine:
         self._require_idle("gathered")
         values = list(self._slot_values())
         try:
+            self._gathering = True
             for s, v in values:
                 s.param.data = v
             yield self.module
         finally:
+            self._gathering = False
             for s, _ in values:
                 s.param.data = self._placeholders[s.index]
 
@@ -1326,6 +1446,11 @@ class Engine:
                 failure = e
                 for s in self.partition.slots:
                     s.param.data = self._placeholders[s.index]
+                    s.param.__class__ = self._guards[s.index]  # raises on use, naming the param
+            else:
+                # The values are back: plain parameters again (else they stay guarded and raise).
+                for s, cls in zip(self.partition.slots, self._classes):
+                    s.param.__class__ = cls
         self._closed = True
         for m in self.module.modules():
             ref = _OPEN_ENGINES.get(m)
