@@ -47,6 +47,9 @@ def import_graph() -> dict:
                 base = _resolve(module, is_package, node)
                 targets = [f"{base}.{a.name}" for a in node.names] + [base]
             for t in targets:
+                if t in zero_offload._MOVED:  # a public alias: the package imports the home
+                    arrows.add(f"alias {t}")
+                    continue
                 hit = _known(t, files)
                 if hit and hit != module and hit != "zero_offload":
                     arrows.add(hit)
@@ -65,6 +68,11 @@ def test_the_graph_is_read():
     assert "zero_offload.runtime.store" in graph["zero_offload.runtime.pipeline"]
     assert "zero_offload.ops.cpu_adam" in graph["zero_offload.runtime.pipeline"]  # lazy import
     assert "zero_offload.config" in graph["zero_offload.engine"]
+
+
+def test_the_package_imports_moved_modules_by_their_homes():
+    bad = [f"{m} -> {t[6:]}" for m, ts in import_graph().items() for t in ts if t.startswith("alias ")]
+    assert not bad, "import the module's home (zero_offload.runtime./ops.), not its public alias: " + ", ".join(bad)
 
 
 def test_lower_layers_never_import_upwards():

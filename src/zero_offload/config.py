@@ -337,7 +337,7 @@ class OffloadConfig:
             if not isinstance(self.nvme_dir, (str, os.PathLike)) or not os.fspath(self.nvme_dir):
                 raise _fail(o, "nvme_dir", self.nvme_dir, "a directory path (str or os.PathLike) or None")
             setv("nvme_dir", os.fspath(self.nvme_dir))
-            from .swap_io import swap_dir_problem
+            from .runtime.swap_io import swap_dir_problem
 
             problem = swap_dir_problem(self.nvme_dir)  # only looks: nothing is created here
             if problem is not None:

@@ -490,7 +490,7 @@ class Engine:
         self._group_overrides, self._slot_group = _resolve_groups(param_groups, model, self.partition,
                                                                   spec)
         if cfg.nvme_dir is not None:
-            from .swap_io import prepare_swap_dir
+            from .runtime.swap_io import prepare_swap_dir
             prepare_swap_dir(cfg.nvme_dir, name="OffloadConfig.nvme_dir")  # created 0700 if missing
         store_budgets = {Tier.GPU: cfg.gpu_budget, Tier.CPU: cfg.cpu_budget,
                          Tier.NVME: cfg.nvme_budget if cfg.nvme_dir is not None else 0}
