@@ -134,8 +134,8 @@ def test_unexpected_exception_is_one_line_with_the_debug_hint(monkeypatch, capsy
 
 
 def test_exit_code_mapping_first_match_wins():
-    from zero_offload.checkpoint import CheckpointError
-    from zero_offload.placement import FitError
+    from zero_offload.runtime.checkpoint import CheckpointError
+    from zero_offload.runtime.placement import FitError
 
     def code(e):
         return next(c for types, c in cli._exit_codes() if isinstance(e, types))

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 
-import zero_offload.checkpoint as ckpt
+import zero_offload.runtime.checkpoint as ckpt
 
 
 def run(*argv):

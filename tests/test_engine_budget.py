@@ -2,7 +2,7 @@
 peak on the GPU tier never passes it, and training still equals torch. With params and
 optimizer state on NVMe, host memory stays within its budget too."""
 import zero_offload as zo
-from zero_offload.placement import window_bytes
+from zero_offload.runtime.placement import window_bytes
 from _engine_util import (DEVICE, Reference, assert_losses_close, assert_params_close, config,
                           gpt_batches, gpt_loss, micro_gpt, train_engine)
 

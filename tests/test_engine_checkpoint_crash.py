@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import zero_offload as zo
-import zero_offload.checkpoint as ckpt
+import zero_offload.runtime.checkpoint as ckpt
 from _engine_util import DEVICE, config, mlp, mlp_batches, mlp_loss, train_engine
 
 

@@ -45,7 +45,7 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
     other = zo.initialize(micro_gpt(0, d_model=32), optimizer=zo.AdamW(), config=config(), device=DEVICE)
     try:
         import pytest
-        with pytest.raises(zo.checkpoint.CheckpointError, match="shape mismatch"):
+        with pytest.raises(zo.runtime.checkpoint.CheckpointError, match="shape mismatch"):
             other.load_checkpoint(tmp_path / "ckpt")
     finally:
         other.close()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import zero_offload as zo
-from zero_offload.placement import FitError
+from zero_offload.runtime.placement import FitError
 from _engine_util import DEVICE, config, mlp, mlp_batches, mlp_loss
 
 

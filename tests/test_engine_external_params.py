@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import zero_offload as zo
-from zero_offload.engine import PARKED_CHUNKS
+from zero_offload.runtime.placement import PARKED_CHUNKS
 from _engine_util import (DEVICE, Reference, assert_losses_close, assert_params_close, config,
                           train_engine)
 import _external_util as ext

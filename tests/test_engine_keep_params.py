@@ -2,7 +2,7 @@
 (engine.py, [Note: kept copies]): each step moves the params to the device about once, not
 twice; a tight budget still pages them (and is never exceeded); training equals torch."""
 import zero_offload as zo
-from zero_offload.placement import window_bytes
+from zero_offload.runtime.placement import window_bytes
 from _engine_util import (DEVICE, Reference, assert_losses_close, assert_params_close, config,
                           gpt_batches, gpt_loss, micro_gpt, train_engine)
 

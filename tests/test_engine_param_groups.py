@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import zero_offload as zo
-from zero_offload.checkpoint import CheckpointError
+from zero_offload.runtime.checkpoint import CheckpointError
 from _engine_util import DEVICE, assert_params_close, config, mlp, mlp_batches, mlp_loss
 
 

@@ -48,7 +48,7 @@ def test_nvme_state_parity_and_cleanup(tmp_path):
 @pytest.mark.parametrize("overlap_forward", [False, True])
 def test_copy_back_reads_the_kept_master(evicted_between, overlap_forward, tmp_path, monkeypatch):
     """[Note: copy-back source]: the param copies of fp32 chunks read the host master that the
-    update wrote (its eviction is held back), so each step reads and writes the state exactly
+    update wrote (its eviction is deferred to the last unpin), so each step reads and writes the state exactly
     once, and nothing of it stays in host RAM after the step. If that master is gone when the
     write-back runs (as when the store's budget policy evicts it in between), the write-back
     reads it back from NVMe: same result, one more read.
@@ -59,7 +59,7 @@ def test_copy_back_reads_the_kept_master(evicted_between, overlap_forward, tmp_p
         original = OffloadAdamW._write_back
 
         def evict_then_write_back(self, cid):
-            self._store.drop(cid, "master")
+            self._store.evict(cid, "master", "cpu")
             original(self, cid)
         monkeypatch.setattr(OffloadAdamW, "_write_back", evict_then_write_back)
     model, reference = make_model(), make_model()

@@ -6,7 +6,7 @@ import psutil
 import pytest
 import torch
 
-from zero_offload.pinned_pool import PinnedPool
+from zero_offload.runtime.pinned_pool import PinnedPool
 from zero_offload.store import ChunkStore, PayloadSpec, StoreConfig, Tier
 
 MiB = 1 << 20

@@ -8,20 +8,23 @@ The public API is the names in ``__all__``; submodules load on first use, so ``i
 zero_offload`` stays cheap and a CPU-only script never touches the I/O or engine code.
 """
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
     # optimizer (issue 2)
-    "CPUAdam": "cpu_adam",
-    "CPUAdamW": "cpu_adam",
+    "CPUAdam": "ops.cpu_adam",
+    "CPUAdamW": "ops.cpu_adam",
     # NVMe swap (issue 3)
-    "SwapSpace": "swap_io",
-    "AioEngine": "swap_io",
+    "SwapSpace": "runtime.swap_io",
+    "AioEngine": "runtime.swap_io",
     # tiered store (issue 4)
-    "Tier": "store",
-    "ChunkStore": "store",
-    "StoreConfig": "store",
+    "Tier": "runtime.store",
+    "ChunkStore": "runtime.store",
+    "StoreConfig": "runtime.store",
     # engine (issue 5)
     "OffloadConfig": "config",
     "Adam": "config",
@@ -34,8 +37,33 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
+_MOVED = {f"{__name__}.{old}": f"{__name__}.{new}" for old, new in {
+    "store": "runtime.store", "swap_io": "runtime.swap_io", "prefetch": "runtime.prefetch",
+    "pipeline": "runtime.pipeline", "cpu_adam": "ops.cpu_adam"}.items()}
+"""Public paths (README) of modules that live in the layers below: ``zero_offload.store`` *is*
+``zero_offload.runtime.store`` (the same module object), imported on first use."""
+
+
+class _MovedPath(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path=None, target=None):
+        home = _MOVED.get(fullname)
+        return None if home is None else importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec):
+        module = importlib.import_module(_MOVED[spec.name])
+        spec.loader_state = module.__spec__
+        return module
+
+    def exec_module(self, module):
+        module.__spec__ = module.__spec__.loader_state  # the import system set the alias's spec
+
+
+sys.meta_path.append(_MovedPath())
+
 
 def __getattr__(name):
+    if f"{__name__}.{name}" in _MOVED:  # zero_offload.pipeline without importing it first
+        return importlib.import_module(f"{__name__}.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'zero_offload' has no attribute {name!r}")

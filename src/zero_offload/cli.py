@@ -460,7 +460,7 @@ def _clean_run_dir(out: Path, referenced: set) -> None:
     """Remove what zero_offload wrote in ``out`` and no state file names: step_* checkpoints of
     older runs or of killed saves, and their temp dirs. Only directories carrying the checkpoint
     marker go (checkpoint.remove_checkpoint); a temp dir of a save still running is kept."""
-    from . import checkpoint
+    from .runtime import checkpoint
     for entry in out.iterdir():
         if _STEP_DIR.fullmatch(entry.name) and entry.name not in referenced:
             checkpoint.remove_checkpoint(entry)
@@ -493,7 +493,7 @@ def _save(engine, out: Path, step: int, state: dict, keep: int = 2) -> None:
 def _resume(engine, out: Path, previous: dict) -> dict:
     """Load the newest whole checkpoint the state file names; a damaged one is skipped with one
     line saying so. Returns the entry loaded ({"name", "step"})."""
-    from .checkpoint import CheckpointCorrupt
+    from .runtime.checkpoint import CheckpointCorrupt
     candidates = _checkpoints(previous)[::-1]
     damaged = []
     for entry in candidates:
@@ -705,7 +705,7 @@ def gather_info(nvme_dir: str, *, measure: bool = True) -> dict:
     }
     nvme: dict[str, Any] = {"directory": os.path.abspath(nvme_dir)}
     try:
-        from .swap_io import SwapSpace, find_spaces, swap_dir_problem
+        from .runtime.swap_io import SwapSpace, find_spaces, swap_dir_problem
 
         probe_dir = Path(nvme_dir)
         existing = probe_dir
@@ -744,7 +744,7 @@ def gather_info(nvme_dir: str, *, measure: bool = True) -> dict:
         nvme["swap_spaces_error"] = _one_line(e)
     info["nvme"] = nvme
     try:
-        from . import cpu_adam
+        from .ops import cpu_adam
 
         info["cpu_adam_isa"] = cpu_adam.isa()
     except Exception as e:
@@ -818,7 +818,7 @@ def cmd_info(args) -> int:
 
 def cmd_clean(args) -> int:
     """Remove the stale swap spaces in --nvme-dir (see swap_io [Note: owner file])."""
-    from .swap_io import find_spaces, remove_stale_spaces, swap_dir_problem
+    from .runtime.swap_io import find_spaces, remove_stale_spaces, swap_dir_problem
 
     directory = os.path.abspath(args.nvme_dir)
     problem = swap_dir_problem(directory)
@@ -963,10 +963,10 @@ def _exit_codes() -> tuple:
     """[Note: exit codes] The one mapping from what a command raised to its exit code, first match
     wins: a bad flag or config value exits 2, a failure while running exits 1. Every failure is
     one line on stderr; ``--debug`` prints the traceback before it."""
-    from .checkpoint import CheckpointError
-    from .pipeline import PipelineError
-    from .placement import FitError
-    from .store import BudgetError, StoreError
+    from .runtime.checkpoint import CheckpointError
+    from .runtime.pipeline import PipelineError
+    from .runtime.placement import FitError
+    from .runtime.store import BudgetError, StoreError
 
     return (
         (UsageError, EXIT_USAGE),             # flags, --config, --resume/--out misuse

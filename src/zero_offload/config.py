@@ -30,6 +30,8 @@ from typing import Any, Mapping, Union
 
 import torch
 
+from .runtime.vocab import Placement, round_up
+
 __all__ = [
     "Adam",
     "AdamW",
@@ -44,19 +46,6 @@ __all__ = [
 
 Budget = Union[int, str]
 """A tier budget: bytes as an int, or "auto" (the store sizes it from free memory)."""
-
-
-class Placement(enum.StrEnum):
-    """Home tier of a payload. A ``StrEnum``: ``Placement.CPU == "cpu"`` holds."""
-
-    GPU = "gpu"
-    """The compute device (CUDA; the CPU itself with its own budget when there is no CUDA)."""
-    CPU = "cpu"
-    """Pinned host memory."""
-    NVME = "nvme"
-    """Files under ``OffloadConfig.nvme_dir``, staged through pinned host memory."""
-    AUTO = "auto"
-    """Fill the fastest tier first within its budget, then the next, per chunk."""
 
 
 class Precision(enum.StrEnum):
@@ -214,19 +203,14 @@ class Adam:
     """L2 penalty coefficient (Adam) / decoupled decay coefficient (AdamW), >= 0."""
 
     def __post_init__(self):
-        owner = type(self).__name__
-        object.__setattr__(self, "lr", _as_float(owner, "lr", self.lr, minimum=0.0))
-        betas = self.betas
-        if (isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2):
-            raise _fail(owner, "betas", betas, "a pair (beta1, beta2), each in [0, 1)",
-                        "e.g. betas=(0.9, 0.999)")
-        betas = tuple(
-            _as_float(owner, f"betas[{i}]", b, minimum=0.0, maximum=1.0, max_inclusive=False)
-            for i, b in enumerate(betas))
-        object.__setattr__(self, "betas", betas)
-        object.__setattr__(self, "eps", _as_float(owner, "eps", self.eps, minimum=0.0))
-        object.__setattr__(self, "weight_decay",
-                           _as_float(owner, "weight_decay", self.weight_decay, minimum=0.0))
+        from .ops.cpu_adam import AdamHyper  # the one validator of Adam hyperparameters
+
+        h = AdamHyper.checked(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
+                              adamw=self.adamw, owner=type(self).__name__)
+        object.__setattr__(self, "lr", h.lr)
+        object.__setattr__(self, "betas", (h.beta1, h.beta2))
+        object.__setattr__(self, "eps", h.eps)
+        object.__setattr__(self, "weight_decay", h.weight_decay)
 
     @property
     def adamw(self) -> bool:
@@ -353,7 +337,7 @@ class OffloadConfig:
             if not isinstance(self.nvme_dir, (str, os.PathLike)) or not os.fspath(self.nvme_dir):
                 raise _fail(o, "nvme_dir", self.nvme_dir, "a directory path (str or os.PathLike) or None")
             setv("nvme_dir", os.fspath(self.nvme_dir))
-            from .swap_io import swap_dir_problem
+            from .runtime.swap_io import swap_dir_problem
 
             problem = swap_dir_problem(self.nvme_dir)  # only looks: nothing is created here
             if problem is not None:
@@ -405,7 +389,7 @@ class OffloadConfig:
     @property
     def chunk_bytes(self) -> int:
         """``chunk_mb`` in bytes, rounded up to a multiple of 4096."""
-        return -(-round(self.chunk_mb * 2**20) // 4096) * 4096
+        return round_up(round(self.chunk_mb * 2**20))
 
     @property
     def torch_dtype(self) -> torch.dtype:

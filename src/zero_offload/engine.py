@@ -93,18 +93,15 @@ use, so nothing kept outlives the step whose CPU update makes it stale. A budget
 the working window keeps nothing (the behaviour before keeping).
 
 [Note: lock order] Two threads use the store: the caller's (forward, and backward hooks) and the
-CPU-Adam worker. The store calls its eviction policy with its lock held, and the policy asks the
-params prefetcher how soon a chunk is needed; the prefetcher, for its part, calls the store with
-its own lock held. So the policy's query must not take the prefetcher's lock:
-``_ParamPrefetcher.next_use`` reads the recorded order without it (a momentarily stale answer
-only changes which copy is evicted first, never what is correct).
+CPU-Adam worker. Each takes the prefetcher's lock before the store's, and the store's eviction
+policy queries the prefetcher without its lock (prefetch.py, [Note: lock order]).
 
 [Note: fetch on completion] The params look-ahead stops at the first chunk whose CPU update is
 queued or running (its bytes are about to change). Left at that, after backward the next forward
 runs right behind the updates and finds every chunk just updated and not yet fetched: the fetch
 was issued on demand at the hook, and the device waited for each copy. So the worker calls
 ``_chunk_ready`` as soon as no job of a chunk is left (``StepPipeline.on_chunk_idle``), and the
-prefetcher re-issues its look-ahead from the consumer's current position: the chunk's copy to
+prefetcher (``Prefetcher.chunk_ready``) re-issues its look-ahead from the consumer's current position: the chunk's copy to
 the device starts the moment its update ends, if it is within the window (``prefetch_depth``
 uses ahead, the GPU budget respected as for any look-ahead). The worker thread takes the
 prefetcher's lock and then the store's, the same order as the caller's thread (see
@@ -144,15 +141,17 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .config import Adam, OffloadConfig, load_config
 from .mixed_precision import LossScaler, cast_inputs
-from .partition import ChunkLayout, ParamSlot, Partition, partition_parameters
-from .pipeline import (Accumulate, AdamArgs, GradJob, PipelinePayloads, Segment, StepPipeline,
-                       Trace, UpdateJob)
-from .placement import (PlacementPlan, keep_limit, optimizer_payloads, payload_dtypes,
-                        plan_placement)
-from .prefetch import Prefetcher
-from .store import ChunkStore, Handle, PayloadSpec, StoreConfig, Tier
+from .runtime.chunk_group import adam_args, update_segments
+from .runtime.partition import ChunkLayout, ParamSlot, Partition, partition_parameters
+from .runtime.pipeline import (Accumulate, GradJob, PipelinePayloads, Segment, StepPipeline,
+                               UpdateJob)
+from .runtime.placement import (PARKED_CHUNKS, PlacementPlan, keep_limit, optimizer_payloads,
+                                payload_dtypes, plan_placement)
+from .runtime.prefetch import Prefetcher
+from .runtime.store import ChunkStore, Handle, Hop, PayloadSpec, StoreConfig, Tier
+from .runtime.trace import StatsWindow, Trace
 
-__all__ = ["Engine", "EngineStats", "Phase", "initialize", "OffloadAdam", "OffloadAdamW"]
+__all__ = ["Engine", "EngineStats", "Phase", "initialize"]
 
 
 def _range(name: str):
@@ -160,15 +159,6 @@ def _range(name: str):
     profiler records, nothing otherwise: the hooks run a few hundred times per step and an idle
     ``record_function`` still costs microseconds each."""
     return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
-
-
-def __getattr__(name):
-    # The optimizer-only entry points live in offload_optim.py; the package's lazy export table
-    # points at this module for them.
-    if name in ("OffloadAdam", "OffloadAdamW"):
-        from . import offload_optim
-        return getattr(offload_optim, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,9 +172,6 @@ class Phase(enum.Enum):
     FORWARD = "forward"    # inside engine(...)
     BACKWARD = "backward"  # between the first backward hook and the end of backward
 
-
-PARKED_CHUNKS = 2
-"""Chunks kept on the device after their last user let go; see [Note: parked chunks]."""
 
 _PHASES = {
     Phase.IDLE: frozenset({Phase.FORWARD, Phase.BACKWARD}),
@@ -399,42 +386,6 @@ class _PostBackward(torch.autograd.Function):
         return (None,) + grads
 
 
-class _ParamPrefetcher(Prefetcher):
-    """The params look-ahead, held back at chunks whose CPU update is still queued or running
-    (fetching them would copy bytes that are about to change and be thrown away)."""
-
-    def __init__(self, store: ChunkStore, *, depth: int, ready: Callable[[int], bool]):
-        super().__init__(store, depth=depth, hops=[("params", Tier.GPU)])
-        self._ready = ready
-
-    def _upcoming(self, count: int) -> list:
-        out = []
-        for cid in super()._upcoming(count):
-            if not self._ready(cid):
-                break
-            out.append(cid)
-        return out
-
-    def chunk_ready(self, cid: int) -> None:
-        """Chunk ``cid`` has no update queued any more: fetch ahead now if it is in the window.
-        Called on the CPU-Adam worker; see [Note: fetch on completion]."""
-        if self._recording:
-            return
-        with self._lock:
-            if cid in self._upcoming(self.depth):
-                self._issue_lookahead()
-
-    def next_use(self, cid: int):
-        """The store's eviction policy calls this with the store's lock held, while another
-        thread may hold this prefetcher's lock and wait for the store's (use() issuing fetches):
-        taking our lock here would deadlock. See [Note: lock order]."""
-        positions = None if self._recording else self._positions.get(cid)
-        if not positions:
-            return None
-        n, pos = len(self._order), self._pos
-        return min((p - pos) % n for p in positions)
-
-
 @dataclass
 class EngineStats:
     """What ``Engine.stats()`` returns (plain values; ``as_dict`` for logging)."""
@@ -539,19 +490,20 @@ class Engine:
         self._group_overrides, self._slot_group = _resolve_groups(param_groups, model, self.partition,
                                                                   spec)
         if cfg.nvme_dir is not None:
-            from .swap_io import prepare_swap_dir
+            from .runtime.swap_io import prepare_swap_dir
             prepare_swap_dir(cfg.nvme_dir, name="OffloadConfig.nvme_dir")  # created 0700 if missing
         store_budgets = {Tier.GPU: cfg.gpu_budget, Tier.CPU: cfg.cpu_budget,
                          Tier.NVME: cfg.nvme_budget if cfg.nvme_dir is not None else 0}
         self.store = ChunkStore(StoreConfig(device=self.device, budgets=store_budgets,
                                             nvme_dir=cfg.nvme_dir, io_threads=cfg.io_threads,
-                                            io_block_size=cfg.io_block_size))
+                                            io_block_size=cfg.io_block_size,
+                                            io_queue_depth=cfg.io_queue_depth))
         try:
             self.plan: PlacementPlan = plan_placement(self.partition, cfg, self.store.budgets,
                                                       has_nvme=cfg.nvme_dir is not None)
             if cfg.nvme_dir is not None and cfg.nvme_budget == "auto":
                 # Swap files are preallocated to the NVMe budget: take what the plan needs.
-                self.store.budgets[Tier.NVME] = self.plan.need[Tier.NVME] + (4 << 20)
+                self.store.set_budget(Tier.NVME, self.plan.need[Tier.NVME] + (4 << 20))
             self._build(lr_scheduler)
         except BaseException:
             self.store.close()
@@ -617,8 +569,8 @@ class Engine:
         self.pipeline = StepPipeline(self.store, payloads=payloads, prefetch_depth=cfg.prefetch_depth,
                                      threads=_adam_threads(cfg, self.device),
                                      on_chunk_idle=self._chunk_ready)
-        self.prefetcher = _ParamPrefetcher(self.store, depth=cfg.prefetch_depth,
-                                           ready=lambda cid: not self.pipeline.busy(cid))
+        self.prefetcher = Prefetcher(self.store, depth=cfg.prefetch_depth, hops=[("params", Tier.GPU)],
+                                     ready=lambda cid: not self.pipeline.busy(cid))
 
         self.scaler = LossScaler.from_config(cfg)
         self._overlap = cfg.overlap and cfg.grad_clip is None and self.scaler is None
@@ -636,7 +588,7 @@ class Engine:
         self._live: dict[int, _Chunk] = {}  # device-buffer storage address -> chunk (held ones)
         self.last_grad_norm: Optional[float] = None
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
-        self._bytes0 = dict(self.store.stats.bytes_moved)
+        self._window = StatsWindow(self._counters)
 
         # See [Note: external parameters].
         self._recorded = False
@@ -1307,31 +1259,20 @@ class Engine:
 
     def _update_job(self, chunk: _Chunk, *, grad_scale: float) -> UpdateJob:
         """The update of a chunk's slots that had grads in this window; advances their steps."""
-        layout = chunk.layout
-        segments, run = [], None
+        layout, spans = chunk.layout, []
         for i, s in enumerate(layout.slots):
-            stop = layout.slots[i + 1].offset if i + 1 < len(layout.slots) else layout.numel
             if s not in chunk.window:
-                run = None
                 continue
             chunk.steps[i] += 1
-            step, group = chunk.steps[i], self._slot_group.get(s.index, 0)
-            if run is not None and run[2] == step and run[3] == group:
-                run[1] = stop
-            else:
-                run = [s.offset, stop, step, group]
-                segments.append(run)
-        args = {g: self._group_args(g, grad_scale) for g in {0, *(r[3] for r in segments)}}
+            stop = layout.slots[i + 1].offset if i + 1 < len(layout.slots) else layout.numel
+            spans.append((s.offset, stop, chunk.steps[i], self._slot_group.get(s.index, 0)))
+        segments = update_segments(spans)
+        args = {g: adam_args(self.optimizer.param_groups[g], adamw=self.spec.adamw, grad_scale=grad_scale)
+                for g in {0, *(r[3] for r in segments)}}
         source = "accum" if self.config.grad_accum > 1 else "grads"
         return UpdateJob(cid=chunk.cid, args=args[0], source=source,
                          segments=tuple(Segment(lo, hi, step, None if g == 0 else args[g])
                                         for lo, hi, step, g in segments))
-
-    def _group_args(self, index: int, grad_scale: float) -> AdamArgs:
-        g = self.optimizer.param_groups[index]
-        return AdamArgs(lr=float(g["lr"]), betas=tuple(float(b) for b in g["betas"]),
-                        eps=float(g["eps"]), weight_decay=float(g["weight_decay"]),
-                        adamw=self.spec.adamw, grad_scale=grad_scale)
 
     # ---- inspection -------------------------------------------------------------------------
 
@@ -1409,23 +1350,22 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """Counters since initialize (or ``reset_stats``); see ``EngineStats``."""
-        st = self.store.stats
-        pf = self.prefetcher.stats
+        w = self._window.read()
         fwd, bwd = self._times["forward"], self._times["backward"]
-        fetch_stall = pf.stall_s
-        update_stall = self.pipeline.stats.wait_chunk_s
+        fetch_stall, update_stall = w["stall_s"], w["wait_chunk_s"]
         compute = fwd + bwd
+        uses = w["uses"]
         return EngineStats(
             steps=self.global_step, skipped_steps=self.skipped_steps, micro_steps=self._micro,
             bytes_held={t.value: self.store.bytes(t) for t in Tier},
             peak_bytes={t.value: self.store.peak_bytes(t) for t in Tier},
-            bytes_moved={h.value: n - self._bytes0.get(h, 0) for h, n in st.bytes_moved.items()},
+            bytes_moved={h.value: w[h] for h in Hop},
             forward_s=fwd, backward_s=bwd, step_s=self._times["step"],
             fetch_stall_s=fetch_stall, update_stall_s=update_stall,
-            adam_s=self.pipeline.stats.adam_s,
-            worker_busy_s=self.pipeline.stats.busy_s,
+            adam_s=w["adam_s"], worker_busy_s=w["busy_s"],
             gpu_stall_share=(fetch_stall + update_stall) / compute if compute > 0 else 0.0,
-            prefetch_hit_rate=pf.hit_rate, prefetch_ahead_rate=pf.ahead_rate,
+            prefetch_hit_rate=w["hits"] / uses if uses else 0.0,
+            prefetch_ahead_rate=w["ahead"] / uses if uses else 0.0,
             loss_scale=self.scaler.scale if self.scaler is not None else None,
             last_grad_norm=self.last_grad_norm,
             lr=float(self.optimizer.param_groups[0]["lr"]))
@@ -1433,12 +1373,15 @@ class Engine:
     def reset_stats(self) -> None:
         """Restart the time and byte counters and the peaks (e.g. after warm-up steps)."""
         self.store.reset_peak()
-        self._bytes0 = dict(self.store.stats.bytes_moved)
+        self._window.reset()
         self._times = {k: 0.0 for k in self._times}
-        self.prefetcher.stats.stall_s = 0.0
-        self.prefetcher.stats.uses = self.prefetcher.stats.hits = self.prefetcher.stats.ahead = 0
-        ps = self.pipeline.stats
-        ps.wait_chunk_s = ps.adam_s = ps.busy_s = 0.0
+
+    def _counters(self) -> dict:
+        """The lower layers' counters ``stats()`` reads through its window."""
+        pf, ps = self.prefetcher.stats, self.pipeline.stats
+        return {"stall_s": pf.stall_s, "uses": pf.uses, "hits": pf.hits, "ahead": pf.ahead,
+                "wait_chunk_s": ps.wait_chunk_s, "adam_s": ps.adam_s, "busy_s": ps.busy_s,
+                **self.store.stats.bytes_moved}
 
     # ---- checkpoints ------------------------------------------------------------------------
 
@@ -1447,7 +1390,7 @@ class Engine:
         every file's size and CRC-32 (see checkpoint.py). A full disk raises one
         ``CheckpointError`` naming the file and the free space; the previous checkpoint at
         ``path`` stays whole."""
-        from .checkpoint import save_checkpoint
+        from .runtime.checkpoint import save_checkpoint
         self._require_idle("save_checkpoint")
         save_checkpoint(self, path)
 
@@ -1456,7 +1399,7 @@ class Engine:
         architecture; the offload config may differ). Everything is checked first (files against
         the manifest, model, groups, scheduler): on ``CheckpointError`` (``CheckpointCorrupt``
         for a damaged file) the engine is unchanged."""
-        from .checkpoint import load_checkpoint
+        from .runtime.checkpoint import load_checkpoint
         self._require_idle("load_checkpoint")
         load_checkpoint(self, path)
 

@@ -76,15 +76,12 @@ run asynchronously on the H2D stream. Two hazards:
   (device-side ordering; the host never blocks on it).
 - Lifetime: the source must stay allocated until the copies have read it. "params" and a
   host-homed "master" are home copies, kept for the store's life. With ``state="nvme"`` the
-  pipeline writes "master" home behind the update and evicts its host copy *before* it calls
-  ``_write_back``; the store would then free that memory as soon as the NVMe write has read it,
-  under copies still in flight. So ``_Store.evict`` leaves the host masters of fp32 NVMe chunks
-  alone (the write-behind itself still runs), ``_write_back`` pins the copy (``use``: fetched
-  back from NVMe in the rare case the store's budget policy evicted it in between), and
-  ``_release_masters`` unpins and drops it once its H2D event is complete and no job of the chunk
-  is queued (at each write-back, ``step()`` and ``synchronize()``; ``state_dict()`` and
-  ``close()`` wait). Without CUDA the copies are synchronous and the copy is dropped at once.
-  A held master still resident at its chunk's next update is simply reused (no NVMe read).
+  pipeline writes "master" home behind the update, calls ``_write_back``, and then evicts the
+  host copy with ``defer=True``: ``_write_back`` pins it (fp32 NVMe chunks with CUDA), so the
+  store evicts it at the last unpin, which ``_release_masters`` does once the chunk's H2D event
+  is complete and no job of the chunk is queued (at each write-back, ``step()`` and
+  ``synchronize()``; ``state_dict()`` and ``close()`` wait). Without CUDA the copies are
+  synchronous and the copy is evicted at once.
 
 [Note: params changed outside the optimizer] The fp32 master is the truth for the update. If a
 param is modified in place by anyone else (``load_state_dict`` into the model, ``p.copy_()``
@@ -106,12 +103,15 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
-from .config import Adam as _AdamSpec
 from .config import _as_budget, _as_float, _as_int
-from .pipeline import (AdamArgs, GradJob, PipelineError, PipelinePayloads, Segment, StepPipeline,
-                       Trace, UpdateJob)
-from .store import ChunkStore, Handle, PayloadSpec, StoreConfig, Tier
-from .swap_io import ALIGNMENT, prepare_swap_dir, round_up, swap_dir_problem
+from .ops.cpu_adam import UNSUPPORTED_OPTIONS, AdamHyper
+from .runtime.chunk_group import adam_args, update_segments
+from .runtime.pipeline import (GradJob, PipelineError, PipelinePayloads, Segment,
+                               StepPipeline, UpdateJob)
+from .runtime.store import ChunkStore, Handle, Hop, PayloadSpec, StoreConfig, Tier
+from .runtime.swap_io import prepare_swap_dir, swap_dir_problem
+from .runtime.trace import StatsWindow, Trace
+from .runtime.vocab import ALIGNMENT, round_up
 
 __all__ = ["OffloadAdam", "OffloadAdamW", "OffloadStats"]
 
@@ -144,24 +144,6 @@ class _Streams(NamedTuple):
 
     d2h: "torch.cuda.Stream"  # grads GPU -> pinned "grads", issued by the grad hooks / step()
     h2d: "torch.cuda.Stream"  # updated params pinned -> GPU, issued by the worker after CPU-Adam
-
-
-class _Store(ChunkStore):
-    """The optimizer's ChunkStore: ``evict`` leaves the host copies listed in ``kept`` alone, for
-    the optimizer to ``drop`` once nothing reads them. See [Note: copy-back source]."""
-
-    def __init__(self, config: StoreConfig):
-        super().__init__(config)
-        self.kept: set[tuple[int, str]] = set()
-
-    def evict(self, cid: int, name: str, tier) -> None:
-        if Tier.of(tier) is Tier.CPU and (cid, name) in self.kept:
-            return
-        super().evict(cid, name, tier)
-
-    def drop(self, cid: int, name: str) -> None:
-        """``ChunkStore.evict`` of the host copy, also for the copies in ``kept``."""
-        super().evict(cid, name, Tier.CPU)
 
 
 @dataclass(eq=False)
@@ -292,7 +274,8 @@ class OffloadAdam(torch.optim.Optimizer):
                  overlap: bool = True, overlap_forward: bool = False, grad_accum: int = 1,
                  prefetch_depth: int = 2, cpu_budget: int | str = "auto"):
         name = type(self).__name__
-        spec = _AdamSpec(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)  # validates
+        h = AdamHyper.checked(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=self._adamw,
+                              owner=name)
         home = {"cpu": Tier.CPU, "nvme": Tier.NVME}.get(state.lower() if isinstance(state, str) else state)
         if home is None:
             raise ValueError(f"{name}: state={state!r} is invalid: use 'cpu' (host RAM) or 'nvme' "
@@ -332,17 +315,17 @@ class OffloadAdam(torch.optim.Optimizer):
         self._submitted: list[int] = []          # chunk ids in this step's hand-over order
         self._priority: dict[int, int] = {}      # chunk id -> rank in the next forward (guess)
         self._device: torch.device | None = None
-        self._store: _Store | None = None
+        self._store: ChunkStore | None = None
         self._pipeline: StepPipeline | None = None
         self._streams: _Streams | None = None
         self._lock = threading.Lock()            # _Chunk.holds_master / h2d_done: worker vs caller
         self._closed = False
         self._counters = OffloadStats()
-        self._worker_base = (0.0, 0.0)           # pipeline (adam_s, busy_s) at the last reset_stats
+        self._window = StatsWindow(self._lower_counters)  # the pipeline's and store's counters
 
         params = _read_once(params)
         self._nvme_need = _state_bytes(params)   # the swap space is preallocated: size it for all groups
-        defaults = dict(lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay,
+        defaults = dict(lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay,
                         amsgrad=False, maximize=False, foreach=None, capturable=False,
                         differentiable=False, fused=None, decoupled_weight_decay=self._adamw)
         super().__init__(params, defaults)
@@ -386,15 +369,11 @@ class OffloadAdam(torch.optim.Optimizer):
     def _check_group(self, group: dict) -> None:
         """Hyperparameters of a group (with defaults filled in), as torch.optim.Adam checks them."""
         name = type(self).__name__
-        for key in ("amsgrad", "maximize", "capturable", "differentiable"):
+        for key in UNSUPPORTED_OPTIONS:
             if group.get(key):
                 raise ValueError(f"{name}: {key}=True is not supported; remove it from the param group")
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor):
-            if lr.numel() != 1:
-                raise ValueError(f"{name}: lr must be a number (or a one-element tensor), got {lr!r}")
-            lr = lr.item()
-        _AdamSpec(lr=lr, betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
+        AdamHyper.checked(lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                          weight_decay=group["weight_decay"], adamw=self._adamw, owner=name)
 
     def _check_params(self, params) -> None:
         name = type(self).__name__
@@ -445,8 +424,6 @@ class OffloadAdam(torch.optim.Optimizer):
             if dtype in _LOWP:
                 payloads["params"] = PayloadSpec(numel, dtype, Tier.CPU)
             cid = self._store.add_chunk(payloads)
-            if dtype not in _LOWP and self._home is Tier.NVME:
-                self._store.kept.add((cid, "master"))  # see [Note: copy-back source]
             slots, offset = [], 0
             for p in run:
                 slots.append(_Slot(param=p, index=position[id(p)], offset=offset, numel=p.numel(),
@@ -470,8 +447,8 @@ class OffloadAdam(torch.optim.Optimizer):
         budgets = {Tier.CPU: self._cpu_budget}
         if self._home is Tier.NVME:
             budgets[Tier.NVME] = max(ALIGNMENT, self._nvme_need)
-        self._store = _Store(StoreConfig(device=device if cuda else "cpu", budgets=budgets,
-                                         nvme_dir=self._nvme_dir))
+        self._store = ChunkStore(StoreConfig(device=device if cuda else "cpu", budgets=budgets,
+                                             nvme_dir=self._nvme_dir))
         if cuda:
             with torch.cuda.device(device):
                 self._streams = _Streams(d2h=torch.cuda.Stream(), h2d=torch.cuda.Stream())
@@ -511,7 +488,7 @@ class OffloadAdam(torch.optim.Optimizer):
                     store.mark_dirty(cid, name, Tier.CPU)
         if nvme:
             for name in _STATE:
-                store.drop(cid, name)
+                store.evict(cid, name, Tier.CPU)
 
     # ------------------------------------------------------------------------------------
     # backward side (caller's thread, or autograd's)
@@ -579,15 +556,12 @@ class OffloadAdam(torch.optim.Optimizer):
             ready = Handle(event=chunk.d2h_done)
         else:
             ready = Handle.completed()
-        segments = tuple(Segment(lo, hi, step) for lo, hi, step in _runs(chunk.slots))
         chunk.job_slots = tuple(s for s in chunk.slots if s.landed)
         for s in chunk.job_slots:
             s.step += 1
-        g = chunk.group
-        lr = g["lr"]
-        args = AdamArgs(lr=float(lr.item() if isinstance(lr, torch.Tensor) else lr),
-                        betas=(float(g["betas"][0]), float(g["betas"][1])), eps=float(g["eps"]),
-                        weight_decay=float(g["weight_decay"]), adamw=self._adamw)
+        segments = tuple(Segment(lo, hi, step) for lo, hi, step, _ in update_segments(
+            (s.offset, s.offset + s.numel, s.step, None) for s in chunk.job_slots))
+        args = adam_args(chunk.group, adamw=self._adamw)
         chunk.grads = None
         chunk.to(_Phase.UPDATING)
         self._updating[chunk.cid] = chunk
@@ -608,7 +582,7 @@ class OffloadAdam(torch.optim.Optimizer):
         chunk = self._chunks[cid]
         store = self._store
         name = "params" if chunk.lowp else "master"
-        kept = (cid, name) in store.kept
+        kept = name == "master" and self._home is Tier.NVME  # see [Note: copy-back source]
         with store.use(cid, name, Tier.CPU) as src:
             if self._streams is None:
                 for s in chunk.job_slots:
@@ -628,13 +602,11 @@ class OffloadAdam(torch.optim.Optimizer):
                     event = h2d.record_event()
         with self._lock:
             chunk.h2d_done = event
-        if kept and self._streams is None:
-            store.drop(cid, name)  # the copies are done
         self._counters.h2d_bytes += sum(s.numel for s in chunk.job_slots) * chunk.dtype.itemsize
         self._release_masters()
 
     def _release_masters(self, *, wait: bool = False, only: _Chunk | None = None) -> None:
-        """Unpin and drop the host masters held for param copies (see [Note: copy-back source])
+        """Unpin (and so let the store evict) the host masters held for param copies (see [Note: copy-back source])
         whose copies are done (``wait``: waiting for them) and whose chunk has no job queued."""
         with self._lock:
             for chunk in self._chunks if only is None else (only,):
@@ -644,8 +616,7 @@ class OffloadAdam(torch.optim.Optimizer):
                     if not wait:
                         continue
                     chunk.h2d_done.synchronize()
-                self._store.unpin(chunk.cid, "master", Tier.CPU)
-                self._store.drop(chunk.cid, "master")
+                self._store.unpin(chunk.cid, "master", Tier.CPU)  # the store's deferred evict runs
                 chunk.holds_master = False
 
     # ------------------------------------------------------------------------------------
@@ -880,20 +851,22 @@ class OffloadAdam(torch.optim.Optimizer):
     @property
     def stats(self) -> OffloadStats:
         """Counters since construction or ``reset_stats`` (the worker's from the pipeline)."""
-        c = self._counters
-        adam_s = worker_s = 0.0
-        if self._pipeline is not None:
-            adam_s = self._pipeline.stats.adam_s - self._worker_base[0]
-            worker_s = self._pipeline.stats.busy_s - self._worker_base[1]
+        c, w = self._counters, self._window.read()
         return OffloadStats(steps=c.steps, d2h_bytes=c.d2h_bytes, h2d_bytes=c.h2d_bytes,
-                            adam_s=adam_s, worker_s=worker_s, step_wait_s=c.step_wait_s)
+                            adam_s=w.get("adam_s", 0.0), worker_s=w.get("busy_s", 0.0),
+                            step_wait_s=c.step_wait_s)
 
     def reset_stats(self) -> None:
         self._counters = OffloadStats()
+        self._window.reset()
+
+    def _lower_counters(self) -> dict:
+        out = {}
         if self._pipeline is not None:
-            self._worker_base = (self._pipeline.stats.adam_s, self._pipeline.stats.busy_s)
+            out.update(adam_s=self._pipeline.stats.adam_s, busy_s=self._pipeline.stats.busy_s)
         if self._store is not None:
-            self._store.stats.bytes_moved = {h: 0 for h in self._store.stats.bytes_moved}
+            out.update(self._store.stats.bytes_moved)
+        return out
 
     @property
     def trace(self) -> Trace | None:
@@ -911,19 +884,9 @@ class OffloadAdam(torch.optim.Optimizer):
         self._pipeline.trace = trace
 
     def nvme_bytes(self) -> tuple[int, int]:
-        """(bytes read from, bytes written to) NVMe since construction, from the store."""
-        if self._store is None:
-            return 0, 0
-        moved = self._store.stats.as_dict()["bytes_moved"]
-        return moved["nvme->cpu"], moved["cpu->nvme"]
-
-    def host_state_bytes(self) -> int:
-        """Host bytes the optimizer holds now: its home buffers in RAM plus the pinned pool that
-        stages NVMe state (the pool's buffers in use are copies the store counts too)."""
-        if self._store is None:
-            return 0
-        pool = self._store.pool
-        return self._store.bytes(Tier.CPU) - pool.in_use_bytes + pool.reserved_bytes
+        """(bytes read from, bytes written to) NVMe since construction or ``reset_stats``."""
+        w = self._window.read()
+        return w.get(Hop.NVME_TO_CPU, 0), w.get(Hop.CPU_TO_NVME, 0)
 
     def close(self) -> None:
         """Finish the queued jobs, remove the hooks and free the state (and swap files).
@@ -1013,21 +976,3 @@ def _state_bytes(params) -> int:
         tensors.extend([ps] if isinstance(ps, torch.Tensor) else (ps or ()))
     seen = {id(t): t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad}
     return sum(12 * t.numel() + 3 * ALIGNMENT for t in seen.values())
-
-
-def _runs(slots: list[_Slot]):
-    """Maximal ranges ``(lo, hi, step)`` of consecutive landed slots with equal step counts: one
-    CPU-Adam call each (normally one per chunk). ``step`` is the count after this update."""
-    lo = hi = None
-    step = None
-    for s in slots:
-        if s.landed and lo is not None and s.step + 1 == step and s.offset == hi:
-            hi = s.offset + s.numel
-            continue
-        if lo is not None:
-            yield lo, hi, step
-            lo = None
-        if s.landed:
-            lo, hi, step = s.offset, s.offset + s.numel, s.step + 1
-    if lo is not None:
-        yield lo, hi, step

@@ -39,7 +39,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..cpu_adam import CPUAdam, adam_step, default_threads, isa, set_isa
+from ..ops.cpu_adam import CPUAdam, adam_step, default_threads, isa, set_isa
 
 BYTES_PER_PARAM = 28  # see the module docstring
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from ..swap_io import AioEngine, SwapSpace, aligned_empty
+from ..runtime.swap_io import AioEngine, SwapSpace, aligned_empty
 
 MIB = 1 << 20
 DD_BLOCK = 16 * MIB

@@ -49,7 +49,8 @@ import psutil
 import torch
 
 from .pinned_pool import PinnedPool, PoolBuffer
-from .swap_io import ALIGNMENT, aligned_empty, round_up
+from .swap_io import aligned_empty
+from .vocab import ALIGNMENT, round_up
 
 __all__ = [
     "Tier", "Residency", "Hop", "PayloadSpec", "StoreConfig", "ChunkStore", "Handle", "StoreStats",
@@ -157,9 +158,6 @@ class PayloadSpec:
         return self.numel * self.dtype.itemsize
 
 
-Budget = "int | str"  # bytes, or "auto"
-
-
 @dataclass(frozen=True, kw_only=True)
 class StoreConfig:
     """How a ``ChunkStore`` is built. Frozen; every field is checked in ``__post_init__``."""
@@ -182,6 +180,9 @@ class StoreConfig:
 
     io_block_size: int = 1 << 20
     """Bytes per native I/O request (a multiple of 4096)."""
+
+    io_queue_depth: int = 16
+    """Native I/O requests in flight at once, engine-wide (``AioEngine(queue_depth=)``)."""
 
     copy_threads: int = 2
     """Host threads that run host-side copies and moves waiting on host-side dependencies."""
@@ -230,7 +231,7 @@ class StoreConfig:
                 budgets[tier] = value
         object.__setattr__(self, "budgets", budgets)
 
-        for name in ("io_threads", "copy_threads"):
+        for name in ("io_threads", "io_queue_depth", "copy_threads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"StoreConfig.{name} must be an int >= 1, got {value!r}")
@@ -408,6 +409,8 @@ class _Copy:
     """Moves reading this copy that may still be running."""
     pins: int = 0
     """Users holding this copy (``use`` / ``pin``): a pinned copy is never evicted."""
+    evict_at_unpin: bool = False
+    """``evict(defer=True)`` found it pinned: the last ``unpin`` evicts it."""
     last_use: int = 0
     """Store clock at the last fetch/get/allocate (LRU)."""
 
@@ -698,12 +701,20 @@ class ChunkStore:
                                  f"before writing")
             self._others_stale(copy)
 
-    def evict(self, cid: int, name: str, tier: "Tier | str") -> None:
+    def evict(self, cid: int, name: str, tier: "Tier | str", *, defer: bool = False) -> None:
         """Drop a non-home copy, writing it back home first when it is the only newest copy.
-        No-op when the copy is absent. Raises for the home copy or a copy in use."""
+        No-op when the copy is absent. Raises for the home copy, and for a copy in use unless
+        ``defer``: then its last ``unpin`` evicts it (a reader still holds it until then)."""
         tier = Tier.of(tier)
         with self._lock:
-            self._evict(self._copy(cid, name, tier), explicit=True)
+            copy = self._copy(cid, name, tier)
+            if defer and copy.pins:
+                if copy.is_home:
+                    raise StoreError(f"evict: {copy.where()} is the home copy and cannot be evicted; "
+                                     f"evict non-home copies only")
+                copy.evict_at_unpin = True
+                return
+            self._evict(copy, explicit=True)
 
     def pin(self, cid: int, name: str, tier: "Tier | str") -> None:
         """Keep the copy in ``tier`` from being evicted until ``unpin``."""
@@ -719,6 +730,9 @@ class ChunkStore:
             if copy.pins <= 0:
                 raise StoreError(f"unpin: {copy.where()} is not pinned (unpin without a matching pin)")
             copy.pins -= 1
+            if not copy.pins and copy.evict_at_unpin:
+                copy.evict_at_unpin = False
+                self._evict(copy, explicit=True)
 
     @contextlib.contextmanager
     def use(self, cid: int, name: str, tier: "Tier | str", *, write: bool = False) -> Iterator[torch.Tensor]:
@@ -746,6 +760,22 @@ class ChunkStore:
             for c in [c for c in self._held[tier] if c.state is Residency.EVICTING]:
                 self._settle(c)  # memory whose last reader finished is free again
             return sum(c.nbytes for c in self._held[tier])
+
+    def set_budget(self, tier: "Tier | str", nbytes: int) -> None:
+        """Change ``tier``'s budget (e.g. to what a placement plan needs). Refused below the bytes
+        the tier holds now, and for NVMe once its swap space exists (its files are sized)."""
+        tier = Tier.of(tier)
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"set_budget({tier.value!r}, {nbytes!r}): give bytes as an int >= 0")
+        with self._lock:
+            held = self.bytes(tier)
+            if nbytes < held:
+                raise BudgetError(f"set_budget({tier.value!r}, {nbytes}): the tier holds {held} bytes "
+                                  f"now; evict copies first or give at least {held}")
+            if tier is Tier.NVME and self._swap is not None:
+                raise StoreError("set_budget('nvme', ...): the swap space is already created with "
+                                 f"{self.budgets[Tier.NVME]} bytes; set the budget before the first NVMe copy")
+            self.budgets[tier] = nbytes
 
     def peak_bytes(self, tier: "Tier | str") -> int:
         with self._lock:
@@ -955,7 +985,8 @@ class ChunkStore:
             if self.config.nvme_dir is None:
                 raise StoreError("this store has no NVMe tier: set StoreConfig.nvme_dir")
             from .swap_io import AioEngine, SwapSpace
-            engine = AioEngine(threads=self.config.io_threads, block_size=self.config.io_block_size)
+            engine = AioEngine(threads=self.config.io_threads, block_size=self.config.io_block_size,
+                               queue_depth=self.config.io_queue_depth)
             self._swap = SwapSpace(self.config.nvme_dir, capacity_bytes=self.budgets[Tier.NVME], engine=engine)
         return self._swap
 
@@ -1018,7 +1049,7 @@ class ChunkStore:
                              f"non-home copies only")
         if copy.pins:
             raise StoreError(f"evict: {copy.where()} is in use ({copy.pins} pin(s)); leave the `use` "
-                             f"block or unpin it first")
+                             f"block or unpin it first, or evict(..., defer=True)")
         if copy.state in _IN_FLIGHT:
             self._await_quiet(copy)
         p = copy.payload

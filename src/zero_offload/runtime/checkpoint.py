@@ -299,7 +299,6 @@ def save_checkpoint(engine, path) -> None:
             "slots": slot_table,
             "chunks": chunks_meta,
             "working_dtype": str(engine.dtype),
-            "hyperparams": {k: v for k, v in engine.optimizer.param_groups[0].items() if k != "params"},
             "optimizer_state": engine.optimizer.state_dict(),
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,

@@ -35,13 +35,7 @@ import weakref
 import psutil
 import torch
 
-ALIGNMENT = 4096
-"""O_DIRECT rule used everywhere here: buffer addresses, file offsets and sizes are multiples."""
-
-
-def round_up(nbytes: int, multiple: int = ALIGNMENT) -> int:
-    """Smallest multiple of ``multiple`` that is >= ``nbytes``."""
-    return -(-nbytes // multiple) * multiple
+from .vocab import ALIGNMENT, round_up
 
 
 def _check_pin(pin) -> bool:
@@ -112,7 +106,7 @@ def aligned_empty(nbytes: int, *, dtype: torch.dtype = torch.uint8, pin: bool | 
 
 
 def _native():
-    from zero_offload import _C  # deferred: importing swap_io for aligned_empty needs no build
+    from .. import _C  # deferred: importing swap_io for aligned_empty needs no build
     return _C
 
 

@@ -31,12 +31,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import OffloadConfig, Placement
 from .partition import ChunkLayout, Partition
 from .store import Tier
-from .swap_io import ALIGNMENT, round_up
+from .vocab import ALIGNMENT, Placement, round_up
 
-__all__ = ["ChunkHomes", "PlacementPlan", "plan_placement", "FitError", "keep_limit"]
+__all__ = ["ChunkHomes", "PlacementPlan", "plan_placement", "FitError", "keep_limit", "PARKED_CHUNKS"]
+
+PARKED_CHUNKS = 2
+"""Chunks the engine keeps on the device after their last user let go (engine.py, [Note: parked
+chunks]); part of the working window."""
 
 KEEP_SHARE = 0.5
 """Share of the GPU budget up to which params copies are kept from forward to backward; the
@@ -107,7 +110,6 @@ def window_bytes(partition: Partition, config: OffloadConfig) -> int:
     big_params = max(chunk_bytes(c, config, ("params",)) for c in partition.chunks)
     trainable = [c for c in partition.chunks if c.trainable]
     big_grads = max((chunk_bytes(c, config, ("grads",)) for c in trainable), default=0)
-    from .engine import PARKED_CHUNKS
     return (config.prefetch_depth + 3 + PARKED_CHUNKS) * big_params + 3 * big_grads
 
 
@@ -173,7 +175,6 @@ def plan_placement(partition: Partition, config: OffloadConfig, budgets: dict, *
 
 
 def _check_fits(partition, config, budgets, need, *, gpu_window, staging, homes) -> None:
-    from .engine import PARKED_CHUNKS
     big = max(partition.chunks, key=lambda c: c.numel)
     big_bytes = chunk_bytes(big, config, ("params",))
     if need[Tier.GPU] > budgets[Tier.GPU]:

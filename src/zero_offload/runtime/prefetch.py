@@ -14,6 +14,16 @@ The store (store.py) moves bytes; this module decides *what* to move and *when* 
 It also installs a ``FarthestNextUsePolicy`` on the store, so a full tier evicts the copy whose
 next use in the recorded order is farthest away.
 
+``ready`` (optional) holds the look-ahead back at the first chunk it says is not ready (e.g. its
+update is still queued: fetching it would copy bytes about to change); ``chunk_ready(cid)`` then
+issues the look-ahead once that chunk is ready.
+
+[Note: lock order] The store calls its eviction policy with its own lock held, and this
+prefetcher calls the store with its lock held: so ``next_use`` (the policy's query) takes no
+lock, else two threads (one in ``use``, one making room in the store) would deadlock. It reads
+the order without the lock: a momentarily stale answer only changes which copy is evicted first,
+never what is correct (the order and positions are replaced, never mutated in place, once frozen).
+
 [Note: wrap-around] The order is cyclic: near the end of a pass the look-ahead continues with the
 start of the next pass (the first chunks of the next step are fetched during this one).
 """
@@ -23,7 +33,7 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -77,10 +87,14 @@ class Prefetcher:
             GPU; default ``2 * depth``. Must be >= depth.
         evict_after_use: ``release`` drops the non-home target copy (unless the chunk is needed
             again within the look-ahead window).
+        ready: ``ready(cid) -> bool``; the look-ahead stops at the first chunk that is not ready
+            (None: every chunk is). Called with this prefetcher's lock held: it must not call
+            back into the prefetcher.
     """
 
     def __init__(self, store: ChunkStore, *, depth: int, hops: Sequence = (("params", Tier.GPU),),
-                 nvme_depth: "int | None" = None, evict_after_use: bool = True):
+                 nvme_depth: "int | None" = None, evict_after_use: bool = True,
+                 ready: "Callable[[int], bool] | None" = None):
         if not isinstance(store, ChunkStore):
             raise TypeError(f"Prefetcher needs a ChunkStore, got {type(store).__name__}")
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
@@ -97,11 +111,14 @@ class Prefetcher:
             raise ValueError("hops must name at least one (payload, tier) pair")
         if Tier.NVME in (t for _, t in hops):
             raise ValueError("a hop's target tier must be 'gpu' or 'cpu' (a use reads memory, not a file)")
+        if ready is not None and not callable(ready):
+            raise TypeError(f"ready must be a callable cid -> bool or None, got {ready!r}")
         self.store = store
         self.depth = depth
         self.nvme_depth = nvme_depth
         self.hops = hops
         self.evict_after_use = evict_after_use
+        self._ready = ready
         self.stats = PrefetchStats()
         self._lock = threading.RLock()
         self._order: list[int] = []
@@ -136,13 +153,13 @@ class Prefetcher:
             self.stats.passes += 1
 
     def next_use(self, cid: int) -> "int | None":
-        """Uses until ``cid`` is needed again (cyclic over the order); None when unknown."""
-        with self._lock:
-            positions = self._positions.get(cid) if not self._recording else None
-            if not positions:
-                return None
-            n = len(self._order)
-            return min((p - self._pos) % n for p in positions)
+        """Uses until ``cid`` is needed again (cyclic over the order); None when unknown.
+        Lock-free: see [Note: lock order]."""
+        positions = None if self._recording else self._positions.get(cid)
+        if not positions:
+            return None
+        n, pos = len(self._order), self._pos
+        return min((p - pos) % n for p in positions)
 
     def _advance(self, cid: int) -> None:
         if self._recording:
@@ -162,11 +179,17 @@ class Prefetcher:
         self._recording = True
 
     def _upcoming(self, count: int) -> list[int]:
-        """The next ``count`` chunk ids after the current position ([Note: wrap-around])."""
+        """The next ``count`` chunk ids after the current position ([Note: wrap-around]), up to
+        the first one ``ready`` says is not ready."""
         if self._recording or not self._order or count <= 0:
             return []
         n = len(self._order)
-        return [self._order[(self._pos + k) % n] for k in range(min(count, n))]
+        out = [self._order[(self._pos + k) % n] for k in range(min(count, n))]
+        if self._ready is not None:
+            for k, cid in enumerate(out):
+                if not self._ready(cid):
+                    return out[:k]
+        return out
 
     # ---- use ----------------------------------------------------------------------------
 
@@ -237,11 +260,14 @@ class Prefetcher:
         finally:
             self.release(cid)
 
-    def refresh(self) -> None:
-        """Issue the look-ahead fetches for the current position now (e.g. when a chunk that held
-        the window back became ready; see ``_ParamPrefetcher`` in engine.py). Thread-safe."""
+    def chunk_ready(self, cid: int) -> None:
+        """Chunk ``cid`` became ready (see ``ready``): issue the look-ahead now if it is within
+        the window. Thread-safe (e.g. called on a worker thread)."""
+        if self._recording:
+            return
         with self._lock:
-            self._issue_lookahead()
+            if cid in self._upcoming(self.depth):
+                self._issue_lookahead()
 
     def _issue_lookahead(self) -> None:
         store = self.store

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .swap_io import ALIGNMENT, aligned_empty, round_up
+from .swap_io import aligned_empty
+from .vocab import ALIGNMENT, round_up
 
 __all__ = ["PinnedPool", "PoolBuffer", "PoolStats"]
 

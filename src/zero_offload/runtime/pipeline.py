@@ -23,8 +23,7 @@ once backward is over it goes through the rest in the order the next forward nee
 forward starts as soon as its first chunk is updated and then runs behind the updates instead
 of waiting for all of them. One exception: a grad job whose grads are still in flight (the device
 has not reached the copy yet) does not hold the worker while another job could start at once;
-that one goes first (``_pick``), so the worker never idles on a move with work at hand. Each ``adam_step`` call is multi-threaded in the native kernel and
-releases the GIL, so the caller's thread keeps driving the GPU.
+that one goes first (``_pick``), so the worker never idles on a move with work at hand.
 
 [Note: two jobs in flight] The worker does not run the kernels itself: it queues them on the
 native kernel thread (``cpu_adam.adam_step_async``) and, while a job's kernels run, completes the
@@ -33,7 +32,7 @@ calls ``on_update_done``/``on_chunk_idle``) and starts the next one (waits for i
 its buffers, queues its kernels behind the running ones). So the cores go from one chunk's
 update to the next without waiting for Python, and the worker's bookkeeping and its re-takes
 of the GIL (up to the interpreter's switch interval each, while the main thread runs Python)
-are hidden behind the kernels. Measured on the H100 host before this: ~0.7 ms of bookkeeping
+are hidden behind the kernels. Measured on the H100 host before this: ~0.5-0.7 ms of bookkeeping
 per chunk outside the kernels, ~10% of a 1.3B step. A job still counts as queued (``busy``,
 ``wait_chunk``) until it is complete. The worker never blocks on a grad move while a job is in
 flight: it completes that one first (``_pick(can_defer=True)``).
@@ -83,42 +82,10 @@ from typing import Callable, Optional
 import torch
 
 from .store import BudgetError, ChunkStore, Handle, StoreError, Tier
+from .trace import Trace
 
 __all__ = ["Accumulate", "AdamArgs", "GradJob", "PipelineError", "PipelinePayloads",
-           "PipelineStats", "Segment", "StepPipeline", "Trace", "UpdateJob"]
-
-
-class Trace:
-    """Timed spans from every thread of a training step (the worker's jobs and kernel calls,
-    the consumer's waits, the engine's phases), written as a Chrome trace (open the file in
-    https://ui.perfetto.dev or chrome://tracing). Recording costs one list append per span."""
-
-    def __init__(self):
-        self.events: list = []
-
-    def span(self, name: str, t0: float, t1: float, *, thread: Optional[str] = None, **args) -> None:
-        """A span from ``t0`` to ``t1`` (``time.perf_counter()`` seconds) on ``thread`` (default:
-        the calling thread's name)."""
-        self.events.append((name, thread or threading.current_thread().name, t0, t1, args))
-
-    def clear(self) -> None:
-        self.events.clear()
-
-    def to_chrome(self) -> dict:
-        origin = min((e[2] for e in self.events), default=0.0)
-        threads = {name: i for i, name in enumerate(dict.fromkeys(e[1] for e in self.events))}
-        out = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": name}}
-               for name, tid in threads.items()]
-        out += [{"name": name, "ph": "X", "pid": 0, "tid": threads[thread],
-                 "ts": (t0 - origin) * 1e6, "dur": (t1 - t0) * 1e6, "args": args}
-                for name, thread, t0, t1, args in self.events]
-        return {"traceEvents": out, "displayTimeUnit": "ms"}
-
-    def write(self, path) -> None:
-        import json
-
-        with open(path, "w") as f:
-            json.dump(self.to_chrome(), f)
+           "PipelineStats", "Segment", "StepPipeline", "UpdateJob"]
 
 
 class PipelineError(RuntimeError):
@@ -276,7 +243,7 @@ class StepPipeline:
                  prefetch_depth: int = 2, threads: Optional[int] = None,
                  on_update_done: Optional[Callable[[int], None]] = None,
                  on_chunk_idle: Optional[Callable[[int], None]] = None):
-        from . import cpu_adam  # the native kernel; imported here so importing this module stays cheap
+        from ..ops import cpu_adam  # the native kernel; imported here so importing this module stays cheap
 
         self._adam = cpu_adam
         self.store = store
@@ -561,12 +528,13 @@ class StepPipeline:
         run.held.close()  # unpin before the write-behind may evict
         # See [Note: state read-ahead] and [Note: what an update writes]: write-behind.
         written = list(self._state_names) + ([names.lowp] if run.lowp else [])
-        for n in written:
-            if store.payload_spec(cid, n).home is not Tier.CPU:
-                store.flush(cid, n)
-                store.evict(cid, n, Tier.CPU)
+        behind = [n for n in written if store.payload_spec(cid, n).home is not Tier.CPU]
+        for n in behind:
+            store.flush(cid, n)
         if self.on_update_done is not None:
-            self.on_update_done(cid)
+            self.on_update_done(cid)  # may pin a host copy to read it on: its eviction waits for that
+        for n in behind:
+            store.evict(cid, n, Tier.CPU, defer=True)
 
     def _lowp_buffer(self, cid: int, job: UpdateJob, held: contextlib.ExitStack) -> torch.Tensor:
         """The CPU copy of the working params, pinned in ``held``, ready to be overwritten."""

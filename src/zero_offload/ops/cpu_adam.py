@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.optim import Optimizer
 
-from zero_offload._native import TORCH_DTYPES, Dtype, default_threads, kernels, set_isa, supported_isas
-from zero_offload._native import isa as _native_isa
+from ._native import TORCH_DTYPES, Dtype, default_threads, kernels, set_isa, supported_isas
+from ._native import isa as _native_isa
 
 __all__ = [
     "CPUAdam",
@@ -86,7 +86,9 @@ def _as_float(name: str, value: Any) -> float:
 
 @dataclass(frozen=True, kw_only=True)
 class AdamHyper:
-    """The scalars of one Adam/AdamW step, checked (torch's ranges) and converted to float."""
+    """The scalars of one Adam/AdamW step, checked (torch's ranges) and converted to float. The one
+    validator of Adam hyperparameters: ``config.Adam`` and ``OffloadAdam`` call it with their
+    ``owner`` name, which makes every problem a ValueError naming ``owner.field=value``."""
 
     lr: float
     """Learning rate, >= 0."""
@@ -102,22 +104,38 @@ class AdamHyper:
     """Decoupled weight decay (AdamW) instead of L2."""
 
     @classmethod
-    def checked(cls, *, lr: Any, betas: Any, eps: Any, weight_decay: Any, adamw: bool) -> "AdamHyper":
-        lr = _as_float("lr", lr)
+    def checked(cls, *, lr: Any, betas: Any, eps: Any, weight_decay: Any, adamw: bool,
+                owner: Optional[str] = None) -> "AdamHyper":
+        def bad(name, value, torch_words, need):
+            if owner is not None:
+                return ValueError(f"{owner}.{name}={value!r} is invalid: expected {need}")
+            return ValueError(f"{torch_words}: {value} (need {need})")
+
+        def number(name, value):
+            try:
+                return _as_float(name, value)
+            except (TypeError, ValueError) as e:
+                if owner is None:
+                    raise
+                raise bad(name, value, "", "a finite number") from e
+
+        lr = number("lr", lr)
         if not (math.isfinite(lr) and lr >= 0):
-            raise ValueError(f"Invalid learning rate: {lr} (need a finite lr >= 0)")
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise bad("lr", lr, "Invalid learning rate", "a finite lr >= 0")
+        if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+            if owner is not None:
+                raise bad("betas", betas, "", "a pair (beta1, beta2), each in [0, 1), e.g. betas=(0.9, 0.999)")
             raise TypeError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-        beta1, beta2 = _as_float("betas[0]", betas[0]), _as_float("betas[1]", betas[1])
+        beta1, beta2 = number("betas[0]", betas[0]), number("betas[1]", betas[1])
         for index, beta in enumerate((beta1, beta2)):
             if not 0.0 <= beta < 1.0:
-                raise ValueError(f"Invalid beta parameter at index {index}: {beta} (need 0 <= beta < 1)")
-        eps = _as_float("eps", eps)
+                raise bad(f"betas[{index}]", beta, f"Invalid beta parameter at index {index}", "0 <= beta < 1")
+        eps = number("eps", eps)
         if not (math.isfinite(eps) and eps >= 0):
-            raise ValueError(f"Invalid epsilon value: {eps} (need a finite eps >= 0)")
-        weight_decay = _as_float("weight_decay", weight_decay)
+            raise bad("eps", eps, "Invalid epsilon value", "a finite eps >= 0")
+        weight_decay = number("weight_decay", weight_decay)
         if not (math.isfinite(weight_decay) and weight_decay >= 0):
-            raise ValueError(f"Invalid weight_decay value: {weight_decay} (need a finite weight_decay >= 0)")
+            raise bad("weight_decay", weight_decay, "Invalid weight_decay value", "a finite weight_decay >= 0")
         if not isinstance(adamw, bool):
             raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
         return cls(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw)
@@ -443,11 +461,12 @@ def grad_nonfinite(grad: torch.Tensor, *, threads: Optional[int] = None) -> bool
 # Optimizers.
 
 # Options torch's Adam has and CPU-Adam does not implement, with their off values.
-_UNSUPPORTED = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
+UNSUPPORTED_OPTIONS = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
+"""torch.optim.Adam options the CPU kernel does not implement (with torch's defaults)."""
 
 
 def _check_supported(options: dict) -> None:
-    for key, off in _UNSUPPORTED.items():
+    for key, off in UNSUPPORTED_OPTIONS.items():
         if options.get(key, off):
             raise NotImplementedError(
                 f"CPUAdam does not implement {key}=True; use torch.optim.Adam for it, or drop the option"

@@ -17,7 +17,7 @@ ISA_ENV = "ZERO_OFFLOAD_ISA"
 
 def _load():
     try:
-        from zero_offload import _C
+        from .. import _C
     except ImportError as exc:  # pragma: no cover - depends on the installation
         raise ImportError(
             "zero_offload's native extension (zero_offload._C) is not built: run "

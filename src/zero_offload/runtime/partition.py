@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .vocab import round_up
+
 __all__ = ["ALIGN_ELEMS", "ParamSlot", "ChunkLayout", "Partition", "partition_parameters"]
 
 ALIGN_ELEMS = 64
@@ -29,7 +31,7 @@ fp32: whole cache lines and SIMD vectors)."""
 
 
 def _align(n: int) -> int:
-    return -(-n // ALIGN_ELEMS) * ALIGN_ELEMS
+    return round_up(n, ALIGN_ELEMS)
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,11 +65,6 @@ class ChunkLayout:
     numel: int
     trainable: bool
 
-    @property
-    def used_numel(self) -> int:
-        """Elements that belong to parameters (the rest is alignment padding)."""
-        return sum(s.numel for s in self.slots)
-
 
 @dataclass(frozen=True, eq=False)
 class Partition:
@@ -99,10 +96,6 @@ class Partition:
     @property
     def numel(self) -> int:
         return sum(s.numel for s in self.slots)
-
-    @property
-    def trainable_numel(self) -> int:
-        return sum(s.numel for s in self.slots if s.trainable)
 
 
 def partition_parameters(module: nn.Module, *, chunk_numel: int) -> Partition:
