@@ -47,322 +47,28 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-EXIT_OK = 0
-EXIT_FAILURE = 1
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
-EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
-
-STATE_FILE = "train_state.json"
-"""In the checkpoint directory: which engine checkpoint is the latest, and the run's settings."""
-
-
-class UsageError(Exception):
-    """A bad flag or config value: reported as one line on stderr, exit code 2."""
-
-
-class Interrupted(KeyboardInterrupt):
-    """A signal that stops the command at once: Ctrl-C (exit 130) or SIGTERM (exit 143)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.exit_code = 128 + signum
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse's errors become our one-line usage errors
-        raise UsageError(f"{message} (see `{self.prog} --help`)")
-
-
-# --------------------------------------------------------------------------------- flag types
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
-def _depths(text: str) -> list[int]:
-    try:
-        depths = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        depths = []
-    if not depths or any(d < 0 for d in depths) or len(set(depths)) != len(depths):
-        raise argparse.ArgumentTypeError(
-            f"expected distinct integers >= 0 separated by commas, e.g. 0,1,2,4,8; got {text!r}")
-    return sorted(depths)
-
-
-# ----------------------------------------------------------------------------- run settings
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RunSettings:
-    """What the model/data flags of ``train`` and ``bench prefetch`` resolve to."""
-
-    preset: Optional[str]
-    """GPT preset name (zero_offload.models.PRESETS), or None when hf_config is set."""
-    hf_config: Optional[str]
-    """Hugging Face architecture: a config.json path, a directory or hub name."""
-    steps: int
-    batch_size: int
-    seq_len: Optional[int]
-    """Training sequence length; None = the model's."""
-    seed: int
-    lr: Optional[float]
-    """Overrides the optimizer spec's lr; None keeps it."""
-
-
-TRAIN_KEYS = {f.name for f in dataclasses.fields(RunSettings)} | {"save_every", "sample_tokens"}
-"""Keys allowed in the ``"train"`` section of a --config file."""
-
-_PLACEMENT_FLAGS = ("params", "optimizer", "nvme_dir", "prefetch_depth", "dtype")
-
-
-def _default_dtype() -> str:
-    # bf16 is the GPU recipe of BASELINES.md; on a CPU, fp32 matmuls are the fast path.
-    return "bf16" if torch.cuda.is_available() else "fp32"
-
-
-def _read_config_file(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-    except OSError as e:
-        raise UsageError(f"cannot read --config {path}: {e.strerror}; pass an existing JSON file") from None
-    except json.JSONDecodeError as e:
-        raise UsageError(f"--config {path} is not valid JSON ({e.msg} at line {e.lineno}); fix the file") from None
-    if not isinstance(obj, dict):
-        raise UsageError(f"--config {path} must hold a JSON object, got {type(obj).__name__}")
-    return obj
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())
-
-
-_MODEL_KEYS = ("preset", "hf_config")
-"""Settings a resumed run cannot change: they decide which parameters exist."""
-
-_TEMP_SWAP_PREFIX = "zero_offload_swap_"
-
-
-def _is_temp_swap(nvme_dir: Optional[str]) -> bool:
-    """Whether ``nvme_dir`` is the temporary swap directory ``resolve`` made (removed at exit)."""
-    return bool(nvme_dir) and Path(nvme_dir).parent == Path(tempfile.gettempdir()) \
-        and Path(nvme_dir).name.startswith(_TEMP_SWAP_PREFIX)
-
-
-def _flag_name(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
-def _layer(merged: dict, source: dict, name: str, values: dict) -> None:
-    """Apply one precedence layer: its values win over the layers below (see [Note: config
-    precedence] in the module docstring); ``source`` records which layer set each key."""
-    for key, value in values.items():
-        merged[key] = value
-        source[key] = name
-
-
-def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack, saved: Optional[dict] = None):
-    """Flags + --config file (+ the settings of the checkpoint being resumed) -> (OffloadConfig,
-    optimizer spec, RunSettings, extra train keys).
-
-    ``saved`` is the resumed run's state (``{"settings", "offload", "optim"}``, each optional);
-    every value that a file or flag changes against it is reported in one line on stdout, and a
-    change of model (preset, hf_config) is refused. Raises UsageError for any bad value
-    (config.py's messages name the field and the fix).
-    """
-    from . import config as zc
-
-    saved = saved or {}
-    file_cfg = _read_config_file(args.config) if args.config else None
-    file_name = f"--config {args.config}"
-    train_section = {}
-    if file_cfg is not None:
-        train_section = file_cfg.pop("train", {}) or {}
-        if not isinstance(train_section, dict):
-            raise UsageError(f"--config {args.config}: \"train\" must be an object of flag names")
-        unknown = set(train_section) - TRAIN_KEYS
-        if unknown:
-            raise UsageError(f"--config {args.config}: unknown \"train\" key(s) {sorted(unknown)}; "
-                             f"valid keys: {', '.join(sorted(TRAIN_KEYS))}")
-
-    # settings: defaults < checkpoint < file "train" section < flags
-    run, run_source = {}, {}
-    _layer(run, run_source, "default", defaults)
-    # the checkpoint's lr is in its optimizer spec ("optim"), which the file's "optim" may override
-    skip = {"lr"} if saved.get("optim") else set()
-    _layer(run, run_source, "checkpoint", {k: v for k, v in (saved.get("settings") or {}).items()
-                                           if k in TRAIN_KEYS and k not in skip})
-    _layer(run, run_source, file_name, train_section)
-    _layer(run, run_source, "flag", {k: getattr(args, k) for k in TRAIN_KEYS if getattr(args, k, None) is not None})
-    if run.get("hf_config"):
-        if getattr(args, "preset", None) is not None or train_section.get("preset"):
-            if run_source["hf_config"] == "checkpoint":
-                raise UsageError(f"--resume: the checkpoint is of the HF model {run['hf_config']}, a preset "
-                                 f"cannot load its weights; drop --preset, or pass another --out")
-            raise UsageError("both a preset and an HF config are given: pass --preset or --hf-config, not both")
-        run["preset"] = None  # the default preset gives way to the HF architecture
-    extras = {k: run.pop(k) for k in ("save_every", "sample_tokens") if k in run}
-    try:
-        settings = RunSettings(**run)
-    except TypeError as e:
-        raise UsageError(f"bad \"train\" settings: {_one_line(e)}") from None
-    from .models import PRESETS
-
-    if settings.preset is not None and settings.preset not in PRESETS:
-        raise UsageError(f"unknown model preset {settings.preset!r}; choose one of {', '.join(PRESETS)}")
-    for name in ("steps", "batch_size"):
-        value = getattr(settings, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise UsageError(f"{name} must be a positive integer, got {value!r}")
-
-    # offload config: the command's placement defaults < checkpoint < file < flags. A DeepSpeed
-    # file is translated whole (its absent sections have DeepSpeed's meaning, e.g. no bf16 = fp32).
-    flags = {k: getattr(args, k) for k in _PLACEMENT_FLAGS if getattr(args, k, None) is not None}
-    base, base_source = {}, {}
-    _layer(base, base_source, "default", {"params": "cpu", "optimizer": "nvme", "dtype": _default_dtype()})
-    saved_offload = dict(saved.get("offload") or {})
-    if _is_temp_swap(saved_offload.get("nvme_dir")):  # a state file written before _saved_offload
-        saved_offload["nvme_dir"] = None  # that run's temporary swap is gone: make a new one
-    _layer(base, base_source, "checkpoint", saved_offload)
-    optim, optim_source = None, "default"
-    if saved.get("optim"):
-        optim, optim_source = saved["optim"], "checkpoint"
-    try:
-        if file_cfg is not None and "zero_optimization" in file_cfg:  # a DeepSpeed config
-            ds_cfg, ds_spec = zc.load_config(file_cfg)
-            _layer(base, base_source, file_name, ds_cfg.to_dict())
-            if ds_spec is not None:
-                optim, optim_source = ds_spec.to_dict(), file_name
-        elif file_cfg is not None:
-            named = dict(file_cfg)
-            if "optim" in named:
-                optim, optim_source = named.pop("optim"), file_name
-            _layer(base, base_source, file_name, named)
-        _layer(base, base_source, "flag", flags)
-        wants_nvme = "nvme" in (str(base.get("params", "")).lower(), str(base.get("optimizer", "")).lower())
-        if wants_nvme and not base.get("nvme_dir"):
-            base["nvme_dir"] = temp_dirs.enter_context(tempfile.TemporaryDirectory(prefix=_TEMP_SWAP_PREFIX))
-        cfg, _ = zc.load_config(base)
-        spec = None if optim is None else zc.spec_from_dict(optim)
-    except (ValueError, TypeError) as e:
-        raise UsageError(_one_line(e)) from None
-    if spec is None:
-        spec = zc.AdamW(lr=1e-2, weight_decay=0.0)  # tuned on the tiny char model: 3e-3 plateaus at ~3.3
-    if settings.lr is not None:
-        spec = dataclasses.replace(spec, lr=settings.lr)
-    if saved:
-        _report_overrides(saved, settings=settings, run_source=run_source, cfg=cfg,
-                          base_source=base_source, spec=spec, optim_source=optim_source)
-    return cfg, spec, settings, extras
-
-
-def _report_overrides(saved: dict, *, settings: RunSettings, run_source: dict, cfg, base_source: dict,
-                      spec, optim_source: str) -> None:
-    """One line on stdout per setting of the resumed run that a file or flag changes; UsageError
-    for a change of model (its parameters would not match the checkpoint's)."""
-    def who(source: str, key: str, value) -> str:
-        return f"{_flag_name(key)} {value}" if source == "flag" else f"{key} {value} from {source}"
-
-    lines = []
-    old_settings = saved.get("settings") or {}
-    for key in _MODEL_KEYS:
-        new, old = getattr(settings, key), old_settings.get(key)
-        if key in old_settings and new != old:
-            was = f"hf:{old_settings['hf_config']}" if old_settings.get("hf_config") else old_settings.get("preset")
-            raise UsageError(f"--resume: {who(run_source[key], key, new)} differs from the checkpoint's "
-                             f"model {was}, whose weights it cannot load; drop it, or pass another --out "
-                             f"to start a new run")
-    for key in ("steps", "batch_size", "seq_len", "seed"):
-        new, old = getattr(settings, key), old_settings.get(key)
-        if key in old_settings and new is not None and new != old:
-            lines.append(f"--resume: {who(run_source[key], key, new)} overrides the checkpoint's {old}")
-    new_offload = cfg.to_dict()
-    for key, old in (saved.get("offload") or {}).items():
-        new = new_offload.get(key)
-        if base_source.get(key) not in (None, "default", "checkpoint") and new != old:
-            lines.append(f"--resume: {who(base_source[key], key, new)} overrides the checkpoint's {old}")
-    for key, new in spec.to_dict().items():
-        old = (saved.get("optim") or {}).get(key)
-        if old is not None and new != old:
-            source = run_source["lr"] if key == "lr" and settings.lr is not None else optim_source
-            lines.append(f"--resume: {who(source, key, new)} overrides the checkpoint's {old}")
-    for line in lines:
-        print(line, flush=True)
-
-
-# --------------------------------------------------------------------------------- models
-
-def build_model(settings: RunSettings):
-    """The model the settings name, on the CPU in fp32 (the engine moves it), and its seq_len."""
-    from . import models
-
-    if settings.hf_config:
-        try:
-            model = models.from_hf(settings.hf_config)
-        except ImportError as e:
-            raise UsageError(_one_line(e)) from None
-        except (OSError, ValueError) as e:
-            raise UsageError(f"--hf-config {settings.hf_config}: {_one_line(e)}; pass a config.json "
-                             f"path or a directory holding one") from None
-        if model.vocab_size < 256:
-            raise UsageError(f"--hf-config vocab_size is {model.vocab_size}, smaller than the byte "
-                             f"vocabulary (256); set vocab_size >= 256 in the config")
-        max_len = model.seq_len
-    else:
-        cfg = models.preset(settings.preset)
-        try:
-            model = models.GPT(cfg)
-        except MemoryError as e:
-            raise UsageError(_one_line(e)) from None
-        max_len = cfg.seq_len
-    seq_len = settings.seq_len or max_len
-    if seq_len > max_len:
-        raise UsageError(f"--seq-len {seq_len} exceeds the model's maximum {max_len}; pass a smaller --seq-len")
-    return model, seq_len
-
-
-def _describe_model(settings: RunSettings) -> str:
-    return f"hf:{settings.hf_config}" if settings.hf_config else settings.preset
-
-
-# ---------------------------------------------------------------------------- engine stats
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-# ------------------------------------------------------------------------------------ train
+from .run_settings import (
+    EXIT_OK,
+    EXIT_FAILURE,
+    EXIT_USAGE,
+    EXIT_INTERRUPTED,
+    STATE_FILE,
+    UsageError,
+    Interrupted,
+    _Parser,
+    _positive_int,
+    _nonneg_int,
+    _positive_float,
+    _depths,
+    _one_line,
+    _is_temp_swap,
+    _flag_name,
+    resolve,
+    build_model,
+    _describe_model,
+    _human_bytes,
+    _batch_generator,
+)
 
 class _StopOnSigint:
     """First Ctrl-C or SIGTERM: finish the current step, save, exit 128 + the signal (130, 143).
@@ -509,11 +215,6 @@ def _resume(engine, out: Path, previous: dict) -> dict:
         return entry
     raise CheckpointCorrupt(f"no whole checkpoint in {out}: " + "; ".join(damaged) +
                             f" (no earlier one to fall back to); start again with --overwrite")
-
-
-def _batch_generator(seed: int, step: int) -> torch.Generator:
-    # one generator per step: a resumed run draws the same batches as an uninterrupted one
-    return torch.Generator().manual_seed(seed * 1_000_003 + step)
 
 
 def _tqdm():

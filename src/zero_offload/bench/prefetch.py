@@ -310,7 +310,7 @@ def _stall(engine) -> float:
 
 
 def _step(runner: _Runner, corpus, settings, seq_len: int, *, timed: bool) -> None:
-    from ..cli import _batch_generator
+    from ..run_settings import _batch_generator
 
     engine, cuda = runner.engine, runner.device.type == "cuda"
     x, y = corpus.batch(batch_size=settings.batch_size, seq_len=seq_len,
@@ -360,7 +360,7 @@ def _result(runner: _Runner, settings, seq_len: int) -> dict:
 
 
 def _print_table(results: Sequence[dict], decision: Decision) -> None:
-    from ..cli import _human_bytes
+    from ..run_settings import _human_bytes
 
     by_depth = {c.depth: c for c in decision.comparisons}
     tiers = sorted({t for r in results for t in r["peak_bytes"]})
@@ -389,7 +389,7 @@ def run(args) -> int:
     """``zero-offload bench prefetch``: see the module docstring."""
     import zero_offload
 
-    from ..cli import (EXIT_OK, UsageError, _describe_model, _human_bytes, _one_line, build_model,
+    from ..run_settings import (EXIT_OK, UsageError, _describe_model, _human_bytes, _one_line, build_model,
                        resolve)
     from ..data import CharCorpus
 
