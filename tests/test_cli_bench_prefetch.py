@@ -70,3 +70,12 @@ def test_bench_prefetch_refuses_one_timed_step(tmp_path):
                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("zero-offload: error: --steps 1: the comparison needs")
+
+
+def test_bench_prefetch_creates_a_missing_nvme_dir_as_train_does(tmp_path):
+    # Seen on the H100: --nvme-dir /tmp/zo_pf (missing) failed with "No such file or directory"
+    # while sizing the NVMe budget, before any engine (which creates it) was built.
+    swap = tmp_path / "new" / "swap"
+    bench(tmp_path, "--depths", "0,2", "--steps", "2", "--block", "2", "--max-seconds", "1",
+          "--nvme-dir", str(swap))
+    assert swap.is_dir() and (swap.stat().st_mode & 0o777) == 0o700

@@ -284,7 +284,9 @@ def _shared_budgets(cfg, n: int):
         else:
             pinned["gpu_budget"] = host
     if cfg.nvme_budget == "auto" and cfg.nvme_dir:
-        du = shutil.disk_usage(cfg.nvme_dir)
+        # As initialize does: a missing swap directory is created (0700) before it is measured.
+        from ..runtime.swap_io import prepare_swap_dir
+        du = shutil.disk_usage(prepare_swap_dir(cfg.nvme_dir, name="--nvme-dir"))
         pinned["nvme_budget"] = min(64 << 30, max(0, int(du.free - reserve * du.total))) // n
     return dataclasses.replace(cfg, **pinned), pinned
 
