@@ -68,9 +68,13 @@ def test_bad_config_values_exit_2_with_one_line(run, tmp_path):
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and fix in lines[0], (name, r.stderr)
     (tmp_path / "broken.json").write_text("{not json")
-    r = run("train", "--config", str(tmp_path / "broken.json"))
+    # A checkpoint already in --out (CI runs `zero-offload train` in the checkout first) must not
+    # hide a bad --config: flags and config are checked first.
+    (tmp_path / "ckpt" / "train_state.json").parent.mkdir(exist_ok=True)
+    (tmp_path / "ckpt" / "train_state.json").write_text(json.dumps({"step": 3, "checkpoint": None}))
+    r = run("train", "--config", str(tmp_path / "broken.json"), "--out", str(tmp_path / "ckpt"))
     assert r.returncode == 2 and "not valid JSON" in r.stderr
-    r = run("train", "--config", str(tmp_path / "missing.json"))
+    r = run("train", "--config", str(tmp_path / "missing.json"), "--out", str(tmp_path / "ckpt"))
     assert r.returncode == 2 and "pass an existing JSON file" in r.stderr
 
 

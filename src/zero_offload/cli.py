@@ -243,11 +243,12 @@ def cmd_train(args) -> int:
             if previous is None:
                 raise UsageError(f"--resume: no checkpoint in {out} (no {STATE_FILE}); run without "
                                  f"--resume first, or pass the --out of an earlier run")
-        elif previous is not None and not args.overwrite:
-            raise UsageError(f"{out} already holds a checkpoint (step {previous.get('step')}); pass "
-                             f"--resume to continue it, --overwrite to replace it, or another --out")
+        # Flags and --config first: a bad value is reported before anything about --out.
         cfg, spec, settings, extras = resolve(args, defaults=defaults, temp_dirs=stack,
                                               saved=previous if args.resume else None)
+        if not args.resume and previous is not None and not args.overwrite:
+            raise UsageError(f"{out} already holds a checkpoint (step {previous.get('step')}); pass "
+                             f"--resume to continue it, --overwrite to replace it, or another --out")
         start = previous["step"] if args.resume else 0
         if start >= settings.steps:
             raise UsageError(f"--resume: the checkpoint is at step {start} already; pass --steps "
