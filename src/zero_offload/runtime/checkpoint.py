@@ -248,6 +248,17 @@ def _set_rng_state(state: dict) -> None:
         np.random.set_state(state["numpy"])
 
 
+def _buffers(module) -> dict:
+    """The module's persistent buffers by name, as ``state_dict`` lists them (BatchNorm's running
+    statistics, ...): a resumed run needs them as much as the weights."""
+    out = {}
+    for prefix, m in module.named_modules():
+        for name, b in m._buffers.items():
+            if b is not None and name not in m._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = b
+    return out
+
+
 def _optimizer_names(engine) -> dict:
     """Canonical checkpoint key -> the engine's payload for trainable chunks."""
     master = "master" if engine.dtype is not torch.float32 else "params"
@@ -303,6 +314,7 @@ def save_checkpoint(engine, path) -> None:
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
             "rng": _rng_state(),
+            "buffers": {n: b.detach().to("cpu", copy=True) for n, b in _buffers(engine.module).items()},
             "config": engine.config.to_dict(),
             "spec": engine.spec.to_dict(),
         }
@@ -514,6 +526,18 @@ def _plan_load(engine, path: str) -> _LoadPlan:
     if engine.scaler is not None and scaler is not None and not (
             isinstance(scaler, dict) and {"scale", "growth_tracker"} <= set(scaler)):
         raise _damaged(os.path.join(path, META), "holds no valid loss scaler state")
+    buffers = meta.get("buffers")  # absent in checkpoints written before buffers were saved
+    if buffers is not None:
+        ours_b = _buffers(engine.module)
+        if not isinstance(buffers, dict) or set(buffers) != set(ours_b):
+            raise CheckpointError(
+                f"{path}: its module buffers {sorted(buffers)[:5] if isinstance(buffers, dict) else buffers!r} "
+                f"do not match the model's {sorted(ours_b)[:5]}; load it into the model that saved it")
+        for n, b in buffers.items():
+            if not isinstance(b, torch.Tensor) or b.shape != ours_b[n].shape:
+                raise CheckpointError(f"{path}: buffer {n} has shape {getattr(b, 'shape', None)}, the "
+                                      f"model's has {tuple(ours_b[n].shape)}; load it into the model "
+                                      f"that saved it")
     rng = meta["rng"]
     if not (isinstance(rng, dict) and isinstance(rng.get("torch"), torch.Tensor)
             and rng["torch"].dtype is torch.uint8 and "python" in rng):
@@ -595,3 +619,11 @@ def load_checkpoint(engine, path) -> None:
     if engine.scaler is not None and meta["loss_scaler"] is not None:
         engine.scaler.load_state_dict(meta["loss_scaler"])
     _set_rng_state(meta["rng"])
+    if meta.get("buffers") is not None:
+        ours_b = _buffers(engine.module)
+        with torch.no_grad():
+            for n, b in meta["buffers"].items():
+                ours_b[n].copy_(b)
+    else:
+        warnings.warn(f"{path} was written before checkpoints held module buffers (running "
+                      f"statistics and the like): the model keeps its current buffers")
