@@ -45,6 +45,7 @@ def test_eviction_does_not_wait_for_the_prefetchers_lock():
         finished = done.wait(timeout=10)
     t.join(timeout=10)
     assert finished, "the store's eviction waited for the prefetcher's lock: two threads can deadlock"
+    store.synchronize()  # the fetch is asynchronous: LOADING until its copy lands (CI saw that race)
     assert store.state(3, "other", Tier.GPU) is Residency.VALID
     store.close()
 
