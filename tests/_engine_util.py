@@ -203,3 +203,28 @@ def assert_losses_close(got: list, ref: list, *, rtol: float) -> None:
     for i, (a, b) in enumerate(zip(got, ref)):
         assert math.isfinite(a), f"step {i}: engine loss {a}"
         assert abs(a - b) <= rtol * max(abs(b), 1e-3), f"step {i}: engine loss {a} vs reference {b}"
+
+
+def reference_bf16(model, spec, batches, *, device: str = "cuda"):
+    """The engine's bf16 recipe in plain torch: a bf16 copy on ``device`` runs forward/backward,
+    fp32 masters are updated by torch's Adam/AdamW and copied back. Returns (losses, {name: fp32
+    master on the CPU}). A param no read reached in a step has no grad: torch skips it, as the
+    engine does."""
+    work = copy.deepcopy(model).to(device=device, dtype=torch.bfloat16)
+    masters = [p.detach().float().clone().requires_grad_() for p in work.parameters()]
+    opt = torch_optimizer(spec, masters)
+    losses = []
+    for idx, tgt in batches:
+        loss = work(idx.to(device), tgt.to(device))
+        loss.backward()
+        for p, m in zip(work.parameters(), masters):
+            m.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for p, m in zip(work.parameters(), masters):
+                p.copy_(m)
+        losses.append(loss.item())
+    names = [n for n, _ in work.named_parameters()]
+    return losses, {n: m.detach().cpu() for n, m in zip(names, masters)}

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import zero_offload as zo
-from _engine_util import gpt_batches, micro_gpt, rel_err, torch_optimizer
+from _engine_util import gpt_batches, micro_gpt, reference_bf16, rel_err, torch_optimizer
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -16,34 +16,12 @@ pytestmark = [pytest.mark.gpu,
 CUDA = "cuda"
 
 
-def _reference_bf16(model, spec, batches):
-    """bf16 copy on the GPU for forward/backward, fp32 masters updated by torch AdamW."""
-    work = copy.deepcopy(model).to(device=CUDA, dtype=torch.bfloat16)
-    masters = [p.detach().float().clone().requires_grad_() for p in work.parameters()]
-    opt = torch_optimizer(spec, masters)
-    losses = []
-    for idx, tgt in batches:
-        loss = work(idx.to(CUDA), tgt.to(CUDA))
-        loss.backward()
-        for p, m in zip(work.parameters(), masters):
-            m.grad = p.grad.float()
-            p.grad = None
-        opt.step()
-        opt.zero_grad()
-        with torch.no_grad():
-            for p, m in zip(work.parameters(), masters):
-                p.copy_(m)
-        losses.append(loss.item())
-    names = [n for n, _ in work.named_parameters()]
-    return losses, {n: m.detach().cpu() for n, m in zip(names, masters)}
-
-
 @pytest.mark.parametrize("params,optimizer", [("cpu", "cpu"), ("nvme", "nvme"), ("gpu", "cpu")])
 def test_cuda_bf16_parity(params, optimizer, tmp_path):
     spec = zo.AdamW(lr=3e-3, weight_decay=0.1)
     model = micro_gpt(d_model=32)
     batches = gpt_batches(6)
-    ref_losses, ref_masters = _reference_bf16(model, spec, batches)
+    ref_losses, ref_masters = reference_bf16(model, spec, batches)
     cfg = zo.OffloadConfig(params=params, optimizer=optimizer, dtype="bf16", chunk_mb=8192 / 2**20,
                            nvme_dir=str(tmp_path) if "nvme" in (params, optimizer) else None,
                            gpu_budget=1 << 20, cpu_budget=1 << 28)
