@@ -72,7 +72,7 @@ SCRIPT = textwrap.dedent("""
             loss.backward()
             opt.step()
             opt.zero_grad()
-    pipeline = engine.pipeline if mode.startswith("engine") else opt._pipeline
+    pipeline = engine.pipeline if mode.startswith("engine") else opt._group.pipeline
 
     def report():  # an atexit hook: runs after zero_offload's (threading's hooks run first)
         done = not pipeline._queue and not pipeline.failed

@@ -25,8 +25,8 @@ def test_bf16_matches_hand_recipe():
         with engine.gathered():
             pass
         chunk = engine._chunks[0]
-        master = engine._read_payload(chunk, "master")
-        work = engine._read_payload(chunk, "params")
+        master = engine.group.read(chunk.g, "master")
+        work = engine.group.read(chunk.g, "params")
         assert torch.equal(work, master.to(torch.bfloat16))
     finally:
         engine.close()

@@ -101,3 +101,55 @@ def test_random_ops_match_dict_model_cuda(seq):
     # the CPU test's sequences and dict model, on CUDA (imported at module level: importing a
     # module that defines a @given test from inside a running @given test is "nested given")
     run_sequence(seq, device="cuda")
+
+
+def test_copy_out_is_a_reader_a_write_and_an_eviction_wait_for_it():
+    """copy_out (the optimizer's params copy-back) reads a pinned CPU copy on the H2D stream:
+    held back by a long kernel, an eviction keeps the memory (EVICTING) and a later write into
+    the copy waits for it, so the copied values are the ones before the write."""
+    store = cuda_store()
+    cid = store.add_chunk({"master": PayloadSpec(MiB, torch.float32, Tier.CPU),
+                           "cache": PayloadSpec(MiB, torch.float32, Tier.GPU)})
+    with store.use(cid, "master", "cpu", write=True) as buf:
+        buf.copy_(torch.arange(MiB, dtype=torch.float32))
+    store.mark_dirty(cid, "master", "cpu")
+    dst = torch.zeros(MiB, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(store._streams.h2d):
+        torch.cuda._sleep(200_000_000)
+    with store.use(cid, "master", "cpu"):
+        h = store.copy_out(cid, "master", "cpu", [(0, dst)])
+    assert not h.done()
+    buf = store.get(cid, "master", "cpu", write=True)  # waits (host) for the reader
+    assert h.done()
+    buf.fill_(-1.0)
+    store.mark_dirty(cid, "master", "cpu")
+    assert torch.equal(dst.cpu(), torch.arange(MiB, dtype=torch.float32))
+    # A non-home CPU copy under a running copy_out: evicted, its memory stays until the copy ends.
+    store.fetch(cid, "cache", "cpu").wait()
+    with torch.cuda.stream(store._streams.h2d):
+        torch.cuda._sleep(200_000_000)
+    with store.use(cid, "cache", "cpu"):
+        h = store.copy_out(cid, "cache", "cpu", [(0, dst)])
+    store.evict(cid, "cache", "cpu")
+    assert store.state(cid, "cache", "cpu") is Residency.EVICTING
+    h.wait()
+    assert store.state(cid, "cache", "cpu") is Residency.ABSENT
+    store.close()
+
+
+def test_copy_in_lands_after_the_producer_and_orders_its_reuse():
+    store = cuda_store()
+    cid = store.add_chunk({"grads": PayloadSpec(MiB, torch.float32, Tier.CPU)})
+    store.get(cid, "grads", "cpu", write=True)
+    src = torch.empty(MiB, device="cuda")
+    torch.cuda._sleep(50_000_000)  # the producer is slow: the D2H copy must wait for it
+    src.fill_(3.0)
+    h = store.copy_in(cid, "grads", "cpu", [(0, src)])
+    store.wait_copies_in()
+    src.fill_(5.0)  # after the copy on the current stream: the copy still reads 3.0
+    h.wait()
+    store.mark_dirty(cid, "grads", "cpu")
+    assert torch.equal(store.get(cid, "grads", "cpu"), torch.full((MiB,), 3.0))
+    assert store.stats.bytes_moved[Hop.GPU_TO_CPU] == 4 * MiB
+    store.close()

@@ -141,10 +141,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .config import Adam, OffloadConfig, load_config
 from .mixed_precision import LossScaler, cast_inputs
-from .runtime.chunk_group import adam_args, update_segments
+from .runtime.chunk_group import ChunkGroup, GroupChunk, GroupSlot
 from .runtime.partition import ChunkLayout, ParamSlot, Partition, partition_parameters
-from .runtime.pipeline import (Accumulate, GradJob, PipelinePayloads, Segment, StepPipeline,
-                               UpdateJob)
+from .runtime.pipeline import PipelinePayloads, StepPipeline
 from .runtime.placement import (PARKED_CHUNKS, PlacementPlan, keep_limit, optimizer_payloads,
                                 payload_dtypes, plan_placement)
 from .runtime.prefetch import Prefetcher
@@ -186,10 +185,13 @@ _PHASES = {
 
 @dataclass(eq=False)
 class _Chunk:
-    """Engine-side state of one chunk (the bytes are in the store under ``cid``)."""
+    """Engine-side state of one chunk: its residency on the compute device and the grads of the
+    backward in flight. Its update, steps and window are the chunk group's (``g``)."""
 
     layout: ChunkLayout
-    cid: int
+    g: GroupChunk
+    gslots: dict
+    """ParamSlot -> its GroupSlot in ``g`` (trainable chunks)."""
     holds: int = 0
     """Users needing the params on the device now (module calls, backward, saved views)."""
     buffer: Optional[torch.Tensor] = None
@@ -204,12 +206,15 @@ class _Chunk:
     """Device grads buffer being filled in this backward (None once flushed)."""
     flushed: bool = False
     """Grads of this backward were sent down (a late grad is then an error)."""
-    window: set = field(default_factory=set)
-    """Slots with a grad in the current accumulation window (updated at its end)."""
-    accumulating: bool = False
-    """The fp32 accumulation buffer holds grads of this window."""
-    steps: list = field(default_factory=list)
-    """Optimizer step count per slot (torch.optim's state['step']), trainable chunks only."""
+
+    @property
+    def cid(self) -> int:
+        return self.g.cid
+
+    @property
+    def steps(self) -> list:
+        """Optimizer step count per slot (torch.optim's state['step'])."""
+        return [self.gslots[s].step if s in self.gslots else 0 for s in self.layout.slots]
 
     def expect(self, slot: ParamSlot) -> None:
         if slot not in self.expected:
@@ -506,6 +511,8 @@ class Engine:
                 self.store.set_budget(Tier.NVME, self.plan.need[Tier.NVME] + (4 << 20))
             self._build(lr_scheduler)
         except BaseException:
+            if getattr(self, "group", None) is not None:
+                self.group.close()
             self.store.close()
             raise
         ref = weakref.ref(self)
@@ -544,6 +551,14 @@ class Engine:
         if self.lr_scheduler is not None and not callable(getattr(self.lr_scheduler, "step", None)):
             raise TypeError(f"lr_scheduler(optimizer) returned {type(self.lr_scheduler).__name__}, "
                             f"which has no step() method")
+        payloads = PipelinePayloads(master="master" if lowp else "params",
+                                    lowp="params" if lowp else None,
+                                    accum="accum" if cfg.grad_accum > 1 else None)
+        self._compute_stream = None  # CUDA stream of the last forward; see [Note: fetch on completion]
+        self.group = ChunkGroup(self.store, hyper=self.optimizer, adamw=self.spec.adamw,
+                                payloads=payloads, grad_accum=cfg.grad_accum, owner="engine",
+                                prefetch_depth=cfg.prefetch_depth, threads=_adam_threads(cfg, self.device),
+                                on_chunk_idle=self._chunk_ready)
         with torch.no_grad():
             # Chunk by chunk: the model's own weights are freed as their chunk fills, so host
             # memory peaks at the homes plus what is not yet copied, not homes + whole model.
@@ -562,15 +577,8 @@ class Engine:
                 if b is not None:
                     m._buffers[bname] = b.to(self.device)
 
-        payloads = PipelinePayloads(master="master" if lowp else "params",
-                                    lowp="params" if lowp else None,
-                                    accum="accum" if cfg.grad_accum > 1 else None)
-        self._compute_stream = None  # CUDA stream of the last forward; see [Note: fetch on completion]
-        self.pipeline = StepPipeline(self.store, payloads=payloads, prefetch_depth=cfg.prefetch_depth,
-                                     threads=_adam_threads(cfg, self.device),
-                                     on_chunk_idle=self._chunk_ready)
         self.prefetcher = Prefetcher(self.store, depth=cfg.prefetch_depth, hops=[("params", Tier.GPU)],
-                                     ready=lambda cid: not self.pipeline.busy(cid))
+                                     ready=lambda cid: not self.group.busy(cid))
 
         self.scaler = LossScaler.from_config(cfg)
         self._overlap = cfg.overlap and cfg.grad_clip is None and self.scaler is None
@@ -586,6 +594,7 @@ class Engine:
         self._kept: dict[int, _Chunk] = {}  # cid -> chunk whose device copy was kept; [Note: kept copies]
         self._keep_limit = keep_limit(self.partition, cfg, self.store.budgets[Tier.GPU])
         self._live: dict[int, _Chunk] = {}  # device-buffer storage address -> chunk (held ones)
+        self._updated = False  # an update was queued in backward in this window (overlap)
         self.last_grad_norm: Optional[float] = None
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._window = StatsWindow(self._counters)
@@ -630,29 +639,13 @@ class Engine:
             else:
                 home = Tier.CPU  # grads, accum
             specs[name] = PayloadSpec(numel=layout.numel, dtype=dt, home=home)
-        cid = self.store.add_chunk(specs)
-        return _Chunk(layout=layout, cid=cid, steps=[0] * len(layout.slots) if layout.trainable else [])
-
-    def _write_payload(self, chunk: _Chunk, name: str, fill: Callable[[torch.Tensor], None]) -> None:
-        """Overwrite a whole payload: write it where it lives (NVMe: through a CPU copy that is
-        then written home and dropped)."""
-        home = self.store.payload_spec(chunk.cid, name).home
-        if home is Tier.NVME:
-            buf = self.store.allocate(chunk.cid, name, Tier.CPU)
-            buf.zero_()
-            fill(buf)
-            self.store.flush(chunk.cid, name)
-            self.store.evict(chunk.cid, name, Tier.CPU)
-        else:
-            buf = self.store.get(chunk.cid, name, home, write=True)
-            fill(buf)
-            self.store.mark_dirty(chunk.cid, name, home)
-
-    def _read_payload(self, chunk: _Chunk, name: str) -> torch.Tensor:
-        """A CPU copy (clone) of a whole payload, from wherever its newest bytes are."""
-        with self.store.use(chunk.cid, name, Tier.CPU) as buf:
-            out = buf.clone()
-        return out
+        slots = layout.slots
+        gslots = {}
+        if layout.trainable:  # each slot's update covers its padding, up to the next slot
+            stops = [s.offset for s in slots[1:]] + [layout.numel]
+            gslots = {s: GroupSlot(offset=s.offset, stop=stop, group=self._slot_group.get(s.index, 0))
+                      for s, stop in zip(slots, stops)}
+        return _Chunk(layout=layout, g=self.group.add_chunk(specs, tuple(gslots.values())), gslots=gslots)
 
     def _give_weights_back(self) -> None:
         """Put the values of every chunk (the fp32 master, or the params payload for fp32 and
@@ -660,7 +653,7 @@ class Engine:
         at initialize, chunk by chunk (host memory: one chunk's copy at a time). Used when
         initialize fails part-way (the chunks loaded so far) and by ``close``."""
         for chunk in self._chunks:
-            flat = self._read_payload(chunk, self._fp32_payload_name(chunk))
+            flat = self.group.read(chunk.g, self._fp32_payload_name(chunk))
             for s in chunk.layout.slots:
                 device, dtype = self._origins[s.index]
                 s.param.data = flat[s.offset:s.end].view(s.shape).to(device=device, dtype=dtype,
@@ -668,14 +661,11 @@ class Engine:
 
     def _load_initial(self, chunk: _Chunk) -> None:
         slots = chunk.layout.slots
-
-        def fill_from_model(buf: torch.Tensor) -> None:
-            for s in slots:
-                buf[s.offset:s.end].copy_(s.param.detach().reshape(-1))
-
-        self._write_payload(chunk, "params", fill_from_model)
-        if chunk.layout.trainable and self.dtype is not torch.float32:
-            self._write_payload(chunk, "master", fill_from_model)
+        names = ["params"] + (["master"] if chunk.layout.trainable and self.dtype is not torch.float32 else [])
+        for name in names:
+            with self.group.hold(chunk.g, [name], fresh=True) as (buf,):
+                for s in slots:
+                    buf[s.offset:s.end].copy_(s.param.detach().reshape(-1))
         for s in slots:
             s.param.data = self._placeholders[s.index]
 
@@ -1016,11 +1006,11 @@ class Engine:
 
     def _materialize(self, chunk: _Chunk) -> None:
         if chunk.layout.trainable:
-            self.pipeline.wait_chunk(chunk.cid)  # the update writing these params must finish
+            self.group.wait(chunk.g)  # the update writing these params must finish
         t0 = time.perf_counter()
         buf = self.prefetcher.use(chunk.cid)["params"]
-        if self.pipeline.trace is not None:
-            self.pipeline.trace.span("use", t0, time.perf_counter(), cid=chunk.cid)
+        if self.group.trace is not None:
+            self.group.trace.span("use", t0, time.perf_counter(), cid=chunk.cid)
         recorded, classes = self._recorded, self._classes
         for s in chunk.layout.slots:
             s.param.data = buf[s.offset:s.end].view(s.shape)
@@ -1040,8 +1030,7 @@ class Engine:
                 c.holds = 0
                 c.clear_pass()
                 if c.grads is not None:
-                    self.store.unpin(c.cid, "grads", Tier.GPU)
-                    self.store.evict(c.cid, "grads", Tier.GPU)
+                    self.group.flush_grads(c.g, drop=True)
                     c.grads = None
             self._release_idle()
 
@@ -1129,13 +1118,8 @@ class Engine:
                     f"of the chunk had landed). Use torch.utils.checkpoint with use_reentrant=False, "
                     f"and call the model only through engine(...)")
             if chunk.grads is None:
-                # The CPU copy of the grads is read by the worker; let its last job finish before
-                # a new device copy makes that one stale.
-                self.pipeline.wait_chunk(chunk.cid)
-                buf = self.store.allocate(chunk.cid, "grads", Tier.GPU)
-                buf.zero_()
-                self.store.pin(chunk.cid, "grads", Tier.GPU)
-                chunk.grads = buf
+                self.group.open_grads(chunk.g)
+                chunk.grads = self.group.device_grads(chunk.g)
             dst = chunk.grads[slot.offset:slot.end]
             if slot in chunk.landed:
                 dst.add_(grad.reshape(-1))
@@ -1148,30 +1132,18 @@ class Engine:
 
     def _flush_grads(self, chunk: _Chunk) -> None:
         """Send a chunk's device grads to host memory and hand them to the worker."""
-        store = self.store
-        store.unpin(chunk.cid, "grads", Tier.GPU)
-        handle = store.flush(chunk.cid, "grads", Tier.CPU)
-        store.evict(chunk.cid, "grads", Tier.GPU)
+        handle = self.group.flush_grads(chunk.g)
         chunk.grads = None
         chunk.flushed = True
-        chunk.window |= chunk.landed
-        if self.config.grad_accum == 1:
-            acc = Accumulate.NONE
-        else:
-            acc = Accumulate.ADD if chunk.accumulating else Accumulate.COPY
-            chunk.accumulating = True
-        self._submit_grads(chunk, handle=handle, accumulate=acc)
+        self._submit_grads(chunk, [chunk.gslots[s] for s in chunk.landed], ready=handle)
 
-    def _submit_grads(self, chunk: _Chunk, *, handle, accumulate: Accumulate) -> None:
+    def _submit_grads(self, chunk: _Chunk, slots, *, ready, hold: bool = False) -> None:
         boundary = self._micro == self.config.grad_accum - 1
-        then = None
-        if boundary and self._overlap:
-            then = self._update_job(chunk, grad_scale=1.0)
-        self.pipeline.submit_grads(GradJob(
-            cid=chunk.cid, ready=handle, accumulate=accumulate,
-            stats=boundary and self._needs_stats,
-            stats_scale=self.scaler.scale if self.scaler is not None else 1.0, then=then),
-            priority=chunk.layout.index)
+        update = boundary and self._overlap
+        self._updated |= update
+        self.group.submit(chunk.g, slots, ready=ready, hold=hold, update=update,
+                          stats=boundary and self._needs_stats,
+                          stats_scale=self.scaler.scale if self.scaler is not None else 1.0)
 
     def _finish_backward(self) -> None:
         """End of backward: release what the hooks still hold, send incomplete grads down."""
@@ -1189,9 +1161,9 @@ class Engine:
             for c in self._chunks:
                 if c.grads is not None:
                     self._flush_grads(c)  # some expected grads never came (unused outputs)
-                elif boundary and c.accumulating and not c.flushed:
+                elif boundary and c.g.accumulating and not c.flushed:
                     # Grads from earlier micro-batches only: stats/update from the fp32 buffer.
-                    self._submit_grads(c, handle=Handle.completed(), accumulate=Accumulate.HOLD)
+                    self._submit_grads(c, (), ready=Handle.completed(), hold=True)
             for c in self._chunks:
                 c.clear_pass()
             self._set_phase(Phase.IDLE)
@@ -1220,20 +1192,20 @@ class Engine:
         if self._micro < self.config.grad_accum:
             return False
         self._micro = 0
-        window = [c for c in self._chunks if c.window]
-        for c in self._chunks:
-            c.accumulating = False
+        if self._overlap:  # each chunk's update was queued as its grads landed
+            updated, self._updated = self._updated, False
+            if updated:
+                self._commit()
+            return updated
+        window = [c.g for c in self._chunks if c.g.window]
         if not window:
             return False
-        if self._overlap:
-            self._commit(window)
-            return True
-        sumsq = self.pipeline.take_grad_stats() if self._needs_stats else 0.0
+        sumsq = self.group.pipeline.take_grad_stats() if self._needs_stats else 0.0
         if self.scaler is not None and not math.isfinite(sumsq):
             self.scaler.update(found_inf=True)
             self.skipped_steps += 1
-            for c in window:
-                c.window.clear()
+            for g in window:
+                self.group.skip(g)
             return False
         grad_scale = self.scaler.scale if self.scaler is not None else 1.0
         if self.config.grad_clip is not None:
@@ -1241,38 +1213,18 @@ class Engine:
             self.last_grad_norm = norm
             coef = min(1.0, self.config.grad_clip / (norm + 1e-6))
             grad_scale /= coef
-        for c in window:  # forward order: the next forward waits only for its own chunk
-            self.pipeline.submit_update(self._update_job(c, grad_scale=grad_scale),
-                                        priority=c.layout.index)
+        for g in window:  # forward order: the next forward waits only for its own chunk
+            self.group.submit_update(g, grad_scale=grad_scale)
         if self.scaler is not None:
             self.scaler.update(found_inf=False)
-        self._commit(window)
+        self._commit()
         return True
 
-    def _commit(self, window) -> None:
-        for c in window:
-            c.window.clear()
+    def _commit(self) -> None:
         self.global_step += 1
         self.optimizer.note_update()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-
-    def _update_job(self, chunk: _Chunk, *, grad_scale: float) -> UpdateJob:
-        """The update of a chunk's slots that had grads in this window; advances their steps."""
-        layout, spans = chunk.layout, []
-        for i, s in enumerate(layout.slots):
-            if s not in chunk.window:
-                continue
-            chunk.steps[i] += 1
-            stop = layout.slots[i + 1].offset if i + 1 < len(layout.slots) else layout.numel
-            spans.append((s.offset, stop, chunk.steps[i], self._slot_group.get(s.index, 0)))
-        segments = update_segments(spans)
-        args = {g: adam_args(self.optimizer.param_groups[g], adamw=self.spec.adamw, grad_scale=grad_scale)
-                for g in {0, *(r[3] for r in segments)}}
-        source = "accum" if self.config.grad_accum > 1 else "grads"
-        return UpdateJob(cid=chunk.cid, args=args[0], source=source,
-                         segments=tuple(Segment(lo, hi, step, None if g == 0 else args[g])
-                                        for lo, hi, step, g in segments))
 
     # ---- inspection -------------------------------------------------------------------------
 
@@ -1280,25 +1232,27 @@ class Engine:
     def trace(self) -> Optional[Trace]:
         """A ``Trace`` recording the spans of every step (worker jobs, kernel calls, waits,
         phases), or None (the default: nothing recorded). Set one, run steps, ``write`` it."""
-        return self.pipeline.trace
+        return self.group.trace
 
     @trace.setter
     def trace(self, trace: Optional[Trace]) -> None:
-        if trace is not None and not isinstance(trace, Trace):
-            raise TypeError(f"engine.trace takes a zero_offload.pipeline.Trace or None, got "
-                            f"{type(trace).__name__}")
-        self.pipeline.trace = trace
+        self.group.trace = trace
+
+    @property
+    def pipeline(self) -> StepPipeline:
+        """The CPU-Adam worker (the chunk group's)."""
+        return self.group.pipeline
 
     def _span(self, phase: str, t0: float) -> None:
         t1 = time.perf_counter()
         self._times[phase] += t1 - t0
-        if self.pipeline.trace is not None:
-            self.pipeline.trace.span(phase, t0, t1)
+        if self.group.trace is not None:
+            self.group.trace.span(phase, t0, t1)
 
     def synchronize(self) -> None:
         """Wait until every queued update has run and every move has landed."""
         self._check_open()
-        self.pipeline.drain()
+        self.group.drain()
         self.store.synchronize()
 
     def _fp32_payload_name(self, chunk: _Chunk) -> str:
@@ -1311,7 +1265,7 @@ class Engine:
         """(slot, fp32 CPU tensor) for every slot, chunk by chunk."""
         self.synchronize()
         for chunk in self._chunks:
-            flat = self._read_payload(chunk, self._fp32_payload_name(chunk)).float()
+            flat = self.group.read(chunk.g, self._fp32_payload_name(chunk)).float()
             for s in chunk.layout.slots:
                 yield s, flat[s.offset:s.end].view(s.shape)
 
@@ -1350,7 +1304,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """Counters since initialize (or ``reset_stats``); see ``EngineStats``."""
-        w = self._window.read()
+        w = {**self._window.read(), **self.group.counters()}
         fwd, bwd = self._times["forward"], self._times["backward"]
         fetch_stall, update_stall = w["stall_s"], w["wait_chunk_s"]
         compute = fwd + bwd
@@ -1374,14 +1328,57 @@ class Engine:
         """Restart the time and byte counters and the peaks (e.g. after warm-up steps)."""
         self.store.reset_peak()
         self._window.reset()
+        self.group.reset_counters()
         self._times = {k: 0.0 for k in self._times}
 
     def _counters(self) -> dict:
-        """The lower layers' counters ``stats()`` reads through its window."""
-        pf, ps = self.prefetcher.stats, self.pipeline.stats
-        return {"stall_s": pf.stall_s, "uses": pf.uses, "hits": pf.hits, "ahead": pf.ahead,
-                "wait_chunk_s": ps.wait_chunk_s, "adam_s": ps.adam_s, "busy_s": ps.busy_s,
-                **self.store.stats.bytes_moved}
+        """The prefetcher's counters ``stats()`` reads through its window (the pipeline's and the
+        store's come through the chunk group's)."""
+        pf = self.prefetcher.stats
+        return {"stall_s": pf.stall_s, "uses": pf.uses, "hits": pf.hits, "ahead": pf.ahead}
+
+    # ---- state interface (checkpoint.py) --------------------------------------------------
+
+    @property
+    def micro_step(self) -> int:
+        """Micro-batches done in the current accumulation window."""
+        return self._micro
+
+    def chunk_state(self, layout: ChunkLayout) -> dict:
+        """CPU copies of one chunk's state: "master", "exp_avg", "exp_avg_sq" (fp32) for a
+        trainable chunk, "frozen" (working dtype) otherwise, and "steps" (one per slot)."""
+        chunk, group = self._chunks[layout.index], self.group
+        if layout.trainable:
+            out = {key: group.read(chunk.g, name) for key, name in group.state_names.items()}
+        else:
+            out = {"frozen": group.read(chunk.g, "params")}
+        out["steps"] = chunk.steps
+        return out
+
+    def load_chunk_state(self, layout: ChunkLayout, fill: Callable[[str, torch.Tensor], None],
+                         steps: Sequence[int]) -> None:
+        """Overwrite one chunk's state: ``fill(key, buf)`` writes the values of ``key`` (as
+        ``chunk_state`` names them) into a zeroed flat buffer. bf16/fp16 working params become
+        the master rounded, as the kernel writes them."""
+        chunk, group = self._chunks[layout.index], self.group
+        names = dict(group.state_names) if layout.trainable else {"frozen": "params"}
+        if layout.trainable and self.dtype is not torch.float32:
+            names["params"] = "params"
+        for key, name in names.items():
+            with group.hold(chunk.g, [name], fresh=True) as (buf,):
+                fill("master" if key == "params" else key, buf)
+        for s, step in zip(layout.slots, steps):
+            if s in chunk.gslots:
+                chunk.gslots[s].step = int(step)
+
+    def load_progress(self, *, global_step: int, skipped_steps: int) -> None:
+        """Set the step counters (from a checkpoint); any accumulation window is dropped."""
+        for c in self._chunks:
+            self.group.skip(c.g)
+        self._micro = 0
+        self._updated = False
+        self.global_step = int(global_step)
+        self.skipped_steps = int(skipped_steps)
 
     # ---- checkpoints ------------------------------------------------------------------------
 
@@ -1434,7 +1431,7 @@ class Engine:
                         self._reset_holds()
                         self._phase = Phase.IDLE
                     self._release_idle()
-                    self.pipeline.drain()
+                    self.group.drain()
                     self._give_weights_back()
                     for p, device, dtype in self._empty_origins:
                         p.data = p.data.to(device=device, dtype=dtype)
@@ -1460,7 +1457,7 @@ class Engine:
             h.remove()
         self._hook_handles.clear()
         try:
-            self.pipeline.close()
+            self.group.close()
         finally:
             self.store.close()
         if failure is not None:

@@ -68,20 +68,13 @@ the current stream wait for those copies before anything else may write to them:
 forward then starts once every grad has left the device.
 
 [Note: copy-back source] The updated params reach the model's tensors by copies out of a host
-buffer of the store ("params" for bf16/fp16 chunks, "master" for fp32 chunks); with CUDA they
-run asynchronously on the H2D stream. Two hazards:
-- Overwrite: the chunk's next update must not rewrite the source before the copies have read
-  it. Before the d2h stream stages a chunk's next grads it waits for the chunk's last H2D event,
-  so the grads-ready event the next update waits for implies that those copies are done
-  (device-side ordering; the host never blocks on it).
-- Lifetime: the source must stay allocated until the copies have read it. "params" and a
-  host-homed "master" are home copies, kept for the store's life. With ``state="nvme"`` the
-  pipeline writes "master" home behind the update, calls ``_write_back``, and then evicts the
-  host copy with ``defer=True``: ``_write_back`` pins it (fp32 NVMe chunks with CUDA), so the
-  store evicts it at the last unpin, which ``_release_masters`` does once the chunk's H2D event
-  is complete and no job of the chunk is queued (at each write-back, ``step()`` and
-  ``synchronize()``; ``state_dict()`` and ``close()`` wait). Without CUDA the copies are
-  synchronous and the copy is evicted at once.
+buffer of the store ("params" for bf16/fp16 chunks, "master" for fp32 chunks), issued on the
+worker right after the update (``ChunkGroup.copy_back``; with CUDA asynchronous on the store's
+H2D stream, after the grads copy of that update, which came after the compute stream's last use
+of the params). The store records them as readers of that host copy, so both hazards are the
+store's: the chunk's next update, which takes the buffer for writing, waits for them (overwrite),
+and with ``state="nvme"`` the host "master" the pipeline evicts after writing it home keeps its
+memory until they finish (lifetime). ``ChunkGroup.wait`` makes the caller's stream wait for them.
 
 [Note: params changed outside the optimizer] The fp32 master is the truth for the update. If a
 param is modified in place by anyone else (``load_state_dict`` into the model, ``p.copy_()``
@@ -92,25 +85,20 @@ value, exactly as a fresh optimizer would start.
 """
 from __future__ import annotations
 
-import contextlib
-import enum
 import os
-import threading
-import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable
 
 import torch
 
 from .config import _as_budget, _as_float, _as_int
 from .ops.cpu_adam import UNSUPPORTED_OPTIONS, AdamHyper
-from .runtime.chunk_group import adam_args, update_segments
-from .runtime.pipeline import (GradJob, PipelineError, PipelinePayloads, Segment,
-                               StepPipeline, UpdateJob)
+from .runtime.chunk_group import ChunkGroup, ChunkPhase, GroupChunk, GroupSlot
+from .runtime.pipeline import PipelinePayloads
 from .runtime.store import ChunkStore, Handle, Hop, PayloadSpec, StoreConfig, Tier
 from .runtime.swap_io import prepare_swap_dir, swap_dir_problem
-from .runtime.trace import StatsWindow, Trace
+from .runtime.trace import Trace
 from .runtime.vocab import ALIGNMENT, round_up
 
 __all__ = ["OffloadAdam", "OffloadAdamW", "OffloadStats"]
@@ -124,40 +112,14 @@ _PAYLOADS = PipelinePayloads(grads="grads", master="master", exp_avg="exp_avg",
 """Every chunk has "grads" and the state; bf16/fp16 chunks also "params" (see module docstring)."""
 
 
-class _Phase(enum.Enum):
-    """Where a chunk is in the step cycle. See ``_PHASE_LEGAL``."""
-
-    IDLE = "idle"          # params final and ordered before the compute stream; no grad staged
-    FILLING = "filling"    # some grads of this step staged
-    UPDATING = "updating"  # handed to the pipeline, not synced yet (see [Note: forward overlap])
-
-
-_PHASE_LEGAL = {
-    _Phase.IDLE: frozenset({_Phase.FILLING}),
-    _Phase.FILLING: frozenset({_Phase.UPDATING}),
-    _Phase.UPDATING: frozenset({_Phase.IDLE}),
-}
-
-
-class _Streams(NamedTuple):
-    """The optimizer's CUDA streams (both created on the params' device)."""
-
-    d2h: "torch.cuda.Stream"  # grads GPU -> pinned "grads", issued by the grad hooks / step()
-    h2d: "torch.cuda.Stream"  # updated params pinned -> GPU, issued by the worker after CPU-Adam
-
-
 @dataclass(eq=False)
-class _Slot:
-    """One param inside a chunk."""
+class _Slot(GroupSlot):
+    """One param inside a chunk (a ``GroupSlot`` with this front end's fields)."""
 
-    param: torch.Tensor
-    index: int
+    param: torch.Tensor = None
+    index: int = 0
     """Position in the optimizer's param order (the key in ``state_dict()["state"]``)."""
-    offset: int
-    """First element of this param in the chunk's flat buffers."""
-    numel: int
-    step: int = 0
-    """Adam steps taken by this param (torch keeps a step per param, too)."""
+    numel: int = 0
     version: int = 0
     """``param._version`` when the master last matched the param (see [Note: params changed
     outside the optimizer])."""
@@ -165,43 +127,6 @@ class _Slot:
     """Grad hooks fired in the current step (for ``grad_accum``)."""
     landed: bool = False
     """Its grad for the current step is staged in the chunk."""
-
-
-@dataclass(eq=False)
-class _Chunk:
-    """Consecutive params of one param group and one dtype; store chunk ``cid``."""
-
-    cid: int
-    """The store's chunk id (also its index in the optimizer's chunk list and its priority)."""
-    group: dict
-    """The param group (read at hand-off time for hyperparameters)."""
-    dtype: torch.dtype
-    """Working dtype of its params (and grads)."""
-    slots: list[_Slot]
-    numel: int
-    phase: _Phase = _Phase.IDLE
-    landed: int = 0
-    """Slots whose grad is staged in the current step."""
-    grads: torch.Tensor | None = None
-    """The host copy of "grads" while FILLING."""
-    job_slots: tuple = ()
-    """Slots updated by the last job handed over (the worker writes these back)."""
-    d2h_done: Any = None
-    """CUDA event after the last grad copy of the last job handed over."""
-    h2d_done: Any = None
-    """CUDA event after the param copies of its last update (see [Note: copy-back source])."""
-    holds_master: bool = False
-    """The write-back holds a pin on the host "master" (fp32 NVMe chunks; [Note: copy-back source])."""
-
-    @property
-    def lowp(self) -> bool:
-        return self.dtype in _LOWP
-
-    def to(self, phase: _Phase) -> None:
-        if phase not in _PHASE_LEGAL[self.phase]:
-            raise RuntimeError(f"OffloadAdam internal error: chunk {self.cid} cannot go from "
-                               f"{self.phase.name} to {phase.name}; please report this")
-        self.phase = phase
 
 
 @dataclass
@@ -305,23 +230,21 @@ class OffloadAdam(torch.optim.Optimizer):
         self._nvme_dir = None if nvme_dir is None else prepare_swap_dir(nvme_dir, name=f"{name} nvme_dir")
 
         # Filled by add_param_group (called by Optimizer.__init__ below).
-        self._chunks: list[_Chunk] = []          # index = store chunk id
+        self._group: ChunkGroup | None = None   # the chunks, their updates and state (runtime/)
+        self._store: ChunkStore | None = None
         self._slots: list[_Slot] = []            # in param order (state_dict indices)
-        self._chunk_of: dict[torch.Tensor, _Chunk] = {}  # trainable param -> its chunk (forward hook)
+        self._chunk_of: dict[torch.Tensor, GroupChunk] = {}  # trainable param -> its chunk (forward hook)
+        self._landed: dict[int, int] = {}        # chunk id -> slots whose grad is staged this step
+        self._ready: dict[int, Handle] = {}      # chunk id -> handle of its last staged grad copy
+        self._jobs: dict[int, tuple] = {}        # chunk id -> (slots, grads handle) of its last update
         self._frozen: list[torch.Tensor] = []    # params without grad: no state, no chunk
         self._hook_handles: list = []
         self._forward_hook = None                # see [Note: forward overlap]
-        self._updating: dict[int, _Chunk] = {}   # chunks in phase UPDATING, by id
         self._submitted: list[int] = []          # chunk ids in this step's hand-over order
         self._priority: dict[int, int] = {}      # chunk id -> rank in the next forward (guess)
         self._device: torch.device | None = None
-        self._store: ChunkStore | None = None
-        self._pipeline: StepPipeline | None = None
-        self._streams: _Streams | None = None
-        self._lock = threading.Lock()            # _Chunk.holds_master / h2d_done: worker vs caller
         self._closed = False
-        self._counters = OffloadStats()
-        self._window = StatsWindow(self._lower_counters)  # the pipeline's and store's counters
+        self._steps = self._steps0 = 0
 
         params = _read_once(params)
         self._nvme_need = _state_bytes(params)   # the swap space is preallocated: size it for all groups
@@ -362,8 +285,8 @@ class OffloadAdam(torch.optim.Optimizer):
                     f"{type(self).__name__}(state='nvme'): the swap space was sized for the params "
                     f"given to the constructor and has {free} bytes left, this group needs {need}; "
                     f"pass every param group to the constructor")
-        if self._pipeline is not None:
-            self._drain()  # new chunks are written while no job runs
+        if self._group is not None:
+            self._group.drain()  # new chunks are written while no job runs
         self._build_group(group, runs)
 
     def _check_group(self, group: dict) -> None:
@@ -412,25 +335,24 @@ class OffloadAdam(torch.optim.Optimizer):
         self._frozen.extend(p for p in params if not p.requires_grad)
         if self._device is None and params:
             self._device = params[0].device  # one device for all params (_check_params)
-        if self._store is None and runs:
+        if self._group is None and runs:
             self._open()
+        gi = len(self.param_groups) - 1
         index0 = sum(len(g["params"]) for g in self.param_groups[:-1])
         position = {id(p): index0 + i for i, p in enumerate(params)}
         for run in runs:
             numel = sum(p.numel() for p in run)
-            dtype = run[0].dtype
-            payloads = {"grads": PayloadSpec(numel, dtype, Tier.CPU)}
+            payloads = {"grads": PayloadSpec(numel, run[0].dtype, Tier.CPU)}
             payloads.update((n, PayloadSpec(numel, torch.float32, self._home)) for n in _STATE)
-            if dtype in _LOWP:
-                payloads["params"] = PayloadSpec(numel, dtype, Tier.CPU)
-            cid = self._store.add_chunk(payloads)
+            if run[0].dtype in _LOWP:
+                payloads["params"] = PayloadSpec(numel, run[0].dtype, Tier.CPU)
             slots, offset = [], 0
             for p in run:
-                slots.append(_Slot(param=p, index=position[id(p)], offset=offset, numel=p.numel(),
-                                   version=p._version))
+                slots.append(_Slot(offset=offset, stop=offset + p.numel(), group=gi, param=p,
+                                   index=position[id(p)], numel=p.numel(), version=p._version))
                 offset += p.numel()
-            chunk = _Chunk(cid=cid, group=group, dtype=dtype, slots=slots, numel=numel)
-            self._chunks.append(chunk)
+            chunk = self._group.add_chunk(payloads, slots)
+            self._landed[chunk.cid] = 0
             self._init_state(chunk)
             self._slots.extend(slots)
             for slot in slots:
@@ -441,61 +363,30 @@ class OffloadAdam(torch.optim.Optimizer):
         self._slots.sort(key=lambda s: s.index)
 
     def _open(self) -> None:
-        """The store, the streams and the pipeline (with the first trainable param)."""
+        """The store and the chunk group (with the first trainable param)."""
         device = self._device
-        cuda = device.type == "cuda"
         budgets = {Tier.CPU: self._cpu_budget}
         if self._home is Tier.NVME:
             budgets[Tier.NVME] = max(ALIGNMENT, self._nvme_need)
-        self._store = ChunkStore(StoreConfig(device=device if cuda else "cpu", budgets=budgets,
-                                             nvme_dir=self._nvme_dir))
-        if cuda:
-            with torch.cuda.device(device):
-                self._streams = _Streams(d2h=torch.cuda.Stream(), h2d=torch.cuda.Stream())
-        self._pipeline = StepPipeline(self._store, payloads=_PAYLOADS, prefetch_depth=self._depth,
-                                      threads=self._threads, on_update_done=_weak(self._write_back))
+        self._store = ChunkStore(StoreConfig(device=device if device.type == "cuda" else "cpu",
+                                             budgets=budgets, nvme_dir=self._nvme_dir))
+        self._group = ChunkGroup(self._store, hyper=self, adamw=self._adamw, payloads=_PAYLOADS,
+                                 owner=type(self).__name__, prefetch_depth=self._depth,
+                                 threads=self._threads, on_update_done=_weak(self._write_back))
 
     @torch.no_grad()
-    def _init_state(self, chunk: _Chunk) -> None:
+    def _init_state(self, chunk: GroupChunk) -> None:
         """Master = the params (fp32), moments = 0; written home (NVMe: then dropped from RAM)."""
-        with self._state(chunk, write=True, fresh=True) as (master, exp_avg, exp_avg_sq):
+        with self._group.hold(chunk, _STATE, fresh=True) as (master, _, _):
             for slot in chunk.slots:
-                master[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
-            exp_avg.zero_()
-            exp_avg_sq.zero_()
-
-    @contextlib.contextmanager
-    def _state(self, chunk: _Chunk, *, write: bool, fresh: bool = False):
-        """The chunk's (master, exp_avg, exp_avg_sq) host buffers, for the caller's thread while no
-        job of the chunk is queued. ``write``: marked dirty after the block. ``fresh``: every
-        element will be written (NVMe: nothing is read). NVMe copies are dropped after the block
-        (written home first when dirty)."""
-        store, cid = self._store, chunk.cid
-        self._release_masters(wait=True, only=chunk)
-        nvme = self._home is Tier.NVME
-        with contextlib.ExitStack() as held:
-            bufs = []
-            for name in _STATE:
-                if fresh and nvme:
-                    bufs.append(store.allocate(cid, name, Tier.CPU))
-                    store.pin(cid, name, Tier.CPU)
-                    held.callback(store.unpin, cid, name, Tier.CPU)
-                else:
-                    bufs.append(held.enter_context(store.use(cid, name, Tier.CPU, write=write)))
-            yield bufs
-            if write:
-                for name in _STATE:
-                    store.mark_dirty(cid, name, Tier.CPU)
-        if nvme:
-            for name in _STATE:
-                store.evict(cid, name, Tier.CPU)
+                master[slot.offset:slot.stop].copy_(slot.param.detach().reshape(-1))
 
     # ------------------------------------------------------------------------------------
     # backward side (caller's thread, or autograd's)
 
-    def _on_grad(self, chunk: _Chunk, slot: _Slot) -> None:
+    def _on_grad(self, chunk: GroupChunk, slot: _Slot) -> None:
         """Post-accumulate-grad hook of ``slot.param`` (overlap=True)."""
-        self._check_worker()
+        self._group.check()
         slot.hooks += 1
         if slot.hooks < self._grad_accum:
             return
@@ -506,11 +397,11 @@ class OffloadAdam(torch.optim.Optimizer):
                 f"Call step() after every {self._grad_accum} backward pass(es), pass grad_accum=N "
                 f"for N backwards per step, or use overlap=False")
         self._stage(chunk, slot, consume=True)
-        if chunk.landed == len(chunk.slots):
+        if self._landed[chunk.cid] == len(chunk.slots):
             self._submit(chunk)
 
     @torch.no_grad()
-    def _stage(self, chunk: _Chunk, slot: _Slot, *, consume: bool) -> None:
+    def _stage(self, chunk: GroupChunk, slot: _Slot, *, consume: bool) -> None:
         """Queue the copy of ``slot``'s grad into the chunk's "grads" host buffer."""
         p = slot.param
         grad = p.grad
@@ -518,106 +409,43 @@ class OffloadAdam(torch.optim.Optimizer):
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
         if grad.shape != p.shape:
             raise RuntimeError(f"grad of shape {tuple(grad.shape)} for a param of shape {tuple(p.shape)}")
-        if chunk.phase is not _Phase.FILLING:  # the chunk's first grad in this step
-            if chunk.phase is _Phase.UPDATING:
-                self._sync(chunk)  # the last update must have read "grads" before we overwrite it
-            chunk.grads = self._store.get(chunk.cid, "grads", Tier.CPU, write=True)
-            if self._streams is not None and chunk.h2d_done is not None:
-                self._streams.d2h.wait_event(chunk.h2d_done)  # see [Note: copy-back source]
-            chunk.to(_Phase.FILLING)
+        if chunk.phase is not ChunkPhase.FILLING:  # the chunk's first grad in this step
+            self._group.open_grads(chunk)  # its last update read "grads": it finishes first
+            self._remove_forward_hook_if_synced()
         if p._version != slot.version:
             self._resync_master(chunk, slot)
-        dst = chunk.grads[slot.offset:slot.offset + slot.numel]
-        if self._streams is not None:
-            d2h = self._streams.d2h
-            d2h.wait_stream(torch.cuda.current_stream(self._device))
-            with torch.cuda.stream(d2h):
-                dst.copy_(grad.reshape(-1), non_blocking=True)
-            grad.record_stream(d2h)
-        else:
-            dst.copy_(grad.reshape(-1))
-        self._counters.d2h_bytes += slot.numel * chunk.dtype.itemsize
+        self._ready[chunk.cid] = self._group.stage(chunk, [(slot.offset, grad)])
         if consume:
             p.grad = None
         slot.landed = True
-        chunk.landed += 1
+        self._landed[chunk.cid] += 1
 
-    def _resync_master(self, chunk: _Chunk, slot: _Slot) -> None:
+    def _resync_master(self, chunk: GroupChunk, slot: _Slot) -> None:
         """See [Note: params changed outside the optimizer]. Rare: synchronous."""
-        with self._state(chunk, write=True) as (master, _, _):
-            master[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
+        with self._group.hold(chunk, ["master"], write=True) as (master,):
+            master[slot.offset:slot.stop].copy_(slot.param.detach().reshape(-1))
         slot.version = slot.param._version
 
-    def _submit(self, chunk: _Chunk) -> None:
-        """Hand a chunk whose staged grads are complete to the pipeline."""
+    def _submit(self, chunk: GroupChunk) -> None:
+        """Hand a chunk whose staged grads are complete to the pipeline, its update behind."""
         self._store.mark_dirty(chunk.cid, "grads", Tier.CPU)
-        if self._streams is not None:
-            chunk.d2h_done = self._streams.d2h.record_event()
-            ready = Handle(event=chunk.d2h_done)
-        else:
-            ready = Handle.completed()
-        chunk.job_slots = tuple(s for s in chunk.slots if s.landed)
-        for s in chunk.job_slots:
-            s.step += 1
-        segments = tuple(Segment(lo, hi, step) for lo, hi, step, _ in update_segments(
-            (s.offset, s.offset + s.numel, s.step, None) for s in chunk.job_slots))
-        args = adam_args(chunk.group, adamw=self._adamw)
-        chunk.grads = None
-        chunk.to(_Phase.UPDATING)
-        self._updating[chunk.cid] = chunk
+        ready = self._ready[chunk.cid]
+        slots = tuple(s for s in chunk.slots if s.landed)
+        self._jobs[chunk.cid] = (slots, ready)
         self._submitted.append(chunk.cid)
-        with self._worker_errors():
-            self._pipeline.submit_grads(
-                GradJob(cid=chunk.cid, ready=ready,
-                        then=UpdateJob(cid=chunk.cid, segments=segments, args=args, source="grads")),
-                priority=self._priority.get(chunk.cid, len(self._chunks) + chunk.cid))
+        self._group.submit(chunk, slots, ready=ready, update=True,
+                           priority=self._priority.get(chunk.cid, len(self._group.chunks) + chunk.cid))
 
     # ------------------------------------------------------------------------------------
     # worker thread
 
-    @torch.no_grad()
     def _write_back(self, cid: int) -> None:
         """The pipeline's ``on_update_done``: updated params into the model's tensors (CUDA:
-        async on the H2D stream). See [Note: copy-back source]."""
-        chunk = self._chunks[cid]
-        store = self._store
-        name = "params" if chunk.lowp else "master"
-        kept = name == "master" and self._home is Tier.NVME  # see [Note: copy-back source]
-        with store.use(cid, name, Tier.CPU) as src:
-            if self._streams is None:
-                for s in chunk.job_slots:
-                    s.param.data.view(-1).copy_(src[s.offset:s.offset + s.numel])
-                event = None
-            else:
-                if kept:
-                    with self._lock:
-                        if not chunk.holds_master:
-                            store.pin(cid, name, Tier.CPU)
-                            chunk.holds_master = True
-                h2d = self._streams.h2d
-                with torch.cuda.device(self._device), torch.cuda.stream(h2d):
-                    h2d.wait_event(chunk.d2h_done)  # after the compute stream's last use: see Notes
-                    for s in chunk.job_slots:
-                        s.param.data.view(-1).copy_(src[s.offset:s.offset + s.numel], non_blocking=True)
-                    event = h2d.record_event()
-        with self._lock:
-            chunk.h2d_done = event
-        self._counters.h2d_bytes += sum(s.numel for s in chunk.job_slots) * chunk.dtype.itemsize
-        self._release_masters()
-
-    def _release_masters(self, *, wait: bool = False, only: _Chunk | None = None) -> None:
-        """Unpin (and so let the store evict) the host masters held for param copies (see [Note: copy-back source])
-        whose copies are done (``wait``: waiting for them) and whose chunk has no job queued."""
-        with self._lock:
-            for chunk in self._chunks if only is None else (only,):
-                if not chunk.holds_master or self._pipeline.busy(chunk.cid):
-                    continue
-                if chunk.h2d_done is not None and not chunk.h2d_done.query():
-                    if not wait:
-                        continue
-                    chunk.h2d_done.synchronize()
-                self._store.unpin(chunk.cid, "master", Tier.CPU)  # the store's deferred evict runs
-                chunk.holds_master = False
+        async on the store's H2D stream). See [Note: copy-back source]."""
+        chunk = self._group.chunks[cid]
+        slots, ready = self._jobs[cid]
+        name = "params" if chunk.slots[0].param.dtype in _LOWP else "master"
+        self._group.copy_back(chunk, name, [(s.offset, s.param.data) for s in slots], after=ready)
 
     # ------------------------------------------------------------------------------------
     # step and synchronisation
@@ -633,7 +461,8 @@ class OffloadAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_worker()
+        if self._group is not None:
+            self._group.check()
         for p in self._frozen:
             if p.grad is not None:
                 raise RuntimeError(
@@ -643,22 +472,22 @@ class OffloadAdam(torch.optim.Optimizer):
         # Params whose grad did not come through the hooks (overlap=False, grads set by hand,
         # fewer backwards than grad_accum): stage them now, in chunk order.
         staged = False
-        for chunk in self._chunks:
+        for chunk in self._group.chunks if self._group is not None else ():
             for slot in chunk.slots:
                 if not slot.landed and slot.param.grad is not None:
                     self._stage(chunk, slot, consume=False)
                     staged = True
-            if chunk.phase is _Phase.FILLING:
+            if chunk.phase is ChunkPhase.FILLING:
                 self._submit(chunk)
-        if staged and self._streams is not None:
+        if staged:
             # p.grad stays the caller's: later work on it (zero_grad(set_to_none=False), the next
             # backward accumulating into it) must come after our copies read it.
-            torch.cuda.current_stream(self._device).wait_stream(self._streams.d2h)
+            self._store.wait_copies_in()
         for slot in self._slots:
             slot.hooks = 0
             slot.landed = False
-        for chunk in self._chunks:
-            chunk.landed = 0
+        for cid in self._landed:
+            self._landed[cid] = 0
         # [Note: update order] The worker runs queued updates in priority order, and the next
         # forward needs the chunks in forward order: the reverse of the order in which backward
         # finished them (the last chunk handed over is the first one the forward uses). Param
@@ -668,10 +497,10 @@ class OffloadAdam(torch.optim.Optimizer):
             last = len(self._submitted) - 1
             self._priority = {cid: last - i for i, cid in enumerate(self._submitted)}
             self._submitted = []
-        self._counters.steps += 1
+        self._steps += 1
         if not self._overlap_forward:
             self._sync_all()
-        elif self._updating and self._forward_hook is None:
+        elif self._forward_hook is None and self._queued():
             self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(
                 _weak(self._pre_forward))
         return loss
@@ -683,57 +512,30 @@ class OffloadAdam(torch.optim.Optimizer):
         self._check_open()
         self._sync_all()
 
-    def _sync_all(self) -> None:
-        for chunk in list(self._updating.values()):
-            self._sync(chunk)
-        self._release_masters()
+    def _queued(self) -> bool:
+        return any(c.phase is ChunkPhase.QUEUED for c in self._group.chunks)
 
-    def _sync(self, chunk: _Chunk) -> None:
-        """Wait (host) for the chunk's update; the current stream waits for its param copies."""
-        t0 = time.perf_counter()
-        with self._worker_errors():
-            self._pipeline.wait_chunk(chunk.cid)
-        self._counters.step_wait_s += time.perf_counter() - t0
-        if self._streams is not None and chunk.h2d_done is not None:
-            torch.cuda.current_stream(self._device).wait_event(chunk.h2d_done)
-        chunk.to(_Phase.IDLE)
-        del self._updating[chunk.cid]
-        if not self._updating:
-            self._remove_forward_hook()
+    def _sync_all(self) -> None:
+        if self._group is not None:
+            self._group.drain()
+        self._remove_forward_hook()
 
     def _pre_forward(self, module: torch.nn.Module, args) -> None:
         """The global module forward pre-hook of [Note: forward overlap]."""
         for p in module._parameters.values():
             chunk = self._chunk_of.get(p) if p is not None else None
-            if chunk is not None and chunk.phase is _Phase.UPDATING:
-                self._sync(chunk)
+            if chunk is not None and chunk.phase is ChunkPhase.QUEUED:
+                self._group.wait(chunk)
+                self._remove_forward_hook_if_synced()
+
+    def _remove_forward_hook_if_synced(self) -> None:
+        if self._forward_hook is not None and not self._queued():
+            self._remove_forward_hook()
 
     def _remove_forward_hook(self) -> None:
         if self._forward_hook is not None:
             self._forward_hook.remove()
             self._forward_hook = None
-
-    def _drain(self) -> None:
-        """Every update done, its params ordered, every held master dropped (state_dict, close)."""
-        self._sync_all()
-        self._release_masters(wait=True)
-
-    @contextlib.contextmanager
-    def _worker_errors(self):
-        try:
-            yield
-        except PipelineError as e:
-            self._raise_failure(e)
-
-    def _check_worker(self) -> None:
-        if self._pipeline is not None and self._pipeline.failed:
-            with self._worker_errors():
-                self._pipeline.drain()  # raises the worker's error
-
-    def _raise_failure(self, cause: BaseException):
-        raise RuntimeError(f"{type(self).__name__}: a CPU-Adam job failed; the optimizer state is no "
-                           f"longer consistent with the model (rebuild it or load a state_dict)") \
-            from cause
 
     def _check_open(self):
         if self._closed:
@@ -751,19 +553,19 @@ class OffloadAdam(torch.optim.Optimizer):
         self._check_open()
         if any(s.landed or s.hooks for s in self._slots):
             raise RuntimeError(f"{type(self).__name__}.state_dict() in the middle of a step: call step() first")
-        self._drain()
+        self._sync_all()
         state: dict[int, dict[str, torch.Tensor]] = {}
         for chunk in self._chunks:
             stepped = [s for s in chunk.slots if s.step > 0]
             if not stepped:
                 continue
-            with self._state(chunk, write=False) as (master, exp_avg, exp_avg_sq):
+            with self._group.hold(chunk, _STATE) as (master, exp_avg, exp_avg_sq):
                 for s in stepped:
-                    sl = slice(s.offset, s.offset + s.numel)
+                    sl = slice(s.offset, s.stop)
                     entry = {"step": torch.tensor(float(s.step)),
                              "exp_avg": exp_avg[sl].clone().view(s.param.shape),
                              "exp_avg_sq": exp_avg_sq[sl].clone().view(s.param.shape)}
-                    if chunk.lowp:
+                    if s.param.dtype in _LOWP:
                         entry["master"] = master[sl].clone().view(s.param.shape)
                     state[s.index] = entry
         groups, start = [], 0
@@ -820,15 +622,15 @@ class OffloadAdam(torch.optim.Optimizer):
                                      f"param has {slot.numel}")
             entries[idx] = entry
         # all checks passed: change state
-        self._drain()
+        self._sync_all()
         for g, sg in zip(self.param_groups, saved_groups):
             for k, v in sg.items():
                 if k != "params":
                     g[k] = v
         for chunk in self._chunks:
-            with self._state(chunk, write=True, fresh=True) as (master, exp_avg, exp_avg_sq):
+            with self._group.hold(chunk, _STATE, fresh=True) as (master, exp_avg, exp_avg_sq):
                 for s in chunk.slots:
-                    sl = slice(s.offset, s.offset + s.numel)
+                    sl = slice(s.offset, s.stop)
                     entry = entries.get(s.index)
                     master_src = entry.get("master") if entry is not None else None
                     if master_src is None:
@@ -851,42 +653,36 @@ class OffloadAdam(torch.optim.Optimizer):
     @property
     def stats(self) -> OffloadStats:
         """Counters since construction or ``reset_stats`` (the worker's from the pipeline)."""
-        c, w = self._counters, self._window.read()
-        return OffloadStats(steps=c.steps, d2h_bytes=c.d2h_bytes, h2d_bytes=c.h2d_bytes,
-                            adam_s=w.get("adam_s", 0.0), worker_s=w.get("busy_s", 0.0),
-                            step_wait_s=c.step_wait_s)
+        w = self._group.counters() if self._group is not None else {}
+        return OffloadStats(steps=self._steps - self._steps0, d2h_bytes=w.get(Hop.GPU_TO_CPU, 0),
+                            h2d_bytes=w.get(Hop.CPU_TO_GPU, 0), adam_s=w.get("adam_s", 0.0),
+                            worker_s=w.get("busy_s", 0.0), step_wait_s=w.get("wait_s", 0.0))
 
     def reset_stats(self) -> None:
-        self._counters = OffloadStats()
-        self._window.reset()
-
-    def _lower_counters(self) -> dict:
-        out = {}
-        if self._pipeline is not None:
-            out.update(adam_s=self._pipeline.stats.adam_s, busy_s=self._pipeline.stats.busy_s)
-        if self._store is not None:
-            out.update(self._store.stats.bytes_moved)
-        return out
+        self._steps0 = self._steps
+        if self._group is not None:
+            self._group.reset_counters()
 
     @property
     def trace(self) -> Trace | None:
         """A ``Trace`` recording the worker's spans (jobs, kernel calls, waits), or None (the
         default: nothing recorded). Set one, run steps, ``write`` it."""
-        return None if self._pipeline is None else self._pipeline.trace
+        return None if self._group is None else self._group.trace
 
     @trace.setter
     def trace(self, trace: Trace | None) -> None:
-        if trace is not None and not isinstance(trace, Trace):
-            raise TypeError(f"{type(self).__name__}.trace takes a zero_offload.pipeline.Trace or None, "
-                            f"got {type(trace).__name__}")
-        if self._pipeline is None:
+        if self._group is None:
             raise RuntimeError(f"{type(self).__name__} has no trainable params: nothing to trace")
-        self._pipeline.trace = trace
+        self._group.trace = trace
 
     def nvme_bytes(self) -> tuple[int, int]:
         """(bytes read from, bytes written to) NVMe since construction or ``reset_stats``."""
-        w = self._window.read()
+        w = self._group.counters() if self._group is not None else {}
         return w.get(Hop.NVME_TO_CPU, 0), w.get(Hop.CPU_TO_NVME, 0)
+
+    @property
+    def _chunks(self) -> list[GroupChunk]:
+        return self._group.chunks if self._group is not None else []
 
     def close(self) -> None:
         """Finish the queued jobs, remove the hooks and free the state (and swap files).
@@ -895,18 +691,15 @@ class OffloadAdam(torch.optim.Optimizer):
             return
         self._closed = True
         try:
-            if self._pipeline is not None:
-                self._pipeline.close()
-            if self._streams is not None:  # copies still reading or writing host buffers
-                self._streams.d2h.synchronize()
-                self._streams.h2d.synchronize()
+            if self._group is not None:
+                self._group.close()
         finally:
             self._remove_forward_hook()
             for h in self._hook_handles:
                 h.remove()
             self._hook_handles.clear()
             if self._store is not None:
-                self._store.close()
+                self._store.close()  # waits for copies still reading or writing host buffers
 
     def __del__(self):
         try:
@@ -943,7 +736,7 @@ class _GradHook:
 
     __slots__ = ("opt", "chunk", "slot")
 
-    def __init__(self, opt: OffloadAdam, chunk: _Chunk, slot: _Slot):
+    def __init__(self, opt: OffloadAdam, chunk: GroupChunk, slot: _Slot):
         self.opt, self.chunk, self.slot = opt, chunk, slot
 
     def __call__(self, param: torch.Tensor) -> None:

@@ -206,8 +206,7 @@ def _mount_point(path: str) -> str:
 
 def _estimated_bytes(engine) -> int:
     total = 0
-    for chunk in engine._chunks:
-        layout = chunk.layout
+    for layout in engine.partition.chunks:
         per = 3 * 4 if layout.trainable else torch.empty(0, dtype=engine.dtype).element_size()
         total += layout.numel * per
     return total
@@ -259,21 +258,15 @@ def _buffers(module) -> dict:
     return out
 
 
-def _optimizer_names(engine) -> dict:
-    """Canonical checkpoint key -> the engine's payload for trainable chunks."""
-    master = "master" if engine.dtype is not torch.float32 else "params"
-    return {"master": master, "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
-
-
 def save_checkpoint(engine, path) -> None:
     """See the module docstring and [Note: atomic save]."""
     path = os.path.abspath(os.fspath(path))
     parent, name = os.path.split(path)
     os.makedirs(parent, exist_ok=True)
-    if engine._micro != 0:
+    if engine.micro_step != 0:
         raise CheckpointError(
             f"save_checkpoint called in the middle of a gradient accumulation window "
-            f"({engine._micro} of {engine.config.grad_accum} micro-batches done); save after the "
+            f"({engine.micro_step} of {engine.config.grad_accum} micro-batches done); save after the "
             f"step() that completes the window")
     if os.path.exists(path) and not os.path.isdir(path):
         raise CheckpointError(f"{path} exists and is not a directory; pass a checkpoint directory path")
@@ -285,24 +278,17 @@ def save_checkpoint(engine, path) -> None:
         writing = MARKER
         _write_small(os.path.join(tmp, MARKER), _MARKER_TEXT)
         engine.synchronize()
-        names = _optimizer_names(engine)
-        chunks_meta, files = [], {}
-        for chunk in engine._chunks:
-            layout = chunk.layout
-            if layout.trainable:
-                payload = {key: engine._read_payload(chunk, src) for key, src in names.items()}
-            else:
-                payload = {"frozen": engine._read_payload(chunk, "params")}
+        chunks_meta, files, slot_table = [], {}, {}
+        for layout in engine.partition.chunks:
+            payload = engine.chunk_state(layout)
+            for s, step in zip(layout.slots, payload.pop("steps")):
+                slot_table[s.name] = {"shape": tuple(s.shape), "trainable": s.trainable,
+                                      "step": step if s.trainable else 0}
             slots = [(s.name, s.offset, s.numel) for s in layout.slots]
             writing = _chunk_file(layout.index)
             files[writing] = _save({"slots": slots, **payload}, os.path.join(tmp, writing))
             del payload
             chunks_meta.append({"file": _chunk_file(layout.index), "trainable": layout.trainable})
-        slot_table = {}
-        for chunk in engine._chunks:
-            for i, s in enumerate(chunk.layout.slots):
-                slot_table[s.name] = {"shape": tuple(s.shape), "trainable": s.trainable,
-                                      "step": chunk.steps[i] if s.trainable else 0}
         meta = {
             "format_version": FORMAT_VERSION,
             "global_step": engine.global_step,
@@ -585,34 +571,16 @@ def load_checkpoint(engine, path) -> None:
                                      weights_only=True)
         return cache[file]
 
-    names = _optimizer_names(engine)
-    lowp = engine.dtype is not torch.float32
     with torch.no_grad():
-        for chunk in engine._chunks:
-            slots = chunk.layout.slots
+        for layout in engine.partition.chunks:
+            def fill(key, buf, slots=layout.slots):
+                for s in slots:
+                    f, off, numel = where[s.name]
+                    buf[s.offset:s.end].copy_(saved_values(f)[key][off:off + numel])
 
-            def fill(key):
-                def write(buf):
-                    for s in slots:
-                        f, off, numel = where[s.name]
-                        buf[s.offset:s.end].copy_(saved_values(f)[key][off:off + numel])
-                return write
-
-            if chunk.layout.trainable:
-                for key, payload in names.items():
-                    engine._write_payload(chunk, payload, fill(key))
-                if lowp:
-                    engine._write_payload(chunk, "params", fill("master"))  # rounded like the kernel
-                chunk.steps = [int(saved[s.name]["step"]) for s in slots]
-            else:
-                engine._write_payload(chunk, "params", fill("frozen"))
+            engine.load_chunk_state(layout, fill, [int(saved[s.name]["step"]) for s in layout.slots])
     cache.clear()
-    for chunk in engine._chunks:
-        chunk.window.clear()
-        chunk.accumulating = False
-    engine._micro = 0
-    engine.global_step = int(meta["global_step"])
-    engine.skipped_steps = int(meta["skipped_steps"])
+    engine.load_progress(global_step=meta["global_step"], skipped_steps=meta["skipped_steps"])
     engine.optimizer.load_state_dict(meta["optimizer_state"])
     if engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])

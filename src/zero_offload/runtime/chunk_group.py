@@ -1,18 +1,357 @@
-"""What both front ends (engine.py's ``Engine``, offload_optim.py's ``OffloadAdam``) do the same way
-for a chunk's update, written once: the update segments of a chunk and the Adam arguments of a
-param group.
+"""The chunk-group runtime: what both front ends (engine.py's ``Engine``, offload_optim.py's
+``OffloadAdam``) do with a chunk between its grads and its updated params, written once. FSDP2's
+``FSDPParamGroup`` is the model: the front ends keep the hooks (module hooks / param grad hooks)
+and the torch face, the group owns the chunk records and the update.
 
-This is the first part of the chunk-group runtime (issue 11; FSDP2's ``FSDPParamGroup`` is the
-model); slot and chunk records, grad staging, copy-back and per-chunk state I/O still live in
-each front end.
+Ownership: a ``ChunkGroup`` owns the ``StepPipeline`` (the CPU-Adam worker) over a ``ChunkStore``
+the front end gives it (the engine also runs a ``Prefetcher`` over that store), one
+``GroupChunk`` per chunk and a ``GroupSlot`` per param span in it, and the stats window over the
+store's and the pipeline's counters. Per chunk it does:
+
+- grad staging: ``open_grads`` (the first grad of a window), ``stage`` (device grads copied into
+  the host "grads" copy by the store) or the front end's own device buffer flushed by the store
+  (``device_grads`` / ``flush_grads``), then ``submit`` (grad job, accumulation, norm stats, and
+  the update right behind it when asked);
+- the update: segments of the slots with grads in the window, each slot's step count, the
+  hyperparameters of each slot's param group read when the update is queued (``_update_job``);
+- copy-back of the updated params into caller tensors (``copy_back``, OffloadAdam), through
+  the store, which orders the chunk's next update and the eviction of the source after it;
+- state I/O for checkpoints and ``state_dict``: ``hold`` (host buffers of whole payloads),
+  ``read`` and ``state_names``.
+
+[Note: chunk phases] A chunk is in one ``ChunkPhase``; ``GroupChunk.to`` raises on a move that
+``_LEGAL`` does not list:
+- IDLE: its params are final for now; no grad of the current accumulation window is staged.
+- FILLING: grads of the current window are staged (one or more micro-batches, or some params of
+  the chunk so far); ``open_grads`` enters it, after waiting for the chunk's last job (it reads
+  the "grads" host copy that new grads overwrite).
+- QUEUED: its update is handed to the worker and not yet waited for; ``wait`` (the front end
+  needs the params: a fetch, the next grads, a sync) returns it to IDLE.
+FILLING -> IDLE without an update: ``skip`` (an fp16 overflow skips the step).
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+import contextlib
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
-from .pipeline import AdamArgs
+import torch
 
-__all__ = ["adam_args", "update_segments"]
+from .pipeline import (Accumulate, AdamArgs, GradJob, PipelineError, PipelinePayloads, Segment,
+                       StepPipeline, UpdateJob)
+from .store import ChunkStore, Handle, PayloadSpec, Tier
+from .trace import StatsWindow, Trace
+
+__all__ = ["ChunkGroup", "ChunkPhase", "GroupChunk", "GroupSlot", "adam_args", "update_segments"]
+
+
+class ChunkPhase(enum.Enum):
+    """See [Note: chunk phases]."""
+
+    IDLE = "idle"
+    FILLING = "filling"
+    QUEUED = "queued"
+
+
+_LEGAL = {
+    ChunkPhase.IDLE: frozenset({ChunkPhase.FILLING}),
+    ChunkPhase.FILLING: frozenset({ChunkPhase.QUEUED, ChunkPhase.IDLE}),
+    ChunkPhase.QUEUED: frozenset({ChunkPhase.IDLE}),
+}
+
+
+@dataclass(eq=False)
+class GroupSlot:
+    """One param's span in a chunk's flat payloads. Front ends may subclass it to keep their own
+    per-param fields beside it."""
+
+    offset: int
+    stop: int
+    """End of the elements its update covers (the engine's slots cover their alignment padding)."""
+    group: int = 0
+    """Index of its param group in the hyperparameter owner's ``param_groups``."""
+    step: int = 0
+    """Adam steps taken (torch.optim's ``state["step"]``; a param without a grad keeps its own)."""
+
+
+@dataclass(eq=False)
+class GroupChunk:
+    """One chunk of the group (the bytes are in the store under ``cid``)."""
+
+    cid: int
+    slots: tuple
+    numel: int
+    phase: ChunkPhase = ChunkPhase.IDLE
+    window: set = field(default_factory=set)
+    """Slots with a grad in the current accumulation window."""
+    accumulating: bool = False
+    """The fp32 accumulation payload holds grads of this window (``grad_accum > 1``)."""
+    copied: Optional[Handle] = None
+    """The copy-back of its last update (``copy_back``); ``wait`` orders the caller after it."""
+
+    def to(self, phase: ChunkPhase) -> None:
+        if phase not in _LEGAL[self.phase]:
+            raise RuntimeError(f"zero_offload internal error: chunk {self.cid} cannot go from "
+                               f"{self.phase.name} to {phase.name}; please report this")
+        self.phase = phase
+
+
+class ChunkGroup:
+    """The chunks of one front end, their updates and their state. Caller's-thread object: the
+    worker only runs jobs and calls ``on_update_done`` / ``on_chunk_idle``.
+
+    Args:
+        store: the ChunkStore holding every payload named in ``payloads``.
+        hyper: the object whose ``param_groups`` (torch optimizer style) hold each group's
+            ``lr``, ``betas``, ``eps``, ``weight_decay``, read when an update is queued.
+        adamw: decoupled weight decay (AdamW) or L2 (Adam).
+        payloads: the pipeline's payload names.
+        grad_accum: micro-batches per update whose grads the group sums in ``payloads.accum``
+            (1: the front end accumulates itself, or not at all).
+        owner: the front end's name, for errors.
+        prefetch_depth, threads, on_update_done, on_chunk_idle: the ``StepPipeline``'s.
+    """
+
+    def __init__(self, store: ChunkStore, *, hyper: Any, adamw: bool, payloads: PipelinePayloads,
+                 grad_accum: int = 1, owner: str = "zero_offload", prefetch_depth: int = 2,
+                 threads: Optional[int] = None,
+                 on_update_done: Optional[Callable[[int], None]] = None,
+                 on_chunk_idle: Optional[Callable[[int], None]] = None):
+        self.store = store
+        self.hyper = hyper
+        self.adamw = adamw
+        self.payloads = payloads
+        self.grad_accum = grad_accum
+        self.owner = owner
+        self.chunks: list[GroupChunk] = []
+        self.pipeline = StepPipeline(store, payloads=payloads, prefetch_depth=prefetch_depth,
+                                     threads=threads, on_update_done=on_update_done,
+                                     on_chunk_idle=on_chunk_idle)
+        self.wait_s = 0.0
+        """Seconds the caller's thread waited in ``wait`` for updates (what overlap did not hide)."""
+        self._window = StatsWindow(self._sample)
+
+    # ---- building ---------------------------------------------------------------------------
+
+    def add_chunk(self, specs: Mapping[str, PayloadSpec], slots: Sequence[GroupSlot]) -> GroupChunk:
+        """Register a chunk in the store (home copies allocated) and in the group; its id is its
+        index in ``chunks``."""
+        cid = self.store.add_chunk(specs)
+        if cid != len(self.chunks):
+            raise RuntimeError(f"{self.owner}: the store has chunks the group does not own; give each "
+                               f"ChunkGroup a store of its own")
+        chunk = GroupChunk(cid=cid, slots=tuple(slots), numel=next(iter(specs.values())).numel)
+        self.chunks.append(chunk)
+        return chunk
+
+    # ---- whole payloads (caller's thread, no job of the chunk running) ----------------------
+
+    @property
+    def state_names(self) -> dict:
+        """Canonical optimizer-state key ("master", "exp_avg", "exp_avg_sq") -> payload name."""
+        p = self.payloads
+        return {"master": p.master, "exp_avg": p.exp_avg, "exp_avg_sq": p.exp_avg_sq}
+
+    @contextlib.contextmanager
+    def hold(self, chunk: GroupChunk, names: Sequence[str], *, write: bool = False, fresh: bool = False):
+        """Host (CPU) buffers of the payloads ``names`` of ``chunk``, after its last job. ``write``:
+        the caller changes them (they become the newest copies). ``fresh``: the caller writes
+        every element (nothing is read; the buffers start zeroed). Copies whose home is not the
+        CPU are written home when changed and dropped after the block."""
+        self.wait(chunk)
+        store, cid = self.store, chunk.cid
+        away = [n for n in names if store.payload_spec(cid, n).home is not Tier.CPU]
+        with contextlib.ExitStack() as held:
+            bufs = []
+            for name in names:
+                if fresh:
+                    buf = store.allocate(cid, name, Tier.CPU)
+                    store.pin(cid, name, Tier.CPU)
+                    held.callback(store.unpin, cid, name, Tier.CPU)
+                    buf.zero_()
+                else:
+                    buf = held.enter_context(store.use(cid, name, Tier.CPU, write=write))
+                bufs.append(buf)
+            yield bufs
+            if write or fresh:
+                for name in names:
+                    store.mark_dirty(cid, name, Tier.CPU)
+        for name in away:
+            store.evict(cid, name, Tier.CPU, defer=True)  # written home first when newest
+
+    def read(self, chunk: GroupChunk, name: str) -> torch.Tensor:
+        """A CPU copy (clone) of a whole payload, from wherever its newest bytes are."""
+        with self.hold(chunk, [name]) as (buf,):
+            return buf.clone()
+
+    # ---- grads ------------------------------------------------------------------------------
+
+    def open_grads(self, chunk: GroupChunk) -> None:
+        """A grad of ``chunk`` is about to be staged: the chunk's last job (which reads the
+        "grads" host copy) finishes first; the chunk is FILLING."""
+        self.wait(chunk)
+        if chunk.phase is ChunkPhase.IDLE:
+            chunk.to(ChunkPhase.FILLING)
+
+    def stage(self, chunk: GroupChunk, pieces: Sequence[tuple[int, torch.Tensor]]) -> Handle:
+        """Copy device tensors (grads) into the chunk's "grads" host copy at the given element
+        offsets, on the store's D2H stream after the caller's current stream; the returned
+        handle (and every later one) says they have landed. Call ``open_grads`` first."""
+        name = self.payloads.grads
+        self.store.get(chunk.cid, name, Tier.CPU, write=True)
+        return self.store.copy_in(chunk.cid, name, Tier.CPU, pieces)
+
+    def device_grads(self, chunk: GroupChunk) -> torch.Tensor:
+        """A zeroed device buffer (pinned in the store) for the chunk's grads of this pass;
+        ``flush_grads`` sends it down. Call ``open_grads`` first."""
+        store, name = self.store, self.payloads.grads
+        buf = store.allocate(chunk.cid, name, Tier.GPU)
+        buf.zero_()
+        store.pin(chunk.cid, name, Tier.GPU)
+        return buf
+
+    def flush_grads(self, chunk: GroupChunk, *, drop: bool = False) -> Handle:
+        """The device grads buffer of ``device_grads`` goes to its host copy (D2H, async) and is
+        freed; returns the move's handle. ``drop``: freed without copying (after an error)."""
+        store, name = self.store, self.payloads.grads
+        store.unpin(chunk.cid, name, Tier.GPU)
+        handle = None if drop else store.flush(chunk.cid, name, Tier.CPU)
+        store.evict(chunk.cid, name, Tier.GPU)
+        return handle
+
+    def submit(self, chunk: GroupChunk, slots: Iterable[GroupSlot], *, ready: Handle,
+               update: bool, grad_scale: float = 1.0, stats: bool = False,
+               stats_scale: float = 1.0, priority: Optional[int] = None, hold: bool = False) -> None:
+        """Hand the grads of ``slots`` (landed in the host "grads" copy once ``ready`` is done)
+        to the worker: summed into the accumulation payload when ``grad_accum > 1``, their sum
+        of squares added up when ``stats``, and, when ``update``, the chunk's update right
+        behind (the window ends; QUEUED). ``hold``: no new grads, the job works on the
+        accumulation payload as it is."""
+        chunk.window.update(slots)
+        if self.grad_accum == 1:
+            acc = Accumulate.NONE
+        elif hold:
+            acc = Accumulate.HOLD
+        else:
+            acc = Accumulate.ADD if chunk.accumulating else Accumulate.COPY
+            chunk.accumulating = True
+        then = self._update_job(chunk, grad_scale) if update else None
+        with self.errors():
+            self.pipeline.submit_grads(GradJob(cid=chunk.cid, ready=ready, accumulate=acc, stats=stats,
+                                               stats_scale=stats_scale, then=then),
+                                       priority=chunk.cid if priority is None else priority)
+
+    def submit_update(self, chunk: GroupChunk, *, grad_scale: float = 1.0,
+                      priority: Optional[int] = None) -> None:
+        """Queue the update of the chunk's window (its grads already handed over)."""
+        job = self._update_job(chunk, grad_scale)
+        with self.errors():
+            self.pipeline.submit_update(job, priority=chunk.cid if priority is None else priority)
+
+    def skip(self, chunk: GroupChunk) -> None:
+        """End the chunk's window without an update (an fp16 overflow)."""
+        chunk.window.clear()
+        chunk.accumulating = False
+        if chunk.phase is ChunkPhase.FILLING:
+            chunk.to(ChunkPhase.IDLE)
+
+    def _update_job(self, chunk: GroupChunk, grad_scale: float) -> UpdateJob:
+        """The update of the window's slots; advances their steps and ends the window."""
+        spans = []
+        for s in chunk.slots:
+            if s in chunk.window:
+                s.step += 1
+                spans.append((s.offset, s.stop, s.step, s.group))
+        groups = self.hyper.param_groups
+        args = {g: adam_args(groups[g], adamw=self.adamw, grad_scale=grad_scale)
+                for g in {s.group for s in chunk.window}}
+        chunk.window.clear()
+        chunk.accumulating = False
+        chunk.to(ChunkPhase.QUEUED)
+        segments = tuple(Segment(lo, hi, step, args[g]) for lo, hi, step, g in update_segments(spans))
+        source = self.payloads.accum if self.grad_accum > 1 else self.payloads.grads
+        return UpdateJob(cid=chunk.cid, segments=segments, args=segments[0].args, source=source)
+
+    # ---- updated params ---------------------------------------------------------------------
+
+    def copy_back(self, chunk: GroupChunk, name: str, pieces: Sequence[tuple[int, torch.Tensor]], *,
+                  after: Optional[Handle] = None) -> None:
+        """On the worker, after an update: copy the payload's host copy at the given offsets into
+        the caller's tensors (the model's params), on the store's H2D stream after ``after``.
+        The store keeps the source readable until the copies are done (its next update and its
+        eviction wait); ``wait`` orders the caller's stream after them."""
+        with self.store.use(chunk.cid, name, Tier.CPU):
+            chunk.copied = self.store.copy_out(chunk.cid, name, Tier.CPU, pieces, after=after)
+
+    def wait(self, chunk: GroupChunk) -> None:
+        """Until no job of the chunk is queued or running; the caller's current CUDA stream waits
+        for its copy-back. QUEUED -> IDLE."""
+        t0 = time.perf_counter()
+        with self.errors():
+            self.pipeline.wait_chunk(chunk.cid)  # raises the worker's failure, if any
+        self.wait_s += time.perf_counter() - t0
+        if chunk.phase is ChunkPhase.QUEUED:
+            chunk.to(ChunkPhase.IDLE)
+        copied, chunk.copied = chunk.copied, None
+        if copied is not None and self.store.config.cuda:
+            copied.wait_stream(torch.cuda.current_stream(self.store.device))
+
+    def drain(self) -> None:
+        """Every queued job done, every chunk waited for (the caller's stream after its copies)."""
+        with self.errors():
+            self.pipeline.drain()
+        for c in self.chunks:
+            self.wait(c)
+
+    def busy(self, cid: int) -> bool:
+        return self.pipeline.busy(cid)
+
+    # ---- errors, stats, trace, lifetime -----------------------------------------------------
+
+    @contextlib.contextmanager
+    def errors(self):
+        """A worker failure raised as one error naming the owner and the way out."""
+        try:
+            yield
+        except PipelineError as e:
+            raise PipelineError(f"{self.owner}: a CPU-Adam job failed ({e.__cause__!r}); the optimizer "
+                                f"state is no longer consistent with the model (load a checkpoint or "
+                                f"state_dict, or rebuild it)") from e
+
+    def check(self) -> None:
+        """Raise the worker's failure now, if there was one."""
+        if self.pipeline.failed:
+            with self.errors():
+                self.pipeline.drain()
+
+    def _sample(self) -> dict:
+        ps = self.pipeline.stats
+        return {"adam_s": ps.adam_s, "busy_s": ps.busy_s, "wait_chunk_s": ps.wait_chunk_s,
+                "wait_s": self.wait_s, **self.store.stats.bytes_moved}
+
+    def counters(self) -> dict:
+        """The pipeline's and the store's counters since construction or ``reset_counters``."""
+        return self._window.read()
+
+    def reset_counters(self) -> None:
+        self._window.reset()
+
+    @property
+    def trace(self) -> Optional[Trace]:
+        return self.pipeline.trace
+
+    @trace.setter
+    def trace(self, trace: Optional[Trace]) -> None:
+        if trace is not None and not isinstance(trace, Trace):
+            raise TypeError(f"{self.owner}.trace takes a zero_offload.Trace or None, got "
+                            f"{type(trace).__name__}")
+        self.pipeline.trace = trace
+
+    def close(self) -> None:
+        """Finish the queued jobs and stop the worker (idempotent; the store is the owner's)."""
+        self.pipeline.close()
 
 
 def update_segments(spans: Iterable[tuple[int, int, int, Any]]) -> list[tuple[int, int, int, Any]]:

@@ -734,6 +734,70 @@ class ChunkStore:
                 copy.evict_at_unpin = False
                 self._evict(copy, explicit=True)
 
+    def copy_in(self, cid: int, name: str, tier: "Tier | str",
+                pieces: "Sequence[tuple[int, torch.Tensor]]") -> Handle:
+        """Copy caller tensors (e.g. grads on the GPU) into the valid CPU copy at the given
+        element offsets: on CUDA asynchronously on the D2H stream, after the work the caller's
+        current stream has issued (the sources are recorded on that stream). The caller has
+        taken the copy for writing (``get(..., write=True)`` or ``allocate``) and calls
+        ``mark_dirty`` once every piece is in; the returned handle completes when these pieces
+        (and every earlier ``copy_in``) have landed."""
+        return self._copy_pieces(cid, name, tier, pieces, into=True, after=None)
+
+    def wait_copies_in(self) -> None:
+        """The caller's current CUDA stream waits for every ``copy_in`` issued so far: their
+        sources may then be overwritten or freed by its later work (no-op without CUDA)."""
+        if self._streams is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._streams.d2h)
+
+    def copy_out(self, cid: int, name: str, tier: "Tier | str",
+                 pieces: "Sequence[tuple[int, torch.Tensor]]", *, after: "Handle | None" = None) -> Handle:
+        """Copy slices of the valid CPU copy (at the given element offsets) into caller tensors
+        (e.g. a model's params): on CUDA asynchronously on the H2D stream, after ``after``. The
+        copies are readers of the store's copy (see [Note: hazards]): a later write into it
+        (``get(..., write=True)``, ``allocate``, a move) waits for them, and an evicted copy
+        keeps its memory until they finish. The caller holds the copy (``use`` or ``pin``)."""
+        return self._copy_pieces(cid, name, tier, pieces, into=False, after=after)
+
+    def _copy_pieces(self, cid, name, tier, pieces, *, into: bool, after) -> Handle:
+        tier = Tier.of(tier)
+        with self._lock:
+            copy = self._copy(cid, name, tier)
+            self._settle(copy)
+            if tier is not Tier.CPU or copy.state is not Residency.VALID:
+                raise StoreError(f"copy_{'in' if into else 'out'}: {copy.where()} is {copy.state.name}; "
+                                 f"it needs a valid CPU copy: get(), use() or allocate() it first")
+            buf = copy.buffer
+            hop = Hop.between(Tier.GPU, Tier.CPU) if into else Hop.between(Tier.CPU, Tier.GPU)
+            nbytes = sum(t.numel() * buf.element_size() for _, t in pieces)
+            self.stats.bytes_moved[hop] += nbytes
+            self.stats.moves[hop] += 1
+            if self._streams is None:
+                if after is not None:
+                    after.wait()
+                for offset, t in pieces:
+                    if into:
+                        buf[offset:offset + t.numel()].copy_(t.reshape(-1))
+                    else:
+                        t.view(-1).copy_(buf[offset:offset + t.numel()])
+                return Handle.completed()
+            stream = self._streams.d2h if into else self._streams.h2d
+            if into:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                if after is not None:
+                    after.wait_stream(stream)
+                for offset, t in pieces:
+                    if into:
+                        buf[offset:offset + t.numel()].copy_(t.reshape(-1), non_blocking=True)
+                        t.record_stream(stream)
+                    else:
+                        t.view(-1).copy_(buf[offset:offset + t.numel()], non_blocking=True)
+                handle = Handle(event=stream.record_event(), hop=hop, nbytes=nbytes)
+            if not into:
+                copy.readers.append(handle)
+            return handle
+
     @contextlib.contextmanager
     def use(self, cid: int, name: str, tier: "Tier | str", *, write: bool = False) -> Iterator[torch.Tensor]:
         """Fetch (if needed), pin and ``get`` the copy; unpin on exit."""
@@ -810,8 +874,12 @@ class ChunkStore:
             self.policy = policy
 
     def synchronize(self) -> None:
-        """Wait (host) for every move in flight and settle all records."""
+        """Wait (host) for every move in flight (``copy_in`` / ``copy_out`` too) and settle all
+        records."""
         with self._lock:
+            if self._streams is not None:
+                self._streams.d2h.synchronize()
+                self._streams.h2d.synchronize()
             for chunk in self._chunks:
                 for p in chunk.payloads.values():
                     for c in p.copies.values():
