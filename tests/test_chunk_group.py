@@ -18,3 +18,19 @@ def test_adam_args_from_a_param_group_unwraps_a_tensor_lr():
     assert type(a.lr) is float and abs(a.lr - 3e-3) < 1e-9
     assert a.betas == (0.8, float(torch.tensor(0.95))) and all(type(b) is float for b in a.betas)
     assert (a.eps, a.weight_decay, a.adamw, a.grad_scale) == (1e-6, 0.1, True, 2.0)
+
+
+def test_chunk_phase_moves_are_checked():
+    from zero_offload.runtime.chunk_group import ChunkPhase, GroupChunk
+    c = GroupChunk(cid=3, slots=(), numel=8)
+    for bad in (ChunkPhase.QUEUED,):  # IDLE -> QUEUED skips FILLING: a job without grads
+        try:
+            c.to(bad)
+        except RuntimeError as e:
+            assert "chunk 3 cannot go from IDLE to QUEUED" in str(e)
+        else:
+            raise AssertionError("illegal move accepted")
+    c.to(ChunkPhase.FILLING)
+    c.to(ChunkPhase.QUEUED)
+    c.to(ChunkPhase.IDLE)
+    assert c.phase is ChunkPhase.IDLE

@@ -76,6 +76,25 @@ store's: the chunk's next update, which takes the buffer for writing, waits for 
 and with ``state="nvme"`` the host "master" the pipeline evicts after writing it home keeps its
 memory until they finish (lifetime). ``ChunkGroup.wait`` makes the caller's stream wait for them.
 
+[Note: data parallel] With several ranks (DDP scripts; ``process_group``), each rank's store
+holds only its shard of every chunk (distributed.py, [Note: chunk shards]): fp32 master,
+moments and grads of 1/N of the elements, so the node's host memory holds the 12 bytes per param
+of state once, not N times, and each rank's CPU-Adam updates 1/N of the params (on
+``cores / LOCAL_WORLD_SIZE`` threads). DDP averages the grads with its all-reduce during
+backward, but its grad hooks fire before that, so ``overlap`` is off: ``step()`` copies this
+rank's elements of each averaged ``p.grad`` to the host, CPU-Adam updates the shard, the updated
+elements are copied into this rank's params, and ``step()`` all-gathers every chunk's shards
+into every rank's params in chunk order (one chunk's gather overlaps the next chunks' updates);
+``overlap_forward`` is refused. ``state_dict()`` is then collective (every rank must call it):
+each chunk's shards are all-gathered and every rank gets the whole state in torch's format;
+``load_state_dict`` takes each rank's part of such a dict (or of torch's). A failed collective (a
+rank died, raised or timed out) raises one error naming the rank and the way out.
+FSDP2's (``fully_shard``) params are DTensors: FSDP2 shards them and reduce-scatters (averages)
+their grads before the grad hooks fire, so each rank treats its local shards as its params (no
+collective of ours; ``overlap`` and ``overlap_forward`` work; ``state_dict()`` holds the local
+shards). With ``reshard_after_forward=False`` on the root, a module whose params FSDP2 keeps
+unsharded between forwards would not see an update made after that forward (FSDP2's rule too).
+
 [Note: params changed outside the optimizer] The fp32 master is the truth for the update. If a
 param is modified in place by anyone else (``load_state_dict`` into the model, ``p.copy_()``
 under no_grad), its ``_version`` counter moves; the optimizer notices before the next update of
@@ -93,6 +112,8 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .config import _as_budget, _as_float, _as_int
+from .distributed import (all_gather, collective, is_dtensor, local, resolve_group, shard_of,
+                          threads_per_rank)
 from .ops.cpu_adam import UNSUPPORTED_OPTIONS, AdamHyper
 from .runtime.chunk_group import ChunkGroup, ChunkPhase, GroupChunk, GroupSlot
 from .runtime.pipeline import PipelinePayloads
@@ -119,7 +140,9 @@ class _Slot(GroupSlot):
     param: torch.Tensor = None
     index: int = 0
     """Position in the optimizer's param order (the key in ``state_dict()["state"]``)."""
-    numel: int = 0
+    start: int = 0
+    """First element of the param (its local tensor, flattened) this slot holds: 0 unless the
+    chunk is split between ranks (a shard boundary may cut a param; see distributed.py)."""
     version: int = 0
     """``param._version`` when the master last matched the param (see [Note: params changed
     outside the optimizer])."""
@@ -189,6 +212,9 @@ class OffloadAdam(torch.optim.Optimizer):
         prefetch_depth: NVMe chunks read ahead of the update being run.
         cpu_budget: bytes (or "auto") of pinned host memory the optimizer may use ("cpu" state
             must fit whole; "nvme" state stages through it).
+        process_group: data parallelism (see [Note: data parallel]). "auto" (default): the
+            default group when ``torch.distributed`` is initialized with several ranks; None:
+            every rank keeps the whole state; or a ProcessGroup.
     """
 
     _adamw = False
@@ -197,7 +223,7 @@ class OffloadAdam(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, *, state: str = "cpu",
                  nvme_dir=None, chunk_mb: float = 64.0, threads: int | None = None,
                  overlap: bool = True, overlap_forward: bool = False, grad_accum: int = 1,
-                 prefetch_depth: int = 2, cpu_budget: int | str = "auto"):
+                 prefetch_depth: int = 2, cpu_budget: int | str = "auto", process_group="auto"):
         name = type(self).__name__
         h = AdamHyper.checked(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=self._adamw,
                               owner=name)
@@ -222,6 +248,22 @@ class OffloadAdam(torch.optim.Optimizer):
         self._threads = None if threads is None else _as_int(name, "threads", threads, minimum=1)
         self._overlap = _check_flag("overlap", overlap)
         self._overlap_forward = _check_flag("overlap_forward", overlap_forward)
+        params = _read_once(params)
+        # See [Note: data parallel]: FSDP2's params are sharded already (each rank its own).
+        fsdp2 = _has_dtensor(params)
+        self._pg = None if fsdp2 else resolve_group(process_group, name)
+        self._shard = shard_of(self._pg)
+        if fsdp2 and self._threads is None:
+            self._threads = threads_per_rank(cuda=True)  # the node's cores split between the ranks
+        if self._pg is not None:
+            if overlap_forward:
+                raise ValueError(f"{name}: overlap_forward=True does not work with data-parallel "
+                                 f"sharding (step() all-gathers the updated shards); drop it, or pass "
+                                 f"process_group=None to keep the whole state on every rank")
+            self._overlap = False  # DDP's grad hooks fire before its all-reduce: stage in step()
+            self._chunk_numel *= self._shard.world  # each rank's shard of a chunk: about chunk_mb
+            if self._threads is None:
+                self._threads = threads_per_rank(cuda=True)
         self._grad_accum = _as_int(name, "grad_accum", grad_accum, minimum=1)
         self._depth = _as_int(name, "prefetch_depth", prefetch_depth, minimum=0)
         self._cpu_budget = _as_budget(name, "cpu_budget", cpu_budget)
@@ -236,6 +278,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._chunk_of: dict[torch.Tensor, GroupChunk] = {}  # trainable param -> its chunk (forward hook)
         self._landed: dict[int, int] = {}        # chunk id -> slots whose grad is staged this step
         self._ready: dict[int, Handle] = {}      # chunk id -> handle of its last staged grad copy
+        self._members: dict[int, tuple] = {}     # chunk id -> ([(param, chunk offset)], shard size)
         self._jobs: dict[int, tuple] = {}        # chunk id -> (slots, grads handle) of its last update
         self._frozen: list[torch.Tensor] = []    # params without grad: no state, no chunk
         self._hook_handles: list = []
@@ -246,8 +289,8 @@ class OffloadAdam(torch.optim.Optimizer):
         self._closed = False
         self._steps = self._steps0 = 0
 
-        params = _read_once(params)
-        self._nvme_need = _state_bytes(params)   # the swap space is preallocated: size it for all groups
+        # the swap space is preallocated: size it for all groups
+        self._nvme_need = _state_bytes(params, self._shard.world)
         defaults = dict(lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay,
                         amsgrad=False, maximize=False, foreach=None, capturable=False,
                         differentiable=False, fused=None, decoupled_weight_decay=self._adamw)
@@ -277,7 +320,8 @@ class OffloadAdam(torch.optim.Optimizer):
         group = self.param_groups[-1]
         runs = self._pack(group["params"])
         if self._store is not None and self._home is Tier.NVME:
-            need = sum(3 * round_up(4 * sum(p.numel() for p in run), ALIGNMENT) for run in runs)
+            need = sum(3 * round_up(4 * self._shard.span(sum(local(p).numel() for p in run))[2], ALIGNMENT)
+                       for run in runs)
             free = self._store.budgets[Tier.NVME] - self._store.bytes(Tier.NVME)
             if need > free:
                 self.param_groups.pop()
@@ -320,11 +364,11 @@ class OffloadAdam(torch.optim.Optimizer):
         """Consecutive trainable params of one dtype, in chunks of about ``chunk_numel``."""
         runs: list[list[torch.Tensor]] = []
         for p in params:
-            if not p.requires_grad:
+            if not p.requires_grad or local(p).numel() == 0:
                 continue
             last = runs[-1] if runs else None
             if last and last[0].dtype == p.dtype and \
-                    sum(q.numel() for q in last) + p.numel() <= self._chunk_numel:
+                    sum(local(q).numel() for q in last) + local(p).numel() <= self._chunk_numel:
                 last.append(p)
             else:
                 runs.append([p])
@@ -341,17 +385,23 @@ class OffloadAdam(torch.optim.Optimizer):
         index0 = sum(len(g["params"]) for g in self.param_groups[:-1])
         position = {id(p): index0 + i for i, p in enumerate(params)}
         for run in runs:
-            numel = sum(p.numel() for p in run)
-            payloads = {"grads": PayloadSpec(numel, run[0].dtype, Tier.CPU)}
-            payloads.update((n, PayloadSpec(numel, torch.float32, self._home)) for n in _STATE)
-            if run[0].dtype in _LOWP:
-                payloads["params"] = PayloadSpec(numel, run[0].dtype, Tier.CPU)
-            slots, offset = [], 0
+            members, offset = [], 0
             for p in run:
-                slots.append(_Slot(offset=offset, stop=offset + p.numel(), group=gi, param=p,
-                                   index=position[id(p)], numel=p.numel(), version=p._version))
-                offset += p.numel()
+                members.append((p, offset))
+                offset += local(p).numel()
+            lo, hi, k = self._shard.span(offset)  # this rank's elements; see [Note: data parallel]
+            payloads = {"grads": PayloadSpec(k, run[0].dtype, Tier.CPU)}
+            payloads.update((n, PayloadSpec(k, torch.float32, self._home)) for n in _STATE)
+            if run[0].dtype in _LOWP:
+                payloads["params"] = PayloadSpec(k, run[0].dtype, Tier.CPU)
+            slots = []
+            for p, o in members:
+                a, b = max(o, lo), min(o + local(p).numel(), hi)
+                if a < b:
+                    slots.append(_Slot(offset=a - lo, stop=b - lo, group=gi, param=p, start=a - o,
+                                       index=position[id(p)], version=local(p)._version))
             chunk = self._group.add_chunk(payloads, slots)
+            self._members[chunk.cid] = (members, k)
             self._landed[chunk.cid] = 0
             self._init_state(chunk)
             self._slots.extend(slots)
@@ -379,7 +429,7 @@ class OffloadAdam(torch.optim.Optimizer):
         """Master = the params (fp32), moments = 0; written home (NVMe: then dropped from RAM)."""
         with self._group.hold(chunk, _STATE, fresh=True) as (master, _, _):
             for slot in chunk.slots:
-                master[slot.offset:slot.stop].copy_(slot.param.detach().reshape(-1))
+                master[slot.offset:slot.stop].copy_(_piece(slot, slot.param))
 
     # ------------------------------------------------------------------------------------
     # backward side (caller's thread, or autograd's)
@@ -404,17 +454,17 @@ class OffloadAdam(torch.optim.Optimizer):
     def _stage(self, chunk: GroupChunk, slot: _Slot, *, consume: bool) -> None:
         """Queue the copy of ``slot``'s grad into the chunk's "grads" host buffer."""
         p = slot.param
-        grad = p.grad
+        grad = local(p.grad)
         if grad.is_sparse:
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-        if grad.shape != p.shape:
-            raise RuntimeError(f"grad of shape {tuple(grad.shape)} for a param of shape {tuple(p.shape)}")
+        if grad.shape != local(p).shape:
+            raise RuntimeError(f"grad of shape {tuple(grad.shape)} for a param of shape {tuple(local(p).shape)}")
         if chunk.phase is not ChunkPhase.FILLING:  # the chunk's first grad in this step
             self._group.open_grads(chunk)  # its last update read "grads": it finishes first
             self._remove_forward_hook_if_synced()
-        if p._version != slot.version:
+        if local(p)._version != slot.version:
             self._resync_master(chunk, slot)
-        self._ready[chunk.cid] = self._group.stage(chunk, [(slot.offset, grad)])
+        self._ready[chunk.cid] = self._group.stage(chunk, [(slot.offset, _piece(slot, grad))])
         if consume:
             p.grad = None
         slot.landed = True
@@ -423,8 +473,8 @@ class OffloadAdam(torch.optim.Optimizer):
     def _resync_master(self, chunk: GroupChunk, slot: _Slot) -> None:
         """See [Note: params changed outside the optimizer]. Rare: synchronous."""
         with self._group.hold(chunk, ["master"], write=True) as (master,):
-            master[slot.offset:slot.stop].copy_(slot.param.detach().reshape(-1))
-        slot.version = slot.param._version
+            master[slot.offset:slot.stop].copy_(_piece(slot, slot.param))
+        slot.version = local(slot.param)._version
 
     def _submit(self, chunk: GroupChunk) -> None:
         """Hand a chunk whose staged grads are complete to the pipeline, its update behind."""
@@ -445,7 +495,8 @@ class OffloadAdam(torch.optim.Optimizer):
         chunk = self._group.chunks[cid]
         slots, ready = self._jobs[cid]
         name = "params" if chunk.slots[0].param.dtype in _LOWP else "master"
-        self._group.copy_back(chunk, name, [(s.offset, s.param.data) for s in slots], after=ready)
+        self._group.copy_back(chunk, name, [(s.offset, _piece(s, local(s.param).data.view(-1)))
+                                            for s in slots], after=ready)
 
     # ------------------------------------------------------------------------------------
     # step and synchronisation
@@ -498,12 +549,38 @@ class OffloadAdam(torch.optim.Optimizer):
             self._priority = {cid: last - i for i, cid in enumerate(self._submitted)}
             self._submitted = []
         self._steps += 1
+        if self._pg is not None:
+            self._gather_params()
         if not self._overlap_forward:
             self._sync_all()
         elif self._forward_hook is None and self._queued():
             self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(
                 _weak(self._pre_forward))
         return loss
+
+    def _gather_params(self) -> None:
+        """See [Note: data parallel]: every rank's updated shard of each chunk into every rank's
+        params, chunk by chunk in chunk order (the same on every rank; the gather of one chunk
+        overlaps the updates of the next ones)."""
+        pending = None
+        with collective(type(self).__name__, "the all-gather of the updated params", self._pg):
+            for chunk in self._chunks:
+                self._group.wait(chunk)  # its update and its copy into this rank's params
+                members, k = self._members[chunk.cid]
+                first = local(members[0][0])
+                send = torch.zeros(k, dtype=first.dtype, device=first.device)
+                lo, hi, _ = self._shard.span(members[-1][1] + local(members[-1][0]).numel())
+                for p, o in members:
+                    a, b = max(o, lo), min(o + local(p).numel(), hi)
+                    if a < b:
+                        send[a - lo:b - lo] = local(p).detach().reshape(-1)[a - o:b - o]
+                full = torch.empty(k * self._shard.world, dtype=send.dtype, device=send.device)
+                work = all_gather(full, send, self._pg, async_op=True)
+                if pending is not None:
+                    _scatter(*pending)
+                pending = (work, full, members)
+            if pending is not None:
+                _scatter(*pending)
 
     def synchronize(self) -> None:
         """Wait for every update handed over and order the param copies before the current CUDA
@@ -554,19 +631,19 @@ class OffloadAdam(torch.optim.Optimizer):
         if any(s.landed or s.hooks for s in self._slots):
             raise RuntimeError(f"{type(self).__name__}.state_dict() in the middle of a step: call step() first")
         self._sync_all()
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        for chunk in self._chunks:
+        state: dict[int, dict[str, torch.Tensor]] = {} if self._pg is None else self._gathered_state()
+        for chunk in self._chunks if self._pg is None else ():
             stepped = [s for s in chunk.slots if s.step > 0]
             if not stepped:
                 continue
             with self._group.hold(chunk, _STATE) as (master, exp_avg, exp_avg_sq):
                 for s in stepped:
-                    sl = slice(s.offset, s.stop)
+                    sl, shape = slice(s.offset, s.stop), local(s.param).shape
                     entry = {"step": torch.tensor(float(s.step)),
-                             "exp_avg": exp_avg[sl].clone().view(s.param.shape),
-                             "exp_avg_sq": exp_avg_sq[sl].clone().view(s.param.shape)}
+                             "exp_avg": exp_avg[sl].clone().view(shape),
+                             "exp_avg_sq": exp_avg_sq[sl].clone().view(shape)}
                     if s.param.dtype in _LOWP:
-                        entry["master"] = master[sl].clone().view(s.param.shape)
+                        entry["master"] = master[sl].clone().view(shape)
                     state[s.index] = entry
         groups, start = [], 0
         for g in self.param_groups:
@@ -575,6 +652,40 @@ class OffloadAdam(torch.optim.Optimizer):
             start += len(g["params"])
             groups.append(packed)
         return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+    def _gathered_state(self) -> dict:
+        """The whole state in torch's format, on every rank: each chunk's shards all-gathered
+        (host memory: one chunk's state at a time beside the result)."""
+        import torch.distributed as dist
+        world, pg = self._shard.world, self._pg
+        index_of = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        steps: dict[int, int] = {}
+        gathered = [None] * world
+        dev = self._device if dist.get_backend(pg) == "nccl" else torch.device("cpu")
+        state = {}
+        with collective(type(self).__name__, "the all-gather of the optimizer state", pg):
+            dist.all_gather_object(gathered, {s.index: s.step for s in self._slots}, group=pg)
+            for d in gathered:
+                for i, step in d.items():
+                    steps[i] = max(steps.get(i, 0), step)
+            for chunk in self._chunks:
+                members, k = self._members[chunk.cid]
+                with self._group.hold(chunk, _STATE) as bufs:
+                    mine = torch.stack(bufs).to(dev)
+                full = torch.empty(world * 3, k, device=dev)
+                all_gather(full, mine, pg)
+                flat = full.view(world, 3, k).transpose(0, 1).reshape(3, world * k).cpu()
+                for p, o in members:
+                    i = index_of[id(p)]
+                    if steps.get(i, 0) == 0:
+                        continue
+                    sl = slice(o, o + p.numel())
+                    state[i] = {"step": torch.tensor(float(steps[i])),
+                                "exp_avg": flat[1, sl].clone().view(p.shape),
+                                "exp_avg_sq": flat[2, sl].clone().view(p.shape)}
+                    if p.dtype in _LOWP:
+                        state[i]["master"] = flat[0, sl].clone().view(p.shape)
+        return state
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -601,15 +712,15 @@ class OffloadAdam(torch.optim.Optimizer):
             for j, saved_id in enumerate(sg["params"]):
                 id_map[saved_id] = start + j
             start += len(g["params"])
-        by_index = {s.index: s for s in self._slots}
+        by_index = dict(enumerate(p for g in self.param_groups for p in g["params"]))
         entries: dict[int, dict] = {}
         for key, entry in state_dict["state"].items():
             key = int(key) if isinstance(key, str) and key.isdigit() else key
             if key not in id_map:
                 raise ValueError(f"loaded state dict has state for param id {key!r}, which no group lists")
             idx = id_map[key]
-            slot = by_index.get(idx)
-            if slot is None:
+            param = by_index[idx]
+            if not param.requires_grad or local(param).numel() == 0:
                 continue  # a frozen param here: no state kept (as it gets no grads)
             for k in ("step", "exp_avg", "exp_avg_sq"):
                 if k not in entry:
@@ -617,9 +728,9 @@ class OffloadAdam(torch.optim.Optimizer):
             if "max_exp_avg_sq" in entry:
                 raise ValueError(f"loaded state for param {key} is from amsgrad=True, which {name} does not support")
             for k in ("exp_avg", "exp_avg_sq", "master"):
-                if k in entry and entry[k].numel() != slot.numel:
-                    raise ValueError(f"loaded {k!r} for param {key} has {entry[k].numel()} elements, the "
-                                     f"param has {slot.numel}")
+                if k in entry and local(entry[k]).numel() != local(param).numel():
+                    raise ValueError(f"loaded {k!r} for param {key} has {local(entry[k]).numel()} elements, "
+                                     f"the param has {local(param).numel()}")
             entries[idx] = entry
         # all checks passed: change state
         self._sync_all()
@@ -633,19 +744,17 @@ class OffloadAdam(torch.optim.Optimizer):
                     sl = slice(s.offset, s.stop)
                     entry = entries.get(s.index)
                     master_src = entry.get("master") if entry is not None else None
-                    if master_src is None:
-                        master_src = s.param.detach()
-                    master[sl].copy_(master_src.reshape(-1))
+                    master[sl].copy_(_piece(s, s.param if master_src is None else master_src))
                     if entry is None:
                         exp_avg[sl].zero_()
                         exp_avg_sq[sl].zero_()
                         s.step = 0
                     else:
-                        exp_avg[sl].copy_(entry["exp_avg"].reshape(-1))
-                        exp_avg_sq[sl].copy_(entry["exp_avg_sq"].reshape(-1))
+                        exp_avg[sl].copy_(_piece(s, entry["exp_avg"]))
+                        exp_avg_sq[sl].copy_(_piece(s, entry["exp_avg_sq"]))
                         step = entry["step"]
                         s.step = int(step.item() if isinstance(step, torch.Tensor) else step)
-                    s.version = s.param._version
+                    s.version = local(s.param)._version
 
     # ------------------------------------------------------------------------------------
     # misc
@@ -757,10 +866,34 @@ def _read_once(params):
     return out
 
 
-def _state_bytes(params) -> int:
-    """Bytes of NVMe state for the trainable params in ``params`` (as read by ``_read_once``):
-    12 per element, each of the 3 payloads of a chunk padded to 4 KiB (at most one chunk per
-    param)."""
+def _scatter(work, full: torch.Tensor, members) -> None:
+    """The end of one chunk's all-gather: the chunk's params take their elements of ``full``."""
+    work.wait()
+    for p, o in members:
+        lp = local(p)
+        lp.data.view(-1).copy_(full[o:o + lp.numel()])
+
+
+def _piece(slot: _Slot, t: torch.Tensor) -> torch.Tensor:
+    """The elements of ``t`` (a param, its grad or its data; local shard for DTensors) that
+    ``slot`` holds, flat."""
+    return local(t).detach().reshape(-1)[slot.start:slot.start + slot.stop - slot.offset]
+
+
+def _has_dtensor(params) -> bool:
+    if isinstance(params, torch.Tensor):
+        return is_dtensor(params)
+    for g in params:
+        ps = g.get("params") if isinstance(g, dict) else [g]
+        if any(is_dtensor(t) for t in ([ps] if isinstance(ps, torch.Tensor) else (ps or ()))):
+            return True
+    return False
+
+
+def _state_bytes(params, world: int = 1) -> int:
+    """Bytes of NVMe state for the trainable params in ``params`` (as read by ``_read_once``) on
+    one of ``world`` ranks: 12 per element of its shard, each of the 3 payloads of a chunk padded
+    to 4 KiB (at most one chunk per param)."""
     if isinstance(params, torch.Tensor):
         return 0
     tensors = []
@@ -768,4 +901,5 @@ def _state_bytes(params) -> int:
         ps = g.get("params") if isinstance(g, dict) else [g]
         tensors.extend([ps] if isinstance(ps, torch.Tensor) else (ps or ()))
     seen = {id(t): t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad}
-    return sum(12 * t.numel() + 3 * ALIGNMENT for t in seen.values())
+    return -(-sum(12 * local(t).numel() for t in seen.values()) // world) + \
+        len(seen) * (12 + 3 * ALIGNMENT)

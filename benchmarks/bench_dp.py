@@ -1,0 +1,140 @@
+"""OffloadAdamW on several GPUs of one node, under torchrun: tokens/s and host RSS per case.
+
+    torchrun --nproc-per-node N benchmarks/bench_dp.py --model 1.3b --batch 8 \\
+        --cases ddp-offload,fsdp2-offload,fsdp2-cpuoffload,ddp-torch --json-out dp_nN.json
+
+Cases (fp32 params, bf16 autocast, batch ``--batch`` sequences per rank, AdamW lr 1e-4 wd 0.1):
+- ``ddp-offload``: DDP + ``zero_offload.OffloadAdamW`` (each rank keeps and updates 1/N of the
+  state on its CPU cores, step() all-gathers the updated params: ZeRO-2 + offload);
+- ``fsdp2-offload``: FSDP2 (``fully_shard`` per block and the root) + ``OffloadAdamW`` on the
+  local shards;
+- ``fsdp2-cpuoffload``: FSDP2 with ``CPUOffloadPolicy`` + ``torch.optim.AdamW`` on the CPU
+  shards (PyTorch's own CPU offload);
+- ``ddp-torch``: DDP + fused AdamW on the GPU (no offload: the ceiling).
+Rank 0 prints one line per case and writes the JSON: median step time over ``--steps`` timed
+steps (after ``--warmup``), global tokens/s, peak host RSS of every rank (sampled every 20 ms)
+and their sum, GPU peak of rank 0.
+"""
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import threading
+import time
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from zero_offload import OffloadAdamW
+from zero_offload.models import GPT, preset
+
+
+class PeakRSS:
+    def __init__(self):
+        self.peak = 0
+        self._stop = threading.Event()
+        self._proc = psutil.Process()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self):
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def reset(self):
+        self.peak = self._proc.memory_info().rss
+
+
+def build(case, cfg, device, world):
+    torch.manual_seed(0)
+    model = GPT(cfg, device=device)
+    if case.startswith("ddp"):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        wrapped = DDP(model, device_ids=[device.index]) if world > 1 else model
+        opt = (OffloadAdamW(model.parameters(), lr=1e-4, weight_decay=0.1) if case == "ddp-offload"
+               else torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True))
+        return wrapped, opt
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    mesh = init_device_mesh("cuda", (world,))
+    kw = {"offload_policy": CPUOffloadPolicy()} if case == "fsdp2-cpuoffload" else {}
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
+    if case == "fsdp2-offload":
+        return model, OffloadAdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    except (RuntimeError, ValueError):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    return model, opt
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="1.3b")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--cases", default="ddp-offload,fsdp2-offload,fsdp2-cpuoffload,ddp-torch")
+    ap.add_argument("--json-out")
+    args = ap.parse_args()
+    dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    cfg = preset(args.model)
+    rss = PeakRSS()
+    g = torch.Generator().manual_seed(1 + rank)
+    results = []
+    for case in args.cases.split(","):
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        rss.reset()
+        model, opt = build(case, cfg, device, world)
+        times, losses = [], []
+        for i in range(args.warmup + args.steps):
+            x = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=g).to(device)
+            y = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=g).to(device)
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize(device)
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+        peaks = [None] * world
+        dist.all_gather_object(peaks, rss.peak)
+        med = statistics.median(times)
+        tokens = world * args.batch * cfg.seq_len
+        r = {"case": case, "world": world, "median_s": med, "step_times": times,
+             "tokens_per_s": tokens / med, "rss_peak_per_rank_gib": [p / 2**30 for p in peaks],
+             "rss_peak_node_gib": sum(peaks) / 2**30,
+             "gpu_peak_gib_rank0": torch.cuda.max_memory_allocated(device) / 2**30,
+             "params": sum(p.numel() for p in GPT(cfg, device="meta").parameters()),
+             "losses": losses, "gpu": torch.cuda.get_device_name(device)}
+        results.append(r)
+        if rank == 0:
+            print(f"[{case} x{world}] {med:.3f} s/step, {r['tokens_per_s']:,.0f} tok/s, host RSS node "
+                  f"{r['rss_peak_node_gib']:.1f} GiB (per rank {', '.join(f'{p:.1f}' for p in r['rss_peak_per_rank_gib'])}), "
+                  f"GPU {r['gpu_peak_gib_rank0']:.1f} GiB, loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
+        if hasattr(opt, "close"):
+            opt.close()
+        del model, opt
+        dist.barrier()
+    if rank == 0 and args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"results": results, "args": vars(args)}, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

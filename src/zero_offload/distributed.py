@@ -1,0 +1,110 @@
+"""Data parallelism for the front ends, on ``torch.distributed`` (NCCL on GPUs, gloo on the CPU):
+which process group and rank, how a chunk is split between the ranks, FSDP2's DTensor params
+(their local shards), CPU-Adam threads per rank, and collectives whose failure says what it means.
+
+[Note: chunk shards] With N ranks a chunk of n elements is split into N contiguous shards of
+``k = ceil(n / N)`` elements (the last ones shorter or empty; every rank's buffers have k
+elements so that an all-gather of equal pieces rebuilds the chunk). Rank r owns elements
+``[r*k, min((r+1)*k, n))``: its fp32 master, moments and grads live only there, so the node's
+host memory holds each optimizer byte once, whatever N is.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Shard", "collective", "is_dtensor", "local", "resolve_group", "threads_per_rank"]
+
+
+def is_dtensor(t) -> bool:
+    """A ``torch.distributed.tensor.DTensor`` (FSDP2's params and grads)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory holds this rank's elements: a DTensor's local shard (FSDP2 keeps
+    the same storage between steps and reads it at its next all-gather), or ``t`` itself."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's place in a data-parallel group; see [Note: chunk shards]."""
+
+    rank: int = 0
+    world: int = 1
+
+    def span(self, n: int) -> tuple[int, int, int]:
+        """``(lo, hi, k)``: this rank's elements ``[lo, hi)`` of a chunk of ``n`` and the shard
+        size ``k`` every rank allocates."""
+        k = -(-n // self.world)
+        lo = min(self.rank * k, n)
+        return lo, min(lo + k, n), k
+
+
+def resolve_group(process_group, owner: str):
+    """The process group to shard over, or None. ``"auto"``: the default group when
+    ``torch.distributed`` is initialized with more than one rank; None: no sharding."""
+    if process_group is None:
+        return None
+    import torch.distributed as dist
+    if isinstance(process_group, str):
+        if process_group != "auto":
+            raise ValueError(f"{owner}: process_group={process_group!r} is invalid: pass 'auto', None "
+                             f"or a torch.distributed ProcessGroup")
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        return dist.group.WORLD
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"{owner}: process_group must be 'auto', None or a torch.distributed "
+                        f"ProcessGroup, got {type(process_group).__name__}")
+    return process_group
+
+
+def shard_of(group) -> Shard:
+    if group is None:
+        return Shard()
+    import torch.distributed as dist
+    return Shard(rank=dist.get_rank(group), world=dist.get_world_size(group))
+
+
+def threads_per_rank(cuda: bool) -> int:
+    """CPU-Adam threads for one of ``LOCAL_WORLD_SIZE`` ranks on this node (torchrun sets it):
+    the cores this process may use, split evenly, less one per rank driving a GPU (its Python
+    thread must not be preempted by the kernel's workers)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    per = cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(1, per - (1 if cuda else 0))
+
+
+@contextlib.contextmanager
+def collective(owner: str, what: str, group):
+    """Run collectives; a failure (a rank died, raised or timed out) is raised as one error that
+    names this rank and the way out."""
+    try:
+        yield
+    except (RuntimeError, ValueError) as e:
+        import torch.distributed as dist
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        raise RuntimeError(
+            f"{owner}: rank {rank} of {world}: {what} failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            f"another rank has probably died, raised or timed out. The ranks' training states no "
+            f"longer match: stop every rank and restart from the last checkpoint") from e
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group, *, async_op: bool = False):
+    """``out`` = the ranks' ``inp`` concatenated along dim 0 (``all_gather_single`` where torch has
+    it, else ``all_gather_into_tensor``)."""
+    import torch.distributed as dist
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=async_op)

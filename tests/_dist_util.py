@@ -1,0 +1,74 @@
+"""Runs a test function on N CPU processes joined by gloo (torch.distributed), each in its own
+process (spawn), and returns what each rank returned or raised; a rank that neither returns nor
+raises within the timeout is killed and reported as hung. Rank functions live at module level in
+test files (spawn imports them by name)."""
+import datetime
+import os
+import pickle
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank, world, port, out_dir, args, timeout_s):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    result = {"rank": rank}
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        result["value"] = fn(rank, world, *args)
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["traceback"] = traceback.format_exc()
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def run_ranks(fn, world, tmp_path, *args, timeout_s=60, collective_timeout_s=30):
+    """``fn(rank, world, *args)`` on ``world`` processes; returns a list of result dicts."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, str(tmp_path), args,
+                                                   collective_timeout_s)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout_s)
+    results = []
+    for r, p in enumerate(procs):
+        if p.is_alive():
+            p.kill()
+            p.join()
+            results.append({"rank": r, "error": "hung", "exitcode": None})
+            continue
+        path = os.path.join(tmp_path, f"rank{r}.pkl")
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                results.append({**pickle.load(f), "exitcode": p.exitcode})
+        else:
+            results.append({"rank": r, "error": f"exited with {p.exitcode} without a result",
+                            "exitcode": p.exitcode})
+    return results
+
+
+def values(results):
+    """The ranks' return values; raises with every rank's traceback if any rank failed."""
+    bad = [r for r in results if "error" in r]
+    if bad:
+        raise AssertionError("\n".join(f"rank {r['rank']}: {r['error']}\n{r.get('traceback', '')}" for r in bad))
+    return [r["value"] for r in results]

@@ -1,0 +1,150 @@
+"""OffloadAdamW on several ranks (2 CPU processes, gloo): with DDP each rank keeps and updates
+only its shard of every chunk and step() all-gathers the updated params (ZeRO-2 + offload); with
+FSDP2 (DTensor params) each rank updates its local shards. Checked against torch.optim.AdamW on
+the same global batch (DDP: one process, no wrapper; FSDP2: the same wrapped model), the
+gathered state dict, resuming from it, and a rank that dies."""
+import os
+
+import pytest
+import torch
+
+from _dist_util import run_ranks, values
+from _offload_optim_util import CFG, batches, make_model, max_rel_diff
+
+WORLD = 2
+STEPS = 4
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+
+
+def _groups(model):
+    return [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0, "lr": 1e-2}]
+
+
+def _ddp_rank(rank, world, state, nvme_dir, resume_at):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_offload import OffloadAdamW
+
+    model = make_model()
+    ddp = DDP(model)
+    kw = dict(lr=3e-3, chunk_mb=0.01, threads=1, state=state,
+              nvme_dir=None if nvme_dir is None else os.path.join(nvme_dir, f"r{rank}"))
+    opt = OffloadAdamW(_groups(model), **kw)
+    shard_numel = sum(c.numel for c in opt._chunks)
+    per = batches(STEPS, batch=2 * world)[0][0].shape[0] // world
+    losses = []
+    for i, (x, y) in enumerate(batches(STEPS, batch=2 * world)):
+        if i == resume_at:  # the gathered state dict, loaded by a fresh optimizer, continues exactly
+            sd = opt.state_dict()
+            opt.close()
+            opt = OffloadAdamW(_groups(model), **kw)
+            opt.load_state_dict(sd)
+        loss = ddp(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    sd = opt.state_dict()
+    opt.close()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, sd, shard_numel
+
+
+def _reference():
+    model = make_model()
+    opt = torch.optim.AdamW(_groups(model), lr=3e-3)
+    for x, y in batches(STEPS, batch=2 * WORLD):
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt.state_dict()
+
+
+@pytest.mark.parametrize("state,resume_at", [("cpu", None), ("cpu", 2), ("nvme", 3)])
+def test_ddp_each_rank_updates_its_shard_and_matches_torch(state, resume_at, tmp_path):
+    nvme = str(tmp_path / "swap") if state == "nvme" else None
+    out = values(run_ranks(_ddp_rank, WORLD, tmp_path, state, nvme, resume_at, timeout_s=120))
+    ref, ref_sd = _reference()
+    total = sum(p.numel() for p in ref.parameters())
+    for params, sd, shard_numel in out:
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(params[n], p.detach(), rtol=1e-5, atol=1e-6)
+        # host state of one rank: about half of the model's (each chunk split in two)
+        assert total / WORLD <= shard_numel <= total / WORLD + len(sd["state"])
+        assert set(sd["state"]) == set(ref_sd["state"])
+        for i, entry in ref_sd["state"].items():
+            assert float(sd["state"][i]["step"]) == float(entry["step"])
+            for k in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(sd["state"][i][k], entry[k], rtol=1e-4, atol=1e-9)
+    assert max_rel_diff(ref, ref) == 0.0
+
+
+def _fsdp_rank(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from zero_offload import OffloadAdamW
+
+    mesh = init_device_mesh("cpu", (world,))
+    models = []
+    for _ in range(2):
+        m = make_model()
+        for block in m.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(m, mesh=mesh, reshard_after_forward=True)
+        models.append(m)
+    ours, ref = models
+    opts = [OffloadAdamW(_groups(ours), lr=3e-3, chunk_mb=0.01, threads=1),
+            torch.optim.AdamW(_groups(ref), lr=3e-3)]
+    per = 2
+    for x, y in batches(STEPS, batch=2 * world):
+        for m, o in zip(models, opts):
+            m(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
+            o.step()
+            o.zero_grad()
+    local_numel = sum(c.numel for c in opts[0]._chunks)
+    sd = opts[0].state_dict()
+    ref_sd = opts[1].state_dict()
+    opts[0].close()
+    full = lambda m: {n: p.full_tensor().detach().clone() for n, p in m.named_parameters()}  # noqa: E731
+    state_ok = all(torch.allclose(sd["state"][i]["exp_avg"], e["exp_avg"].to_local(), rtol=1e-4, atol=1e-9)
+                   for i, e in ref_sd["state"].items())
+    return full(ours), full(ref), local_numel, state_ok
+
+
+def test_fsdp2_local_shards_match_torch_adamw_on_the_same_wrapped_model(tmp_path):
+    out = values(run_ranks(_fsdp_rank, WORLD, tmp_path, timeout_s=120))
+    total = sum(p.numel() for p in make_model().parameters())
+    for ours, ref, local_numel, state_ok in out:
+        assert ours.keys() == ref.keys()
+        for n in ref:
+            torch.testing.assert_close(ours[n], ref[n], rtol=1e-5, atol=1e-6)
+        assert local_numel < 0.6 * total  # each rank: its shards only
+        assert state_ok
+    start = make_model()
+    moved = max((ours[n] - p.detach()).abs().max().item() for n, p in start.named_parameters())
+    assert moved > 1e-3  # training changed the params
+
+
+def _dies_rank(rank, world):
+    from zero_offload import OffloadAdamW
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = OffloadAdamW(model.parameters(), threads=1)
+    for step in range(3):
+        if rank == 1 and step == 1:
+            os._exit(3)  # killed between steps
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+    return "finished"
+
+
+def test_a_dead_rank_makes_the_other_raise_one_clear_error(tmp_path):
+    results = run_ranks(_dies_rank, WORLD, tmp_path, timeout_s=90, collective_timeout_s=30)
+    assert results[1]["exitcode"] == 3
+    err = results[0].get("error", "")
+    assert "rank 0 of 2: the all-gather of the updated params failed" in err, results[0]
+    assert "another rank has probably died" in err and "restart from the last checkpoint" in err
+    assert CFG.vocab_size == 64  # the shared test config is untouched by the ranks
