@@ -4,8 +4,10 @@
         --cases ddp-offload,fsdp2-offload,fsdp2-cpuoffload,ddp-torch --json-out dp_nN.json
 
 Cases (fp32 params, bf16 autocast, batch ``--batch`` sequences per rank, AdamW lr 1e-4 wd 0.1):
-- ``ddp-offload``: DDP + ``zero_offload.OffloadAdamW`` (each rank keeps and updates 1/N of the
-  state on its CPU cores, step() all-gathers the updated params: ZeRO-2 + offload);
+- ``ddp-offload``: DDP + ``zero_offload.OffloadAdamW(overlap_forward=True)`` (each rank keeps
+  and updates 1/N of the state on its CPU cores; the updated shards are all-gathered module by
+  module in the next forward: ZeRO-2 + offload; on one GPU the update overlaps backward and the
+  next forward);
 - ``fsdp2-offload``: FSDP2 (``fully_shard`` per block and the root) + ``OffloadAdamW`` on the
   local shards;
 - ``fsdp2-cpuoffload``: FSDP2 with ``CPUOffloadPolicy`` + ``torch.optim.AdamW`` on the CPU
@@ -54,7 +56,8 @@ def build(case, cfg, device, world):
     if case.startswith("ddp"):
         from torch.nn.parallel import DistributedDataParallel as DDP
         wrapped = DDP(model, device_ids=[device.index]) if world > 1 else model
-        opt = (OffloadAdamW(model.parameters(), lr=1e-4, weight_decay=0.1) if case == "ddp-offload"
+        opt = (OffloadAdamW(model.parameters(), lr=1e-4, weight_decay=0.1, overlap_forward=True)
+               if case == "ddp-offload"
                else torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True))
         return wrapped, opt
     from torch.distributed.device_mesh import init_device_mesh

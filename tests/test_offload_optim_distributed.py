@@ -21,14 +21,14 @@ def _groups(model):
             {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0, "lr": 1e-2}]
 
 
-def _ddp_rank(rank, world, state, nvme_dir, resume_at):
+def _ddp_rank(rank, world, state, nvme_dir, resume_at, overlap_forward):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from zero_offload import OffloadAdamW
 
     model = make_model()
     ddp = DDP(model)
-    kw = dict(lr=3e-3, chunk_mb=0.01, threads=1, state=state,
+    kw = dict(lr=3e-3, chunk_mb=0.01, threads=1, state=state, overlap_forward=overlap_forward,
               nvme_dir=None if nvme_dir is None else os.path.join(nvme_dir, f"r{rank}"))
     opt = OffloadAdamW(_groups(model), **kw)
     shard_numel = sum(c.numel for c in opt._chunks)
@@ -60,10 +60,14 @@ def _reference():
     return model, opt.state_dict()
 
 
-@pytest.mark.parametrize("state,resume_at", [("cpu", None), ("cpu", 2), ("nvme", 3)])
-def test_ddp_each_rank_updates_its_shard_and_matches_torch(state, resume_at, tmp_path):
+@pytest.mark.parametrize("state,resume_at,overlap_forward",
+                         [("cpu", None, False), ("cpu", 2, True), ("nvme", 3, False), ("nvme", None, True)])
+def test_ddp_each_rank_updates_its_shard_and_matches_torch(state, resume_at, overlap_forward, tmp_path):
+    """overlap_forward: the shards are all-gathered by the next forward's hooks (module by
+    module), the last ones by state_dict()."""
     nvme = str(tmp_path / "swap") if state == "nvme" else None
-    out = values(run_ranks(_ddp_rank, WORLD, tmp_path, state, nvme, resume_at, timeout_s=120))
+    out = values(run_ranks(_ddp_rank, WORLD, tmp_path, state, nvme, resume_at, overlap_forward,
+                           timeout_s=120))
     ref, ref_sd = _reference()
     total = sum(p.numel() for p in ref.parameters())
     for params, sd, shard_numel in out:
@@ -148,3 +152,23 @@ def test_a_dead_rank_makes_the_other_raise_one_clear_error(tmp_path):
     assert "rank 0 of 2: the all-gather of the updated params failed" in err, results[0]
     assert "another rank has probably died" in err and "restart from the last checkpoint" in err
     assert CFG.vocab_size == 64  # the shared test config is untouched by the ranks
+
+
+def _fsdp2_overlap_forward_rank(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from zero_offload import OffloadAdamW
+
+    m = make_model()
+    fully_shard(m, mesh=init_device_mesh("cpu", (world,)))
+    try:
+        OffloadAdamW(m.parameters(), overlap_forward=True)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_fsdp2_refuses_overlap_forward_with_the_reason(tmp_path):
+    for msg in values(run_ranks(_fsdp2_overlap_forward_rank, WORLD, tmp_path)):
+        assert "overlap_forward=True does not work with FSDP2 params" in msg

@@ -83,17 +83,22 @@ of state once, not N times, and each rank's CPU-Adam updates 1/N of the params (
 ``cores / LOCAL_WORLD_SIZE`` threads). DDP averages the grads with its all-reduce during
 backward, but its grad hooks fire before that, so ``overlap`` is off: ``step()`` copies this
 rank's elements of each averaged ``p.grad`` to the host, CPU-Adam updates the shard, the updated
-elements are copied into this rank's params, and ``step()`` all-gathers every chunk's shards
-into every rank's params in chunk order (one chunk's gather overlaps the next chunks' updates);
-``overlap_forward`` is refused. ``state_dict()`` is then collective (every rank must call it):
+elements are copied into this rank's params, and every chunk's shards are all-gathered into
+every rank's params: by ``step()`` in chunk order (one chunk's gather overlaps the next chunks'
+updates), or with ``overlap_forward=True`` by the forward pre-hook of the first module that
+owns one of the chunk's params (the same modules run in the same order on every rank, so the
+collectives match), which lets the updates overlap the next forward as on one GPU; chunks the
+forward did not use are gathered in chunk order by the next ``step()``, ``synchronize()``,
+``state_dict()`` or ``close()``. ``state_dict()`` is then collective (every rank must call it):
 each chunk's shards are all-gathered and every rank gets the whole state in torch's format;
 ``load_state_dict`` takes each rank's part of such a dict (or of torch's). A failed collective (a
 rank died, raised or timed out) raises one error naming the rank and the way out.
 FSDP2's (``fully_shard``) params are DTensors: FSDP2 shards them and reduce-scatters (averages)
 their grads before the grad hooks fire, so each rank treats its local shards as its params (no
-collective of ours; ``overlap`` and ``overlap_forward`` work; ``state_dict()`` holds the local
-shards). With ``reshard_after_forward=False`` on the root, a module whose params FSDP2 keeps
-unsharded between forwards would not see an update made after that forward (FSDP2's rule too).
+collective of ours; ``overlap`` works; ``state_dict()`` holds the local shards).
+``overlap_forward`` is refused there: FSDP2 all-gathers a whole ``fully_shard`` unit (the root's
+params at the root's forward) before the hooks of the modules owning them could wait for their
+updates.
 
 [Note: params changed outside the optimizer] The fp32 master is the truth for the update. If a
 param is modified in place by anyone else (``load_state_dict`` into the model, ``p.copy_()``
@@ -253,13 +258,14 @@ class OffloadAdam(torch.optim.Optimizer):
         fsdp2 = _has_dtensor(params)
         self._pg = None if fsdp2 else resolve_group(process_group, name)
         self._shard = shard_of(self._pg)
+        if fsdp2 and self._overlap_forward:
+            raise ValueError(f"{name}: overlap_forward=True does not work with FSDP2 params: FSDP2 "
+                             f"all-gathers a whole fully_shard unit before its modules' hooks could "
+                             f"wait for their updates; drop overlap_forward (the update still "
+                             f"overlaps backward)")
         if fsdp2 and self._threads is None:
             self._threads = threads_per_rank(cuda=True)  # the node's cores split between the ranks
         if self._pg is not None:
-            if overlap_forward:
-                raise ValueError(f"{name}: overlap_forward=True does not work with data-parallel "
-                                 f"sharding (step() all-gathers the updated shards); drop it, or pass "
-                                 f"process_group=None to keep the whole state on every rank")
             self._overlap = False  # DDP's grad hooks fire before its all-reduce: stage in step()
             self._chunk_numel *= self._shard.world  # each rank's shard of a chunk: about chunk_mb
             if self._threads is None:
@@ -279,6 +285,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._landed: dict[int, int] = {}        # chunk id -> slots whose grad is staged this step
         self._ready: dict[int, Handle] = {}      # chunk id -> handle of its last staged grad copy
         self._members: dict[int, tuple] = {}     # chunk id -> ([(param, chunk offset)], shard size)
+        self._gathers: list[GroupChunk] = []     # updated, not all-gathered yet ([Note: data parallel])
         self._jobs: dict[int, tuple] = {}        # chunk id -> (slots, grads handle) of its last update
         self._frozen: list[torch.Tensor] = []    # params without grad: no state, no chunk
         self._hook_handles: list = []
@@ -402,6 +409,8 @@ class OffloadAdam(torch.optim.Optimizer):
                                        index=position[id(p)], version=local(p)._version))
             chunk = self._group.add_chunk(payloads, slots)
             self._members[chunk.cid] = (members, k)
+            for p, _ in members:
+                self._chunk_of[p] = chunk  # every rank knows every param's chunk (gathers)
             self._landed[chunk.cid] = 0
             self._init_state(chunk)
             self._slots.extend(slots)
@@ -514,6 +523,8 @@ class OffloadAdam(torch.optim.Optimizer):
                 loss = closure()
         if self._group is not None:
             self._group.check()
+        if self._gathers:  # chunks the last forward did not use: in chunk order on every rank
+            self._gather_params(list(self._gathers))
         for p in self._frozen:
             if p.grad is not None:
                 raise RuntimeError(
@@ -544,27 +555,29 @@ class OffloadAdam(torch.optim.Optimizer):
         # finished them (the last chunk handed over is the first one the forward uses). Param
         # order (chunk index) is only the first step's guess: with param groups (decay / no
         # decay) it is group by group, not the model's order.
-        if self._submitted:
+        if self._submitted and self._overlap:  # else handed over in param order: keep that
             last = len(self._submitted) - 1
             self._priority = {cid: last - i for i, cid in enumerate(self._submitted)}
             self._submitted = []
         self._steps += 1
         if self._pg is not None:
-            self._gather_params()
+            self._gathers = list(self._chunks)  # see [Note: data parallel]
         if not self._overlap_forward:
             self._sync_all()
-        elif self._forward_hook is None and self._queued():
+        elif self._forward_hook is None and (self._queued() or self._gathers):
             self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(
                 _weak(self._pre_forward))
         return loss
 
-    def _gather_params(self) -> None:
-        """See [Note: data parallel]: every rank's updated shard of each chunk into every rank's
-        params, chunk by chunk in chunk order (the same on every rank; the gather of one chunk
+    def _gather_params(self, chunks) -> None:
+        """See [Note: data parallel]: every rank's updated shard of each of ``chunks`` into every
+        rank's params, in the order given (the same on every rank; the gather of one chunk
         overlaps the updates of the next ones)."""
         pending = None
+        for chunk in chunks:
+            self._gathers.remove(chunk)
         with collective(type(self).__name__, "the all-gather of the updated params", self._pg):
-            for chunk in self._chunks:
+            for chunk in chunks:
                 self._group.wait(chunk)  # its update and its copy into this rank's params
                 members, k = self._members[chunk.cid]
                 first = local(members[0][0])
@@ -593,6 +606,8 @@ class OffloadAdam(torch.optim.Optimizer):
         return any(c.phase is ChunkPhase.QUEUED for c in self._group.chunks)
 
     def _sync_all(self) -> None:
+        if self._gathers:
+            self._gather_params(list(self._gathers))
         if self._group is not None:
             self._group.drain()
         self._remove_forward_hook()
@@ -601,12 +616,18 @@ class OffloadAdam(torch.optim.Optimizer):
         """The global module forward pre-hook of [Note: forward overlap]."""
         for p in module._parameters.values():
             chunk = self._chunk_of.get(p) if p is not None else None
-            if chunk is not None and chunk.phase is ChunkPhase.QUEUED:
+            if chunk is None:
+                continue
+            if chunk in self._gathers:  # the same modules run in the same order on every rank
+                self._gather_params([chunk])
+            elif chunk.phase is ChunkPhase.QUEUED:
                 self._group.wait(chunk)
-                self._remove_forward_hook_if_synced()
+            else:
+                continue
+            self._remove_forward_hook_if_synced()
 
     def _remove_forward_hook_if_synced(self) -> None:
-        if self._forward_hook is not None and not self._queued():
+        if self._forward_hook is not None and not self._queued() and not self._gathers:
             self._remove_forward_hook()
 
     def _remove_forward_hook(self) -> None:
@@ -794,10 +815,20 @@ class OffloadAdam(torch.optim.Optimizer):
         return self._group.chunks if self._group is not None else []
 
     def close(self) -> None:
-        """Finish the queued jobs, remove the hooks and free the state (and swap files).
-        Idempotent. Does not raise the worker's errors (``step``/``synchronize`` do)."""
+        """Finish the queued jobs (data parallel: and the pending all-gathers, so every rank's
+        params are final), remove the hooks and free the state (and swap files). Idempotent.
+        Does not raise the worker's errors (``step``/``synchronize`` do)."""
+        self._close(gather=True)
+
+    def _close(self, *, gather: bool) -> None:
         if self._closed:
             return
+        failure = None
+        if gather and self._gathers:
+            try:
+                self._gather_params(list(self._gathers))
+            except Exception as e:  # noqa: BLE001 - raised after the cleanup
+                failure = e
         self._closed = True
         try:
             if self._group is not None:
@@ -809,10 +840,12 @@ class OffloadAdam(torch.optim.Optimizer):
             self._hook_handles.clear()
             if self._store is not None:
                 self._store.close()  # waits for copies still reading or writing host buffers
+        if failure is not None:
+            raise failure
 
     def __del__(self):
         try:
-            self.close()
+            self._close(gather=False)  # never a collective from the garbage collector
         except Exception:
             pass
 
