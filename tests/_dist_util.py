@@ -28,7 +28,10 @@ def _rank_main(fn, rank, world, port, out_dir, args, timeout_s):
                                 timeout=datetime.timedelta(seconds=timeout_s))
         result["value"] = fn(rank, world, *args)
     except BaseException as e:  # noqa: BLE001 - reported to the test
-        result["error"] = f"{type(e).__name__}: {e}"
+        try:
+            result["error"] = f"{type(e).__name__}: {e}"
+        except Exception:  # an exception whose str() fails
+            result["error"] = type(e).__name__
         result["traceback"] = traceback.format_exc()
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
@@ -41,6 +44,7 @@ def _rank_main(fn, rank, world, port, out_dir, args, timeout_s):
 
 def run_ranks(fn, world, tmp_path, *args, timeout_s=60, collective_timeout_s=30):
     """``fn(rank, world, *args)`` on ``world`` processes; returns a list of result dicts."""
+    os.makedirs(tmp_path, exist_ok=True)
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, str(tmp_path), args,

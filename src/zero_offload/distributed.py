@@ -108,3 +108,19 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, *, async_op: bool = 
     import torch.distributed as dist
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(out, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter_mean(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """``out`` = this rank's piece of the mean over the ranks of ``inp`` (``inp`` holds world x
+    ``out.numel()`` elements). Summed, then divided: every backend has SUM."""
+    import torch.distributed as dist
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, inp, op=dist.ReduceOp.SUM, group=group)
+    out.div_(dist.get_world_size(group))
+
+
+def all_reduce(t: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
+    import torch.distributed as dist
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                           "min": dist.ReduceOp.MIN}[op], group=group)
+    return t

@@ -141,6 +141,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .config import Adam, OffloadConfig, load_config
 from .mixed_precision import LossScaler, cast_inputs
+from .distributed import (Shard, all_gather, all_reduce, collective, reduce_scatter_mean, resolve_group,
+                          shard_of, threads_per_rank)
 from .runtime.chunk_group import ChunkGroup, GroupChunk, GroupSlot
 from .runtime.partition import ChunkLayout, ParamSlot, Partition, partition_parameters
 from .runtime.pipeline import PipelinePayloads, StepPipeline
@@ -436,7 +438,7 @@ class EngineStats:
 def initialize(model: nn.Module, *, optimizer: Optional[Adam] = None,
                config: Any = None, lr_scheduler: Optional[Callable] = None,
                device: "str | torch.device | None" = None,
-               param_groups: Optional[Sequence[dict]] = None) -> "Engine":
+               param_groups: Optional[Sequence[dict]] = None, process_group: Any = "auto") -> "Engine":
     """Wrap ``model`` for offloaded training.
 
     Args:
@@ -458,9 +460,12 @@ def initialize(model: nn.Module, *, optimizer: Optional[Adam] = None,
             default group (group 0: the ``optimizer`` spec's values); ``engine.optimizer``'s
             ``param_groups`` are group 0 followed by these, in order, so an lr scheduler can
             drive each (e.g. ``LambdaLR`` with one function per group).
+        process_group: data parallelism (see [Note: data parallel]): "auto" (default) takes
+            the default group when ``torch.distributed`` is initialized with several ranks
+            (``torchrun``), None trains on this process alone, or a ProcessGroup.
     """
     return Engine(model, optimizer=optimizer, config=config, lr_scheduler=lr_scheduler, device=device,
-                  param_groups=param_groups)
+                  param_groups=param_groups, process_group=process_group)
 
 
 class Engine:
@@ -468,7 +473,7 @@ class Engine:
 
     def __init__(self, model: nn.Module, *, optimizer: Optional[Adam] = None, config: Any = None,
                  lr_scheduler: Optional[Callable] = None, device=None,
-                 param_groups: Optional[Sequence[dict]] = None):
+                 param_groups: Optional[Sequence[dict]] = None, process_group: Any = "auto"):
         if not isinstance(model, nn.Module):
             raise TypeError(f"initialize needs an nn.Module, got {type(model).__name__}")
         _check_not_managed(model)
@@ -476,7 +481,17 @@ class Engine:
         self.config: OffloadConfig = cfg
         self.spec: Adam = spec
         self.module = model
+        self._pg = resolve_group(process_group, "initialize")
+        self.shard: Shard = shard_of(self._pg)
+        """This rank's place in the data-parallel group (rank 0 of 1 without one)."""
+        if device is None and self._pg is not None and torch.cuda.is_available():
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
         self.device = _resolve_device(device)
+        self._comm_device = torch.device("cpu")  # where the group's collectives take tensors
+        if self._pg is not None:
+            import torch.distributed as dist
+            if dist.get_backend(self._pg) == "nccl":
+                self._comm_device = self.device
         self.dtype: torch.dtype = cfg.torch_dtype
         _check_model(model)
         if lr_scheduler is not None and not callable(lr_scheduler):
@@ -494,17 +509,28 @@ class Engine:
                              "trains parameters. Unfreeze some, or run inference without the engine")
         self._group_overrides, self._slot_group = _resolve_groups(param_groups, model, self.partition,
                                                                   spec)
-        if cfg.nvme_dir is not None:
+        nvme_dir = cfg.nvme_dir
+        if nvme_dir is not None:
             from .runtime.swap_io import prepare_swap_dir
-            prepare_swap_dir(cfg.nvme_dir, name="OffloadConfig.nvme_dir")  # created 0700 if missing
+            prepare_swap_dir(nvme_dir, name="OffloadConfig.nvme_dir")  # created 0700 if missing
+            if self._pg is not None:  # each rank its own swap files
+                nvme_dir = prepare_swap_dir(os.path.join(nvme_dir, f"rank{self.shard.rank}"),
+                                            name="OffloadConfig.nvme_dir")
         store_budgets = {Tier.GPU: cfg.gpu_budget, Tier.CPU: cfg.cpu_budget,
-                         Tier.NVME: cfg.nvme_budget if cfg.nvme_dir is not None else 0}
+                         Tier.NVME: cfg.nvme_budget if nvme_dir is not None else 0}
         self.store = ChunkStore(StoreConfig(device=self.device, budgets=store_budgets,
-                                            nvme_dir=cfg.nvme_dir, io_threads=cfg.io_threads,
+                                            nvme_dir=nvme_dir, io_threads=cfg.io_threads,
                                             io_block_size=cfg.io_block_size,
                                             io_queue_depth=cfg.io_queue_depth))
         try:
-            self.plan: PlacementPlan = plan_placement(self.partition, cfg, self.store.budgets,
+            local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)) if self._pg else 1
+            for tier, value in store_budgets.items():  # "auto": this rank's share of the node's
+                if value == "auto" and local_ranks > 1 and not (tier is Tier.GPU and self.device.type == "cuda"):
+                    self.store.set_budget(tier, self.store.budgets[tier] // local_ranks)
+            # Placement sees the shards this rank holds ([Note: data parallel]).
+            placed = dataclasses.replace(self.partition, chunks=tuple(
+                dataclasses.replace(c, numel=self.shard.span(c.numel)[2]) for c in self.partition.chunks))
+            self.plan: PlacementPlan = plan_placement(placed, cfg, self.store.budgets,
                                                       has_nvme=cfg.nvme_dir is not None)
             if cfg.nvme_dir is not None and cfg.nvme_budget == "auto":
                 # Swap files are preallocated to the NVMe budget: take what the plan needs.
@@ -557,7 +583,9 @@ class Engine:
         self._compute_stream = None  # CUDA stream of the last forward; see [Note: fetch on completion]
         self.group = ChunkGroup(self.store, hyper=self.optimizer, adamw=self.spec.adamw,
                                 payloads=payloads, grad_accum=cfg.grad_accum, owner="engine",
-                                prefetch_depth=cfg.prefetch_depth, threads=_adam_threads(cfg, self.device),
+                                prefetch_depth=cfg.prefetch_depth,
+                                threads=_adam_threads(cfg, self.device) if self._pg is None or cfg.threads
+                                else threads_per_rank(self.device.type == "cuda"),
                                 on_chunk_idle=self._chunk_ready)
         with torch.no_grad():
             # Chunk by chunk: the model's own weights are freed as their chunk fills, so host
@@ -628,6 +656,7 @@ class Engine:
             functools.partial(self._post_forward, rec), with_kwargs=True, always_call=True))
 
     def _add_chunk(self, layout: ChunkLayout, homes) -> _Chunk:
+        lo, hi, k = self.shard.span(layout.numel)
         dtypes = payload_dtypes(layout, self.config)
         opt = optimizer_payloads(self.config)
         specs = {}
@@ -638,13 +667,15 @@ class Engine:
                 home = homes.optimizer
             else:
                 home = Tier.CPU  # grads, accum
-            specs[name] = PayloadSpec(numel=layout.numel, dtype=dt, home=home)
+            specs[name] = PayloadSpec(numel=k, dtype=dt, home=home)
         slots = layout.slots
         gslots = {}
         if layout.trainable:  # each slot's update covers its padding, up to the next slot
             stops = [s.offset for s in slots[1:]] + [layout.numel]
-            gslots = {s: GroupSlot(offset=s.offset, stop=stop, group=self._slot_group.get(s.index, 0))
-                      for s, stop in zip(slots, stops)}
+            for s, stop in zip(slots, stops):
+                a, b = max(s.offset, lo), min(stop, hi)  # this rank's part ([Note: data parallel])
+                if a < b:
+                    gslots[s] = GroupSlot(offset=a - lo, stop=b - lo, group=self._slot_group.get(s.index, 0))
         return _Chunk(layout=layout, g=self.group.add_chunk(specs, tuple(gslots.values())), gslots=gslots)
 
     def _give_weights_back(self) -> None:
@@ -653,7 +684,7 @@ class Engine:
         at initialize, chunk by chunk (host memory: one chunk's copy at a time). Used when
         initialize fails part-way (the chunks loaded so far) and by ``close``."""
         for chunk in self._chunks:
-            flat = self.group.read(chunk.g, self._fp32_payload_name(chunk))
+            flat = self._read_full(chunk, self._fp32_payload_name(chunk))
             for s in chunk.layout.slots:
                 device, dtype = self._origins[s.index]
                 s.param.data = flat[s.offset:s.end].view(s.shape).to(device=device, dtype=dtype,
@@ -662,12 +693,44 @@ class Engine:
     def _load_initial(self, chunk: _Chunk) -> None:
         slots = chunk.layout.slots
         names = ["params"] + (["master"] if chunk.layout.trainable and self.dtype is not torch.float32 else [])
+        def fill(buf):
+            for s in slots:
+                buf[s.offset:s.end].copy_(s.param.detach().reshape(-1))
         for name in names:
-            with self.group.hold(chunk.g, [name], fresh=True) as (buf,):
-                for s in slots:
-                    buf[s.offset:s.end].copy_(s.param.detach().reshape(-1))
+            self._write_shard(chunk, name, fill)
         for s in slots:
             s.param.data = self._placeholders[s.index]
+
+    # ---- data parallel ([Note: data parallel]) ----------------------------------------------
+
+    def _full(self, piece: torch.Tensor, what: str) -> torch.Tensor:
+        """Every rank's ``piece`` concatenated (an all-gather); ``piece`` itself alone."""
+        if self._pg is None:
+            return piece
+        full = torch.empty(piece.numel() * self.shard.world, dtype=piece.dtype, device=piece.device)
+        with collective("engine", what, self._pg):
+            all_gather(full, piece, self._pg)
+        return full
+
+    def _read_full(self, chunk: _Chunk, name: str) -> torch.Tensor:
+        """A CPU copy of a whole payload of the chunk (all ranks' shards: collective)."""
+        mine = self.group.read(chunk.g, name)
+        if self._pg is None:
+            return mine
+        return self._full(mine.to(self._comm_device), "an all-gather of a chunk's state")[
+            :chunk.layout.numel].cpu()
+
+    def _write_shard(self, chunk: _Chunk, name: str, fill: Callable[[torch.Tensor], None]) -> None:
+        """Overwrite a payload: ``fill`` writes whole-chunk offsets into a zeroed flat buffer; this
+        rank keeps its shard of it."""
+        lo, hi, _ = self.shard.span(chunk.layout.numel)
+        with self.group.hold(chunk.g, [name], fresh=True) as (buf,):
+            if self._pg is None:
+                fill(buf)
+            else:
+                whole = torch.zeros(chunk.layout.numel, dtype=buf.dtype)
+                fill(whole)
+                buf[:hi - lo].copy_(whole[lo:hi])
 
     # ---- forward ----------------------------------------------------------------------------
 
@@ -1008,7 +1071,7 @@ class Engine:
         if chunk.layout.trainable:
             self.group.wait(chunk.g)  # the update writing these params must finish
         t0 = time.perf_counter()
-        buf = self.prefetcher.use(chunk.cid)["params"]
+        buf = self._full(self.prefetcher.use(chunk.cid)["params"], "the all-gather of a params chunk")
         if self.group.trace is not None:
             self.group.trace.span("use", t0, time.perf_counter(), cid=chunk.cid)
         recorded, classes = self._recorded, self._classes
@@ -1030,7 +1093,8 @@ class Engine:
                 c.holds = 0
                 c.clear_pass()
                 if c.grads is not None:
-                    self.group.flush_grads(c.g, drop=True)
+                    if self._pg is None:
+                        self.group.flush_grads(c.g, drop=True)
                     c.grads = None
             self._release_idle()
 
@@ -1119,7 +1183,11 @@ class Engine:
                     f"and call the model only through engine(...)")
             if chunk.grads is None:
                 self.group.open_grads(chunk.g)
-                chunk.grads = self.group.device_grads(chunk.g)
+                if self._pg is None:
+                    chunk.grads = self.group.device_grads(chunk.g)
+                else:  # the whole chunk's grads; each rank gets its mean shard at the flush
+                    k = self.shard.span(chunk.layout.numel)[2]
+                    chunk.grads = torch.zeros(k * self.shard.world, dtype=self.dtype, device=self.device)
             dst = chunk.grads[slot.offset:slot.end]
             if slot in chunk.landed:
                 dst.add_(grad.reshape(-1))
@@ -1132,10 +1200,14 @@ class Engine:
 
     def _flush_grads(self, chunk: _Chunk) -> None:
         """Send a chunk's device grads to host memory and hand them to the worker."""
+        if self._pg is not None:  # this rank's shard of the mean over the ranks
+            shard = self.group.device_grads(chunk.g)
+            with collective("engine", "the reduce-scatter of a chunk's grads", self._pg):
+                reduce_scatter_mean(shard, chunk.grads, self._pg)
         handle = self.group.flush_grads(chunk.g)
         chunk.grads = None
         chunk.flushed = True
-        self._submit_grads(chunk, [chunk.gslots[s] for s in chunk.landed], ready=handle)
+        self._submit_grads(chunk, [chunk.gslots[s] for s in chunk.landed if s in chunk.gslots], ready=handle)
 
     def _submit_grads(self, chunk: _Chunk, slots, *, ready, hold: bool = False) -> None:
         boundary = self._micro == self.config.grad_accum - 1
@@ -1201,6 +1273,10 @@ class Engine:
         if not window:
             return False
         sumsq = self.group.pipeline.take_grad_stats() if self._needs_stats else 0.0
+        if self._needs_stats and self._pg is not None:  # the norm of the whole (mean) grad
+            with collective("engine", "the all-reduce of the grad norm", self._pg):
+                sumsq = all_reduce(torch.tensor([sumsq], dtype=torch.float64, device=self._comm_device),
+                                   self._pg).item()
         if self.scaler is not None and not math.isfinite(sumsq):
             self.scaler.update(found_inf=True)
             self.skipped_steps += 1
@@ -1265,7 +1341,7 @@ class Engine:
         """(slot, fp32 CPU tensor) for every slot, chunk by chunk."""
         self.synchronize()
         for chunk in self._chunks:
-            flat = self.group.read(chunk.g, self._fp32_payload_name(chunk)).float()
+            flat = self._read_full(chunk, self._fp32_payload_name(chunk)).float()
             for s in chunk.layout.slots:
                 yield s, flat[s.offset:s.end].view(s.shape)
 
@@ -1349,10 +1425,14 @@ class Engine:
         trainable chunk, "frozen" (working dtype) otherwise, and "steps" (one per slot)."""
         chunk, group = self._chunks[layout.index], self.group
         if layout.trainable:
-            out = {key: group.read(chunk.g, name) for key, name in group.state_names.items()}
+            out = {key: self._read_full(chunk, name) for key, name in group.state_names.items()}
         else:
-            out = {"frozen": group.read(chunk.g, "params")}
+            out = {"frozen": self._read_full(chunk, "params")}
         out["steps"] = chunk.steps
+        if self._pg is not None and layout.trainable:  # a slot's step is kept by its ranks
+            with collective("engine", "the all-reduce of the step counts", self._pg):
+                out["steps"] = all_reduce(torch.tensor(out["steps"], dtype=torch.int64, device=self._comm_device),
+                                          self._pg, "max").tolist()
         return out
 
     def load_chunk_state(self, layout: ChunkLayout, fill: Callable[[str, torch.Tensor], None],
@@ -1365,11 +1445,17 @@ class Engine:
         if layout.trainable and self.dtype is not torch.float32:
             names["params"] = "params"
         for key, name in names.items():
-            with group.hold(chunk.g, [name], fresh=True) as (buf,):
-                fill("master" if key == "params" else key, buf)
+            self._write_shard(chunk, name, functools.partial(fill, "master" if key == "params" else key))
         for s, step in zip(layout.slots, steps):
             if s in chunk.gslots:
                 chunk.gslots[s].step = int(step)
+
+    def agree(self, ok: bool) -> bool:
+        """Whether every rank says ``ok`` (an all-reduce; ``ok`` itself without a group)."""
+        if self._pg is None:
+            return ok
+        with collective("engine", "the all-reduce of a vote", self._pg):
+            return bool(all_reduce(torch.tensor([int(ok)], device=self._comm_device), self._pg, "min").item())
 
     def load_progress(self, *, global_step: int, skipped_steps: int) -> None:
         """Set the step counters (from a checkpoint); any accumulation window is dropped."""

@@ -258,8 +258,46 @@ def _buffers(module) -> dict:
     return out
 
 
+class _ChunkStates:
+    """``(layout, engine.chunk_state(layout))`` chunk by chunk; ``drain`` takes the rest, so every
+    rank takes part in every gather of a data-parallel engine whatever happened on one of them."""
+
+    def __init__(self, engine):
+        self._engine, self._next = engine, 0
+
+    def __iter__(self):
+        chunks = self._engine.partition.chunks
+        while self._next < len(chunks):
+            layout = chunks[self._next]
+            self._next += 1
+            yield layout, self._engine.chunk_state(layout)
+
+    def drain(self) -> None:
+        for _ in self:
+            pass
+
+
 def save_checkpoint(engine, path) -> None:
-    """See the module docstring and [Note: atomic save]."""
+    """See the module docstring and [Note: atomic save]. With several ranks every rank calls it:
+    each chunk's state is gathered whole and rank 0 writes it (one chunk in memory at a time),
+    so the checkpoint is the one a single process writes and loads at any world size."""
+    states = _ChunkStates(engine)
+    error = None
+    try:
+        if engine.shard.rank == 0:
+            _write_checkpoint(engine, path, states)
+    except BaseException as e:  # noqa: BLE001 - raised below, once every rank agrees
+        error = e
+    if engine.shard.world > 1:
+        states.drain()
+        if not engine.agree(error is None) and error is None:
+            raise CheckpointError(f"rank 0 could not write the checkpoint {path} (its error says why); "
+                                  f"the previous checkpoint there is unchanged")
+    if error is not None:
+        raise error
+
+
+def _write_checkpoint(engine, path, states: _ChunkStates) -> None:
     path = os.path.abspath(os.fspath(path))
     parent, name = os.path.split(path)
     os.makedirs(parent, exist_ok=True)
@@ -279,8 +317,7 @@ def save_checkpoint(engine, path) -> None:
         _write_small(os.path.join(tmp, MARKER), _MARKER_TEXT)
         engine.synchronize()
         chunks_meta, files, slot_table = [], {}, {}
-        for layout in engine.partition.chunks:
-            payload = engine.chunk_state(layout)
+        for layout, payload in states:
             for s, step in zip(layout.slots, payload.pop("steps")):
                 slot_table[s.name] = {"shape": tuple(s.shape), "trainable": s.trainable,
                                       "step": step if s.trainable else 0}
