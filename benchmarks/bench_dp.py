@@ -12,7 +12,11 @@ Cases (fp32 params, bf16 autocast, batch ``--batch`` sequences per rank, AdamW l
   local shards;
 - ``fsdp2-cpuoffload``: FSDP2 with ``CPUOffloadPolicy`` + ``torch.optim.AdamW`` on the CPU
   shards (PyTorch's own CPU offload);
-- ``ddp-torch``: DDP + fused AdamW on the GPU (no offload: the ceiling).
+- ``ddp-torch``: DDP + fused AdamW on the GPU (no offload: the ceiling);
+- ``engine``: ``zero_offload.initialize`` (params and optimizer state on the CPU, bf16, each
+  rank holding 1/N of every chunk; the model is built in fp32 on the CPU as the API takes it);
+- ``ds-zero3``: DeepSpeed ZeRO-3 with params and optimizer offloaded to the CPU (the config of
+  ../shared/BASELINES.md; its wheel: ../shared/wheels/README.md).
 Rank 0 prints one line per case and writes the JSON: median step time over ``--steps`` timed
 steps (after ``--warmup``), global tokens/s, peak host RSS of every rank (sampled every 20 ms)
 and their sum, GPU peak of rank 0.
@@ -50,8 +54,63 @@ class PeakRSS:
         self.peak = self._proc.memory_info().rss
 
 
+class EngineStep:
+    """zero_offload's engine behind the loop's model/optimizer face."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __call__(self, x, y):
+        return self.engine(x, y)
+
+    def step(self):
+        self.engine.step()
+
+    def zero_grad(self, set_to_none=True):
+        pass
+
+    def close(self):
+        self.engine.close()
+
+
 def build(case, cfg, device, world):
     torch.manual_seed(0)
+    if case == "engine":
+        import zero_offload as zo
+        model = GPT(cfg)  # fp32 on the CPU
+        engine = zo.initialize(model, optimizer=zo.AdamW(lr=1e-4, weight_decay=0.1), device=device,
+                               config=zo.OffloadConfig(params="cpu", optimizer="cpu", dtype="bf16"))
+        wrapped = EngineStep(engine)
+        return wrapped, wrapped
+    if case == "ds-zero3":
+        import deepspeed
+        h = cfg.d_model
+        ds_cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+                  "bf16": {"enabled": True},
+                  "zero_optimization": {
+                      "stage": 3, "overlap_comm": True, "contiguous_gradients": True,
+                      "reduce_bucket_size": h * h, "stage3_prefetch_bucket_size": int(0.9 * h * h),
+                      "stage3_param_persistence_threshold": 10 * h, "sub_group_size": int(1e9),
+                      "offload_param": {"device": "cpu", "pin_memory": True},
+                      "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}}}
+        with deepspeed.zero.Init(config_dict_or_path=ds_cfg):
+            model = GPT(cfg)
+        deepspeed.zero.register_external_parameter(model, model.wte.weight)
+        ds, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
+
+        class DSStep:
+            def __call__(self, x, y):
+                return ds(x, y)
+
+            def step(self):
+                ds.step()
+
+            def zero_grad(self, set_to_none=True):
+                pass
+        w = DSStep()
+        w.backward = ds.backward
+        return w, w
     model = GPT(cfg, device=device)
     if case.startswith("ddp"):
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -105,9 +164,13 @@ def main():
             y = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=g).to(device)
             torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            if case in ("engine", "ds-zero3"):  # bf16 by their own configs
                 loss = model(x, y)
-            loss.backward()
+                (model.engine.backward if case == "engine" else model.backward)(loss)
+            else:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(x, y)
+                loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             torch.cuda.synchronize(device)
