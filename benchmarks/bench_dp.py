@@ -192,13 +192,13 @@ def main():
             print(f"[{case} x{world}] {med:.3f} s/step, {r['tokens_per_s']:,.0f} tok/s, host RSS node "
                   f"{r['rss_peak_node_gib']:.1f} GiB (per rank {', '.join(f'{p:.1f}' for p in r['rss_peak_per_rank_gib'])}), "
                   f"GPU {r['gpu_peak_gib_rank0']:.1f} GiB, loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
+        if rank == 0 and args.json_out:  # after every case: a later case that fails loses nothing
+            with open(args.json_out, "w") as f:
+                json.dump({"results": results, "args": vars(args)}, f, indent=1)
         if hasattr(opt, "close"):
             opt.close()
         del model, opt
         dist.barrier()
-    if rank == 0 and args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump({"results": results, "args": vars(args)}, f, indent=1)
     dist.destroy_process_group()
 
 
