@@ -174,12 +174,17 @@ def _clean_run_dir(out: Path, referenced: set) -> None:
             checkpoint.remove_checkpoint(entry)
 
 
-def _save(engine, out: Path, step: int, state: dict, keep: int = 2) -> None:
+def _save(engine, out: Path, step: int, state: dict, keep: int = 2, *, lead: bool = True) -> None:
     """Engine checkpoint into out/step_NNNNNNN, then point the state file at it (and the
     ``keep - 1`` before it), then remove what no state file names any more. A crash anywhere
     leaves the state file naming whole checkpoints: an older run's checkpoints (--overwrite) go
-    only once this run's first one is whole."""
+    only once this run's first one is whole. With several ranks only rank 0 (``lead``) touches
+    files; the others take part in the engine's collective save."""
     name = f"step_{step:07d}"
+    if not lead:
+        engine.save_checkpoint(str(out / name))
+        state.update(step=step, checkpoint=name)
+        return
     ours = [c for c in _checkpoints(state) if c["name"] != name]
     on_disk = _read_state(out) if (out / STATE_FILE).exists() else None
     theirs = [c for c in _checkpoints(on_disk) if c not in ours]
@@ -194,6 +199,27 @@ def _save(engine, out: Path, step: int, state: dict, keep: int = 2) -> None:
     state.update(writer=_STATE_WRITER, step=step, checkpoint=name, checkpoints=ours)
     _write_state(out, state)
     _clean_run_dir(out, {c["name"] for c in ours})
+
+
+def _start_ranks(stack) -> tuple[int, int]:
+    """(rank, world size): under torchrun (WORLD_SIZE > 1) the default process group is set up
+    here (NCCL with CUDA, each rank on GPU LOCAL_RANK; gloo on the CPU) and torn down at exit."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world == 1:
+        return 0, 1
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        try:
+            dist.init_process_group("nccl" if cuda else "gloo")
+        except (RuntimeError, ValueError) as e:
+            raise UsageError(f"WORLD_SIZE={world} but the process group could not start ({_one_line(e)}); "
+                             f"launch with `torchrun --nproc-per-node N zero-offload train ...` (it sets "
+                             f"RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT)") from None
+        stack.callback(dist.destroy_process_group)
+    return dist.get_rank(), dist.get_world_size()
 
 
 def _resume(engine, out: Path, previous: dict) -> dict:
@@ -236,6 +262,8 @@ def cmd_train(args) -> int:
         raise UsageError(f"--out {out} is a file, not a directory; pass a directory for the checkpoints "
                          f"(it is created if missing)")
     with contextlib.ExitStack() as stack:
+        rank, world = _start_ranks(stack)  # torchrun: one process per GPU, rank 0 reports
+        say = print if rank == 0 else (lambda *a, **k: None)
         defaults = dict(preset="tiny", hf_config=None, steps=300, batch_size=16, seq_len=None,
                         seed=0, lr=None, save_every=100, sample_tokens=200)
         previous = _read_state(out)
@@ -261,8 +289,9 @@ def cmd_train(args) -> int:
         else:
             where = cfg.nvme_dir
         n_params = sum(p.numel() for p in model.parameters())
-        print(f"zero-offload train: {_describe_model(settings)} ({n_params / 1e6:.2f}M params), "
-              f"device {'cuda' if torch.cuda.is_available() else 'cpu'}, params on {cfg.params}, "
+        say(f"zero-offload train: {_describe_model(settings)} ({n_params / 1e6:.2f}M params), "
+              f"device {'cuda' if torch.cuda.is_available() else 'cpu'}" +
+              (f" x {world} ranks" if world > 1 else "") + f", params on {cfg.params}, "
               f"optimizer on {cfg.optimizer}" + (f" (swap: {where})" if where else "") +
               f", dtype {cfg.dtype}, prefetch depth {cfg.prefetch_depth}", flush=True)
 
@@ -275,8 +304,9 @@ def cmd_train(args) -> int:
             resumed = _resume(engine, out, previous)
             _apply_spec(engine, spec)  # the checkpoint's hyperparameters, or the overrides reported above
             start = resumed["step"]
-            print(f"resumed from step {start} ({out / resumed['name']})", flush=True)
-        out.mkdir(parents=True, exist_ok=True)
+            say(f"resumed from step {start} ({out / resumed['name']})", flush=True)
+        if rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
         state = {"writer": _STATE_WRITER, "settings": dataclasses.asdict(settings),
                  "offload": _saved_offload(cfg), "optim": spec.to_dict(), "step": start,
                  "checkpoint": resumed["name"] if resumed else None,
@@ -285,15 +315,18 @@ def cmd_train(args) -> int:
 
         tokens_per_step = settings.batch_size * seq_len
         losses, step_times = [], []
-        bar = None if args.no_progress else _tqdm()(
+        bar = None if args.no_progress or rank else _tqdm()(
             total=settings.steps, initial=start, desc="train", unit="step", file=sys.stderr,
             dynamic_ncols=True, mininterval=0.5)
         step = start
-        print("training started", flush=True)
+        say("training started", flush=True)
         with _StopOnSigint() as stop:
-            while step < settings.steps and not stop.requested:
+            stopping = False
+            while step < settings.steps and not stopping:
+                # each rank its own batches (the same on a resumed run)
                 x, y = corpus.batch(batch_size=settings.batch_size, seq_len=seq_len,
-                                    generator=_batch_generator(settings.seed, step), device=device)
+                                    generator=_batch_generator(settings.seed + 7919 * rank, step),
+                                    device=device)
                 t0 = time.perf_counter()
                 loss = engine(x, y)
                 engine.backward(loss)
@@ -310,25 +343,27 @@ def cmd_train(args) -> int:
                         f"loss={loss_value:.3f} tok/s={tokens_per_step / step_times[-1]:,.0f} " +
                         " ".join(f"{t}={_human_bytes(b)}" for t, b in resident.items()), refresh=False)
                     bar.update(1)
+                # every rank stops at the same step (a signal may reach them at different ones)
+                stopping = stop.requested if world == 1 else not engine.agree(not stop.requested)
                 every = extras.get("save_every") or 0
-                if every and step % every == 0 and step < settings.steps:
-                    _save(engine, out, step, state, args.keep)
+                if every and step % every == 0 and step < settings.steps and not stopping:
+                    _save(engine, out, step, state, args.keep, lead=rank == 0)
             if bar is not None:
                 bar.close()
-            _save(engine, out, step, state, args.keep)
+            _save(engine, out, step, state, args.keep, lead=rank == 0)
         median = statistics.median(step_times) if step_times else float("nan")
-        print(f"step {step}: loss {losses[-1]:.4f} (first {losses[0]:.4f}), median step "
-              f"{median * 1e3:.1f} ms, {tokens_per_step / median:,.0f} tokens/s", flush=True)
-        print(f"checkpoint: {out / state['checkpoint']} (continue with --resume --out {out})", flush=True)
-        if stop.requested:
-            print(f"stopped by {stop.what}", file=sys.stderr)
-            return 128 + stop.signum
+        say(f"step {step}: loss {losses[-1]:.4f} (first {losses[0]:.4f}), median step "
+              f"{median * 1e3:.1f} ms, {world * tokens_per_step / median:,.0f} tokens/s", flush=True)
+        say(f"checkpoint: {out / state['checkpoint']} (continue with --resume --out {out})", flush=True)
+        if stopping:
+            say(f"stopped by {stop.what if stop.signum else 'a signal to another rank'}", file=sys.stderr)
+            return 128 + (stop.signum or signal.SIGTERM)
         n_sample = extras.get("sample_tokens") or 0
         if n_sample:
             prompt = corpus.encode("\n").view(1, -1).to(device)
             ids = generate(lambda ids: engine(ids), prompt, max_new_tokens=n_sample, seq_len=seq_len,
                            temperature=0.8, top_k=40, generator=torch.Generator().manual_seed(settings.seed))
-            print("sample:\n" + corpus.decode(ids[0, 1:].cpu()), flush=True)
+            say("sample:\n" + corpus.decode(ids[0, 1:].cpu()), flush=True)
     return EXIT_OK
 
 
