@@ -76,3 +76,12 @@ def values(results):
     if bad:
         raise AssertionError("\n".join(f"rank {r['rank']}: {r['error']}\n{r.get('traceback', '')}" for r in bad))
     return [r["value"] for r in results]
+
+
+def error_after_a_rank_dies(fn, world, tmp_path, *args):
+    """Runs ``fn`` (in which rank 1 calls ``os._exit(3)`` part-way) and returns rank 0's error;
+    rank 0 must fail (not hang) and rank 1 must have died."""
+    results = run_ranks(fn, world, tmp_path, *args, timeout_s=90, collective_timeout_s=30)
+    assert results[1]["exitcode"] == 3, results[1]
+    assert "error" in results[0] and results[0]["error"] != "hung", results[0]
+    return results[0]["error"]

@@ -116,6 +116,20 @@ returns: the updates overlap the next forward, whose fetch of chunk c waits only
 update. Without clipping and fp16 (and with ``OffloadConfig.overlap``), nothing global is
 needed and each chunk is updated as soon as its grads land, overlapping the rest of backward.
 Both orders give results equal to ``torch.optim.Adam``/``AdamW`` on the same grads.
+
+[Note: data parallel] With a process group (``torchrun``; ``process_group="auto"``) every chunk is
+split between the N ranks (distributed.py, [Note: chunk shards]): each rank's store holds only
+its shard of every payload (params, grads, master, moments, accum), placement plans for the
+shards, and the chunk group updates only the rank's part of each slot (``GroupSlot`` spans cut at
+the shard boundary). A chunk is used whole: ``_materialize`` fetches the rank's params shard
+(prefetched as on one GPU) and all-gathers the chunk into a device buffer the params view; the
+backward accumulates the whole chunk's grads in a device buffer, and the flush reduce-scatters
+it (mean over the ranks, as DDP) into the rank's grads shard, which goes to the host as before.
+Clipping and the fp16 overflow check all-reduce the shards' sums of squares. Every collective
+is issued by the caller's or autograd's thread (never the worker), in an order every rank
+shares: the same modules run in the same order, and the end-of-backward flushes go in chunk
+order. Whole-model reads (``state_dict``, ``gathered``, ``close``, checkpoints) gather chunk by
+chunk and are collective: every rank calls them.
 """
 from __future__ import annotations
 
