@@ -36,3 +36,6 @@ def test_info_text(tmp_path):
     for label in ("GPU:", "host RAM:", "RLIMIT_MEMLOCK", "swap dir:", "O_DIRECT", "CPU-Adam:"):
         assert label in r.stdout
     assert "bandwidth" not in r.stdout
+    # how to launch on several devices and what each rank holds (no GPU here: 2 CPU processes)
+    line = next(l for l in r.stdout.splitlines() if l.startswith("several GPUs:"))
+    assert "torchrun --nproc-per-node 2" in line and "holds 1/2 of every chunk" in line

@@ -541,6 +541,11 @@ def _format_info(info: dict) -> str:
             lines.append(f"  remove the stale ones with: {n['clean_command']}")
     isa = info["cpu_adam_isa"]
     lines.append("CPU-Adam:     " + (f"{isa} path" if isa else f"unavailable ({info.get('cpu_adam_error')})"))
+    ranks = g["count"] if g else 2
+    lines.append(f"several GPUs: torchrun --nproc-per-node {ranks} $(which zero-offload) train ...: each rank "
+                 f"holds 1/{ranks} of every chunk (params, grads, fp32 master and moments), so the node holds "
+                 f"the ~16 B/param of bf16 training with the optimizer on the CPU once; CPU-Adam "
+                 f"{max(1, h['cpus_usable'] // ranks - (1 if g else 0))} threads per rank")
     for key, value in info.get("bandwidth", {}).items():
         label = key.replace("_bytes_per_s", "").replace("_", " ")
         lines.append(f"bandwidth:    {label}: {value / 1e9:.1f} GB/s")
