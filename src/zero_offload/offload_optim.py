@@ -576,24 +576,32 @@ class OffloadAdam(torch.optim.Optimizer):
         pending = None
         for chunk in chunks:
             self._gathers.remove(chunk)
-        with collective(type(self).__name__, "the all-gather of the updated params", self._pg):
-            for chunk in chunks:
-                self._group.wait(chunk)  # its update and its copy into this rank's params
-                members, k = self._members[chunk.cid]
-                first = local(members[0][0])
-                send = torch.zeros(k, dtype=first.dtype, device=first.device)
-                lo, hi, _ = self._shard.span(members[-1][1] + local(members[-1][0]).numel())
-                for p, o in members:
-                    a, b = max(o, lo), min(o + local(p).numel(), hi)
-                    if a < b:
-                        send[a - lo:b - lo] = local(p).detach().reshape(-1)[a - o:b - o]
-                full = torch.empty(k * self._shard.world, dtype=send.dtype, device=send.device)
+        for chunk in chunks:
+            self._group.wait(chunk)  # its update and its copy into this rank's params
+            members, k = self._members[chunk.cid]
+            first = local(members[0][0])
+            send = torch.zeros(k, dtype=first.dtype, device=first.device)
+            for s in chunk.slots:  # this rank's elements: its slots
+                send[s.offset:s.stop] = _piece(s, s.param)
+            full = torch.empty(k * self._shard.world, dtype=send.dtype, device=send.device)
+            with self._collective("the all-gather of the updated params"):
                 work = all_gather(full, send, self._pg, async_op=True)
-                if pending is not None:
-                    _scatter(*pending)
-                pending = (work, full, members)
             if pending is not None:
-                _scatter(*pending)
+                self._scatter(*pending)
+            pending = (work, full, members)
+        if pending is not None:
+            self._scatter(*pending)
+
+    def _scatter(self, work, full: torch.Tensor, members) -> None:
+        """The end of one chunk's all-gather: the chunk's params take their elements of ``full``."""
+        with self._collective("the all-gather of the updated params"):
+            work.wait()
+        for p, o in members:
+            lp = local(p)
+            lp.data.view(-1).copy_(full[o:o + lp.numel()])
+
+    def _collective(self, what: str):
+        return collective(type(self).__name__, what, self._pg)
 
     def synchronize(self) -> None:
         """Wait for every update handed over and order the param copies before the current CUDA
@@ -684,28 +692,30 @@ class OffloadAdam(torch.optim.Optimizer):
         gathered = [None] * world
         dev = self._device if dist.get_backend(pg) == "nccl" else torch.device("cpu")
         state = {}
-        with collective(type(self).__name__, "the all-gather of the optimizer state", pg):
+        what = "the all-gather of the optimizer state"
+        with self._collective(what):
             dist.all_gather_object(gathered, {s.index: s.step for s in self._slots}, group=pg)
-            for d in gathered:
-                for i, step in d.items():
-                    steps[i] = max(steps.get(i, 0), step)
-            for chunk in self._chunks:
-                members, k = self._members[chunk.cid]
-                with self._group.hold(chunk, _STATE) as bufs:
-                    mine = torch.stack(bufs).to(dev)
-                full = torch.empty(world * 3, k, device=dev)
+        for d in gathered:
+            for i, step in d.items():
+                steps[i] = max(steps.get(i, 0), step)
+        for chunk in self._chunks:
+            members, k = self._members[chunk.cid]
+            with self._group.hold(chunk, _STATE) as bufs:
+                mine = torch.stack(bufs).to(dev)
+            full = torch.empty(world * 3, k, device=dev)
+            with self._collective(what):
                 all_gather(full, mine, pg)
-                flat = full.view(world, 3, k).transpose(0, 1).reshape(3, world * k).cpu()
-                for p, o in members:
-                    i = index_of[id(p)]
-                    if steps.get(i, 0) == 0:
-                        continue
-                    sl = slice(o, o + p.numel())
-                    state[i] = {"step": torch.tensor(float(steps[i])),
-                                "exp_avg": flat[1, sl].clone().view(p.shape),
-                                "exp_avg_sq": flat[2, sl].clone().view(p.shape)}
-                    if p.dtype in _LOWP:
-                        state[i]["master"] = flat[0, sl].clone().view(p.shape)
+            flat = full.view(world, 3, k).transpose(0, 1).reshape(3, world * k).cpu()
+            for p, o in members:
+                i = index_of[id(p)]
+                if steps.get(i, 0) == 0:
+                    continue
+                sl = slice(o, o + p.numel())
+                state[i] = {"step": torch.tensor(float(steps[i])),
+                            "exp_avg": flat[1, sl].clone().view(p.shape),
+                            "exp_avg_sq": flat[2, sl].clone().view(p.shape)}
+                if p.dtype in _LOWP:
+                    state[i]["master"] = flat[0, sl].clone().view(p.shape)
         return state
 
     @torch.no_grad()
@@ -897,14 +907,6 @@ def _read_once(params):
             g = {**g, "params": list(g["params"])}
         out.append(g)
     return out
-
-
-def _scatter(work, full: torch.Tensor, members) -> None:
-    """The end of one chunk's all-gather: the chunk's params take their elements of ``full``."""
-    work.wait()
-    for p, o in members:
-        lp = local(p)
-        lp.data.view(-1).copy_(full[o:o + lp.numel()])
 
 
 def _piece(slot: _Slot, t: torch.Tensor) -> torch.Tensor:
