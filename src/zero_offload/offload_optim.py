@@ -469,7 +469,7 @@ class OffloadAdam(torch.optim.Optimizer):
         if grad.shape != local(p).shape:
             raise RuntimeError(f"grad of shape {tuple(grad.shape)} for a param of shape {tuple(local(p).shape)}")
         if chunk.phase is not ChunkPhase.FILLING:  # the chunk's first grad in this step
-            self._group.open_grads(chunk)  # its last update read "grads": it finishes first
+            self._group.open_grads(chunk, host=True)  # its last update read "grads": it finishes first
             self._remove_forward_hook_if_synced()
         if local(p)._version != slot.version:
             self._resync_master(chunk, slot)

@@ -188,20 +188,22 @@ class ChunkGroup:
 
     # ---- grads ------------------------------------------------------------------------------
 
-    def open_grads(self, chunk: GroupChunk) -> None:
+    def open_grads(self, chunk: GroupChunk, *, host: bool = False) -> None:
         """A grad of ``chunk`` is about to be staged: the chunk's last job (which reads the
-        "grads" host copy) finishes first; the chunk is FILLING."""
+        "grads" host copy) finishes first; the chunk is FILLING. ``host``: the grads will be
+        ``stage``d straight into the host copy, which is taken for writing here, once."""
         self.wait(chunk)
         if chunk.phase is ChunkPhase.IDLE:
             chunk.to(ChunkPhase.FILLING)
+        if host:
+            self.store.get(chunk.cid, self.payloads.grads, Tier.CPU, write=True)
 
     def stage(self, chunk: GroupChunk, pieces: Sequence[tuple[int, torch.Tensor]]) -> Handle:
         """Copy device tensors (grads) into the chunk's "grads" host copy at the given element
         offsets, on the store's D2H stream after the caller's current stream; the returned
-        handle (and every later one) says they have landed. Call ``open_grads`` first."""
-        name = self.payloads.grads
-        self.store.get(chunk.cid, name, Tier.CPU, write=True)
-        return self.store.copy_in(chunk.cid, name, Tier.CPU, pieces)
+        handle (and every later one) says they have landed. Call ``open_grads(host=True)`` at
+        the window's first grad."""
+        return self.store.copy_in(chunk.cid, self.payloads.grads, Tier.CPU, pieces)
 
     def device_grads(self, chunk: GroupChunk) -> torch.Tensor:
         """A zeroed device buffer (pinned in the store) for the chunk's grads of this pass;
