@@ -63,6 +63,9 @@ class EngineStep:
     def __call__(self, x, y):
         return self.engine(x, y)
 
+    def backward(self, loss):
+        self.engine.backward(loss)
+
     def step(self):
         self.engine.step()
 
@@ -103,13 +106,15 @@ def build(case, cfg, device, world):
             def __call__(self, x, y):
                 return ds(x, y)
 
+            def backward(self, loss):
+                ds.backward(loss)
+
             def step(self):
                 ds.step()
 
             def zero_grad(self, set_to_none=True):
                 pass
         w = DSStep()
-        w.backward = ds.backward
         return w, w
     model = GPT(cfg, device=device)
     if case.startswith("ddp"):
@@ -166,7 +171,7 @@ def main():
             t0 = time.perf_counter()
             if case in ("engine", "ds-zero3"):  # bf16 by their own configs
                 loss = model(x, y)
-                (model.engine.backward if case == "engine" else model.backward)(loss)
+                model.backward(loss)
             else:
                 with torch.autocast("cuda", dtype=torch.bfloat16):
                     loss = model(x, y)

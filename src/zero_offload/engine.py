@@ -598,8 +598,7 @@ class Engine:
         self.group = ChunkGroup(self.store, hyper=self.optimizer, adamw=self.spec.adamw,
                                 payloads=payloads, grad_accum=cfg.grad_accum, owner="engine",
                                 prefetch_depth=cfg.prefetch_depth,
-                                threads=_adam_threads(cfg, self.device) if self._pg is None or cfg.threads
-                                else threads_per_rank(self.device.type == "cuda"),
+                                threads=_adam_threads(cfg, self.device, ranked=self._pg is not None),
                                 on_chunk_idle=self._chunk_ready)
         with torch.no_grad():
             # Chunk by chunk: the model's own weights are freed as their chunk fills, so host
@@ -1699,12 +1698,17 @@ def _resolve_groups(groups, model: nn.Module, partition: Partition, spec: Adam) 
     return overrides, slot_group
 
 
-def _adam_threads(cfg: OffloadConfig, device: torch.device) -> Optional[int]:
-    """CPU-Adam threads: ``OffloadConfig.threads``, or by default every core this process may use
-    minus two when a GPU is driven (the Python thread issuing kernels and the autograd/copy
-    threads must not be preempted by the kernel's workers, or the GPU starves)."""
-    if cfg.threads is not None or device.type != "cuda":
+def _adam_threads(cfg: OffloadConfig, device: torch.device, *, ranked: bool) -> Optional[int]:
+    """CPU-Adam threads: ``OffloadConfig.threads``; with several ranks this rank's share of the
+    node's cores (``threads_per_rank``); else by default every core this process may use minus
+    two when a GPU is driven (the Python thread issuing kernels and the autograd/copy threads
+    must not be preempted by the kernel's workers, or the GPU starves)."""
+    if cfg.threads is not None:
         return cfg.threads
+    if ranked:
+        return threads_per_rank(device.type == "cuda")
+    if device.type != "cuda":
+        return None
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux

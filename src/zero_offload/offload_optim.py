@@ -415,7 +415,6 @@ class OffloadAdam(torch.optim.Optimizer):
             self._init_state(chunk)
             self._slots.extend(slots)
             for slot in slots:
-                self._chunk_of[slot.param] = chunk
                 if self._overlap:
                     self._hook_handles.append(slot.param.register_post_accumulate_grad_hook(
                         _GradHook(self, chunk, slot)))

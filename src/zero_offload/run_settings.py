@@ -46,24 +46,22 @@ class _Parser(argparse.ArgumentParser):
 
 # --------------------------------------------------------------------------------- flag types
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _int_at_least(minimum: int, what: str, name: str):
+    """An argparse type: an integer >= ``minimum``; anything else is "expected {what}"."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    parse.__name__ = parse.__qualname__ = name
+    return parse
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+_positive_int = _int_at_least(1, "a positive integer", "_positive_int")
+_nonneg_int = _int_at_least(0, "an integer >= 0", "_nonneg_int")
 
 
 def _positive_float(text: str) -> float:
