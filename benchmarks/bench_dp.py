@@ -14,7 +14,10 @@ Cases (fp32 params, bf16 autocast, batch ``--batch`` sequences per rank, AdamW l
   shards (PyTorch's own CPU offload);
 - ``ddp-torch``: DDP + fused AdamW on the GPU (no offload: the ceiling);
 - ``engine``: ``zero_offload.initialize`` (params and optimizer state on the CPU, bf16, each
-  rank holding 1/N of every chunk; the model is built in fp32 on the CPU as the API takes it);
+  rank holding 1/N of every chunk, a chunk's params all-gathered while it is used; the model is
+  built in fp32 on the CPU as the API takes it);
+- ``engine-gpu``: the same with ``params="gpu"``: a params replica per GPU, gathered once per
+  step after the update (ZeRO-2 + offload, the original ZeRO-Offload schedule);
 - ``ds-zero3``: DeepSpeed ZeRO-3 with params and optimizer offloaded to the CPU (the config of
   ../shared/BASELINES.md; its wheel: ../shared/wheels/README.md).
 Rank 0 prints one line per case and writes the JSON: median step time over ``--steps`` timed
@@ -78,11 +81,12 @@ class EngineStep:
 
 def build(case, cfg, device, world):
     torch.manual_seed(0)
-    if case == "engine":
+    if case in ("engine", "engine-gpu"):
         import zero_offload as zo
         model = GPT(cfg)  # fp32 on the CPU
         engine = zo.initialize(model, optimizer=zo.AdamW(lr=1e-4, weight_decay=0.1), device=device,
-                               config=zo.OffloadConfig(params="cpu", optimizer="cpu", dtype="bf16"))
+                               config=zo.OffloadConfig(params="gpu" if case == "engine-gpu" else "cpu",
+                                                       optimizer="cpu", dtype="bf16"))
         wrapped = EngineStep(engine)
         return wrapped, wrapped
     if case == "ds-zero3":
@@ -169,7 +173,9 @@ def main():
             y = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=g).to(device)
             torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            if case in ("engine", "ds-zero3"):  # bf16 by their own configs
+            if i == args.warmup and isinstance(model, EngineStep):
+                model.engine.reset_stats()
+            if case.startswith("engine") or case == "ds-zero3":  # bf16 by their own configs
                 loss = model(x, y)
                 model.backward(loss)
             else:
@@ -192,6 +198,8 @@ def main():
              "gpu_peak_gib_rank0": torch.cuda.max_memory_allocated(device) / 2**30,
              "params": sum(p.numel() for p in GPT(cfg, device="meta").parameters()),
              "losses": losses, "gpu": torch.cuda.get_device_name(device)}
+        if isinstance(model, EngineStep):
+            r["engine_stats"] = model.engine.stats().as_dict()
         results.append(r)
         if rank == 0:
             print(f"[{case} x{world}] {med:.3f} s/step, {r['tokens_per_s']:,.0f} tok/s, host RSS node "

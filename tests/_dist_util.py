@@ -17,14 +17,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank, world, port, out_dir, args, timeout_s):
+def _rank_main(fn, rank, world, port, out_dir, args, timeout_s, backend="gloo"):
+    import torch
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     result = {"rank": rank}
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         result["value"] = fn(rank, world, *args)
     except BaseException as e:  # noqa: BLE001 - reported to the test
@@ -42,13 +45,14 @@ def _rank_main(fn, rank, world, port, out_dir, args, timeout_s):
         pass
 
 
-def run_ranks(fn, world, tmp_path, *args, timeout_s=60, collective_timeout_s=30):
-    """``fn(rank, world, *args)`` on ``world`` processes; returns a list of result dicts."""
+def run_ranks(fn, world, tmp_path, *args, timeout_s=60, collective_timeout_s=30, backend="gloo"):
+    """``fn(rank, world, *args)`` on ``world`` processes; returns a list of result dicts.
+    ``backend="nccl"``: rank r drives GPU r."""
     os.makedirs(tmp_path, exist_ok=True)
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, str(tmp_path), args,
-                                                   collective_timeout_s)) for r in range(world)]
+                                                   collective_timeout_s, backend)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:

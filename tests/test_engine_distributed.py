@@ -139,3 +139,86 @@ def _dies_rank(rank, world):
 def test_a_dead_rank_makes_the_other_raise_one_clear_error(tmp_path):
     err = error_after_a_rank_dies(_dies_rank, WORLD, tmp_path)
     assert "engine: rank 0 of 2:" in err and "another rank has probably died" in err, err
+
+
+def _counting_rank(rank, world, kw, steps, accum):
+    """Trains like ``_engine_rank`` and counts the engine's collectives per micro-batch:
+    reduce-scatters, all-gathers issued on the spot and all-gathers issued ahead (async)."""
+    import zero_offload.engine as eng
+    counts = []
+    rs, ag = eng.reduce_scatter_mean, eng.all_gather
+
+    def count_rs(*a, **k):
+        counts[-1]["rs"] += 1
+        return rs(*a, **k)
+
+    def count_ag(out, inp, group, *, async_op=False):
+        counts[-1]["ahead" if async_op else "ag"] += 1
+        return ag(out, inp, group, async_op=async_op)
+
+    eng.reduce_scatter_mean, eng.all_gather = count_rs, count_ag
+    engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=_config(None, grad_accum=accum, **kw),
+                           device="cpu")
+    norms = []
+    for x, y in gpt_batches(steps * accum, batch=2 * world):
+        counts.append({"rs": 0, "ag": 0, "ahead": 0})
+        sl = slice(2 * rank, 2 * rank + 2)
+        engine.backward(engine(x[sl], y[sl]) / accum)
+        if engine.step() and engine.last_grad_norm is not None:
+            norms.append(engine.last_grad_norm)
+    counts.append({"rs": 0, "ag": 0, "ahead": 0})  # state_dict's gathers, apart
+    sd = engine.state_dict()
+    n_chunks = len(engine._chunks)
+    engine.close()
+    return sd, counts[:-1], norms, n_chunks
+
+
+@pytest.mark.parametrize("sync", ["every", "final"])
+def test_accumulation_talks_every_micro_batch_or_only_at_the_window_end(sync, tmp_path):
+    """grad_sync="final" (DDP's no_sync): no reduce-scatter on the non-final micro-batches, one
+    per chunk at the last; the same global-norm clipping and results as torch either way."""
+    out = values(run_ranks(_counting_rank, WORLD, tmp_path, dict(grad_clip=0.05, grad_sync=sync), 3, 3,
+                           timeout_s=120))
+    ref = _reference(3, 3, clip=0.05)
+    for sd, counts, norms, n_chunks in out:
+        assert norms == pytest.approx(ref.norms, rel=1e-5)
+        assert_params_close(sd, ref.master_state(), rtol=1e-5)
+        per_micro = [c["rs"] for c in counts]
+        if sync == "final":
+            assert per_micro == [0, 0, n_chunks] * 3
+        else:
+            assert per_micro == [n_chunks] * 9
+
+
+@pytest.mark.parametrize("params", ["gpu", "cpu"])
+def test_gpu_params_keep_a_replica_gathered_once_per_step(params, tmp_path):
+    """params="gpu": each chunk's params are gathered once per step (the update changed them),
+    then reused by the backward and every later use; params elsewhere: gathered at every use,
+    the next chunk's gather issued ahead of its use. Results equal to torch either way."""
+    out = values(run_ranks(_counting_rank, WORLD, tmp_path, dict(params=params), 4, 1, timeout_s=120))
+    ref = _reference(4, 1)
+    for sd, counts, _, n_chunks in out:
+        assert_params_close(sd, ref.master_state(), rtol=1e-5)
+        gathers = [c["ag"] + c["ahead"] for c in counts]
+        if params == "gpu":
+            assert gathers == [n_chunks] * 4
+        else:
+            assert all(g > n_chunks for g in gathers)  # forward and backward
+            assert all(c["ahead"] > 0 for c in counts[1:])  # after the recording pass
+
+
+def test_final_grad_sync_is_refused_with_a_clear_message():
+    with pytest.raises(ValueError, match=r"OffloadConfig.grad_sync='never' is invalid: expected 'every' or 'final'"):
+        zo.OffloadConfig(grad_sync="never")
+
+
+def _replica_fit_rank(rank, world):
+    with pytest.raises(zo.FitError if hasattr(zo, "FitError") else ValueError,
+                       match=r"params='gpu' with 2 ranks keeps a full replica"):
+        zo.initialize(micro_gpt(), optimizer=SPEC, config=_config(None, params="gpu", gpu_budget=110_000),
+                      device="cpu")
+    return "refused"
+
+
+def test_gpu_params_that_cannot_hold_a_replica_are_refused_before_anything_is_allocated(tmp_path):
+    assert values(run_ranks(_replica_fit_rank, WORLD, tmp_path, timeout_s=60)) == ["refused"] * 2

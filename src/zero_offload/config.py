@@ -324,6 +324,11 @@ class OffloadConfig:
     """Run CPU-Adam on each chunk as its grads land, during backward, where that is exact (when
     clipping or fp16 overflow checks need every grad first, the engine keeps results equal to
     PyTorch; see docs). False steps every chunk after backward."""
+    grad_sync: str = "every"
+    """Several ranks with ``grad_accum > 1``: "every" reduce-scatters each micro-batch's grads
+    (each rank sums its shard in host memory); "final" sums the window's grads of the whole
+    model on each GPU in fp32 (4 bytes per param of GPU memory) and reduce-scatters once, at the
+    window's last micro-batch: no communication on the others (DDP's ``no_sync``)."""
 
     def __post_init__(self):
         o = "OffloadConfig"
@@ -383,6 +388,8 @@ class OffloadConfig:
         setv("io_queue_depth", _as_int(o, "io_queue_depth", self.io_queue_depth, minimum=1))
         if not isinstance(self.overlap, bool):
             raise _fail(o, "overlap", self.overlap, "True or False")
+        if self.grad_sync not in ("every", "final"):
+            raise _fail(o, "grad_sync", self.grad_sync, "'every' or 'final'")
 
     # -- derived values --------------------------------------------------------------------
 

@@ -110,13 +110,17 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, *, async_op: bool = 
     return fn(out, inp, group=group, async_op=async_op)
 
 
-def reduce_scatter_mean(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+def reduce_scatter_mean(out: torch.Tensor, inp: torch.Tensor, group, *, async_op: bool = False):
     """``out`` = this rank's piece of the mean over the ranks of ``inp`` (``inp`` holds world x
-    ``out.numel()`` elements). Summed, then divided: every backend has SUM."""
+    ``out.numel()`` elements). NCCL averages in the collective (``async_op``: returns its work);
+    other backends sum, then divide (synchronously: gloo has no AVG)."""
     import torch.distributed as dist
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    if dist.get_backend(group) == "nccl":
+        return fn(out, inp, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
     fn(out, inp, op=dist.ReduceOp.SUM, group=group)
     out.div_(dist.get_world_size(group))
+    return None
 
 
 def all_reduce(t: torch.Tensor, group, op: str = "sum") -> torch.Tensor:

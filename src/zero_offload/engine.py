@@ -129,7 +129,21 @@ Clipping and the fp16 overflow check all-reduce the shards' sums of squares. Eve
 is issued by the caller's or autograd's thread (never the worker), in an order every rank
 shares: the same modules run in the same order, and the end-of-backward flushes go in chunk
 order. Whole-model reads (``state_dict``, ``gathered``, ``close``, checkpoints) gather chunk by
-chunk and are collective: every rank calls them.
+chunk and are collective: every rank calls them. ``params="gpu"`` keeps each chunk's gathered
+params as a replica on every GPU (ZeRO-2 with offload): it is gathered again only after an
+update changed the shards, once per step, not at every use. ``grad_sync="final"`` with
+``grad_accum > 1`` sums a chunk's grads over the window's micro-batches in an fp32 device buffer
+and reduce-scatters once, at the last one (the others communicate nothing).
+
+[Note: collectives ahead] With NCCL the collectives overlap compute. When a chunk is materialized
+the all-gather of the next chunk of the recorded order (``Prefetcher.peek``: this pass only, the
+same answer on every rank) is issued async; its use waits for it device-side. The decision reads
+only state every rank shares (the recorded order, which chunks are held, update versions), so
+the ranks issue the same collectives in the same order; it waits on the host for that chunk's
+update first (a timing-dependent "is it ready?" would let ranks disagree). A grads
+reduce-scatter is issued async on the compute stream; the comm stream waits for it, then sends
+the shard to the host, and the whole-chunk buffer is recorded on that stream so its memory is
+not reused before the collective has read it.
 """
 from __future__ import annotations
 
@@ -160,7 +174,7 @@ from .distributed import (Shard, all_gather, all_reduce, collective, reduce_scat
 from .runtime.chunk_group import ChunkGroup, GroupChunk, GroupSlot
 from .runtime.partition import ChunkLayout, ParamSlot, Partition, partition_parameters
 from .runtime.pipeline import PipelinePayloads, StepPipeline
-from .runtime.placement import (PARKED_CHUNKS, PlacementPlan, keep_limit, optimizer_payloads,
+from .runtime.placement import (PARKED_CHUNKS, FitError, PlacementPlan, keep_limit, optimizer_payloads,
                                 payload_dtypes, plan_placement)
 from .runtime.prefetch import Prefetcher
 from .runtime.store import ChunkStore, Handle, Hop, PayloadSpec, StoreConfig, Tier
@@ -220,6 +234,15 @@ class _Chunk:
     """``expected - landed``, kept up to date by ``expect`` and ``land`` (grads still to come)."""
     grads: Optional[torch.Tensor] = None
     """Device grads buffer being filled in this backward (None once flushed)."""
+    window: Optional[torch.Tensor] = None
+    """Several ranks, ``grad_sync="final"``: the whole chunk's fp32 grads summed over the
+    micro-batches of the window, reduce-scattered at its last one."""
+    window_slots: set = field(default_factory=set)
+    """The trainable slots with a grad in ``window``."""
+    replica: Optional[torch.Tensor] = None
+    """Several ranks, ``params="gpu"``: the whole chunk's params, kept on the device between uses
+    and gathered again only after an update (``replica_version``)."""
+    replica_version: int = -1
     flushed: bool = False
     """Grads of this backward were sent down (a late grad is then an error)."""
 
@@ -546,6 +569,9 @@ class Engine:
                 dataclasses.replace(c, numel=self.shard.span(c.numel)[2]) for c in self.partition.chunks))
             self.plan: PlacementPlan = plan_placement(placed, cfg, self.store.budgets,
                                                       has_nvme=cfg.nvme_dir is not None)
+            if self._pg is not None and cfg.params == "gpu":
+                _check_replicas(self.partition, self.plan, self.store.budgets[Tier.GPU], self.dtype,
+                                self.shard)
             if cfg.nvme_dir is not None and cfg.nvme_budget == "auto":
                 # Swap files are preallocated to the NVMe budget: take what the plan needs.
                 self.store.set_budget(Tier.NVME, self.plan.need[Tier.NVME] + (4 << 20))
@@ -635,6 +661,13 @@ class Engine:
         self._kept: dict[int, _Chunk] = {}  # cid -> chunk whose device copy was kept; [Note: kept copies]
         self._keep_limit = keep_limit(self.partition, cfg, self.store.budgets[Tier.GPU])
         self._live: dict[int, _Chunk] = {}  # device-buffer storage address -> chunk (held ones)
+        # [Note: collectives ahead]: all-gathers issued ahead (cid -> (buffer, work)), the stream
+        # the grads' reduce-scatters are waited on before they go to the host (NCCL only).
+        self._gathers: dict[int, tuple] = {}
+        self._comm_stream = (torch.cuda.Stream(self.device) if self._comm_device.type == "cuda"
+                             else None)
+        self._replicas = self._pg is not None and cfg.params == "gpu"
+        self._final_sync = self._pg is not None and cfg.grad_sync == "final" and cfg.grad_accum > 1
         self._updated = False  # an update was queued in backward in this window (overlap)
         self.last_grad_norm: Optional[float] = None
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
@@ -725,6 +758,69 @@ class Engine:
             all_gather(full, piece, self._pg)
         return full
 
+    def _gather_params(self, chunk: _Chunk, shard: torch.Tensor, *, ahead: bool) -> tuple:
+        """``(buffer, work)``: the chunk's params on the device from this rank's ``shard``. One
+        rank: the shard itself. Several: an all-gather (``ahead``: issued async, ``work`` to wait
+        on before use; else done), or the replica when no update has run since it was gathered."""
+        if self._pg is None:
+            return shard, None
+        if chunk.replica is not None and chunk.replica_version == chunk.g.version:
+            return chunk.replica, None
+        full = chunk.replica if chunk.replica is not None else torch.empty(
+            shard.numel() * self.shard.world, dtype=shard.dtype, device=shard.device)
+        with collective("engine", "the all-gather of a params chunk", self._pg):
+            work = all_gather(full, shard, self._pg, async_op=ahead)
+        if self._replicas:
+            chunk.replica, chunk.replica_version = full, chunk.g.version
+        return full, work
+
+    def _gather_ahead(self) -> None:
+        """See [Note: collectives ahead]: the all-gather of the next chunk of the recorded order,
+        issued now so that it runs while this chunk computes."""
+        if self._gathers or self.prefetcher.depth == 0:
+            return
+        for cid in self.prefetcher.peek(1):
+            chunk = self._chunks[cid]
+            if chunk.buffer is not None or (chunk.replica is not None
+                                            and chunk.replica_version == chunk.g.version):
+                return
+            if chunk.layout.trainable:
+                self.group.wait(chunk.g)  # the update writing its params shard must finish
+            shard = self.prefetcher.use(cid)["params"]
+            self._gathers[cid] = self._gather_params(chunk, shard, ahead=True)
+
+    def _drop_gathers(self) -> None:
+        """Forget the all-gathers issued ahead whose chunk was not used (the pass ended or the
+        order changed): the device waits for them, their shards go back to the prefetcher."""
+        for cid, (_, work) in self._gathers.items():
+            if work is not None:
+                with collective("engine", "the all-gather of a params chunk", self._pg):
+                    work.wait()
+            self.prefetcher.release(cid)
+        self._gathers.clear()
+
+    def _reduce_grads(self, chunk: _Chunk, full: torch.Tensor) -> Handle:
+        """This rank's shard of the mean over the ranks of a whole chunk's device grads ``full``
+        into the chunk's device grads, then to the host (the returned handle). With NCCL the
+        reduce-scatter runs async: the copy to the host waits for it on the comm stream, and
+        ``full`` is kept from reuse until that stream has passed ([Note: collectives ahead])."""
+        shard = self.group.device_grads(chunk.g)
+        out = shard if full.dtype is shard.dtype else torch.empty(shard.numel(), dtype=full.dtype,
+                                                                  device=full.device)
+        stream = self._comm_stream
+        with collective("engine", "the reduce-scatter of a chunk's grads", self._pg):
+            work = reduce_scatter_mean(out, full, self._pg, async_op=stream is not None)
+        with (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+            if work is not None:
+                with collective("engine", "the reduce-scatter of a chunk's grads", self._pg):
+                    work.wait()
+            if out is not shard:
+                shard.copy_(out)
+            if stream is not None:
+                full.record_stream(stream)
+                out.record_stream(stream)
+            return self.group.flush_grads(chunk.g)
+
     def _read_full(self, chunk: _Chunk, name: str) -> torch.Tensor:
         """A CPU copy of a whole payload of the chunk (all ranks' shards: collective)."""
         mine = self.group.read(chunk.g, name)
@@ -737,6 +833,7 @@ class Engine:
         """Overwrite a payload: ``fill`` writes whole-chunk offsets into a zeroed flat buffer; this
         rank keeps its shard of it."""
         lo, hi, _ = self.shard.span(chunk.layout.numel)
+        chunk.replica = None
         with self.group.hold(chunk.g, [name], fresh=True) as (buf,):
             if self._pg is None:
                 fill(buf)
@@ -760,6 +857,7 @@ class Engine:
         args, kwargs = cast_inputs((args, kwargs), dtype=self.dtype, device=self.device)
         if self.device.type == "cuda":
             self._compute_stream = torch.cuda.current_stream(self.device)
+        self._drop_gathers()
         self.prefetcher.start_pass()
         self._set_phase(Phase.FORWARD)
         recording = not self._recorded
@@ -1072,6 +1170,7 @@ class Engine:
         """Release every materialized chunk nobody holds (parked ones included), and drop the
         copies kept after forward: at the end of a backward, before updates may rewrite the
         params, and when the engine goes idle."""
+        self._drop_gathers()
         self._parked.clear()
         for c in self._chunks:
             if c.buffer is not None and c.holds == 0:
@@ -1081,10 +1180,17 @@ class Engine:
             self._kept = {cid: c for cid, c in self._kept.items() if c.buffer is not None}
 
     def _materialize(self, chunk: _Chunk) -> None:
-        if chunk.layout.trainable:
-            self.group.wait(chunk.g)  # the update writing these params must finish
         t0 = time.perf_counter()
-        buf = self._full(self.prefetcher.use(chunk.cid)["params"], "the all-gather of a params chunk")
+        buf, work = self._gathers.pop(chunk.cid, (None, None))
+        if buf is None:
+            if chunk.layout.trainable:
+                self.group.wait(chunk.g)  # the update writing these params must finish
+            buf, work = self._gather_params(chunk, self.prefetcher.use(chunk.cid)["params"], ahead=False)
+        if work is not None:  # issued ahead: this stream waits for it (device-side)
+            with collective("engine", "the all-gather of a params chunk", self._pg):
+                work.wait()
+        if self._pg is not None:
+            self._gather_ahead()
         if self.group.trace is not None:
             self.group.trace.span("use", t0, time.perf_counter(), cid=chunk.cid)
         recorded, classes = self._recorded, self._classes
@@ -1213,14 +1319,28 @@ class Engine:
 
     def _flush_grads(self, chunk: _Chunk) -> None:
         """Send a chunk's device grads to host memory and hand them to the worker."""
-        if self._pg is not None:  # this rank's shard of the mean over the ranks
-            shard = self.group.device_grads(chunk.g)
-            with collective("engine", "the reduce-scatter of a chunk's grads", self._pg):
-                reduce_scatter_mean(shard, chunk.grads, self._pg)
-        handle = self.group.flush_grads(chunk.g)
+        slots = [chunk.gslots[s] for s in chunk.landed if s in chunk.gslots]
+        if self._final_sync:  # [Note: data parallel]: only the window's last micro-batch talks
+            if chunk.grads is not None:
+                if chunk.window is None:
+                    chunk.window = chunk.grads.float()
+                else:
+                    chunk.window.add_(chunk.grads)
+                chunk.grads = None
+                chunk.window_slots.update(slots)
+            chunk.flushed = True
+            if self._micro < self.config.grad_accum - 1:
+                return
+            full, chunk.window = chunk.window, None
+            slots, chunk.window_slots = list(chunk.window_slots), set()
+            handle = self._reduce_grads(chunk, full)
+        elif self._pg is not None:  # this rank's shard of the mean over the ranks
+            handle = self._reduce_grads(chunk, chunk.grads)
+        else:
+            handle = self.group.flush_grads(chunk.g)
         chunk.grads = None
         chunk.flushed = True
-        self._submit_grads(chunk, [chunk.gslots[s] for s in chunk.landed if s in chunk.gslots], ready=handle)
+        self._submit_grads(chunk, slots, ready=handle)
 
     def _submit_grads(self, chunk: _Chunk, slots, *, ready, hold: bool = False) -> None:
         boundary = self._micro == self.config.grad_accum - 1
@@ -1244,7 +1364,7 @@ class Engine:
             self._transient.clear()
             boundary = self._micro == self.config.grad_accum - 1
             for c in self._chunks:
-                if c.grads is not None:
+                if c.grads is not None or (boundary and c.window is not None):
                     self._flush_grads(c)  # some expected grads never came (unused outputs)
                 elif boundary and c.g.accumulating and not c.flushed:
                     # Grads from earlier micro-batches only: stats/update from the fp32 buffer.
@@ -1548,6 +1668,8 @@ class Engine:
                 for s, cls in zip(self.partition.slots, self._classes):
                     s.param.__class__ = cls
         self._closed = True
+        for c in self._chunks:
+            c.replica = c.window = None
         for m in self.module.modules():
             ref = _OPEN_ENGINES.get(m)
             if ref is not None and ref() is self:
@@ -1714,6 +1836,22 @@ def _adam_threads(cfg: OffloadConfig, device: torch.device, *, ranked: bool) -> 
     except AttributeError:  # pragma: no cover - not Linux
         cores = os.cpu_count() or 1
     return max(1, cores - 2)
+
+
+def _check_replicas(partition: Partition, plan: PlacementPlan, gpu_budget: int, dtype: torch.dtype,
+                    shard: Shard) -> None:
+    """params="gpu" with several ranks keeps a full replica of every chunk's params on each GPU
+    beside the rank's shards ([Note: data parallel]): refuse before anything is allocated when
+    the budget cannot hold both."""
+    replicas = sum(shard.span(c.numel)[2] * shard.world for c in partition.chunks) * dtype.itemsize
+    need = plan.need[Tier.GPU] + replicas
+    if need > gpu_budget:
+        raise FitError(
+            f"params='gpu' with {shard.world} ranks keeps a full replica of the params on every GPU "
+            f"({replicas / 2**30:.2f} GiB) beside this rank's shards and working window "
+            f"({plan.need[Tier.GPU] / 2**30:.2f} GiB): {need / 2**30:.2f} GiB > gpu_budget "
+            f"{gpu_budget / 2**30:.2f} GiB. Use params='auto' or 'cpu' (each GPU then holds 1/{shard.world} "
+            f"of the params and gathers a chunk while it is used), or raise gpu_budget")
 
 
 def _resolve_device(device) -> torch.device:

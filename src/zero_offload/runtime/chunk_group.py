@@ -90,6 +90,8 @@ class GroupChunk:
     """The fp32 accumulation payload holds grads of this window (``grad_accum > 1``)."""
     copied: Optional[Handle] = None
     """The copy-back of its last update (``copy_back``); ``wait`` orders the caller after it."""
+    version: int = 0
+    """Updates queued so far: a copy of the params taken at one version is stale at the next."""
 
     def to(self, phase: ChunkPhase) -> None:
         if phase not in _LEGAL[self.phase]:
@@ -271,6 +273,7 @@ class ChunkGroup:
                 for g in {s.group for s in chunk.window}}
         chunk.window.clear()
         chunk.accumulating = False
+        chunk.version += 1
         chunk.to(ChunkPhase.QUEUED)
         segments = tuple(Segment(lo, hi, step, args[g]) for lo, hi, step, g in update_segments(spans))
         source = self.payloads.accum if self.grad_accum > 1 else self.payloads.grads

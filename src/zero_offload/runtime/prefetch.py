@@ -178,6 +178,15 @@ class Prefetcher:
         self._positions = {}
         self._recording = True
 
+    def peek(self, count: int) -> list[int]:
+        """The next ``count`` chunk ids of the recorded order after the current position, within
+        this pass (no wrap-around, readiness not asked): what a consumer that must decide the same
+        way on every rank (a collective issued ahead) may rely on. [] while recording."""
+        with self._lock:
+            if self._recording:
+                return []
+            return self._order[self._pos:self._pos + max(0, count)]
+
     def _upcoming(self, count: int) -> list[int]:
         """The next ``count`` chunk ids after the current position ([Note: wrap-around]), up to
         the first one ``ready`` says is not ready."""
