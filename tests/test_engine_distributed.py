@@ -222,3 +222,22 @@ def _replica_fit_rank(rank, world):
 
 def test_gpu_params_that_cannot_hold_a_replica_are_refused_before_anything_is_allocated(tmp_path):
     assert values(run_ranks(_replica_fit_rank, WORLD, tmp_path, timeout_s=60)) == ["refused"] * 2
+
+
+def test_local_ranks_get_disjoint_blocks_of_cores(monkeypatch):
+    from zero_offload import distributed
+    monkeypatch.setattr(distributed, "_NODE_CORES", None)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert distributed.rank_cores() is None
+    have = sorted(os.sched_getaffinity(0))
+    if len(have) < 2:
+        pytest.skip("needs 2 cores to split")  # CI machines have 2
+    blocks = []
+    for r in range(2):
+        monkeypatch.setattr(distributed, "_NODE_CORES", None)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        monkeypatch.setenv("LOCAL_RANK", str(r))
+        blocks.append(distributed.rank_cores())
+        assert distributed.threads_per_rank(cuda=False) == len(blocks[-1])
+    assert len(blocks[0]) == len(blocks[1]) == len(have) // 2
+    assert not set(blocks[0]) & set(blocks[1]) and set(blocks[0]) | set(blocks[1]) <= set(have)

@@ -329,6 +329,11 @@ class OffloadConfig:
     (each rank sums its shard in host memory); "final" sums the window's grads of the whole
     model on each GPU in fp32 (4 bytes per param of GPU memory) and reduce-scatters once, at the
     window's last micro-batch: no communication on the others (DDP's ``no_sync``)."""
+    bind_cores: bool = True
+    """Several ranks on the node (torchrun): bind this process's threads to its own block of the
+    node's cores, grouped by NUMA node, before the CPU-Adam threads start, so two ranks' CPU-Adam
+    threads never share a core and each reads memory on its own socket. False leaves CPU affinity
+    alone. No effect with one rank per node."""
 
     def __post_init__(self):
         o = "OffloadConfig"
@@ -388,6 +393,8 @@ class OffloadConfig:
         setv("io_queue_depth", _as_int(o, "io_queue_depth", self.io_queue_depth, minimum=1))
         if not isinstance(self.overlap, bool):
             raise _fail(o, "overlap", self.overlap, "True or False")
+        if not isinstance(self.bind_cores, bool):
+            raise _fail(o, "bind_cores", self.bind_cores, "True or False")
         if self.grad_sync not in ("every", "final"):
             raise _fail(o, "grad_sync", self.grad_sync, "'every' or 'final'")
 

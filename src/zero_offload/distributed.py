@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Shard", "collective", "is_dtensor", "local", "resolve_group", "threads_per_rank"]
+__all__ = ["Shard", "bind_to_cores", "collective", "is_dtensor", "local", "rank_cores", "resolve_group",
+           "threads_per_rank"]
 
 
 def is_dtensor(t) -> bool:
@@ -75,15 +76,75 @@ def shard_of(group) -> Shard:
     return Shard(rank=dist.get_rank(group), world=dist.get_world_size(group))
 
 
+_NODE_CORES: "list[int] | None" = None  # the cores of the process before any binding
+
+
+def _numa_node_of() -> dict:
+    """cpu -> NUMA node, from sysfs ({} where it is not readable)."""
+    out = {}
+    base = "/sys/devices/system/node"
+    try:
+        nodes = [d for d in os.listdir(base) if d.startswith("node") and d[4:].isdigit()]
+    except OSError:
+        return out
+    for d in nodes:
+        try:
+            with open(os.path.join(base, d, "cpulist")) as f:
+                spec = f.read().strip()
+        except OSError:
+            continue
+        for part in filter(None, spec.split(",")):
+            lo, _, hi = part.partition("-")
+            for c in range(int(lo), int(hi or lo) + 1):
+                out[c] = int(d[4:])
+    return out
+
+
+def rank_cores() -> "list[int] | None":
+    """This local rank's cores: the cores the process could use before any binding, ordered by
+    NUMA node, cut into ``LOCAL_WORLD_SIZE`` (torchrun sets it) contiguous blocks; rank
+    ``LOCAL_RANK`` takes its block, so ranks share no core and (with one or two ranks per socket)
+    each reads memory on its own socket. None with one local rank (or fewer cores than ranks)."""
+    global _NODE_CORES
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    if local == 1:
+        return None
+    if _NODE_CORES is None:
+        try:
+            cores = sorted(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - not Linux
+            return None
+        node = _numa_node_of()
+        _NODE_CORES = sorted(cores, key=lambda c: (node.get(c, 0), c))
+    per = len(_NODE_CORES) // local
+    if per < 1:
+        return None
+    r = int(os.environ.get("LOCAL_RANK", "0") or 0) % local
+    return _NODE_CORES[r * per:(r + 1) * per]
+
+
+def bind_to_cores(cores: "list[int]") -> None:
+    """Every thread of this process runs on ``cores`` from now on (threads started later inherit
+    it from the thread that starts them), as ``numactl --physcpubind`` for the running process."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:  # a thread that just ended
+            pass
+
+
 def threads_per_rank(cuda: bool) -> int:
     """CPU-Adam threads for one of ``LOCAL_WORLD_SIZE`` ranks on this node (torchrun sets it):
-    the cores this process may use, split evenly, less one per rank driving a GPU (its Python
-    thread must not be preempted by the kernel's workers)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    per = cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    its block of cores (``rank_cores``), less one per rank driving a GPU (its Python thread must
+    not be preempted by the kernel's workers)."""
+    cores = rank_cores()
+    if cores is None:
+        try:
+            per = len(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - not Linux
+            per = os.cpu_count() or 1
+    else:
+        per = len(cores)
     return max(1, per - (1 if cuda else 0))
 
 

@@ -169,8 +169,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .config import Adam, OffloadConfig, load_config
 from .mixed_precision import LossScaler, cast_inputs
-from .distributed import (Shard, all_gather, all_reduce, collective, reduce_scatter_mean, resolve_group,
-                          shard_of, threads_per_rank)
+from .distributed import (Shard, all_gather, all_reduce, bind_to_cores, collective, rank_cores,
+                          reduce_scatter_mean, resolve_group, shard_of, threads_per_rank)
 from .runtime.chunk_group import ChunkGroup, GroupChunk, GroupSlot
 from .runtime.partition import ChunkLayout, ParamSlot, Partition, partition_parameters
 from .runtime.pipeline import PipelinePayloads, StepPipeline
@@ -617,6 +617,10 @@ class Engine:
         if self.lr_scheduler is not None and not callable(getattr(self.lr_scheduler, "step", None)):
             raise TypeError(f"lr_scheduler(optimizer) returned {type(self.lr_scheduler).__name__}, "
                             f"which has no step() method")
+        if self._pg is not None and cfg.bind_cores and self.device.type == "cuda":
+            cores = rank_cores()
+            if cores is not None:
+                bind_to_cores(cores)  # before the CPU-Adam threads start: they inherit it
         payloads = PipelinePayloads(master="master" if lowp else "params",
                                     lowp="params" if lowp else None,
                                     accum="accum" if cfg.grad_accum > 1 else None)
