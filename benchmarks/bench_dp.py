@@ -18,8 +18,8 @@ Cases (fp32 params, bf16 autocast, batch ``--batch`` sequences per rank, AdamW l
   built in fp32 on the CPU as the API takes it);
 - ``engine-gpu``: the same with ``params="gpu"``: a params replica per GPU, gathered once per
   step after the update (ZeRO-2 + offload, the original ZeRO-Offload schedule);
-- ``engine-nobind``: ``engine`` with ``bind_cores=False`` (the ranks' threads float over every
-  core instead of each rank's own block);
+- ``engine-bind``: ``engine`` with ``bind_cores=True`` (each rank's threads on its own block of
+  cores instead of floating over every core);
 - ``ds-zero3``: DeepSpeed ZeRO-3 with params and optimizer offloaded to the CPU (the config of
   ../shared/BASELINES.md; its wheel: ../shared/wheels/README.md).
 Rank 0 prints one line per case and writes the JSON: median step time over ``--steps`` timed
@@ -83,13 +83,13 @@ class EngineStep:
 
 def build(case, cfg, device, world):
     torch.manual_seed(0)
-    if case in ("engine", "engine-gpu", "engine-nobind"):
+    if case in ("engine", "engine-gpu", "engine-bind"):
         import zero_offload as zo
         model = GPT(cfg)  # fp32 on the CPU
         engine = zo.initialize(model, optimizer=zo.AdamW(lr=1e-4, weight_decay=0.1), device=device,
                                config=zo.OffloadConfig(params="gpu" if case == "engine-gpu" else "cpu",
                                                        optimizer="cpu", dtype="bf16",
-                                                       bind_cores=case != "engine-nobind"))
+                                                       bind_cores=case == "engine-bind"))
         wrapped = EngineStep(engine)
         return wrapped, wrapped
     if case == "ds-zero3":

@@ -329,11 +329,12 @@ class OffloadConfig:
     (each rank sums its shard in host memory); "final" sums the window's grads of the whole
     model on each GPU in fp32 (4 bytes per param of GPU memory) and reduce-scatters once, at the
     window's last micro-batch: no communication on the others (DDP's ``no_sync``)."""
-    bind_cores: bool = True
+    bind_cores: bool = False
     """Several ranks on the node (torchrun): bind this process's threads to its own block of the
     node's cores, grouped by NUMA node, before the CPU-Adam threads start, so two ranks' CPU-Adam
-    threads never share a core and each reads memory on its own socket. False leaves CPU affinity
-    alone. No effect with one rank per node."""
+    threads never share a core and each reads memory on its own socket. Off by default: on the
+    4x H100 VM we measure on, binding was slower (each rank's GPU-driving and NCCL threads then
+    compete with its own CPU-Adam threads; benchmarks/README.md). No effect with one rank per node."""
 
     def __post_init__(self):
         o = "OffloadConfig"
