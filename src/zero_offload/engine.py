@@ -171,6 +171,7 @@ from .config import Adam, OffloadConfig, load_config
 from .mixed_precision import LossScaler, cast_inputs
 from .distributed import (Shard, all_gather, all_reduce, bind_to_cores, collective, rank_cores,
                           reduce_scatter_mean, resolve_group, shard_of, threads_per_rank)
+from .initial_values import InitialValues, set_values
 from .runtime.chunk_group import ChunkGroup, GroupChunk, GroupSlot
 from .runtime.partition import ChunkLayout, ParamSlot, Partition, partition_parameters
 from .runtime.pipeline import PipelinePayloads, StepPipeline
@@ -475,11 +476,14 @@ class EngineStats:
 def initialize(model: nn.Module, *, optimizer: Optional[Adam] = None,
                config: Any = None, lr_scheduler: Optional[Callable] = None,
                device: "str | torch.device | None" = None,
-               param_groups: Optional[Sequence[dict]] = None, process_group: Any = "auto") -> "Engine":
+               param_groups: Optional[Sequence[dict]] = None, process_group: Any = "auto",
+               init: Optional[Callable[[str, torch.Tensor], None]] = None, weights: Any = None) -> "Engine":
     """Wrap ``model`` for offloaded training.
 
     Args:
-        model: an fp32 ``nn.Module`` (CPU or CUDA). Its parameters' storage is taken over.
+        model: an ``nn.Module`` on the CPU or a GPU (its parameters' storage is taken over and
+            freed chunk by chunk), or built on the meta device (no memory; see ``init`` and
+            ``weights``): the host then never holds a full copy of the model beside the tiers.
         optimizer: ``zero_offload.Adam(...)`` or ``zero_offload.AdamW(...)`` (a spec; the engine
             builds the state). May be omitted when ``config`` is a DeepSpeed config with an
             ``optimizer`` section.
@@ -500,9 +504,15 @@ def initialize(model: nn.Module, *, optimizer: Optional[Adam] = None,
         process_group: data parallelism (see [Note: data parallel]): "auto" (default) takes
             the default group when ``torch.distributed`` is initialized with several ranks
             (``torchrun``), None trains on this process alone, or a ProcessGroup.
+        init: for a model on the meta device, ``init(name, tensor)`` fills an empty CPU tensor
+            for each distinct parameter (first name in ``named_parameters()`` order), in that
+            order, e.g. ``GPT.init_param``; None: each module's ``reset_parameters()``.
+        weights: a safetensors file, or a directory of them (HF ``save_pretrained`` shards),
+            holding every parameter by its ``state_dict`` name: read chunk by chunk straight into
+            the tiers (the model's own values, meta or not, are not used).
     """
     return Engine(model, optimizer=optimizer, config=config, lr_scheduler=lr_scheduler, device=device,
-                  param_groups=param_groups, process_group=process_group)
+                  param_groups=param_groups, process_group=process_group, init=init, weights=weights)
 
 
 class Engine:
@@ -510,7 +520,8 @@ class Engine:
 
     def __init__(self, model: nn.Module, *, optimizer: Optional[Adam] = None, config: Any = None,
                  lr_scheduler: Optional[Callable] = None, device=None,
-                 param_groups: Optional[Sequence[dict]] = None, process_group: Any = "auto"):
+                 param_groups: Optional[Sequence[dict]] = None, process_group: Any = "auto",
+                 init: Optional[Callable[[str, torch.Tensor], None]] = None, weights: Any = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"initialize needs an nn.Module, got {type(model).__name__}")
         _check_not_managed(model)
@@ -546,6 +557,8 @@ class Engine:
                              "trains parameters. Unfreeze some, or run inference without the engine")
         self._group_overrides, self._slot_group = _resolve_groups(param_groups, model, self.partition,
                                                                   spec)
+        self._values = InitialValues(model, self.partition, init=init, weights=weights)
+        self._values.check()  # before anything is allocated
         nvme_dir = cfg.nvme_dir
         if nvme_dir is not None:
             from .runtime.swap_io import prepare_swap_dir
@@ -564,6 +577,8 @@ class Engine:
             for tier, value in store_budgets.items():  # "auto": this rank's share of the node's
                 if value == "auto" and local_ranks > 1 and not (tier is Tier.GPU and self.device.type == "cuda"):
                     self.store.set_budget(tier, self.store.budgets[tier] // local_ranks)
+            if cfg.cpu_budget == "auto":  # the model's own host copy is freed as the chunks fill
+                self.store.set_budget(Tier.CPU, self.store.budgets[Tier.CPU] + _handed_over(self.partition))
             # Placement sees the shards this rank holds ([Note: data parallel]).
             placed = dataclasses.replace(self.partition, chunks=tuple(
                 dataclasses.replace(c, numel=self.shard.span(c.numel)[2]) for c in self.partition.chunks))
@@ -604,9 +619,10 @@ class Engine:
         self._closed = False
         self._chunks: list[_Chunk] = []
         # Where each param/buffer came from: close() puts the trained values back there.
-        self._origins = tuple((s.param.device, s.param.dtype) for s in self.partition.slots)
-        self._empty_origins = tuple((p, p.device, p.dtype) for _, p in self.partition.empty)
-        self._buffer_origins = tuple((m, name, b.device) for m in self.module.modules()
+        # (A model built on the meta device gets its values back on the CPU.)
+        self._origins = tuple((_home_of(s.param), s.param.dtype) for s in self.partition.slots)
+        self._empty_origins = tuple((p, _home_of(p), p.dtype) for _, p in self.partition.empty)
+        self._buffer_origins = tuple((m, name, _home_of(b)) for m in self.module.modules()
                                      for name, b in m._buffers.items() if b is not None)
         # See [Note: parameter data]; indexed by slot index.
         self._placeholders = tuple(_unreadable(s.shape, self.dtype, self.device)
@@ -642,7 +658,8 @@ class Engine:
                 self._give_weights_back()
                 raise
         for name, p in self.partition.empty:
-            p.data = p.data.to(device=self.device, dtype=self.dtype)
+            set_values(p, torch.empty(p.shape, device=self.device, dtype=self.dtype))
+        self._values.buffers()
         for m in self.module.modules():
             for bname, b in list(m._buffers.items()):
                 if b is not None:
@@ -741,15 +758,25 @@ class Engine:
                                                                        copy=True)
 
     def _load_initial(self, chunk: _Chunk) -> None:
-        slots = chunk.layout.slots
-        names = ["params"] + (["master"] if chunk.layout.trainable and self.dtype is not torch.float32 else [])
-        def fill(buf):
-            for s in slots:
-                buf[s.offset:s.end].copy_(s.param.detach().reshape(-1))
-        for name in names:
-            self._write_shard(chunk, name, fill)
-        for s in slots:
-            s.param.data = self._placeholders[s.index]
+        """The chunk's first values (the model's, ``init``'s or the weights file's) written
+        straight into its full-precision payload (this rank's shard of it), the working-dtype
+        params rounded from it; then the model's own copies are let go."""
+        layout = chunk.layout
+        lowp = layout.trainable and self.dtype is not torch.float32
+        lo, hi, _ = self.shard.span(layout.numel)
+        with self.group.hold(chunk.g, ["master", "params"] if lowp else ["params"], fresh=True) as bufs:
+            first = bufs[0]
+            if self._pg is None:
+                self._values.fill(layout, first)
+            else:
+                whole = torch.zeros(layout.numel, dtype=first.dtype)
+                self._values.fill(layout, whole)
+                first[:hi - lo].copy_(whole[lo:hi])
+                del whole
+            if lowp:
+                bufs[1].copy_(first)
+        for s in layout.slots:
+            set_values(s.param, self._placeholders[s.index])
 
     # ---- data parallel ([Note: data parallel]) ----------------------------------------------
 
@@ -1885,12 +1912,30 @@ def _check_not_managed(model: nn.Module) -> None:
                              f"model), then initialize again")
 
 
+def _handed_over(partition: Partition) -> int:
+    """Host bytes of the model's parameters that ``initialize`` frees (CPU tensors nothing but
+    the parameter holds: a storage the caller also references stays resident and is not
+    counted), so an "auto" host budget counts what is resident after the hand-over."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:  # pragma: no cover - a torch without it: count nothing
+        return 0
+    total = 0
+    for s in partition.slots:
+        p = s.param
+        if p.device.type == "cpu" and not p.is_meta:
+            # The param holds its storage once; the temporary storage object once more.
+            if use_count(p.untyped_storage()._cdata) <= 2:
+                total += p.untyped_storage().nbytes()
+    return total
+
+
+def _home_of(t: torch.Tensor) -> torch.device:
+    """Where ``close`` puts a tensor's values back: its device, the CPU for a meta tensor."""
+    return torch.device("cpu") if t.is_meta else t.device
+
+
 def _check_model(model: nn.Module) -> None:
     for name, p in model.named_parameters():
-        if p.device.type == "meta":
-            raise ValueError(
-                f"parameter {name!r} is on the meta device (no values); materialize the model "
-                f"first, e.g. model.to_empty(device='cpu') then its init (GPT: model.init_weights())")
         if not p.is_floating_point():
             raise TypeError(f"parameter {name!r} has dtype {p.dtype}; the engine trains "
                             f"floating-point parameters only")

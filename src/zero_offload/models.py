@@ -250,16 +250,23 @@ class GPT(nn.Module):
     def init_weights(self, generator: Optional[torch.Generator] = None) -> None:
         """GPT-2 init: normal(0, init_std) for linears and embeddings, zero biases, unit norms,
         residual output projections scaled by 1/sqrt(2·n_layer). Call after ``to_empty``."""
-        std = self.config.init_std
         for name, p in self.named_parameters():
-            if name.endswith("bias"):
-                p.zero_()
-            elif ".ln" in name or name.startswith("ln_"):
-                p.fill_(1.0)
-            elif name.endswith("proj.weight"):
-                p.normal_(0.0, std / math.sqrt(2 * self.config.n_layer), generator=generator)
-            else:
-                p.normal_(0.0, std, generator=generator)
+            self.init_param(name, p, generator=generator)
+
+    @torch.no_grad()
+    def init_param(self, name: str, p: torch.Tensor, generator: Optional[torch.Generator] = None) -> None:
+        """Fill one parameter (by its ``named_parameters`` name) as ``init_weights`` does; for a
+        model built on the meta device, ``zero_offload.initialize(model, init=model.init_param)``
+        fills each chunk as it goes, with the values ``init_weights`` would give."""
+        std = self.config.init_std
+        if name.endswith("bias"):
+            p.zero_()
+        elif ".ln" in name or name.startswith("ln_"):
+            p.fill_(1.0)
+        elif name.endswith("proj.weight"):
+            p.normal_(0.0, std / math.sqrt(2 * self.config.n_layer), generator=generator)
+        else:
+            p.normal_(0.0, std, generator=generator)
 
     def set_activation_checkpointing(self, enabled: bool = True, *, layers=None) -> None:
         """Turn checkpointing on/off for the blocks whose indices are in ``layers`` (all: None)."""
