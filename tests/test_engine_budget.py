@@ -4,7 +4,7 @@ optimizer state on NVMe, host memory stays within its budget too."""
 import zero_offload as zo
 from zero_offload.runtime.placement import window_bytes
 from _engine_util import (DEVICE, Reference, assert_losses_close, assert_params_close, config,
-                          gpt_batches, gpt_loss, micro_gpt, train_engine)
+                          gpt_batches, gpt_loss, micro_gpt, mlp, train_engine)
 
 
 def test_gpu_budget_holds_for_state_many_times_larger(tmp_path):
@@ -33,5 +33,30 @@ def test_gpu_budget_holds_for_state_many_times_larger(tmp_path):
         # Params really were paged: each step moved more than the whole model to the device.
         params_bytes = 4 * sum(c.numel for c in engine.partition.chunks)
         assert stats.bytes_moved["cpu->gpu"] >= len(batches) * params_bytes
+    finally:
+        engine.close()
+
+
+def test_auto_nvme_budget_is_the_free_space_with_no_hidden_cap(tmp_path, monkeypatch):
+    """nvme_budget="auto" plans against the disk's free space less the reserve, even above the
+    64 GiB the store caps its own "auto" at (the engine then sizes the swap files to the plan)."""
+    import collections
+    import zero_offload.engine as eng
+    from zero_offload.runtime.store import Tier
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(eng.shutil, "disk_usage", lambda path: usage(1 << 41, 0, 1 << 41))  # 2 TiB free
+    seen = {}
+    plan = eng.plan_placement
+
+    def spy(partition, cfg, budgets, **kw):
+        seen.update(budgets)
+        return plan(partition, cfg, budgets, **kw)
+
+    monkeypatch.setattr(eng, "plan_placement", spy)
+    engine = zo.initialize(mlp(), optimizer=zo.AdamW(), device=DEVICE,
+                           config=config(optimizer="nvme", nvme_dir=str(tmp_path / "swap"), nvme_budget="auto"))
+    try:
+        assert seen[Tier.NVME] == int((1 << 41) * 0.9)  # free - 10% reserve, not 64 GiB
+        assert engine.store.budgets[Tier.NVME] == engine.plan.need[Tier.NVME] + (4 << 20)
     finally:
         engine.close()

@@ -155,6 +155,7 @@ import linecache
 import math
 import os
 import re
+import shutil
 import threading
 import time
 import warnings
@@ -574,8 +575,15 @@ class Engine:
                                             io_queue_depth=cfg.io_queue_depth))
         try:
             local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)) if self._pg else 1
+            if nvme_dir is not None and cfg.nvme_budget == "auto":
+                # Free space less the reserve, with no cap: the store caps an "auto" NVMe budget
+                # (its swap files are preallocated to it); the engine sizes them to the plan below.
+                du = shutil.disk_usage(nvme_dir)
+                free = max(0, int(du.free - self.store.config.auto_reserve_fraction * du.total))
+                self.store.set_budget(Tier.NVME, free // local_ranks)
             for tier, value in store_budgets.items():  # "auto": this rank's share of the node's
-                if value == "auto" and local_ranks > 1 and not (tier is Tier.GPU and self.device.type == "cuda"):
+                if value == "auto" and local_ranks > 1 and tier is not Tier.NVME \
+                        and not (tier is Tier.GPU and self.device.type == "cuda"):
                     self.store.set_budget(tier, self.store.budgets[tier] // local_ranks)
             if cfg.cpu_budget == "auto":  # the model's own host copy is freed as the chunks fill
                 self.store.set_budget(Tier.CPU, self.store.budgets[Tier.CPU] + _handed_over(self.partition))
