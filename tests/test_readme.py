@@ -3,12 +3,14 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-SNIPPETS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+SNIPPETS = [textwrap.dedent(s) for s in  # (a snippet inside a list item is indented)
+            re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)]
 
 
 def test_readme_has_snippets():
