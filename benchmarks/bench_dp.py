@@ -15,7 +15,7 @@ Cases (fp32 params, bf16 autocast, batch ``--batch`` sequences per rank, AdamW l
 - ``ddp-torch``: DDP + fused AdamW on the GPU (no offload: the ceiling);
 - ``engine``: ``zero_offload.initialize`` (params and optimizer state on the CPU, bf16, each
   rank holding 1/N of every chunk, a chunk's params all-gathered while it is used; the model is
-  built in fp32 on the CPU as the API takes it);
+  built on the meta device and filled by ``initialize`` with ``GPT.init_param``);
 - ``engine-gpu``: the same with ``params="gpu"``: a params replica per GPU, gathered once per
   step after the update (ZeRO-2 + offload, the original ZeRO-Offload schedule);
 - ``engine-bind``: ``engine`` with ``bind_cores=True`` (each rank's threads on its own block of
@@ -85,8 +85,9 @@ def build(case, cfg, device, world):
     torch.manual_seed(0)
     if case in ("engine", "engine-gpu", "engine-bind"):
         import zero_offload as zo
-        model = GPT(cfg)  # fp32 on the CPU
+        model = GPT(cfg, device="meta")  # no memory: initialize fills the tiers chunk by chunk
         engine = zo.initialize(model, optimizer=zo.AdamW(lr=1e-4, weight_decay=0.1), device=device,
+                               init=model.init_param,
                                config=zo.OffloadConfig(params="gpu" if case == "engine-gpu" else "cpu",
                                                        optimizer="cpu", dtype="bf16",
                                                        bind_cores=case == "engine-bind"))

@@ -323,16 +323,17 @@ class Bench:
     # -- the engine ---------------------------------------------------------------------------
 
     def case_engine(self, name, *, params, optimizer, nvme=False, cpu_budget="auto", build_dtype=None,
-                    build_device="cpu", steps=None, warmup=None):
+                    build_device="meta", steps=None, warmup=None):
         self.start_case()
         nvme_dir = self.nvme_dir() if nvme or optimizer == "auto" or params == "auto" else None
-        model = self.build(device=build_device, dtype=build_dtype)
+        model = self.build(device=build_device, dtype=build_dtype)  # meta: initialize fills it
         cfg = zo.OffloadConfig(params=params, optimizer=optimizer, nvme_dir=nvme_dir, dtype="bf16",
                                chunk_mb=self.args.chunk_mb, prefetch_depth=self.args.depth,
                                cpu_budget=cpu_budget, threads=self.args.threads)
         t0 = time.perf_counter()
         engine = zo.initialize(model, optimizer=zo.AdamW(lr=1e-4, weight_decay=0.1), config=cfg,
-                               device=self.device)
+                               device=self.device,
+                               init=model.init_param if build_device == "meta" else None)
         init_s = time.perf_counter() - t0
         del model
         losses = []
@@ -613,8 +614,7 @@ def main(argv=None) -> int:
                 bench.case_torchao()
             elif case == "engine-largest":
                 bench.case_engine(case, params=args.largest_params, optimizer="auto", nvme=True,
-                                  cpu_budget=args.largest_cpu_budget, build_dtype=torch.bfloat16,
-                                  build_device=bench.device, steps=args.nvme_steps, warmup=1)
+                                  cpu_budget=args.largest_cpu_budget, steps=args.nvme_steps, warmup=1)
         except Exception as e:  # keep the other cases' numbers; the failure goes in the report
             import traceback
             traceback.print_exc()

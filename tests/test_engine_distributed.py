@@ -250,3 +250,36 @@ def test_local_ranks_get_disjoint_blocks_of_cores(monkeypatch):
         assert distributed.threads_per_rank(cuda=False) == len(blocks[-1])
     assert len(blocks[0]) == len(blocks[1]) == len(have) // 2
     assert not set(blocks[0]) & set(blocks[1]) and set(blocks[0]) | set(blocks[1]) <= set(have)
+
+
+def _meta_rank(rank, world):
+    """Every rank builds the model on the meta device and fills its shards with the same init
+    (same seed): nobody holds the whole model in fp32."""
+    import dataclasses
+    from zero_offload.models import GPT
+    from _engine_util import MICRO_GPT
+    with torch.device("meta"):
+        model = GPT(dataclasses.replace(MICRO_GPT))
+    torch.manual_seed(7)
+    engine = zo.initialize(model, optimizer=SPEC, config=_config(None), device="cpu", init=model.init_param)
+    for x, y in gpt_batches(3, batch=2 * world):
+        engine.backward(engine(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]))
+        engine.step()
+    sd = engine.state_dict()
+    engine.close()
+    return sd
+
+
+def test_ranks_fill_their_shards_of_a_meta_model_and_train_like_torch(tmp_path):
+    from zero_offload.models import GPT
+    from _engine_util import MICRO_GPT
+    out = values(run_ranks(_meta_rank, WORLD, tmp_path, timeout_s=120))
+    start = GPT(MICRO_GPT, device="meta")
+    start.to_empty(device="cpu")
+    torch.manual_seed(7)
+    start.init_weights()
+    ref = Reference(start, SPEC)
+    for b in gpt_batches(3, batch=2 * WORLD):
+        ref.step(b, gpt_loss)
+    for sd in out:
+        assert_params_close(sd, ref.master_state(), rtol=1e-5)

@@ -295,7 +295,9 @@ def cmd_train(args) -> int:
               f"optimizer on {cfg.optimizer}" + (f" (swap: {where})" if where else "") +
               f", dtype {cfg.dtype}, prefetch depth {cfg.prefetch_depth}", flush=True)
 
-        engine = zero_offload.initialize(model, optimizer=spec, config=cfg)
+        meta = any(p.is_meta for p in model.parameters())
+        engine = zero_offload.initialize(model, optimizer=spec, config=cfg,
+                                         init=getattr(model, "init_param", None) if meta else None)
         stack.callback(engine.close)
         device = getattr(engine, "device", None) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         _check_run_dir(out, previous, replacing=not args.resume)

@@ -288,7 +288,9 @@ def _report_overrides(saved: dict, *, settings: RunSettings, run_source: dict, c
 # --------------------------------------------------------------------------------- models
 
 def build_model(settings: RunSettings):
-    """The model the settings name, on the CPU in fp32 (the engine moves it), and its seq_len."""
+    """The model the settings name and its seq_len: an HF model on the CPU in fp32 (the engine
+    takes it over), a preset GPT on the meta device (the engine fills it chunk by chunk with
+    ``GPT.init_param``: no full copy in host memory, whatever its size)."""
     from . import models
 
     if settings.hf_config:
@@ -305,10 +307,7 @@ def build_model(settings: RunSettings):
         max_len = model.seq_len
     else:
         cfg = models.preset(settings.preset)
-        try:
-            model = models.GPT(cfg)
-        except MemoryError as e:
-            raise UsageError(_one_line(e)) from None
+        model = models.GPT(cfg, device="meta")
         max_len = cfg.seq_len
     seq_len = settings.seq_len or max_len
     if seq_len > max_len:
