@@ -232,7 +232,7 @@ class Bench:
         self.device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
         self.cfg = model_config(args)
         self.params = self.cfg.num_params()
-        self.tokens = args.batch * self.cfg.seq_len
+        self.tokens = args.batch * self.cfg.seq_len * args.accum  # per optimizer step
         self.flops = self.cfg.flops_per_token(self.cfg.seq_len) * self.tokens
         self.rss = RssSampler()
         self.results: list[Result] = []
@@ -248,7 +248,9 @@ class Bench:
 
     def build(self, *, device, dtype=None) -> GPT:
         torch.manual_seed(0)
-        return GPT(self.cfg, device=device, dtype=dtype)
+        model = GPT(self.cfg, device=device, dtype=dtype)
+        model.set_activation_checkpointing(self.args.checkpointing)
+        return model
 
     def start_case(self):
         gc.collect()
@@ -295,11 +297,14 @@ class Bench:
         it, so the three differ only in the optimizer): bf16 autocast on CUDA, grads set to None."""
         amp = self.device.type == "cuda"
 
+        accum = self.args.accum
+
         def step(i):
-            x, y = self.batch(i)
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=amp):
-                loss = model(x, y)
-            loss.backward()
+            for k in range(accum):  # --accum micro-batches per optimizer step
+                x, y = self.batch(i * accum + k)
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=amp):
+                    loss = model(x, y)
+                (loss / accum if accum > 1 else loss).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.detach())
@@ -329,7 +334,8 @@ class Bench:
         model = self.build(device=build_device, dtype=build_dtype)  # meta: initialize fills it
         cfg = zo.OffloadConfig(params=params, optimizer=optimizer, nvme_dir=nvme_dir, dtype="bf16",
                                chunk_mb=self.args.chunk_mb, prefetch_depth=self.args.depth,
-                               cpu_budget=cpu_budget, threads=self.args.threads)
+                               cpu_budget=cpu_budget, threads=self.args.threads,
+                               grad_accum=self.args.accum)
         t0 = time.perf_counter()
         engine = zo.initialize(model, optimizer=zo.AdamW(lr=1e-4, weight_decay=0.1), config=cfg,
                                device=self.device,
@@ -338,11 +344,14 @@ class Bench:
         del model
         losses = []
 
+        accum = self.args.accum
+
         def step(i):
-            x, y = self.batch(i)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
+            for k in range(accum):  # --accum micro-batches; the engine updates at the last
+                x, y = self.batch(i * accum + k)
+                loss = engine(x, y)
+                engine.backward(loss / accum if accum > 1 else loss)
+                engine.step()
             losses.append(loss.detach())
 
         n_steps = steps or self.args.steps
@@ -550,6 +559,11 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--accum", type=int, default=1,
+                    help="micro-batches per optimizer step (tokens/step = batch x seq x accum), "
+                         "torch and engine cases")
+    ap.add_argument("--checkpointing", action="store_true",
+                    help="activation checkpointing on every block (torch and engine cases)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--nvme-steps", type=int, default=2)
