@@ -591,7 +591,8 @@ class Engine:
             placed = dataclasses.replace(self.partition, chunks=tuple(
                 dataclasses.replace(c, numel=self.shard.span(c.numel)[2]) for c in self.partition.chunks))
             self.plan: PlacementPlan = plan_placement(placed, cfg, self.store.budgets,
-                                                      has_nvme=cfg.nvme_dir is not None)
+                                                      has_nvme=cfg.nvme_dir is not None,
+                                                      gpu_optimizer=self._pg is None)
             if self._pg is not None and cfg.params == "gpu":
                 _check_replicas(self.partition, self.plan, self.store.budgets[Tier.GPU], self.dtype,
                                 self.shard)
@@ -738,8 +739,8 @@ class Engine:
         for name, dt in dtypes.items():
             if name == "params":
                 home = homes.params
-            elif name in opt:
-                home = homes.optimizer
+            elif name in opt or (name == "accum" and homes.optimizer is Tier.GPU):
+                home = homes.optimizer  # (the GPU share keeps its accumulation there too)
             else:
                 home = Tier.CPU  # grads, accum
             specs[name] = PayloadSpec(numel=k, dtype=dt, home=home)
@@ -1375,6 +1376,8 @@ class Engine:
             handle = self._reduce_grads(chunk, full)
         elif self._pg is not None:  # this rank's shard of the mean over the ranks
             handle = self._reduce_grads(chunk, chunk.grads)
+        elif self.group.on_device(chunk.g):
+            handle = None  # [Note: GPU share]: the grads stay on the device
         else:
             handle = self.group.flush_grads(chunk.g)
         chunk.grads = None
@@ -1385,9 +1388,12 @@ class Engine:
         boundary = self._micro == self.config.grad_accum - 1
         update = boundary and self._overlap
         self._updated |= update
-        self.group.submit(chunk.g, slots, ready=ready, hold=hold, update=update,
-                          stats=boundary and self._needs_stats,
-                          stats_scale=self.scaler.scale if self.scaler is not None else 1.0)
+        kw = dict(hold=hold, update=update, stats=boundary and self._needs_stats,
+                  stats_scale=self.scaler.scale if self.scaler is not None else 1.0)
+        if self.group.on_device(chunk.g):
+            self.group.device_submit(chunk.g, slots, **kw)
+        else:
+            self.group.submit(chunk.g, slots, ready=ready, **kw)
 
     def _finish_backward(self) -> None:
         """End of backward: release what the hooks still hold, send incomplete grads down."""
@@ -1444,7 +1450,8 @@ class Engine:
         window = [c.g for c in self._chunks if c.g.window]
         if not window:
             return False
-        sumsq = self.group.pipeline.take_grad_stats() if self._needs_stats else 0.0
+        sumsq = (self.group.pipeline.take_grad_stats() + self.group.take_device_stats()
+                 if self._needs_stats else 0.0)
         if self._needs_stats and self._pg is not None:  # the norm of the whole (mean) grad
             with collective("engine", "the all-reduce of the grad norm", self._pg):
                 sumsq = all_reduce(torch.tensor([sumsq], dtype=torch.float64, device=self._comm_device),

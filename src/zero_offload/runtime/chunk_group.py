@@ -28,6 +28,14 @@ store's and the pipeline's counters. Per chunk it does:
 - QUEUED: its update is handed to the worker and not yet waited for; ``wait`` (the front end
   needs the params: a fetch, the next grads, a sync) returns it to IDLE.
 FILLING -> IDLE without an update: ``skip`` (an fp16 overflow skips the step).
+
+[Note: GPU share] A chunk whose optimizer state is homed on the GPU (placement's "auto" GPU
+share; its params are there too) never goes through the worker: ``device_submit`` takes its
+device grads (the store's GPU copy of "grads", kept pinned until the update when the update
+waits for ``step``), sums them into its "accum" payload (homed on the GPU too) and adds their
+sum of squares to a device scalar, and its update runs on the caller's stream with torch's fused
+Adam(W) (``torch._fused_adamw_``) on the same segments and hyperparameters CPU-Adam gets, then
+rounds the params from the master. QUEUED -> IDLE happens at once: stream order is the ordering.
 """
 from __future__ import annotations
 
@@ -41,7 +49,7 @@ import torch
 
 from .pipeline import (Accumulate, AdamArgs, GradJob, PipelineError, PipelinePayloads, Segment,
                        StepPipeline, UpdateJob)
-from .store import ChunkStore, Handle, PayloadSpec, Tier
+from .store import ChunkStore, Handle, PayloadSpec, Residency, Tier
 from .trace import StatsWindow, Trace
 
 __all__ = ["ChunkGroup", "ChunkPhase", "GroupChunk", "GroupSlot", "adam_args", "update_segments"]
@@ -131,6 +139,7 @@ class ChunkGroup:
         self.pipeline = StepPipeline(store, payloads=payloads, prefetch_depth=prefetch_depth,
                                      threads=threads, on_update_done=on_update_done,
                                      on_chunk_idle=on_chunk_idle)
+        self._device_sumsq: Optional[torch.Tensor] = None  # [Note: GPU share]: this window's stats
         self.wait_s = 0.0
         """Seconds the caller's thread waited in ``wait`` for updates (what overlap did not hide)."""
         self._window = StatsWindow(self._sample)
@@ -247,15 +256,89 @@ class ChunkGroup:
                                                stats_scale=stats_scale, then=then),
                                        priority=chunk.cid if priority is None else priority)
 
+    # ---- the GPU share ([Note: GPU share]) ------------------------------------------------------
+
+    def on_device(self, chunk: GroupChunk) -> bool:
+        """The chunk's optimizer state lives on the compute device (it is updated there)."""
+        return self.store.payload_spec(chunk.cid, self.payloads.exp_avg).home is Tier.GPU
+
+    def device_submit(self, chunk: GroupChunk, slots: Iterable[GroupSlot], *, update: bool,
+                      grad_scale: float = 1.0, stats: bool = False, stats_scale: float = 1.0,
+                      hold: bool = False) -> None:
+        """``submit`` for a chunk on the device: its grads are the store's pinned GPU copy of
+        "grads" (``device_grads``); accumulation, stats and the update run now, on the caller's
+        stream."""
+        chunk.window.update(slots)
+        store, cid, p = self.store, chunk.cid, self.payloads
+        src = None if hold else store.get(cid, p.grads, Tier.GPU)
+        if self.grad_accum > 1:
+            acc = store.get(cid, p.accum, Tier.GPU, write=True)
+            if src is not None:
+                if chunk.accumulating:
+                    acc.add_(src)
+                else:
+                    acc.copy_(src)
+                store.mark_dirty(cid, p.accum, Tier.GPU)
+                self._drop_device_grads(chunk)
+            chunk.accumulating = True
+            src = acc
+        if stats:
+            norm = torch.linalg.vector_norm(src, dtype=torch.float32).double() / stats_scale
+            self._device_sumsq = norm * norm if self._device_sumsq is None else self._device_sumsq + norm * norm
+        if update:
+            self._device_update(chunk, grad_scale)
+
+    def take_device_stats(self) -> float:
+        """The device share's sum of squares of this window (a host sync), then reset."""
+        total, self._device_sumsq = self._device_sumsq, None
+        return 0.0 if total is None else float(total.item())
+
+    def _drop_device_grads(self, chunk: GroupChunk) -> None:
+        store, name = self.store, self.payloads.grads
+        if store.state(chunk.cid, name, Tier.GPU) is not Residency.ABSENT:
+            store.unpin(chunk.cid, name, Tier.GPU)
+            store.evict(chunk.cid, name, Tier.GPU)
+
+    def _device_update(self, chunk: GroupChunk, grad_scale: float) -> None:
+        job = self._update_job(chunk, grad_scale)
+        store, cid, p = self.store, chunk.cid, self.payloads
+        src = store.get(cid, job.source, Tier.GPU)
+        names = [p.master, p.exp_avg, p.exp_avg_sq] + ([p.lowp] if p.lowp else [])
+        bufs = [store.get(cid, n, Tier.GPU, write=True) for n in names]
+        master, m, v = bufs[:3]
+        for seg in job.segments:
+            a, sl = seg.args, slice(seg.start, seg.stop)
+            fused = torch._fused_adamw_ if a.adamw else torch._fused_adam_
+            step = torch.tensor(float(seg.step), dtype=torch.float32, device=master.device)
+            scale = (None if a.grad_scale == 1.0
+                     else torch.tensor(a.grad_scale, dtype=torch.float32, device=master.device))
+            fused([master[sl]], [src[sl].float()], [m[sl]], [v[sl]], [], [step], lr=a.lr,
+                  beta1=a.betas[0], beta2=a.betas[1], weight_decay=a.weight_decay, eps=a.eps,
+                  amsgrad=False, maximize=False, grad_scale=scale, found_inf=None)
+            if p.lowp:
+                bufs[3][sl].copy_(master[sl])
+        for n in names:
+            store.mark_dirty(cid, n, Tier.GPU)
+        if job.source == p.grads:
+            self._drop_device_grads(chunk)
+        chunk.to(ChunkPhase.IDLE)
+
     def submit_update(self, chunk: GroupChunk, *, grad_scale: float = 1.0,
                       priority: Optional[int] = None) -> None:
-        """Queue the update of the chunk's window (its grads already handed over)."""
+        """Queue the update of the chunk's window (its grads already handed over); a chunk on
+        the device is updated now ([Note: GPU share])."""
+        if self.on_device(chunk):
+            self._device_update(chunk, grad_scale)
+            return
         job = self._update_job(chunk, grad_scale)
         with self.errors():
             self.pipeline.submit_update(job, priority=chunk.cid if priority is None else priority)
 
     def skip(self, chunk: GroupChunk) -> None:
         """End the chunk's window without an update (an fp16 overflow)."""
+        if self.on_device(chunk):
+            self._drop_device_grads(chunk)
+            self._device_sumsq = None
         chunk.window.clear()
         chunk.accumulating = False
         if chunk.phase is ChunkPhase.FILLING:

@@ -9,8 +9,9 @@ params         working (config.dtype)  ``OffloadConfig.params`` (auto: GPU, then
 grads          working                 CPU (written on the GPU in backward, flushed down)
 master         fp32                    ``OffloadConfig.optimizer``; only when dtype is not fp32
                                        (in fp32 training ``params`` is the master copy)
-exp_avg(_sq)   fp32                    ``OffloadConfig.optimizer`` (auto: CPU, then NVMe)
-accum          fp32                    CPU; only when ``grad_accum > 1``
+exp_avg(_sq)   fp32                    ``OffloadConfig.optimizer`` (auto: the GPU share when the
+                                       front end updates on the device, then CPU, then NVMe)
+accum          fp32                    CPU (the GPU for the GPU share); only when ``grad_accum > 1``
 =============  ======================  ==========================================================
 
 Frozen chunks (no trainable parameter) carry ``params`` only.
@@ -122,13 +123,18 @@ def keep_limit(partition: Partition, config: OffloadConfig, gpu_budget: int) -> 
 
 
 def plan_placement(partition: Partition, config: OffloadConfig, budgets: dict, *,
-                   has_nvme: bool, gpu_auto_share: float = 0.5) -> PlacementPlan:
+                   has_nvme: bool, gpu_auto_share: float = 0.5,
+                   gpu_optimizer: bool = False) -> PlacementPlan:
     """Home tiers per chunk for ``config`` within ``budgets`` (Tier -> bytes, resolved), or a
     ``FitError`` naming the budget, the numbers and what to change.
 
     "auto" params fill the GPU first, up to ``gpu_auto_share`` of its budget (the rest is left to
     activations, which the store does not see), then host memory, then NVMe; "auto" optimizer
-    state fills host memory first, then NVMe.
+    state fills host memory first, then NVMe. With ``gpu_optimizer`` (the front end updates
+    such chunks on the device: [Note: GPU share]) "auto" optimizer state of chunks whose params
+    live on the GPU fills the GPU first, in chunk order (the first layers, which the next
+    forward needs first), within the same share: their state, accumulation buffer and the grads
+    the device keeps until the step.
     """
     if not partition.chunks:
         raise FitError("the model has no parameters to train or page; nothing to offload")
@@ -144,8 +150,13 @@ def plan_placement(partition: Partition, config: OffloadConfig, budgets: dict, *
         return need[Tier.CPU] + extra + (staging if has_nvme else 0) <= budgets[Tier.CPU]
 
     homes = []
+    # Explicit GPU params of the chunks not placed yet: the optimizer's GPU share must leave them room.
+    params_ahead = (sum(chunk_bytes(c, config, ("params",)) for c in partition.chunks)
+                    if config.params is Placement.GPU else 0)
     for c in partition.chunks:
         pbytes = chunk_bytes(c, config, ("params",))
+        if config.params is Placement.GPU:
+            params_ahead -= pbytes
         if config.params is Placement.AUTO:
             if need[Tier.GPU] + pbytes <= gpu_auto_share * budgets[Tier.GPU]:
                 ptier = Tier.GPU
@@ -159,7 +170,11 @@ def plan_placement(partition: Partition, config: OffloadConfig, budgets: dict, *
         otier = None
         if c.trainable:
             obytes = chunk_bytes(c, config, opt_names)
-            if config.optimizer is Placement.AUTO:
+            dev = obytes + chunk_bytes(c, config, ("grads", "accum"))
+            if config.optimizer is Placement.AUTO and gpu_optimizer and ptier is Tier.GPU \
+                    and need[Tier.GPU] + params_ahead + dev <= gpu_auto_share * budgets[Tier.GPU]:
+                otier, obytes = Tier.GPU, dev
+            elif config.optimizer is Placement.AUTO:
                 otier = Tier.CPU if (host_room(obytes) or not has_nvme) else Tier.NVME
             else:
                 otier = Tier(config.optimizer.value)
