@@ -15,7 +15,7 @@ from torch import nn
 
 import zero_offload as zo
 from zero_offload.models import GPT
-from _engine_util import (MICRO_GPT, MLP, Reference, assert_params_close, config,
+from _engine_util import (DEVICE, MICRO_GPT, MLP, Reference, assert_params_close, config,
                           gpt_batches, gpt_loss, micro_gpt, mlp_batches, mlp_loss, train_engine)
 
 SPEC = zo.AdamW(lr=3e-3, weight_decay=0.1)
@@ -46,7 +46,7 @@ def _train_and_compare(engine, ref_model, batches, loss_fn):
 def test_meta_gpt_with_init_param_gets_init_weights_values_and_trains_like_torch():
     model = _meta_gpt()
     torch.manual_seed(7)
-    engine = zo.initialize(model, optimizer=SPEC, config=config(), device="cpu", init=model.init_param)
+    engine = zo.initialize(model, optimizer=SPEC, config=config(), device=DEVICE, init=model.init_param)
     expect = _cpu_values_of_init_weights(7)
     got = engine.state_dict()
     for k, v in expect.state_dict().items():
@@ -60,7 +60,7 @@ def test_meta_model_without_init_runs_each_modules_reset_parameters():
     with torch.device("meta"):
         model = MLP()
     torch.manual_seed(3)
-    engine = zo.initialize(model, optimizer=SPEC, config=config(), device="cpu")
+    engine = zo.initialize(model, optimizer=SPEC, config=config(), device=DEVICE)
     torch.manual_seed(3)
     expect = MLP()  # nn.Linear's own init, module by module in the same order
     got = engine.state_dict()
@@ -100,7 +100,7 @@ def test_weights_from_safetensors_fill_the_tiers_and_train_like_torch(layout, tm
         if layout == "dir":
             os.remove(os.path.join(path, "model.safetensors.index.json"))
     model = _meta_gpt()
-    engine = zo.initialize(model, optimizer=SPEC, config=config(), device="cpu", weights=path)
+    engine = zo.initialize(model, optimizer=SPEC, config=config(), device=DEVICE, weights=path)
     got = engine.state_dict()
     for k, v in source.state_dict().items():
         assert torch.equal(got[k], v), k
