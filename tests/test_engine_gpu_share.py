@@ -44,6 +44,8 @@ def test_gpu_share_trains_like_torch(kw, budget):
         for b in batches:
             ref.step(b, gpt_loss)
         train_engine(engine, batches, gpt_loss, accum=accum)
+        if budget == WHOLE:  # nothing goes down to the host: no grads, no state, no params
+            assert engine.stats().bytes_moved["gpu->cpu"] == 0
         assert_params_close(engine.state_dict(), ref.master_state(),
                             rtol=1e-5 if lowp is torch.float32 else 1e-2)
         if "grad_clip" in kw:

@@ -49,7 +49,7 @@ import torch
 
 from .pipeline import (Accumulate, AdamArgs, GradJob, PipelineError, PipelinePayloads, Segment,
                        StepPipeline, UpdateJob)
-from .store import ChunkStore, Handle, PayloadSpec, Residency, Tier
+from .store import ChunkStore, Handle, PayloadSpec, Tier
 from .trace import StatsWindow, Trace
 
 __all__ = ["ChunkGroup", "ChunkPhase", "GroupChunk", "GroupSlot", "adam_args", "update_segments"]
@@ -140,6 +140,7 @@ class ChunkGroup:
                                      threads=threads, on_update_done=on_update_done,
                                      on_chunk_idle=on_chunk_idle)
         self._device_sumsq: Optional[torch.Tensor] = None  # [Note: GPU share]: this window's stats
+        self._held_grads: set = set()  # cids whose device grads wait for their update
         self.wait_s = 0.0
         """Seconds the caller's thread waited in ``wait`` for updates (what overlap did not hide)."""
         self._window = StatsWindow(self._sample)
@@ -271,6 +272,8 @@ class ChunkGroup:
         chunk.window.update(slots)
         store, cid, p = self.store, chunk.cid, self.payloads
         src = None if hold else store.get(cid, p.grads, Tier.GPU)
+        if src is not None:
+            self._held_grads.add(cid)  # pinned by device_grads until consumed
         if self.grad_accum > 1:
             acc = store.get(cid, p.accum, Tier.GPU, write=True)
             if src is not None:
@@ -294,10 +297,12 @@ class ChunkGroup:
         return 0.0 if total is None else float(total.item())
 
     def _drop_device_grads(self, chunk: GroupChunk) -> None:
-        store, name = self.store, self.payloads.grads
-        if store.state(chunk.cid, name, Tier.GPU) is not Residency.ABSENT:
-            store.unpin(chunk.cid, name, Tier.GPU)
-            store.evict(chunk.cid, name, Tier.GPU)
+        """Let the chunk's device grads go: unpinned, not evicted (an eviction would write the
+        dead grads back to their host home; the placement budgets the copy, and the next
+        ``device_grads`` reuses it)."""
+        if chunk.cid in self._held_grads:
+            self._held_grads.discard(chunk.cid)
+            self.store.unpin(chunk.cid, self.payloads.grads, Tier.GPU)
 
     def _device_update(self, chunk: GroupChunk, grad_scale: float) -> None:
         job = self._update_job(chunk, grad_scale)
