@@ -138,14 +138,16 @@ def threads_per_rank(cuda: bool) -> int:
     its block of cores (``rank_cores``), less one per rank driving a GPU (its Python thread must
     not be preempted by the kernel's workers)."""
     cores = rank_cores()
-    if cores is None:
-        try:
-            per = len(os.sched_getaffinity(0))
-        except AttributeError:  # pragma: no cover - not Linux
-            per = os.cpu_count() or 1
-    else:
-        per = len(cores)
+    per = available_cores() if cores is None else len(cores)
     return max(1, per - (1 if cuda else 0))
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its affinity; all of them where that is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
 
 
 @contextlib.contextmanager

@@ -170,8 +170,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .config import Adam, OffloadConfig, load_config
 from .mixed_precision import LossScaler, cast_inputs
-from .distributed import (Shard, all_gather, all_reduce, bind_to_cores, collective, rank_cores,
-                          reduce_scatter_mean, resolve_group, shard_of, threads_per_rank)
+from .distributed import (Shard, all_gather, all_reduce, available_cores, bind_to_cores, collective,
+                          rank_cores, reduce_scatter_mean, resolve_group, shard_of, threads_per_rank)
 from .initial_values import InitialValues, set_values
 from .runtime.chunk_group import ChunkGroup, GroupChunk, GroupSlot
 from .runtime.partition import ChunkLayout, ParamSlot, Partition, partition_parameters
@@ -251,6 +251,11 @@ class _Chunk:
     @property
     def cid(self) -> int:
         return self.g.cid
+
+    @property
+    def replica_fresh(self) -> bool:
+        """The replica holds the params of the chunk's latest update."""
+        return self.replica is not None and self.replica_version == self.g.version
 
     @property
     def steps(self) -> list:
@@ -772,18 +777,10 @@ class Engine:
         params rounded from it; then the model's own copies are let go."""
         layout = chunk.layout
         lowp = layout.trainable and self.dtype is not torch.float32
-        lo, hi, _ = self.shard.span(layout.numel)
         with self.group.hold(chunk.g, ["master", "params"] if lowp else ["params"], fresh=True) as bufs:
-            first = bufs[0]
-            if self._pg is None:
-                self._values.fill(layout, first)
-            else:
-                whole = torch.zeros(layout.numel, dtype=first.dtype)
-                self._values.fill(layout, whole)
-                first[:hi - lo].copy_(whole[lo:hi])
-                del whole
+            self._fill_shard(bufs[0], layout.numel, functools.partial(self._values.fill, layout))
             if lowp:
-                bufs[1].copy_(first)
+                bufs[1].copy_(bufs[0])
         for s in layout.slots:
             set_values(s.param, self._placeholders[s.index])
 
@@ -804,7 +801,7 @@ class Engine:
         on before use; else done), or the replica when no update has run since it was gathered."""
         if self._pg is None:
             return shard, None
-        if chunk.replica is not None and chunk.replica_version == chunk.g.version:
+        if chunk.replica_fresh:
             return chunk.replica, None
         full = chunk.replica if chunk.replica is not None else torch.empty(
             shard.numel() * self.shard.world, dtype=shard.dtype, device=shard.device)
@@ -821,8 +818,7 @@ class Engine:
             return
         for cid in self.prefetcher.peek(1):
             chunk = self._chunks[cid]
-            if chunk.buffer is not None or (chunk.replica is not None
-                                            and chunk.replica_version == chunk.g.version):
+            if chunk.buffer is not None or chunk.replica_fresh:
                 return
             if chunk.layout.trainable:
                 self.group.wait(chunk.g)  # the update writing its params shard must finish
@@ -872,15 +868,20 @@ class Engine:
     def _write_shard(self, chunk: _Chunk, name: str, fill: Callable[[torch.Tensor], None]) -> None:
         """Overwrite a payload: ``fill`` writes whole-chunk offsets into a zeroed flat buffer; this
         rank keeps its shard of it."""
-        lo, hi, _ = self.shard.span(chunk.layout.numel)
         chunk.replica = None
         with self.group.hold(chunk.g, [name], fresh=True) as (buf,):
-            if self._pg is None:
-                fill(buf)
-            else:
-                whole = torch.zeros(chunk.layout.numel, dtype=buf.dtype)
-                fill(whole)
-                buf[:hi - lo].copy_(whole[lo:hi])
+            self._fill_shard(buf, chunk.layout.numel, fill)
+
+    def _fill_shard(self, buf: torch.Tensor, numel: int, fill: Callable[[torch.Tensor], None]) -> None:
+        """``fill`` writes a chunk of ``numel`` elements at whole-chunk offsets; ``buf`` (this
+        rank's payload) gets this rank's shard of it (alone: ``fill`` writes ``buf`` itself)."""
+        if self._pg is None:
+            fill(buf)
+            return
+        lo, hi, _ = self.shard.span(numel)
+        whole = torch.zeros(numel, dtype=buf.dtype)
+        fill(whole)
+        buf[:hi - lo].copy_(whole[lo:hi])
 
     # ---- forward ----------------------------------------------------------------------------
 
@@ -1877,11 +1878,7 @@ def _adam_threads(cfg: OffloadConfig, device: torch.device, *, ranked: bool) -> 
         return threads_per_rank(device.type == "cuda")
     if device.type != "cuda":
         return None
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores - 2)
+    return max(1, available_cores() - 2)
 
 
 def _check_replicas(partition: Partition, plan: PlacementPlan, gpu_budget: int, dtype: torch.dtype,
@@ -1937,7 +1934,7 @@ def _handed_over(partition: Partition) -> int:
     total = 0
     for s in partition.slots:
         p = s.param
-        if p.device.type == "cpu" and not p.is_meta:
+        if p.device.type == "cpu":
             # The param holds its storage once; the temporary storage object once more.
             if use_count(p.untyped_storage()._cdata) <= 2:
                 total += p.untyped_storage().nbytes()

@@ -65,14 +65,9 @@ class InitialValues:
         for name, slot in partition.names.items():
             self._aliases.setdefault(slot.index, []).append(name)
 
-    @property
-    def meta(self) -> bool:
-        return any(s.param.is_meta for s in self.partition.slots)
-
     def check(self) -> None:
         """Raise (one line naming the problem and the fix) before anything is allocated."""
-        meta_buffers = [f"{m}.{n}" if m else n for m, mod in self.model.named_modules()
-                        for n, b in mod._buffers.items() if b is not None and b.is_meta]
+        meta_buffers = self._meta_buffers()
         if meta_buffers and not all(k in self.files for k in meta_buffers):
             missing = [k for k in meta_buffers if k not in self.files]
             raise ValueError(f"buffer {missing[0]!r} is on the meta device and no weights file holds it; "
@@ -141,27 +136,24 @@ class InitialValues:
             dst.copy_(p.detach())
 
     def _from_files(self, layout: ChunkLayout, flat: torch.Tensor) -> None:
-        from safetensors import safe_open
-        by_file: dict[str, list] = {}
-        for s in layout.slots:
-            key = self._key(s)
-            by_file.setdefault(self.files[key], []).append((s, key))
-        for path, items in by_file.items():
-            with safe_open(path, framework="pt", device="cpu") as f:  # mapped only while open
-                for s, key in items:
-                    flat[s.offset:s.end].view(s.shape).copy_(f.get_tensor(key))
+        slot_of = {self._key(s): s for s in layout.slots}
+        for key, f in _opened(self.files, slot_of):
+            s = slot_of[key]
+            flat[s.offset:s.end].view(s.shape).copy_(f.get_tensor(key))
 
     def buffers(self) -> None:
         """Meta buffers get their values from the weights (``check`` made sure they are there)."""
         if not self.files:
             return
-        from safetensors import safe_open
-        for mname, mod in self.model.named_modules():
-            for n, b in list(mod._buffers.items()):
-                key = f"{mname}.{n}" if mname else n
-                if b is not None and b.is_meta:
-                    with safe_open(self.files[key], framework="pt", device="cpu") as f:
-                        mod._buffers[n] = f.get_tensor(key)
+        where = self._meta_buffers()
+        for key, f in _opened(self.files, where):
+            mod, n = where[key]
+            mod._buffers[n] = f.get_tensor(key)
+
+    def _meta_buffers(self) -> dict:
+        """state_dict name -> (module, buffer name) of the buffers on the meta device."""
+        return {f"{m}.{n}" if m else n: (mod, n) for m, mod in self.model.named_modules()
+                for n, b in mod._buffers.items() if b is not None and b.is_meta}
 
 
 def _index(weights) -> dict:
@@ -203,13 +195,17 @@ def _index(weights) -> dict:
 
 
 def _shapes(files: dict) -> dict:
+    return {k: f.get_slice(k).get_shape() for k, f in _opened(files, files)}
+
+
+def _opened(files: dict, keys):
+    """``(key, open safetensors file holding it)`` for ``keys``, one file open at a time (its
+    mapping lives only while it is open)."""
     from safetensors import safe_open
-    out = {}
     by_file: dict[str, list] = {}
-    for k, f in files.items():
-        by_file.setdefault(f, []).append(k)
-    for path, keys in by_file.items():
+    for k in keys:
+        by_file.setdefault(files[k], []).append(k)
+    for path, ks in by_file.items():
         with safe_open(path, framework="pt", device="cpu") as f:
-            for k in keys:
-                out[k] = f.get_slice(k).get_shape()
-    return out
+            for k in ks:
+                yield k, f

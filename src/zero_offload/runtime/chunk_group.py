@@ -287,7 +287,8 @@ class ChunkGroup:
             src = acc
         if stats:
             norm = torch.linalg.vector_norm(src, dtype=torch.float32).double() / stats_scale
-            self._device_sumsq = norm * norm if self._device_sumsq is None else self._device_sumsq + norm * norm
+            sq = norm * norm
+            self._device_sumsq = sq if self._device_sumsq is None else self._device_sumsq + sq
         if update:
             self._device_update(chunk, grad_scale)
 
@@ -342,8 +343,7 @@ class ChunkGroup:
     def skip(self, chunk: GroupChunk) -> None:
         """End the chunk's window without an update (an fp16 overflow)."""
         if self.on_device(chunk):
-            self._drop_device_grads(chunk)
-            self._device_sumsq = None
+            self._drop_device_grads(chunk)  # (its stats were taken before the step was skipped)
         chunk.window.clear()
         chunk.accumulating = False
         if chunk.phase is ChunkPhase.FILLING:
