@@ -156,6 +156,31 @@ def test_bad_weights_and_uninitializable_meta_models_are_refused_before_anything
         zo.initialize(buffered, optimizer=SPEC, config=config(), device="cpu")
 
 
+def test_meta_buffers_come_from_the_weights(tmp_path):
+    from safetensors.torch import save_file
+
+    class WithBuffer(MLP):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("mask", torch.ones(4))
+
+    torch.manual_seed(5)
+    source = WithBuffer()
+    source.mask.mul_(3.0)
+    path = str(tmp_path / "model.safetensors")
+    save_file({k: v.detach().clone() for k, v in source.state_dict().items()}, path)
+    with torch.device("meta"):
+        model = WithBuffer()
+    engine = zo.initialize(model, optimizer=SPEC, config=config(), device=DEVICE, weights=path)
+    try:
+        got = engine.state_dict()
+        for k, v in source.state_dict().items():
+            assert torch.equal(got[k], v), k
+    finally:
+        engine.close()
+    assert torch.equal(model.mask, source.mask)
+
+
 def test_auto_host_budget_counts_the_models_own_copy_as_freed():
     from zero_offload.engine import _handed_over
     from zero_offload.runtime.partition import partition_parameters
