@@ -58,7 +58,7 @@ from zero_offload.models import GPT, GPTConfig, preset
 
 GiB = float(2 ** 30)
 CASES = ("torch", "engine-cpu", "offload-adamw", "offload-adamw-fwd", "torchao", "engine-nvme",
-         "engine-auto", "offload-adamw-nvme", "engine-largest")
+         "engine-auto", "offload-adamw-nvme", "engine-largest", "engine-gpu", "engine-share")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,10 +332,15 @@ class Bench:
         self.start_case()
         nvme_dir = self.nvme_dir() if nvme or optimizer == "auto" or params == "auto" else None
         model = self.build(device=build_device, dtype=build_dtype)  # meta: initialize fills it
+        cap = self.args.gpu_cap
+        if cap and self.device.type == "cuda":  # the engine's whole process held to `cap` GiB
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap * GiB / total), self.device)
+        gpu_budget = int((self.args.gpu_budget or cap) * GiB) if (self.args.gpu_budget or cap) else "auto"
         cfg = zo.OffloadConfig(params=params, optimizer=optimizer, nvme_dir=nvme_dir, dtype="bf16",
                                chunk_mb=self.args.chunk_mb, prefetch_depth=self.args.depth,
-                               cpu_budget=cpu_budget, threads=self.args.threads,
-                               grad_accum=self.args.accum)
+                               cpu_budget=cpu_budget, gpu_budget=gpu_budget, threads=self.args.threads,
+                               grad_accum=self.args.accum, grad_sync=self.args.grad_sync)
         t0 = time.perf_counter()
         engine = zo.initialize(model, optimizer=zo.AdamW(lr=1e-4, weight_decay=0.1), config=cfg,
                                device=self.device,
@@ -367,6 +372,9 @@ class Bench:
                  f"step() {st.step_s / n_steps:.3f} s, CPU-Adam kernels {st.adam_s / n_steps:.3f} s "
                  f"(worker busy {st.worker_busy_s / n_steps:.3f} s), "
                  f"fetch stall {st.fetch_stall_s / n_steps:.3f} s, update stall {st.update_stall_s / n_steps:.3f} s")
+        homes = [h.optimizer.value for h in engine.plan.homes if h.optimizer is not None]
+        notes += "; optimizer homes " + ", ".join(f"{t} {homes.count(t)}" for t in sorted(set(homes))) \
+            + f" of {len(homes)} chunks"
         r = self.record(name, f"zero_offload engine, params {params}, optimizer {optimizer}", times,
                         losses=[float(x) for x in losses], stall=st.gpu_stall_share, moved=moved, notes=notes)
         r.bytes_per_step["held_gib"] = held
@@ -374,6 +382,8 @@ class Bench:
             self.trace_steps(name, engine, step, n_steps)
         engine.close()
         del engine
+        if cap and self.device.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
         return r
 
     # -- optimizer only -----------------------------------------------------------------------
@@ -583,6 +593,12 @@ def main(argv=None) -> int:
     ap.add_argument("--adamw-threads", type=int, default=None,
                     help="CPU-Adam threads of the OffloadAdamW cases (default: --threads)")
     ap.add_argument("--nvme-dir", default=None)
+    ap.add_argument("--gpu-cap", type=float, default=None,
+                    help="engine cases: hold the process to this many GiB of GPU memory "
+                         "(torch.cuda.set_per_process_memory_fraction) and use it as gpu_budget")
+    ap.add_argument("--gpu-budget", type=float, default=None, help="engine cases: gpu_budget in GiB")
+    ap.add_argument("--grad-sync", default="every", choices=("every", "final"),
+                    help="engine cases with --accum > 1: OffloadConfig.grad_sync")
     ap.add_argument("--largest-cpu-budget", default="auto",
                     help="engine-largest: cpu_budget (optimizer state beyond it spills to NVMe)")
     ap.add_argument("--largest-params", default="gpu", help="engine-largest: params placement")
@@ -617,6 +633,10 @@ def main(argv=None) -> int:
                 bench.case_engine(case, params="cpu", optimizer="nvme", nvme=True, steps=args.nvme_steps, warmup=1)
             elif case == "engine-auto":
                 bench.case_engine(case, params="cpu", optimizer="auto", nvme=True)
+            elif case == "engine-gpu":
+                bench.case_engine(case, params="gpu", optimizer="cpu")
+            elif case == "engine-share":  # [Note: GPU share]: optimizer state of the first chunks on the GPU
+                bench.case_engine(case, params="gpu", optimizer="auto", nvme=True)
             elif case == "offload-adamw":
                 bench.case_offload_adamw(threads=args.adamw_threads)
             elif case == "offload-adamw-fwd":

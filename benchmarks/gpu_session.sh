@@ -58,6 +58,22 @@ for what in "$@"; do
       python3 benchmarks/bench_train.py --model 1.3b --batch 8 --steps 2 --warmup 1 --nvme-steps 2 \
         --cases torch,engine-nvme --nvme-dir /tmp/zo --disk-probe-mb 4096 \
         --md-out "$OUT/train_nvme.md" --json-out "$OUT/train_nvme.json" 2>&1 | grep -E '^\[|\*\*' ;;
+    share)  # issue 13: the GPU share of the optimizer at torchao's GPU footprint, beside torch and torchao
+      python3 benchmarks/bench_train.py --model 1.3b --batch 8 --steps 7 --warmup 2 \
+        --cases torch,torchao,engine-gpu,engine-share --gpu-cap ${ZO_GPU_CAP:-25.6} --nvme-dir /tmp/zo \
+        --md-out "$OUT/train_share.md" --json-out "$OUT/train_share.json" 2>&1 | grep -E '^\[|\*\*|Error' ;;
+    rss)  # host bytes per param from the start of a script: one case per process, model built on meta
+      for c in engine-gpu engine-cpu; do
+        /usr/bin/time -v python3 benchmarks/bench_train.py --model 1.3b --batch 8 --steps 3 --warmup 1 \
+          --adam-sample 16777216 --cases $c > /tmp/rss_$c.log 2>&1
+        echo "$c: $(grep -E "^\[$c\]" /tmp/rss_$c.log | cut -c1-160) | $(grep 'Maximum resident' /tmp/rss_$c.log)"
+      done | tee "$OUT/rss.txt" ;;
+    prefetch)  # issue 13.5: where depth matters (params on NVMe) and where it does not (all in pinned RAM)
+      for cfg in "--params cpu --optimizer cpu" "--params nvme --optimizer nvme --nvme-dir /tmp/zo_pf"; do
+        zero-offload bench prefetch --preset 350m $cfg --depths 0,1,2,4 --max-seconds ${ZO_PF_SECONDS:-100} \
+          --out /tmp/zo_bench_pf 2>&1 | tail -14
+      done | tee "$OUT/prefetch.txt"
+      cp /tmp/zo_bench_pf/*.json "$OUT/" 2>/dev/null ;;
     largest)
       python3 benchmarks/bench_train.py --layers 35 --hidden 4096 --heads 32 --vocab 32000 --seq 1024 --batch 4 \
         --steps 2 --warmup 1 --cases engine-largest --largest-params gpu --nvme-dir /tmp/zo \
