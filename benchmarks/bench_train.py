@@ -335,7 +335,7 @@ class Bench:
         cap = self.args.gpu_cap
         if cap and self.device.type == "cuda":  # the engine's whole process held to `cap` GiB
             total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cap * GiB / total), self.device)
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap * GiB / total), torch.cuda.current_device())
         gpu_budget = int((self.args.gpu_budget or cap) * GiB) if (self.args.gpu_budget or cap) else "auto"
         cfg = zo.OffloadConfig(params=params, optimizer=optimizer, nvme_dir=nvme_dir, dtype="bf16",
                                chunk_mb=self.args.chunk_mb, prefetch_depth=self.args.depth,
@@ -383,7 +383,7 @@ class Bench:
         engine.close()
         del engine
         if cap and self.device.type == "cuda":
-            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+            torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
         return r
 
     # -- optimizer only -----------------------------------------------------------------------

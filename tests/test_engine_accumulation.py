@@ -1,8 +1,11 @@
 """Gradient accumulation: grads of grad_accum micro-batches are summed (in fp32, on the CPU) and
 applied once; step() returns True only on the window's last micro-batch."""
+import pytest
+
 import zero_offload as zo
 from _engine_util import (DEVICE, Reference, assert_losses_close, assert_params_close, config,
-                          mlp, mlp_batches, mlp_loss)
+                          gpt_batches, gpt_loss, micro_gpt, mlp, mlp_batches, mlp_loss, train_engine)
+from test_engine_gpu_share import PARTIAL
 
 ACCUM = 3
 
@@ -27,3 +30,35 @@ def test_accumulation_matches_torch():
         assert_params_close(engine.state_dict(), ref.master_state(), rtol=1e-5)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(grad_clip=0.05), dict(overlap=False),
+                                dict(params="gpu", optimizer="auto", gpu_budget=PARTIAL)],
+                         ids=["plain", "clip", "no-overlap", "gpu-share"])
+def test_final_grad_sync_sums_on_the_device_and_sends_once(kw):
+    """grad_sync="final" on one process: the window's grads are summed in fp32 on the device and
+    go down once per window, with no host accumulation buffer: the copies between device and host
+    are those of training without accumulation ("every" sends each micro-batch's grads); results
+    equal torch."""
+    spec = zo.AdamW(lr=3e-3, weight_decay=0.1)
+    batches = gpt_batches(3 * ACCUM)
+    ref = Reference(micro_gpt(), spec, accum=ACCUM, grad_clip=kw.get("grad_clip"))
+    for b in batches:
+        ref.step(b, gpt_loss)
+    moved = {}
+    for sync, accum in (("final", ACCUM), ("every", ACCUM), ("every", 1)):
+        engine = zo.initialize(micro_gpt(), optimizer=spec, device=DEVICE,
+                               config=config(grad_accum=accum, grad_sync=sync, **kw))
+        try:
+            accum_payloads = [c for c in range(len(engine.partition.chunks))
+                              if engine.store.has_payload(c, "accum")]
+            assert (accum_payloads == []) == (sync == "final" or accum == 1), accum_payloads
+            train_engine(engine, batches if accum > 1 else batches[:3], gpt_loss, accum=accum)
+            moved[sync, accum] = engine.stats().bytes_moved["gpu->cpu"]
+            if accum > 1:
+                assert_params_close(engine.state_dict(), ref.master_state(), rtol=1e-5)
+                if "grad_clip" in kw:
+                    assert engine.last_grad_norm == pytest.approx(ref.norms[-1], rel=1e-5)
+        finally:
+            engine.close()
+    assert 0 < moved["final", ACCUM] == moved["every", 1] < moved["every", ACCUM], moved

@@ -46,8 +46,19 @@ def test_gpu_share_trains_like_torch(kw, budget):
         train_engine(engine, batches, gpt_loss, accum=accum)
         if budget == WHOLE:  # nothing goes down to the host: no grads, no state, no params
             assert engine.stats().bytes_moved["gpu->cpu"] == 0
+        # bf16: the recipe's rounding differs from torch's between kernels (on CUDA 1.1% after
+        # three steps; test_engine_mixed_precision allows 3%), so the share is also held tightly
+        # to the same engine with the whole optimizer on the host, which is the same recipe.
         assert_params_close(engine.state_dict(), ref.master_state(),
-                            rtol=1e-5 if lowp is torch.float32 else 1e-2)
+                            rtol=1e-5 if lowp is torch.float32 else 3e-2)
+        if lowp is torch.bfloat16:
+            host = zo.initialize(micro_gpt(), optimizer=SPEC, device=DEVICE,
+                                 config=config(params="gpu", optimizer="cpu", **kw))
+            try:
+                train_engine(host, batches, gpt_loss, accum=accum)
+                assert_params_close(engine.state_dict(), host.state_dict(), rtol=1e-3)
+            finally:
+                host.close()
         if "grad_clip" in kw:
             assert engine.last_grad_norm == pytest.approx(ref.norms[-1], rel=1e-5)
     finally:

@@ -325,10 +325,12 @@ class OffloadConfig:
     clipping or fp16 overflow checks need every grad first, the engine keeps results equal to
     PyTorch; see docs). False steps every chunk after backward."""
     grad_sync: str = "every"
-    """Several ranks with ``grad_accum > 1``: "every" reduce-scatters each micro-batch's grads
-    (each rank sums its shard in host memory); "final" sums the window's grads of the whole
-    model on each GPU in fp32 (4 bytes per param of GPU memory) and reduce-scatters once, at the
-    window's last micro-batch: no communication on the others (DDP's ``no_sync``)."""
+    """With ``grad_accum > 1``: "every" sends each micro-batch's grads down (several ranks:
+    reduce-scatters them) and sums them on the host in an fp32 accumulation buffer (4 bytes per
+    param of host memory); "final" sums the window's grads of the whole model on the GPU in fp32
+    (4 bytes per param of GPU memory instead) and sends (reduce-scatters) them once, at the
+    window's last micro-batch: no copies or communication on the others (DDP's ``no_sync``),
+    no host accumulation buffer."""
     bind_cores: bool = False
     """Several ranks on the node (torchrun): bind this process's threads to its own block of the
     node's cores, grouped by NUMA node, before the CPU-Adam threads start, so two ranks' CPU-Adam
@@ -405,6 +407,12 @@ class OffloadConfig:
     def chunk_bytes(self) -> int:
         """``chunk_mb`` in bytes, rounded up to a multiple of 4096."""
         return round_up(round(self.chunk_mb * 2**20))
+
+    @property
+    def host_accum(self) -> bool:
+        """Grads are summed over the accumulation window in an fp32 "accum" payload (homed with
+        the optimizer state): ``grad_accum > 1`` with ``grad_sync="every"``."""
+        return self.grad_accum > 1 and self.grad_sync == "every"
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -237,8 +237,8 @@ class _Chunk:
     grads: Optional[torch.Tensor] = None
     """Device grads buffer being filled in this backward (None once flushed)."""
     window: Optional[torch.Tensor] = None
-    """Several ranks, ``grad_sync="final"``: the whole chunk's fp32 grads summed over the
-    micro-batches of the window, reduce-scattered at its last one."""
+    """``grad_sync="final"``: the whole chunk's fp32 grads summed over the micro-batches of the
+    window, sent down (several ranks: reduce-scattered) at its last one."""
     window_slots: set = field(default_factory=set)
     """The trainable slots with a grad in ``window``."""
     replica: Optional[torch.Tensor] = None
@@ -653,10 +653,11 @@ class Engine:
                 bind_to_cores(cores)  # before the CPU-Adam threads start: they inherit it
         payloads = PipelinePayloads(master="master" if lowp else "params",
                                     lowp="params" if lowp else None,
-                                    accum="accum" if cfg.grad_accum > 1 else None)
+                                    accum="accum" if cfg.host_accum else None)
         self._compute_stream = None  # CUDA stream of the last forward; see [Note: fetch on completion]
         self.group = ChunkGroup(self.store, hyper=self.optimizer, adamw=self.spec.adamw,
-                                payloads=payloads, grad_accum=cfg.grad_accum, owner="engine",
+                                payloads=payloads, grad_accum=cfg.grad_accum if cfg.host_accum else 1,
+                                owner="engine",
                                 prefetch_depth=cfg.prefetch_depth,
                                 threads=_adam_threads(cfg, self.device, ranked=self._pg is not None),
                                 on_chunk_idle=self._chunk_ready)
@@ -702,7 +703,7 @@ class Engine:
         self._comm_stream = (torch.cuda.Stream(self.device) if self._comm_device.type == "cuda"
                              else None)
         self._replicas = self._pg is not None and cfg.params == "gpu"
-        self._final_sync = self._pg is not None and cfg.grad_sync == "final" and cfg.grad_accum > 1
+        self._final_sync = cfg.grad_accum > 1 and not cfg.host_accum
         self._updated = False  # an update was queued in backward in this window (overlap)
         self.last_grad_norm: Optional[float] = None
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
@@ -1343,9 +1344,9 @@ class Engine:
                     f"and call the model only through engine(...)")
             if chunk.grads is None:
                 self.group.open_grads(chunk.g)
-                if self._pg is None:
+                if self._pg is None and not self._final_sync:
                     chunk.grads = self.group.device_grads(chunk.g)
-                else:  # the whole chunk's grads; each rank gets its mean shard at the flush
+                else:  # the whole chunk's grads; each rank gets its (mean) shard at the flush
                     k = self.shard.span(chunk.layout.numel)[2]
                     chunk.grads = torch.zeros(k * self.shard.world, dtype=self.dtype, device=self.device)
             dst = chunk.grads[slot.offset:slot.end]
@@ -1374,7 +1375,11 @@ class Engine:
                 return
             full, chunk.window = chunk.window, None
             slots, chunk.window_slots = list(chunk.window_slots), set()
-            handle = self._reduce_grads(chunk, full)
+            if self._pg is not None:
+                handle = self._reduce_grads(chunk, full)
+            else:  # one process: the window's sum is the chunk's grads of this update
+                self.group.device_grads(chunk.g).copy_(full)
+                handle = None if self.group.on_device(chunk.g) else self.group.flush_grads(chunk.g)
         elif self._pg is not None:  # this rank's shard of the mean over the ranks
             handle = self._reduce_grads(chunk, chunk.grads)
         elif self.group.on_device(chunk.g):

@@ -88,7 +88,7 @@ def payload_dtypes(chunk: ChunkLayout, config: OffloadConfig) -> dict:
         out["master"] = torch.float32
     out["exp_avg"] = torch.float32
     out["exp_avg_sq"] = torch.float32
-    if config.grad_accum > 1:
+    if config.host_accum:
         out["accum"] = torch.float32
     return out
 
@@ -204,7 +204,7 @@ def _check_fits(partition, config, budgets, need, *, gpu_window, staging, homes)
     if need[Tier.CPU] > budgets[Tier.CPU]:
         raise FitError(
             f"cpu_budget={budgets[Tier.CPU]} bytes is too small: the host-memory homes (grads"
-            f"{', accumulation buffers' if config.grad_accum > 1 else ''}, params and optimizer "
+            f"{', accumulation buffers' if config.host_accum else ''}, params and optimizer "
             f"state placed on 'cpu') plus {staging} bytes of NVMe staging need {need[Tier.CPU]} "
             f"bytes. Raise cpu_budget, or place optimizer state (optimizer='nvme') or params "
             f"(params='nvme') on NVMe with nvme_dir set, or lower chunk_mb / prefetch_depth")
