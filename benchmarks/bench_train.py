@@ -340,7 +340,9 @@ class Bench:
         cfg = zo.OffloadConfig(params=params, optimizer=optimizer, nvme_dir=nvme_dir, dtype="bf16",
                                chunk_mb=self.args.chunk_mb, prefetch_depth=self.args.depth,
                                cpu_budget=cpu_budget, gpu_budget=gpu_budget, threads=self.args.threads,
-                               grad_accum=self.args.accum, grad_sync=self.args.grad_sync)
+                               grad_accum=self.args.accum, grad_sync=self.args.grad_sync,
+                               activation_reserve=("auto" if self.args.activation_reserve is None
+                                                   else int(self.args.activation_reserve * GiB)))
         t0 = time.perf_counter()
         engine = zo.initialize(model, optimizer=zo.AdamW(lr=1e-4, weight_decay=0.1), config=cfg,
                                device=self.device,
@@ -597,6 +599,8 @@ def main(argv=None) -> int:
                     help="engine cases: hold the process to this many GiB of GPU memory "
                          "(torch.cuda.set_per_process_memory_fraction) and use it as gpu_budget")
     ap.add_argument("--gpu-budget", type=float, default=None, help="engine cases: gpu_budget in GiB")
+    ap.add_argument("--activation-reserve", type=float, default=None,
+                    help="engine cases: OffloadConfig.activation_reserve in GiB (default: half the budget)")
     ap.add_argument("--grad-sync", default="every", choices=("every", "final"),
                     help="engine cases with --accum > 1: OffloadConfig.grad_sync")
     ap.add_argument("--largest-cpu-budget", default="auto",

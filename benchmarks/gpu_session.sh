@@ -61,7 +61,12 @@ for what in "$@"; do
     share)  # issue 13: the GPU share of the optimizer at torchao's GPU footprint, beside torch and torchao
       python3 benchmarks/bench_train.py --model 1.3b --batch 8 --steps 7 --warmup 2 \
         --cases torch,torchao,engine-gpu,engine-share --gpu-cap ${ZO_GPU_CAP:-25.6} --nvme-dir /tmp/zo \
-        --md-out "$OUT/train_share.md" --json-out "$OUT/train_share.json" 2>&1 | grep -E '^\[|\*\*|Error' ;;
+        --md-out "$OUT/train_share.md" --json-out "$OUT/train_share.json" 2>&1 | grep -E '^\[|\*\*|Error'
+      for r in ${ZO_SHARE_RESERVES:-}; do  # the same at other activation reserves (GiB)
+        python3 benchmarks/bench_train.py --model 1.3b --batch 8 --steps 7 --warmup 2 --cases engine-share \
+          --gpu-cap ${ZO_GPU_CAP:-25.6} --activation-reserve $r --nvme-dir /tmp/zo \
+          --json-out "$OUT/train_share_r$r.json" 2>&1 | grep -E '^\[engine|Error'
+      done ;;
     rss)  # host bytes per param from the start of a script: one case per process, model built on meta
       for c in engine-gpu engine-cpu; do
         /usr/bin/time -v python3 benchmarks/bench_train.py --model 1.3b --batch 8 --steps 3 --warmup 1 \
@@ -74,6 +79,15 @@ for what in "$@"; do
           --out /tmp/zo_bench_pf 2>&1 | tail -14
       done | tee "$OUT/prefetch.txt"
       cp /tmp/zo_bench_pf/*.json "$OUT/" 2>/dev/null ;;
+    big)  # issue 13.4: 7B at 32K tokens per step (activation checkpointing, 4 micro-batches of 8)
+      python3 benchmarks/bench_train.py --model 7b --batch 8 --accum 4 --checkpointing --grad-sync final \
+        --steps 2 --warmup 1 --cases engine-share --nvme-dir /tmp/zo \
+        --md-out "$OUT/train_7b_32k.md" --json-out "$OUT/train_7b_32k.json" 2>&1 | grep -E '^\[|\*\*|Error' ;;
+    largest13)  # issue 13.3: 12.8B from the meta device, optimizer state on the GPU share, RAM and NVMe
+      python3 benchmarks/bench_train.py --model 13b --batch 8 --checkpointing --steps 2 --warmup 1 \
+        --cases engine-largest --largest-params gpu --largest-cpu-budget ${ZO_CPU_BUDGET:-100GiB} \
+        --activation-reserve ${ZO_ACT_RESERVE:-10} --nvme-dir /tmp/zo \
+        --md-out "$OUT/train_largest.md" --json-out "$OUT/train_largest.json" 2>&1 | grep -E '^\[|\*\*|Error' ;;
     largest)
       python3 benchmarks/bench_train.py --layers 35 --hidden 4096 --heads 32 --vocab 32000 --seq 1024 --batch 4 \
         --steps 2 --warmup 1 --cases engine-largest --largest-params gpu --nvme-dir /tmp/zo \

@@ -50,7 +50,7 @@ BAD = [
     ("chunk_mb", 0), ("chunk_mb", -1.0), ("chunk_mb", "64"), ("chunk_mb", float("inf")),
     ("prefetch_depth", -1), ("prefetch_depth", 1.5), ("prefetch_depth", True),
     ("gpu_budget", 0), ("gpu_budget", "8G"), ("gpu_budget", "lots"), ("gpu_budget", 1.5),
-    ("cpu_budget", -5), ("nvme_budget", "-1GiB"),
+    ("cpu_budget", -5), ("nvme_budget", "-1GiB"), ("activation_reserve", -1), ("activation_reserve", "half"),
     ("grad_clip", 0.0), ("grad_clip", -1.0), ("grad_clip", "1"),
     ("grad_accum", 0), ("grad_accum", 2.0),
     ("loss_scale", "static"), ("loss_scale", 0.0), ("loss_scale", -2.0),

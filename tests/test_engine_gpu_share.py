@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import zero_offload as zo
+from zero_offload.runtime.placement import FitError
 from zero_offload.runtime.store import Tier
 from _engine_util import (DEVICE, Reference, assert_params_close, config, gpt_batches, gpt_loss,
                           micro_gpt, train_engine)
@@ -108,3 +109,27 @@ def test_checkpoints_move_between_the_gpu_share_and_host_memory(first, second, t
         assert_params_close(engine.state_dict(), ref.master_state(), rtol=1e-5)
     finally:
         engine.close()
+
+
+def test_activation_reserve_and_the_final_window_size_the_share():
+    """The share fills gpu_budget less activation_reserve ("auto": half): a smaller reserve gives
+    the device more chunks; grad_sync="final"'s fp32 window (4 B per trainable param) is counted
+    on the device before the share, and a budget too small for it is refused naming it."""
+    def plan(budget, **kw):
+        engine = _engine(budget, **kw)
+        try:
+            return engine.plan, sum(c.numel for c in engine.partition.chunks if c.trainable)
+        finally:
+            engine.close()
+
+    whole, numel = plan(WHOLE, activation_reserve=0)
+    assert whole.count(optimizer=Tier.GPU) == len(whole.homes)
+    budget = whole.need[Tier.GPU] + 1024  # the whole share fits, with no reserve
+    half, _ = plan(budget)
+    none, _ = plan(budget, activation_reserve=0)
+    assert 0 < half.count(optimizer=Tier.GPU) < none.count(optimizer=Tier.GPU) == len(none.homes)
+    final, _ = plan(budget, grad_accum=2, grad_sync="final", activation_reserve=0)
+    assert final.need[Tier.GPU] >= 4 * numel
+    assert final.count(optimizer=Tier.GPU) < len(final.homes)  # the window took device room
+    with pytest.raises(FitError, match="fp32 grads window"):
+        _engine(2 * numel, grad_accum=2, grad_sync="final")

@@ -152,13 +152,13 @@ def parse_bytes(value: Any, *, name: str = "size") -> int:
     return nbytes
 
 
-def _as_budget(owner: str, name: str, value: Any) -> Budget:
+def _as_budget(owner: str, name: str, value: Any, auto: str = "to size it from free memory") -> Budget:
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
     try:
         return parse_bytes(value, name=f"{owner}.{name}")
     except ValueError as e:
-        raise ValueError(f"{e}; or pass 'auto' to size it from free memory") from None
+        raise ValueError(f"{e}; or pass 'auto' {auto}") from None
 
 
 def _unknown_keys(owner: str, keys, valid) -> ValueError:
@@ -290,6 +290,11 @@ class OffloadConfig:
     gpu_budget: Budget = "auto"
     """Bytes the engine may hold on the compute device for chunks (not activations): an int, a
     string like "8GiB", or "auto" (free device memory minus a reserve)."""
+    activation_reserve: Budget = "auto"
+    """Bytes of ``gpu_budget`` that "auto" placements (params, the GPU share of the optimizer)
+    leave to activations, which the engine does not see: an int, a size string, or "auto" (half
+    of ``gpu_budget``). Lower it with activation checkpointing or small micro-batches to give
+    more chunks to the GPU; raise it if the forward runs out of memory."""
     cpu_budget: Budget = "auto"
     """Bytes of pinned host memory for chunks: int, size string or "auto" (available RAM minus a
     reserve)."""
@@ -367,6 +372,9 @@ class OffloadConfig:
         setv("prefetch_depth", _as_int(o, "prefetch_depth", self.prefetch_depth, minimum=0))
         for name in ("gpu_budget", "cpu_budget", "nvme_budget"):
             setv(name, _as_budget(o, name, getattr(self, name)))
+        if not (isinstance(self.activation_reserve, int) and self.activation_reserve == 0):  # 0: none
+            setv("activation_reserve", _as_budget(o, "activation_reserve", self.activation_reserve,
+                                                  auto="(half of gpu_budget)"))
         if self.grad_clip is not None:
             setv("grad_clip", _as_float(o, "grad_clip", self.grad_clip, minimum=0.0,
                                         min_inclusive=False, fix="or None to disable clipping"))

@@ -595,9 +595,13 @@ class Engine:
             # Placement sees the shards this rank holds ([Note: data parallel]).
             placed = dataclasses.replace(self.partition, chunks=tuple(
                 dataclasses.replace(c, numel=self.shard.span(c.numel)[2]) for c in self.partition.chunks))
+            # grad_sync="final": the window's fp32 sum of each whole chunk's grads on the device.
+            window = (4 * sum(self.shard.span(c.numel)[2] * self.shard.world
+                              for c in self.partition.chunks if c.trainable)
+                      if cfg.grad_accum > 1 and not cfg.host_accum else 0)
             self.plan: PlacementPlan = plan_placement(placed, cfg, self.store.budgets,
                                                       has_nvme=cfg.nvme_dir is not None,
-                                                      gpu_optimizer=self._pg is None)
+                                                      gpu_optimizer=self._pg is None, gpu_extra=window)
             if self._pg is not None and cfg.params == "gpu":
                 _check_replicas(self.partition, self.plan, self.store.budgets[Tier.GPU], self.dtype,
                                 self.shard)

@@ -123,18 +123,20 @@ def keep_limit(partition: Partition, config: OffloadConfig, gpu_budget: int) -> 
 
 
 def plan_placement(partition: Partition, config: OffloadConfig, budgets: dict, *,
-                   has_nvme: bool, gpu_auto_share: float = 0.5,
-                   gpu_optimizer: bool = False) -> PlacementPlan:
+                   has_nvme: bool, gpu_optimizer: bool = False,
+                   gpu_extra: int = 0) -> PlacementPlan:
     """Home tiers per chunk for ``config`` within ``budgets`` (Tier -> bytes, resolved), or a
     ``FitError`` naming the budget, the numbers and what to change.
 
-    "auto" params fill the GPU first, up to ``gpu_auto_share`` of its budget (the rest is left to
-    activations, which the store does not see), then host memory, then NVMe; "auto" optimizer
+    "auto" params fill the GPU first, up to its budget less ``config.activation_reserve`` (left
+    to activations, which the store does not see; "auto": half the budget), then host memory,
+    then NVMe; "auto" optimizer
     state fills host memory first, then NVMe. With ``gpu_optimizer`` (the front end updates
     such chunks on the device: [Note: GPU share]) "auto" optimizer state of chunks whose params
     live on the GPU fills the GPU first, in chunk order (the first layers, which the next
     forward needs first), within the same share: their state, accumulation buffer and the grads
-    the device keeps until the step.
+    the device keeps until the step. ``gpu_extra``: device bytes the front end holds beside the
+    homes and the working window (``grad_sync="final"``'s fp32 window), counted first.
     """
     if not partition.chunks:
         raise FitError("the model has no parameters to train or page; nothing to offload")
@@ -144,7 +146,9 @@ def plan_placement(partition: Partition, config: OffloadConfig, budgets: dict, *
     host_fixed = sum(chunk_bytes(c, config, ("grads", "accum")) for c in partition.chunks if c.trainable)
     staging_unit = max(chunk_bytes(c, config, ("params",) + opt_names) for c in partition.chunks)
     staging = (config.prefetch_depth + 1) * staging_unit
-    need = {Tier.GPU: gpu_window, Tier.CPU: host_fixed, Tier.NVME: 0}
+    need = {Tier.GPU: gpu_window + gpu_extra, Tier.CPU: host_fixed, Tier.NVME: 0}
+    reserve = config.activation_reserve
+    gpu_auto = budgets[Tier.GPU] - (budgets[Tier.GPU] // 2 if reserve == "auto" else reserve)
 
     def host_room(extra: int) -> bool:
         return need[Tier.CPU] + extra + (staging if has_nvme else 0) <= budgets[Tier.CPU]
@@ -158,7 +162,7 @@ def plan_placement(partition: Partition, config: OffloadConfig, budgets: dict, *
         if config.params is Placement.GPU:
             params_ahead -= pbytes
         if config.params is Placement.AUTO:
-            if need[Tier.GPU] + pbytes <= gpu_auto_share * budgets[Tier.GPU]:
+            if need[Tier.GPU] + pbytes <= gpu_auto:
                 ptier = Tier.GPU
             elif host_room(pbytes) or not has_nvme:
                 ptier = Tier.CPU
@@ -172,7 +176,7 @@ def plan_placement(partition: Partition, config: OffloadConfig, budgets: dict, *
             obytes = chunk_bytes(c, config, opt_names)
             dev = obytes + chunk_bytes(c, config, ("grads", "accum"))
             if config.optimizer is Placement.AUTO and gpu_optimizer and ptier is Tier.GPU \
-                    and need[Tier.GPU] + params_ahead + dev <= gpu_auto_share * budgets[Tier.GPU]:
+                    and need[Tier.GPU] + params_ahead + dev <= gpu_auto:
                 otier, obytes = Tier.GPU, dev
             elif config.optimizer is Placement.AUTO:
                 otier = Tier.CPU if (host_room(obytes) or not has_nvme) else Tier.NVME
@@ -184,19 +188,22 @@ def plan_placement(partition: Partition, config: OffloadConfig, budgets: dict, *
     uses_nvme = any(h.params is Tier.NVME or h.optimizer is Tier.NVME for h in homes)
     if uses_nvme:
         need[Tier.CPU] += staging
-    _check_fits(partition, config, budgets, need, gpu_window=gpu_window,
+    _check_fits(partition, config, budgets, need, gpu_window=gpu_window, gpu_extra=gpu_extra,
                 staging=staging if uses_nvme else 0, homes=homes)
     return PlacementPlan(homes=tuple(homes), need=need)
 
 
-def _check_fits(partition, config, budgets, need, *, gpu_window, staging, homes) -> None:
+def _check_fits(partition, config, budgets, need, *, gpu_window, gpu_extra, staging, homes) -> None:
     big = max(partition.chunks, key=lambda c: c.numel)
     big_bytes = chunk_bytes(big, config, ("params",))
     if need[Tier.GPU] > budgets[Tier.GPU]:
-        home = need[Tier.GPU] - gpu_window
+        home = need[Tier.GPU] - gpu_window - gpu_extra
         raise FitError(
             f"gpu_budget={budgets[Tier.GPU]} bytes cannot hold the working set: {home} bytes of "
-            f"params homed on the compute device + a working window of {gpu_window} bytes "
+            f"params homed on the compute device + "
+            + (f"{gpu_extra} bytes of fp32 grads window (grad_sync='final'; 'every' keeps it in host "
+               f"memory) + " if gpu_extra else "")
+            + f"a working window of {gpu_window} bytes "
             f"((prefetch_depth {config.prefetch_depth} + {3 + PARKED_CHUNKS}) params chunks + 3 grads chunks; the "
             f"largest chunk holds {big_bytes} bytes of params) = {need[Tier.GPU]} bytes. Raise gpu_budget to at "
             f"least {need[Tier.GPU]}, or lower chunk_mb (now {config.chunk_mb}) or prefetch_depth"
