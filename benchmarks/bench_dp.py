@@ -20,6 +20,9 @@ Cases (fp32 params, bf16 autocast, batch ``--batch`` sequences per rank, AdamW l
   step after the update (ZeRO-2 + offload, the original ZeRO-Offload schedule);
 - ``engine-bind``: ``engine`` with ``bind_cores=True`` (each rank's threads on its own block of
   cores instead of floating over every core);
+- ``engine-largest``: ``engine`` with ``optimizer="auto"`` (host memory first, then NVMe files
+  under ``--nvme-dir``, each rank its share of both) for the largest model of the node (use
+  ``--checkpointing``);
 - ``ds-zero3``: DeepSpeed ZeRO-3 with params and optimizer offloaded to the CPU (the config of
   ../shared/BASELINES.md; its wheel: ../shared/wheels/README.md).
 Rank 0 prints one line per case and writes the JSON: median step time over ``--steps`` timed
@@ -81,15 +84,18 @@ class EngineStep:
         self.engine.close()
 
 
-def build(case, cfg, device, world):
+def build(case, cfg, device, world, args):
     torch.manual_seed(0)
-    if case in ("engine", "engine-gpu", "engine-bind"):
+    if case in ("engine", "engine-gpu", "engine-bind", "engine-largest"):
         import zero_offload as zo
         model = GPT(cfg, device="meta")  # no memory: initialize fills the tiers chunk by chunk
+        model.set_activation_checkpointing(args.checkpointing)
+        largest = case == "engine-largest"
         engine = zo.initialize(model, optimizer=zo.AdamW(lr=1e-4, weight_decay=0.1), device=device,
                                init=model.init_param,
                                config=zo.OffloadConfig(params="gpu" if case == "engine-gpu" else "cpu",
-                                                       optimizer="cpu", dtype="bf16",
+                                                       optimizer="auto" if largest else "cpu", dtype="bf16",
+                                                       nvme_dir=args.nvme_dir if largest else None,
                                                        bind_cores=case == "engine-bind"))
         wrapped = EngineStep(engine)
         return wrapped, wrapped
@@ -156,6 +162,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--cases", default="ddp-offload,fsdp2-offload,fsdp2-cpuoffload,ddp-torch")
     ap.add_argument("--json-out")
+    ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
+    ap.add_argument("--nvme-dir", default="/tmp/zo_dp", help="engine-largest: swap directory")
     args = ap.parse_args()
     dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -170,7 +178,9 @@ def main():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         rss.reset()
-        model, opt = build(case, cfg, device, world)
+        t_init = time.perf_counter()
+        model, opt = build(case, cfg, device, world, args)
+        init_s = time.perf_counter() - t_init
         times, losses = [], []
         for i in range(args.warmup + args.steps):
             x = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=g).to(device)
@@ -196,8 +206,9 @@ def main():
         dist.all_gather_object(peaks, rss.peak)
         med = statistics.median(times)
         tokens = world * args.batch * cfg.seq_len
-        r = {"case": case, "world": world, "median_s": med, "step_times": times,
+        r = {"case": case, "world": world, "median_s": med, "step_times": times, "init_s": init_s,
              "tokens_per_s": tokens / med, "rss_peak_per_rank_gib": [p / 2**30 for p in peaks],
+             "model_tflops_per_gpu": cfg.flops_per_token(cfg.seq_len) * tokens / med / world / 1e12,
              "rss_peak_node_gib": sum(peaks) / 2**30,
              "gpu_peak_gib_rank0": torch.cuda.max_memory_allocated(device) / 2**30,
              "params": sum(p.numel() for p in GPT(cfg, device="meta").parameters()),
@@ -208,7 +219,11 @@ def main():
         if rank == 0:
             print(f"[{case} x{world}] {med:.3f} s/step, {r['tokens_per_s']:,.0f} tok/s, host RSS node "
                   f"{r['rss_peak_node_gib']:.1f} GiB (per rank {', '.join(f'{p:.1f}' for p in r['rss_peak_per_rank_gib'])}), "
-                  f"GPU {r['gpu_peak_gib_rank0']:.1f} GiB, loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
+                  f"GPU {r['gpu_peak_gib_rank0']:.1f} GiB, {r['model_tflops_per_gpu']:.0f} TFLOPS/GPU, "
+                  f"init {init_s:.0f} s, loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+                  + (", rank 0 holds GiB " + ", ".join(f"{t} {b / 2**30:.1f}" for t, b in
+                                                       model.engine.stats().bytes_held.items())
+                     if isinstance(model, EngineStep) else ""), flush=True)
         if rank == 0 and args.json_out:  # after every case: a later case that fails loses nothing
             with open(args.json_out, "w") as f:
                 json.dump({"results": results, "args": vars(args)}, f, indent=1)

@@ -31,5 +31,10 @@ for what in "$@"; do
           --cases "$cases" --steps ${DP_STEPS:-6} --warmup 2 --json-out "$OUT/dp_n$n.json" 2>&1 \
           | grep -vE "^\s*$|Warning|warn\(" | tail -30 | tee -a "$OUT/dp_bench.log"
       done ;;
+    largest)  # the largest model of the node: 12.8B, params and optimizer offloaded (RAM, then NVMe)
+      timeout ${DP_TIMEOUT:-400} torchrun --standalone --nproc-per-node "$ngpu" benchmarks/bench_dp.py \
+        --model ${DP_LARGEST:-13b} --cases engine-largest --checkpointing --steps 2 --warmup 1 \
+        --json-out "$OUT/dp_largest_n$ngpu.json" 2>&1 | grep -vE "^\s*$|Warning|warn\(" | tail -30 \
+        | tee -a "$OUT/dp_bench.log" ;;
   esac
 done
