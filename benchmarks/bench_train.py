@@ -341,6 +341,7 @@ class Bench:
                                chunk_mb=self.args.chunk_mb, prefetch_depth=self.args.depth,
                                cpu_budget=cpu_budget, gpu_budget=gpu_budget, threads=self.args.threads,
                                grad_accum=self.args.accum, grad_sync=self.args.grad_sync,
+                               moments_dtype=self.args.moments_dtype,
                                activation_reserve=("auto" if self.args.activation_reserve is None
                                                    else int(self.args.activation_reserve * GiB)))
         t0 = time.perf_counter()
@@ -377,7 +378,9 @@ class Bench:
         homes = [h.optimizer.value for h in engine.plan.homes if h.optimizer is not None]
         notes += "; optimizer homes " + ", ".join(f"{t} {homes.count(t)}" for t in sorted(set(homes))) \
             + f" of {len(homes)} chunks"
-        r = self.record(name, f"zero_offload engine, params {params}, optimizer {optimizer}", times,
+        r = self.record(name, f"zero_offload engine, params {params}, optimizer {optimizer}"
+                        + (f", moments {self.args.moments_dtype}" if self.args.moments_dtype != "fp32" else ""),
+                        times,
                         losses=[float(x) for x in losses], stall=st.gpu_stall_share, moved=moved, notes=notes)
         r.bytes_per_step["held_gib"] = held
         if self.args.trace_dir:
@@ -601,6 +604,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-budget", type=float, default=None, help="engine cases: gpu_budget in GiB")
     ap.add_argument("--activation-reserve", type=float, default=None,
                     help="engine cases: OffloadConfig.activation_reserve in GiB (default: half the budget)")
+    ap.add_argument("--moments-dtype", default="fp32", choices=("fp32", "bf16"),
+                    help="engine cases: OffloadConfig.moments_dtype (bf16: stochastically rounded, inexact)")
     ap.add_argument("--grad-sync", default="every", choices=("every", "final"),
                     help="engine cases with --accum > 1: OffloadConfig.grad_sync")
     ap.add_argument("--largest-cpu-budget", default="auto",

@@ -664,7 +664,7 @@ class Engine:
                                 owner="engine",
                                 prefetch_depth=cfg.prefetch_depth,
                                 threads=_adam_threads(cfg, self.device, ranked=self._pg is not None),
-                                on_chunk_idle=self._chunk_ready)
+                                on_chunk_idle=self._chunk_ready, seed=self.shard.rank)
         with torch.no_grad():
             # Chunk by chunk: the model's own weights are freed as their chunk fills, so host
             # memory peaks at the homes plus what is not yet copied, not homes + whole model.
@@ -1610,11 +1610,12 @@ class Engine:
         return self._micro
 
     def chunk_state(self, layout: ChunkLayout) -> dict:
-        """CPU copies of one chunk's state: "master", "exp_avg", "exp_avg_sq" (fp32) for a
-        trainable chunk, "frozen" (working dtype) otherwise, and "steps" (one per slot)."""
+        """CPU copies of one chunk's state: "master", "exp_avg", "exp_avg_sq" (fp32, bf16 moments
+        widened) for a trainable chunk, "frozen" (working dtype) otherwise, and "steps" (one per
+        slot)."""
         chunk, group = self._chunks[layout.index], self.group
         if layout.trainable:
-            out = {key: self._read_full(chunk, name) for key, name in group.state_names.items()}
+            out = {key: self._read_full(chunk, name).float() for key, name in group.state_names.items()}
         else:
             out = {"frozen": self._read_full(chunk, "params")}
         out["steps"] = chunk.steps

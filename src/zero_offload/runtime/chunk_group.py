@@ -51,6 +51,7 @@ from .pipeline import (Accumulate, AdamArgs, GradJob, PipelineError, PipelinePay
                        StepPipeline, UpdateJob)
 from .store import ChunkStore, Handle, PayloadSpec, Tier
 from .trace import StatsWindow, Trace
+from ..ops.rounding import stochastic_round_bf16, update_seed
 
 __all__ = ["ChunkGroup", "ChunkPhase", "GroupChunk", "GroupSlot", "adam_args", "update_segments"]
 
@@ -128,8 +129,9 @@ class ChunkGroup:
                  grad_accum: int = 1, owner: str = "zero_offload", prefetch_depth: int = 2,
                  threads: Optional[int] = None,
                  on_update_done: Optional[Callable[[int], None]] = None,
-                 on_chunk_idle: Optional[Callable[[int], None]] = None):
+                 on_chunk_idle: Optional[Callable[[int], None]] = None, seed: int = 0):
         self.store = store
+        self.seed = seed  # bf16 moments: [Note: stochastic rounding] (ops/rounding.py)
         self.hyper = hyper
         self.adamw = adamw
         self.payloads = payloads
@@ -138,7 +140,7 @@ class ChunkGroup:
         self.chunks: list[GroupChunk] = []
         self.pipeline = StepPipeline(store, payloads=payloads, prefetch_depth=prefetch_depth,
                                      threads=threads, on_update_done=on_update_done,
-                                     on_chunk_idle=on_chunk_idle)
+                                     on_chunk_idle=on_chunk_idle, seed=seed)
         self._device_sumsq: Optional[torch.Tensor] = None  # [Note: GPU share]: this window's stats
         self._held_grads: set = set()  # cids whose device grads wait for their update
         self.wait_s = 0.0
@@ -312,15 +314,21 @@ class ChunkGroup:
         names = [p.master, p.exp_avg, p.exp_avg_sq] + ([p.lowp] if p.lowp else [])
         bufs = [store.get(cid, n, Tier.GPU, write=True) for n in names]
         master, m, v = bufs[:3]
+        rounded = m.dtype is not torch.float32  # bf16 moments: widened, rounded back stochastically
         for seg in job.segments:
             a, sl = seg.args, slice(seg.start, seg.stop)
             fused = torch._fused_adamw_ if a.adamw else torch._fused_adam_
             step = torch.tensor(float(seg.step), dtype=torch.float32, device=master.device)
             scale = (None if a.grad_scale == 1.0
                      else torch.tensor(a.grad_scale, dtype=torch.float32, device=master.device))
-            fused([master[sl]], [src[sl].float()], [m[sl]], [v[sl]], [], [step], lr=a.lr,
+            m32, v32 = (m[sl].float(), v[sl].float()) if rounded else (m[sl], v[sl])
+            fused([master[sl]], [src[sl].float()], [m32], [v32], [], [step], lr=a.lr,
                   beta1=a.betas[0], beta2=a.betas[1], weight_decay=a.weight_decay, eps=a.eps,
                   amsgrad=False, maximize=False, grad_scale=scale, found_inf=None)
+            if rounded:
+                seed = update_seed(self.seed, chunk.cid, seg.step, seg.start)
+                m[sl].copy_(stochastic_round_bf16(m32, seed, 0))
+                v[sl].copy_(stochastic_round_bf16(v32, seed, 1))
             if p.lowp:
                 bufs[3][sl].copy_(master[sl])
         for n in names:

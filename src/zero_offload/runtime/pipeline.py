@@ -83,6 +83,7 @@ import torch
 
 from .store import BudgetError, ChunkStore, Handle, StoreError, Tier
 from .trace import Trace
+from ..ops.rounding import update_seed
 
 __all__ = ["Accumulate", "AdamArgs", "GradJob", "PipelineError", "PipelinePayloads",
            "PipelineStats", "Segment", "StepPipeline", "UpdateJob"]
@@ -237,12 +238,14 @@ class StepPipeline:
             id once a job that updated the chunk has finished and no other job of that chunk is
             queued (``busy(cid)`` is False then): the chunk's params are final for now, so a
             consumer may start fetching them. See [Note: fetch on completion] in engine.py.
+        seed: base of the stochastic-rounding seeds of bf16 moments ([Note: stochastic
+            rounding] in ops/rounding.py); unused with fp32 moments.
     """
 
     def __init__(self, store: ChunkStore, *, payloads: PipelinePayloads = PipelinePayloads(),
                  prefetch_depth: int = 2, threads: Optional[int] = None,
                  on_update_done: Optional[Callable[[int], None]] = None,
-                 on_chunk_idle: Optional[Callable[[int], None]] = None):
+                 on_chunk_idle: Optional[Callable[[int], None]] = None, seed: int = 0):
         from ..ops import cpu_adam  # the native kernel; imported here so importing this module stays cheap
 
         self._adam = cpu_adam
@@ -252,6 +255,7 @@ class StepPipeline:
         self.threads = threads
         self.on_update_done = on_update_done
         self.on_chunk_idle = on_chunk_idle
+        self.seed = seed
         self.stats = PipelineStats()
         self.trace: Optional[Trace] = None  # set to a Trace to record spans
         self._state_names = (payloads.master, payloads.exp_avg, payloads.exp_avg_sq)
@@ -499,14 +503,16 @@ class StepPipeline:
                 if names.lowp is not None and store.has_payload(cid, names.lowp) else None)
         self.stats.state_wait_s += time.perf_counter() - t0
         run.update, run.lowp = job, lowp is not None
+        rounded = exp_avg.dtype is not torch.float32  # bf16 moments: [Note: stochastic rounding]
         for seg in job.segments:
             a = seg.args or job.args
             sl = slice(seg.start, seg.stop)
+            seed = {"seed": update_seed(self.seed, cid, seg.step, seg.start)} if rounded else {}
             run.tickets.append(self._adam.adam_step_async(
                 master[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], step=seg.step, lr=a.lr,
                 betas=a.betas, eps=a.eps, weight_decay=a.weight_decay, adamw=a.adamw,
                 grad_scale=a.grad_scale, out_lowp=None if lowp is None else lowp[sl],
-                threads=self.threads))
+                threads=self.threads, **seed))
         # Waited for before the buffers are released, whatever happens (ExitStack is LIFO).
         held.callback(_wait_quietly, run.tickets)
 

@@ -9,9 +9,10 @@ params         working (config.dtype)  ``OffloadConfig.params`` (auto: GPU, then
 grads          working                 CPU (written on the GPU in backward, flushed down)
 master         fp32                    ``OffloadConfig.optimizer``; only when dtype is not fp32
                                        (in fp32 training ``params`` is the master copy)
-exp_avg(_sq)   fp32                    ``OffloadConfig.optimizer`` (auto: the GPU share when the
-                                       front end updates on the device, then CPU, then NVMe)
+exp_avg(_sq)   fp32 (bf16 with            ``OffloadConfig.optimizer`` (auto: the GPU share when the
+               ``moments_dtype="bf16"``)  front end updates on the device, then CPU, then NVMe)
 accum          fp32                    CPU (the GPU for the GPU share); only when ``grad_accum > 1``
+                                       and ``grad_sync="every"``
 =============  ======================  ==========================================================
 
 Frozen chunks (no trainable parameter) carry ``params`` only.
@@ -86,8 +87,9 @@ def payload_dtypes(chunk: ChunkLayout, config: OffloadConfig) -> dict:
     out = {"params": work, "grads": work}
     if work is not torch.float32:
         out["master"] = torch.float32
-    out["exp_avg"] = torch.float32
-    out["exp_avg_sq"] = torch.float32
+    moments = torch.bfloat16 if config.moments_dtype == "bf16" else torch.float32
+    out["exp_avg"] = moments
+    out["exp_avg_sq"] = moments
     if config.host_accum:
         out["accum"] = torch.float32
     return out
