@@ -1,5 +1,7 @@
 """bench adam / bench io: the packaged benchmarks (zero_offload.bench), arguments passed through,
-runnable from an installed package with no repository next to it."""
+runnable from an installed package with no repository next to it. The installed-package and
+repository-script tests run processes (the package copy, the scripts are the point); the bad-flag
+test runs the command in-process (_cli_util)."""
 import json
 import os
 import shutil
@@ -8,6 +10,8 @@ import sys
 from pathlib import Path
 
 import zero_offload
+
+from _cli_util import in_process
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,8 +67,9 @@ def test_installed_package_runs_bench_io_outside_the_repo(tmp_path):
     assert "- Command: `zero-offload bench io --dir" in (work / "io.md").read_text()
 
 
-def test_bad_flag_reaches_the_benchmark_parser(tmp_path):
-    r = run("bench", "io", "--size-gib", "0", cwd=tmp_path)
+def test_bad_flag_reaches_the_benchmark_parser(capfd, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    r = in_process(capfd, "bench", "io", "--size-gib", "0")
     assert r.returncode == 2
     assert "zero-offload bench io: error: --size-gib is too small" in r.stderr
 

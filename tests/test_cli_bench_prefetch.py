@@ -1,25 +1,30 @@
 """zero-offload bench prefetch: interleaved steps per depth until they separate or the time
-budget ends -> table, JSON with every step time, PNG, and a decision the JSON reproduces."""
+budget ends -> table, JSON with every step time, PNG, and a decision the JSON reproduces. The
+command runs in-process (_cli_util)."""
 import json
-import os
 import re
-import subprocess
 import sys
 
+import pytest
+
 from zero_offload.bench.prefetch import decision_of_record
+
+from _cli_util import in_process
 
 TINY = ["--preset", "tiny", "--batch-size", "2", "--seq-len", "32", "--warmup", "1"]
 
 
-def bench(tmp_path, *flags, env=None):
-    r = subprocess.run([sys.executable, "-m", "zero_offload", "bench", "prefetch", *TINY, *flags,
-                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stderr
-    (js,) = tmp_path.glob("prefetch_*.json")
-    return r, json.loads(js.read_text()), js
+@pytest.fixture
+def bench(capfd):
+    def _bench(tmp_path, *flags):
+        r = in_process(capfd, "bench", "prefetch", *TINY, *flags, "--out", str(tmp_path))
+        assert r.returncode == 0, r.stderr
+        (js,) = tmp_path.glob("prefetch_*.json")
+        return r, json.loads(js.read_text()), js
+    return _bench
 
 
-def test_bench_prefetch_interleaves_until_the_budget_and_the_json_reproduces_the_decision(tmp_path):
+def test_bench_prefetch_interleaves_until_the_budget_and_the_json_reproduces_the_decision(bench, tmp_path):
     r, record, _ = bench(tmp_path, "--depths", "0,1", "--steps", "4", "--block", "2", "--max-seconds", "3")
     # the configured depth (2) is the baseline and is added to the depths
     assert "added depth 2 to --depths" in r.stdout
@@ -50,14 +55,10 @@ def test_bench_prefetch_interleaves_until_the_budget_and_the_json_reproduces_the
         assert re.search(rf"^\s*{c['depth']}\s+{n[0]}\s.*{c['verdict']}", r.stdout, re.M), r.stdout
 
 
-def test_bench_prefetch_without_matplotlib_still_decides(tmp_path):
-    blocker = tmp_path / "no_matplotlib"
-    blocker.mkdir()
-    (blocker / "matplotlib.py").write_text("raise ImportError(\"No module named 'matplotlib'\")\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocker), os.environ.get("PYTHONPATH", "")])}
+def test_bench_prefetch_without_matplotlib_still_decides(bench, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     out = tmp_path / "out"
-    r, record, js = bench(out, "--depths", "0,2", "--steps", "2", "--block", "1", "--max-seconds", "0.1",
-                          env=env)
+    r, record, js = bench(out, "--depths", "0,2", "--steps", "2", "--block", "1", "--max-seconds", "0.1")
     assert not list(out.glob("*.png"))
     note = [line for line in r.stdout.splitlines() if "no PNG" in line]
     assert len(note) == 1 and "pip install matplotlib" in note[0] and js.name in note[0]
@@ -65,14 +66,13 @@ def test_bench_prefetch_without_matplotlib_still_decides(tmp_path):
     assert decision_of_record(record).message() in r.stdout.splitlines()
 
 
-def test_bench_prefetch_refuses_one_timed_step(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "zero_offload", "bench", "prefetch", *TINY, "--steps", "1",
-                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+def test_bench_prefetch_refuses_one_timed_step(capfd, tmp_path):
+    r = in_process(capfd, "bench", "prefetch", *TINY, "--steps", "1", "--out", str(tmp_path))
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("zero-offload: error: --steps 1: the comparison needs")
 
 
-def test_bench_prefetch_creates_a_missing_nvme_dir_as_train_does(tmp_path):
+def test_bench_prefetch_creates_a_missing_nvme_dir_as_train_does(bench, tmp_path):
     # Seen on the H100: --nvme-dir /tmp/zo_pf (missing) failed with "No such file or directory"
     # while sizing the NVMe budget, before any engine (which creates it) was built.
     swap = tmp_path / "new" / "swap"

@@ -1,47 +1,55 @@
 """zero-offload: every runtime failure is one line on stderr, ``zero-offload: error: ...``, with
-exit 1 (2 for a usage/config error) and no traceback unless --debug is given."""
+exit 1 (2 for a usage/config error) and no traceback unless --debug is given. The command runs
+in-process (_cli_util) but in test_nvme_dir_that_is_a_file and test_version, which run it as a
+process: the exit status and the stderr seen from outside."""
 import errno
 import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
 from zero_offload import cli
 
+from _cli_util import in_process
+
 TRAIN = ["train", "--no-progress", "--steps", "2", "--sample-tokens", "0", "--batch-size", "4", "--seq-len", "32"]
 
-# Runs cli.main in a subprocess with one OS failure injected for paths under a directory: a
-# read-only file system (EROFS on creating a file) or a full disk (ENOSPC on fsync), which a test
-# cannot otherwise produce without mounting file systems.
-FAULTS = textwrap.dedent("""
-    import errno, os, sys
-    from zero_offload import cli
-    fault, root = sys.argv[1], os.path.abspath(sys.argv[2])
+
+def zo(*argv):
+    """The command as a process: ``python -m zero_offload``."""
+    return subprocess.run([sys.executable, "-m", "zero_offload", *argv], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def run(capfd):
+    """The command in-process."""
+    return lambda *argv: in_process(capfd, *argv)
+
+
+def inject(monkeypatch, fault, root):
+    """One OS failure for paths under ``root``: a read-only file system ("erofs": EROFS on creating
+    a file) or a full disk ("enospc": ENOSPC on fsync), which a test cannot otherwise produce
+    without mounting file systems. Undone by monkeypatch at the end of the test."""
+    root = os.path.abspath(root)
     real_open, real_fsync = os.open, os.fsync
-    under = lambda path: os.path.abspath(os.fsdecode(path)).startswith(root)
+    under = lambda path: os.path.abspath(os.fsdecode(path)).startswith(root)  # noqa: E731
+
     def fake_open(path, flags, *a, **k):
         if flags & os.O_CREAT and under(path):
             raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fsdecode(path))
         return real_open(path, flags, *a, **k)
+
     def fake_fsync(fd):
         if under(os.readlink(f"/proc/self/fd/{fd}")):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_fsync(fd)
+
     if fault == "erofs":
-        os.open = fake_open
+        monkeypatch.setattr(os, "open", fake_open)
     else:
-        os.fsync = fake_fsync
-    sys.exit(cli.main(sys.argv[3:]))
-""")
-
-
-def zo(*argv, fault=None, under=None):
-    cmd = [sys.executable, "-m", "zero_offload", *argv] if fault is None else \
-        [sys.executable, "-c", FAULTS, fault, str(under), *argv]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        monkeypatch.setattr(os, "fsync", fake_fsync)
 
 
 def one_line(r, code: int) -> str:
@@ -67,56 +75,58 @@ def test_nvme_dir_that_is_a_file(tmp_path):
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a 0500 directory anyway; "
                     "test_nvme_dir_on_a_read_only_file_system covers the read-only case")
-def test_nvme_dir_without_write_permission(tmp_path):
+def test_nvme_dir_without_write_permission(run, tmp_path):
     d = tmp_path / "ro"
     d.mkdir(mode=0o500)
     try:
-        line = one_line(zo(*TRAIN, "--nvme-dir", str(d), "--out", str(tmp_path / "ck")), 1)
+        line = one_line(run(*TRAIN, "--nvme-dir", str(d), "--out", str(tmp_path / "ck")), 1)
     finally:
         d.chmod(0o700)
     assert f"--nvme-dir {d}" in line and "ermission" in line
 
 
-def test_nvme_dir_on_a_read_only_file_system(tmp_path):
+def test_nvme_dir_on_a_read_only_file_system(run, monkeypatch, tmp_path):
     d = tmp_path / "ro"
     d.mkdir()
-    line = one_line(zo(*TRAIN, "--nvme-dir", str(d), "--out", str(tmp_path / "ck"), fault="erofs", under=d), 1)
+    inject(monkeypatch, "erofs", d)
+    line = one_line(run(*TRAIN, "--nvme-dir", str(d), "--out", str(tmp_path / "ck")), 1)
     assert f"--nvme-dir {d}" in line and "read-only" in line and "writable directory" in line
 
 
-def test_budget_that_cannot_fit_and_debug_traceback(tmp_path):
+def test_budget_that_cannot_fit_and_debug_traceback(run, tmp_path):
     cfg = tmp_path / "tight.json"
     cfg.write_text(json.dumps({"params": "gpu", "gpu_budget": 1000}))
     argv = [*TRAIN, "--config", str(cfg), "--out", str(tmp_path / "ck")]
-    line = one_line(zo(*argv), 1)
+    line = one_line(run(*argv), 1)
     assert "gpu_budget" in line and "Raise gpu_budget" in line
     for debug in (["--debug", *argv], [*argv, "--debug"]):  # before or after the command
-        r = zo(*debug)
+        r = run(*debug)
         assert r.returncode == 1
         assert "Traceback" in r.stderr and "FitError" in r.stderr
         assert r.stderr.strip().splitlines()[-1] == line
 
 
-def test_out_that_is_a_file(tmp_path):
+def test_out_that_is_a_file(run, tmp_path):
     f = tmp_path / "out"
     f.write_text("mine")
-    line = one_line(zo(*TRAIN, "--out", str(f)), 2)
+    line = one_line(run(*TRAIN, "--out", str(f)), 2)
     assert f"--out {f} is a file" in line and f.read_text() == "mine"
 
 
-def test_corrupted_checkpoint(tmp_path):
+def test_corrupted_checkpoint(run, tmp_path):
     ck = tmp_path / "ck"
-    assert zo(*TRAIN, "--out", str(ck)).returncode == 0
+    assert run(*TRAIN, "--out", str(ck)).returncode == 0
     state = json.loads((ck / "train_state.json").read_text())
     meta = ck / state["checkpoint"] / "engine.pt"
     meta.write_bytes(meta.read_bytes()[:100])  # truncated
-    line = one_line(zo(*TRAIN[:2], "--resume", "--steps", "3", "--out", str(ck)), 1)
+    line = one_line(run(*TRAIN[:2], "--resume", "--steps", "3", "--out", str(ck)), 1)
     assert "engine.pt" in line and "truncated" in line  # checkpoint.py verifies and names the file
 
 
-def test_full_disk_during_save(tmp_path):
+def test_full_disk_during_save(run, monkeypatch, tmp_path):
     ck = tmp_path / "ck"
-    line = one_line(zo(*TRAIN, "--out", str(ck), fault="enospc", under=ck), 1)
+    inject(monkeypatch, "enospc", ck)
+    line = one_line(run(*TRAIN, "--out", str(ck)), 1)
     assert "no space left" in line.lower() and "free space" in line
 
 

@@ -1,18 +1,20 @@
-"""zero-offload info: text and --json describe this machine."""
+"""zero-offload info: text and --json describe this machine. The command runs in-process
+(_cli_util)."""
 import json
-import subprocess
-import sys
 
 import psutil
+import pytest
 import torch
 
-
-def run(*argv):
-    return subprocess.run([sys.executable, "-m", "zero_offload", "info", *argv], capture_output=True,
-                          text=True, timeout=120)
+from _cli_util import in_process
 
 
-def test_info_json_parses_and_matches_the_machine(tmp_path):
+@pytest.fixture
+def run(capfd):
+    return lambda *argv: in_process(capfd, "info", *argv)
+
+
+def test_info_json_parses_and_matches_the_machine(run, tmp_path):
     (tmp_path / "swap").mkdir()
     r = run("--json", "--nvme-dir", str(tmp_path / "swap"))
     assert r.returncode == 0, r.stderr
@@ -30,7 +32,7 @@ def test_info_json_parses_and_matches_the_machine(tmp_path):
     assert 1e8 < bw < 1e12  # 0.1 GB/s .. 1 TB/s: a measurement, not a constant
 
 
-def test_info_text(tmp_path):
+def test_info_text(run, tmp_path):
     r = run("--no-measure", "--nvme-dir", str(tmp_path))
     assert r.returncode == 0, r.stderr
     for label in ("GPU:", "host RAM:", "RLIMIT_MEMLOCK", "swap dir:", "O_DIRECT", "CPU-Adam:"):

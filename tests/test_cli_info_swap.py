@@ -1,21 +1,23 @@
 """zero-offload info reports the swap spaces killed runs left (and creates no directory);
-zero-offload clean removes the stale ones and nothing else."""
+zero-offload clean removes the stale ones and nothing else. The command runs in-process
+(_cli_util); the swap spaces are held and left by other processes (test_swap_stale)."""
 import json
 import os
-import subprocess
-import sys
+
+import pytest
 
 from zero_offload.swap_io import OWNER_FILE, SWAP_FILE
 
+from _cli_util import in_process
 from test_swap_stale import killed_space, start_holder
 
 
-def cli(*argv):
-    return subprocess.run([sys.executable, "-m", "zero_offload", *argv], capture_output=True, text=True,
-                          timeout=120)
+@pytest.fixture
+def cli(capfd):
+    return lambda *argv: in_process(capfd, *argv)
 
 
-def test_info_does_not_create_the_directory(tmp_path):
+def test_info_does_not_create_the_directory(cli, tmp_path):
     missing = tmp_path / "not" / "there"
     r = cli("info", "--no-measure", "--nvme-dir", str(missing))
     assert r.returncode == 0, r.stderr
@@ -27,7 +29,7 @@ def test_info_does_not_create_the_directory(tmp_path):
     assert not (tmp_path / "not").exists()
 
 
-def test_info_reports_stale_spaces_and_clean_removes_only_them(tmp_path):
+def test_info_reports_stale_spaces_and_clean_removes_only_them(cli, tmp_path):
     proc, live = start_holder(tmp_path)
     try:
         stale = killed_space(tmp_path)  # after the live one: a new SwapSpace removes stale spaces
@@ -67,7 +69,7 @@ def test_info_reports_stale_spaces_and_clean_removes_only_them(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["user.bin"]
 
 
-def test_clean_refuses_a_missing_or_file_dir(tmp_path):
+def test_clean_refuses_a_missing_or_file_dir(cli, tmp_path):
     r = cli("clean", "--nvme-dir", str(tmp_path / "nope"))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "does not exist" in r.stderr
     (tmp_path / "f").write_bytes(b"x")

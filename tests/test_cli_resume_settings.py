@@ -1,16 +1,19 @@
 """zero-offload train --resume continues with the checkpoint's settings; a --config file sets only
-the fields it names. Precedence: defaults < checkpoint < --config < flags."""
+the fields it names. Precedence: defaults < checkpoint < --config < flags. The command runs
+in-process (_cli_util)."""
 import json
 import re
 import shutil
-import subprocess
-import sys
+
+import pytest
+
+from _cli_util import in_process
 
 
-def run(*argv):
-    return subprocess.run([sys.executable, "-m", "zero_offload", "train", "--no-progress", "--sample-tokens", "0",
-                           "--batch-size", "4", "--seq-len", "32", *argv],
-                          capture_output=True, text=True, timeout=300)
+@pytest.fixture
+def run(capfd):
+    return lambda *argv: in_process(capfd, "train", "--no-progress", "--sample-tokens", "0",
+                                    "--batch-size", "4", "--seq-len", "32", *argv)
 
 
 def final_loss(stdout: str, step: int) -> float:
@@ -23,7 +26,7 @@ def overrides(stdout: str) -> list:
     return [line for line in stdout.splitlines() if line.startswith("--resume:")]
 
 
-def test_resume_keeps_the_checkpoints_dtype_and_continues_exactly(tmp_path):
+def test_resume_keeps_the_checkpoints_dtype_and_continues_exactly(run, tmp_path):
     ck = tmp_path / "ck"
     r = run("--dtype", "bf16", "--prefetch-depth", "1", "--steps", "3", "--out", str(ck))
     assert r.returncode == 0, r.stderr
@@ -42,7 +45,7 @@ def test_resume_keeps_the_checkpoints_dtype_and_continues_exactly(tmp_path):
     assert final_loss(straight.stdout, 5) == resumed
 
 
-def test_resume_override_is_reported_and_takes_effect(tmp_path):
+def test_resume_override_is_reported_and_takes_effect(run, tmp_path):
     ck = tmp_path / "ck"
     assert run("--lr", "0.003", "--steps", "2", "--out", str(ck)).returncode == 0
     other = tmp_path / "other"
@@ -64,7 +67,7 @@ def test_resume_override_is_reported_and_takes_effect(tmp_path):
     assert state["optim"]["lr"] == 0.02 and state["offload"]["prefetch_depth"] == 0
 
 
-def test_resume_refuses_a_different_model_in_one_line(tmp_path):
+def test_resume_refuses_a_different_model_in_one_line(run, tmp_path):
     ck = tmp_path / "ck"
     assert run("--steps", "1", "--out", str(ck)).returncode == 0
     r = run("--resume", "--steps", "2", "--preset", "small", "--out", str(ck))
@@ -73,7 +76,7 @@ def test_resume_refuses_a_different_model_in_one_line(tmp_path):
     assert "--preset small differs from the checkpoint's model tiny" in line and "another --out" in line
 
 
-def test_config_file_sets_only_the_fields_it_names(tmp_path):
+def test_config_file_sets_only_the_fields_it_names(run, tmp_path):
     cfg = tmp_path / "depth.json"
     cfg.write_text(json.dumps({"prefetch_depth": 1}))
     ck = tmp_path / "ck"
@@ -90,7 +93,7 @@ def test_config_file_sets_only_the_fields_it_names(tmp_path):
     assert (state["params"], state["optimizer"], state["prefetch_depth"]) == ("cpu", "nvme", 1)
 
 
-def test_config_file_overrides_the_checkpoint_and_flags_override_the_file(tmp_path):
+def test_config_file_overrides_the_checkpoint_and_flags_override_the_file(run, tmp_path):
     ck = tmp_path / "ck"
     assert run("--steps", "1", "--out", str(ck)).returncode == 0
     cfg = tmp_path / "run.json"

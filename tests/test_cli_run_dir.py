@@ -1,25 +1,29 @@
 """zero-offload train's --out: --overwrite removes only what zero_offload wrote, and only once the
 new run's first checkpoint is whole; --keep checkpoints are kept; --resume falls back past a
-damaged one; orphans of killed saves are cleaned, the user's files never."""
+damaged one; orphans of killed saves are cleaned, the user's files never. The command runs
+in-process (_cli_util), but for the run killed with SIGKILL."""
 import json
 import shutil
 import signal
 import subprocess
 import sys
 
+import pytest
+
 import zero_offload.runtime.checkpoint as ckpt
+from _cli_util import in_process
 
 
-def run(*argv):
-    return subprocess.run([sys.executable, "-m", "zero_offload", "train", "--no-progress",
-                           "--sample-tokens", "0", *argv], capture_output=True, text=True, timeout=300)
+@pytest.fixture
+def run(capfd):
+    return lambda *argv: in_process(capfd, "train", "--no-progress", "--sample-tokens", "0", *argv)
 
 
 def names(d):
     return sorted(p.name for p in d.iterdir())
 
 
-def test_overwrite_keeps_user_files_and_old_checkpoint_until_first_save(tmp_path):
+def test_overwrite_keeps_user_files_and_old_checkpoint_until_first_save(run, tmp_path):
     ck = tmp_path / "ck"
     ck.mkdir()
     (ck / "notes.txt").write_text("mine")
@@ -58,7 +62,7 @@ def test_overwrite_keeps_user_files_and_old_checkpoint_until_first_save(tmp_path
     assert [c["name"] for c in state["checkpoints"]] == ["step_0000001"]
 
 
-def test_out_dot_overwrite_touches_only_ours(tmp_path):
+def test_out_dot_overwrite_touches_only_ours(run, tmp_path):
     (tmp_path / "train.py").write_text("print('my script')")
     r = run("--steps", "1", "--save-every", "0", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
@@ -67,7 +71,7 @@ def test_out_dot_overwrite_touches_only_ours(tmp_path):
     assert names(tmp_path) == ["step_0000002", "train.py", "train_state.json"]
 
 
-def test_keep_fallback_and_orphans(tmp_path):
+def test_keep_fallback_and_orphans(run, tmp_path):
     ck = tmp_path / "ck"
     r = run("--steps", "4", "--save-every", "1", "--keep", "3", "--out", str(ck))
     assert r.returncode == 0, r.stderr

@@ -1,14 +1,17 @@
 """zero-offload train: a short run writes a checkpoint and a sample; --resume continues it and
-lands exactly where an uninterrupted run does; --config and flags combine."""
+lands exactly where an uninterrupted run does; --config and flags combine. The command runs
+in-process (_cli_util); test_cli_interrupt and test_cli_sigterm run it as a process."""
 import json
 import re
-import subprocess
-import sys
+
+import pytest
+
+from _cli_util import in_process
 
 
-def run(*argv):
-    return subprocess.run([sys.executable, "-m", "zero_offload", "train", "--no-progress", *argv],
-                          capture_output=True, text=True, timeout=300)
+@pytest.fixture
+def run(capfd):
+    return lambda *argv: in_process(capfd, "train", "--no-progress", *argv)
 
 
 def final_loss(stdout: str, step: int) -> float:
@@ -17,7 +20,7 @@ def final_loss(stdout: str, step: int) -> float:
     return float(m.group(1))
 
 
-def test_train_resume_matches_uninterrupted_run(tmp_path):
+def test_train_resume_matches_uninterrupted_run(run, tmp_path):
     ck = tmp_path / "ck"
     r = run("--steps", "4", "--save-every", "2", "--sample-tokens", "30", "--out", str(ck))
     assert r.returncode == 0, r.stderr
@@ -48,7 +51,7 @@ def test_train_resume_matches_uninterrupted_run(tmp_path):
     assert changed.returncode == 2 and "differs from the checkpoint's model" in changed.stderr
 
 
-def test_config_file_with_flag_override(tmp_path):
+def test_config_file_with_flag_override(run, tmp_path):
     cfg = tmp_path / "run.json"
     cfg.write_text(json.dumps({"params": "cpu", "optimizer": "cpu", "prefetch_depth": 1,
                                "optim": {"type": "adamw", "lr": 0.002},
