@@ -95,6 +95,19 @@ uint16_t bf16_from_float(float f) {
   return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
+// fp32 -> bf16 by stochastic rounding, h0 = this element's pre-mix hash ([Note: bf16 moments
+// with stochastic rounding] in cpu_adam_kernel.h).
+uint16_t bf16_stochastic(float f, uint32_t h0) {
+  if (std::isnan(f)) return kBf16CanonicalNan;
+  uint32_t x = h0;
+  x ^= x >> 16;
+  x *= kSrMix1;
+  x ^= x >> 15;
+  x *= kSrMix2;
+  x ^= x >> 16;
+  return static_cast<uint16_t>((float_bits(f) + (x & 0xFFFFu)) >> 16);
+}
+
 struct ScalarTrait {
   static constexpr int kLanes = 1;
   using F = float;
@@ -125,6 +138,9 @@ struct ScalarTrait {
     } else {
       static_cast<uint16_t*>(base)[i] = half_from_float(x);
     }
+  }
+  static void store_bf16_stochastic(void* base, int64_t i, F x, uint32_t h0) {
+    static_cast<uint16_t*>(base)[i] = bf16_stochastic(x, h0);
   }
   using Acc = double;
   static Acc acc_zero() { return 0.0; }
@@ -358,9 +374,17 @@ std::function<double()> adam_job(uintptr_t param, uintptr_t grad, int grad_dtype
                                  uintptr_t exp_avg, uintptr_t exp_avg_sq, int64_t numel,
                                  uintptr_t out, int out_dtype, double step, double lr,
                                  double beta1, double beta2, double eps, double weight_decay,
-                                 bool adamw, double grad_scale, int threads) {
+                                 bool adamw, double grad_scale, int threads, int moment_dtype,
+                                 int64_t seed) {
   check_common(numel, threads);
   const Dtype g = grad_dtype_from(grad_dtype);
+  if (moment_dtype != 0 && moment_dtype != 1) {
+    throw std::invalid_argument("moment dtype code must be 0 (fp32) or 1 (bf16), got " +
+                                std::to_string(moment_dtype));
+  }
+  if (seed < 0 || seed > 0xFFFFFFFFll) {
+    throw std::invalid_argument("seed must be in [0, 2**32), got " + std::to_string(seed));
+  }
   if (out_dtype != -1 && out_dtype != 1 && out_dtype != 2) {
     throw std::invalid_argument("out dtype code must be -1 (none), 1 (bf16) or 2 (fp16), got " +
                                 std::to_string(out_dtype));
@@ -374,8 +398,9 @@ std::function<double()> adam_job(uintptr_t param, uintptr_t grad, int grad_dtype
     throw std::invalid_argument("null buffer address with numel > 0");
   }
   const Buffers buffers{reinterpret_cast<float*>(param), reinterpret_cast<const void*>(grad),
-                        reinterpret_cast<float*>(exp_avg), reinterpret_cast<float*>(exp_avg_sq),
-                        reinterpret_cast<void*>(out), g, static_cast<Dtype>(out_dtype)};
+                        reinterpret_cast<void*>(exp_avg), reinterpret_cast<void*>(exp_avg_sq),
+                        reinterpret_cast<void*>(out), g, static_cast<Dtype>(out_dtype),
+                        static_cast<Dtype>(moment_dtype), static_cast<uint32_t>(seed)};
   const Scalars scalars =
       make_scalars(step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale);
   const Kernels* k = &active_kernels();
@@ -391,9 +416,10 @@ std::function<double()> adam_job(uintptr_t param, uintptr_t grad, int grad_dtype
 double adam_step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg,
                  uintptr_t exp_avg_sq, int64_t numel, uintptr_t out, int out_dtype, double step,
                  double lr, double beta1, double beta2, double eps, double weight_decay,
-                 bool adamw, double grad_scale, int threads) {
+                 bool adamw, double grad_scale, int threads, int moment_dtype, int64_t seed) {
   return adam_job(param, grad, grad_dtype, exp_avg, exp_avg_sq, numel, out, out_dtype, step, lr,
-                  beta1, beta2, eps, weight_decay, adamw, grad_scale, threads)();
+                  beta1, beta2, eps, weight_decay, adamw, grad_scale, threads, moment_dtype,
+                  seed)();
 }
 
 // Checks now (errors raise here, before anything is queued), runs later on the KernelQueue
@@ -401,10 +427,12 @@ double adam_step(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_
 uint64_t adam_step_async(uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg,
                          uintptr_t exp_avg_sq, int64_t numel, uintptr_t out, int out_dtype,
                          double step, double lr, double beta1, double beta2, double eps,
-                         double weight_decay, bool adamw, double grad_scale, int threads) {
+                         double weight_decay, bool adamw, double grad_scale, int threads,
+                         int moment_dtype, int64_t seed) {
   return KernelQueue::get().submit(adam_job(param, grad, grad_dtype, exp_avg, exp_avg_sq, numel,
                                             out, out_dtype, step, lr, beta1, beta2, eps,
-                                            weight_decay, adamw, grad_scale, threads));
+                                            weight_decay, adamw, grad_scale, threads,
+                                            moment_dtype, seed));
 }
 
 double grad_sumsq(uintptr_t grad, int dtype, int64_t numel, double grad_scale, int threads) {
@@ -449,21 +477,25 @@ void register_cpu_adam(py::module_& m) {
   using namespace cpu_adam;
   auto sub = m.def_submodule(
       "cpu_adam",
-      "Fused CPU Adam/AdamW over flat fp32 buffers (grads fp32/bf16/fp16), plus grad sum of "
-      "squares and inf/NaN check. Buffers are integer addresses; zero_offload/cpu_adam.py checks "
-      "the tensors. Every call releases the GIL.");
+      "Fused CPU Adam/AdamW over flat fp32 params (moments fp32 or bf16, grads fp32/bf16/fp16), "
+      "plus grad sum of squares and inf/NaN check. Buffers are integer addresses; "
+      "zero_offload/cpu_adam.py checks the tensors. Every call releases the GIL.");
   sub.def("adam_step", &adam_step, py::kw_only(), py::arg("param"), py::arg("grad"),
           py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("numel"),
           py::arg("out"), py::arg("out_dtype"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
           py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"),
-          py::arg("grad_scale"), py::arg("threads"), py::call_guard<py::gil_scoped_release>(),
+          py::arg("grad_scale"), py::arg("threads"), py::arg("moment_dtype") = 0,
+          py::arg("seed") = 0, py::call_guard<py::gil_scoped_release>(),
           "One fused Adam/AdamW step over `numel` elements, in place; optional low-precision "
-          "copy-out of the updated params. Returns the seconds the kernel ran (GIL released).");
+          "copy-out of the updated params; moments fp32 (moment_dtype 0) or bf16 (1, stored by "
+          "stochastic rounding keyed by `seed`). Returns the seconds the kernel ran (GIL "
+          "released).");
   sub.def("adam_step_async", &adam_step_async, py::kw_only(), py::arg("param"), py::arg("grad"),
           py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("numel"),
           py::arg("out"), py::arg("out_dtype"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
           py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"),
-          py::arg("grad_scale"), py::arg("threads"),
+          py::arg("grad_scale"), py::arg("threads"), py::arg("moment_dtype") = 0,
+          py::arg("seed") = 0,
           "adam_step checked now and queued on the native kernel thread; returns a ticket. The "
           "buffers must stay alive until kernel_wait(ticket) returns.");
   sub.def("kernel_wait", [](uint64_t ticket) { return KernelQueue::get().wait(ticket); },

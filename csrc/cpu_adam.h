@@ -12,7 +12,8 @@
 namespace zero_offload::cpu_adam {
 
 // Element types of the buffers that cross from Python (zero_offload/_native.py mirrors these
-// codes). Params and moments are always fp32; grads and the copy-out buffer may be narrower.
+// codes). Params are always fp32; the moments are fp32 or (both) bf16, see [Note: bf16 moments
+// with stochastic rounding] in cpu_adam_kernel.h; grads and the copy-out buffer may be narrower.
 enum class Dtype : int {
   kNone = -1,  // no buffer (copy-out only)
   kFloat32 = 0,
@@ -50,12 +51,25 @@ struct Scalars {
 struct Buffers {
   float* param;
   const void* grad;
-  float* exp_avg;
-  float* exp_avg_sq;
+  void* exp_avg;     // fp32 or bf16 elements, as moment_dtype says (both moments alike)
+  void* exp_avg_sq;
   void* out;  // nullptr when out_dtype == kNone
   Dtype grad_dtype;
   Dtype out_dtype;
+  Dtype moment_dtype;  // kFloat32 or kBFloat16
+  uint32_t seed;       // kBFloat16 moments: the stochastic-rounding seed of this call
 };
+
+// Stochastic rounding of bf16 moments (see [Note: bf16 moments with stochastic rounding] in
+// cpu_adam_kernel.h): the hash of element idx of moment `which` (0 = exp_avg, 1 = exp_avg_sq) is
+// lowbias32(idx * kSrIndexMul + seed * kSrSeedMul + which * kSrWhichMul), all mod 2^32, with
+// lowbias32(x): x ^= x >> 16; x *= kSrMix1; x ^= x >> 15; x *= kSrMix2; x ^= x >> 16.
+constexpr uint32_t kSrIndexMul = 0x9E3779B9u;
+constexpr uint32_t kSrSeedMul = 0x85EBCA6Bu;
+constexpr uint32_t kSrWhichMul = 0xC2B2AE35u;
+constexpr uint32_t kSrMix1 = 0x7FEB352Du;
+constexpr uint32_t kSrMix2 = 0x846CA68Bu;
+constexpr uint16_t kBf16CanonicalNan = 0x7FC0;  // every NaN moment is stored as this
 
 // One ISA's kernels; each works on the element range [begin, end) of its buffers.
 struct Kernels {

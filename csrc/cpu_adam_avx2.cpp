@@ -70,6 +70,27 @@ struct Avx2Trait {
     }
   }
 
+  // Stochastic rounding to bf16 ([Note: bf16 moments with stochastic rounding]): lane k hashes
+  // h0 + k * kSrIndexMul (its element's index), adds the low 16 bits of the hash to the fp32 bits
+  // and keeps the top half; NaN -> kBf16CanonicalNan.
+  static void store_bf16_stochastic(void* base, int64_t i, F x, uint32_t h0) {
+    const __m256i lanes = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                             _mm256_set1_epi32(static_cast<int>(kSrIndexMul)));
+    __m256i h = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(h0)), lanes);
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+    h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(kSrMix1)));
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
+    h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(kSrMix2)));
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+    const __m256i r = _mm256_and_si256(h, _mm256_set1_epi32(0xFFFF));
+    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r), 16);
+    rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(kBf16CanonicalNan),
+                                 _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(base) + i),
+                     _mm256_castsi256_si128(packed));
+  }
+
   // fp64 accumulation: the 8 lanes widen to two vectors of 4 doubles.
   struct Acc {
     __m256d lo, hi;

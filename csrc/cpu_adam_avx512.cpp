@@ -72,6 +72,27 @@ struct Avx512Trait {
     }
   }
 
+  // Stochastic rounding to bf16 ([Note: bf16 moments with stochastic rounding]): lane k hashes
+  // h0 + k * kSrIndexMul (its element's index), adds the low 16 bits of the hash to the fp32 bits
+  // and keeps the top half; NaN -> kBf16CanonicalNan.
+  static void store_bf16_stochastic(void* base, int64_t i, F x, uint32_t h0) {
+    const __m512i lanes = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(static_cast<int>(kSrIndexMul)));
+    __m512i h = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(h0)), lanes);
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+    h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(kSrMix1)));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 15));
+    h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(kSrMix2)));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+    const __m512i r = _mm512_and_si512(h, _mm512_set1_epi32(0xFFFF));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r), 16);
+    rounded = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), rounded,
+                                      _mm512_set1_epi32(kBf16CanonicalNan));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(base) + i),
+                        _mm512_cvtepi32_epi16(rounded));
+  }
+
   // fp64 accumulation: the 16 lanes widen to two vectors of 8 doubles.
   struct Acc {
     __m512d lo, hi;

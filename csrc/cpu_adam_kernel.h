@@ -14,6 +14,9 @@
 //   fmadd(a, b, c) = a * b + c rounded once, any_nan(F) -> bool,
 //   load_as<Dtype>(const void* base, int64_t i) -> F   (fp32 | bf16 | fp16 elements i..i+kLanes)
 //   store_as<Dtype>(void* base, int64_t i, F)          (bf16 | fp16: round to nearest even)
+//   store_bf16_stochastic(void* base, int64_t i, F, uint32_t h0)   (bf16 moments: lane k is
+//     stochastically rounded with the hash of h0 + k * kSrIndexMul; see [Note: bf16 moments
+//     with stochastic rounding])
 //   Acc, acc_zero(), acc_add_squares(Acc, F) (fp64 accumulation), acc_total(Acc) -> double.
 #pragma once
 
@@ -44,8 +47,42 @@ constexpr int64_t element_size(Dtype dtype) { return dtype == Dtype::kFloat32 ? 
 // `param * (1 - lr * wd) + update`, which torch's kernel does not. Each source that includes
 // this header therefore starts with `#pragma GCC optimize("fp-contract=off")` (clang:
 // `#pragma clang fp contract(off)`) before any include, so the only FMAs are the explicit ones.
-template <class V, Dtype G, Dtype O, Decay W>
-inline void adam_block(const Buffers& b, const Scalars& s, int64_t i) {
+// [Note: bf16 moments with stochastic rounding]
+// With moment_dtype == kBFloat16 both moments are stored as bf16 (opt-in; 8 bytes a param
+// less traffic per update). Each element's moments are widened bf16 -> fp32 (exact), the update
+// runs in fp32 with exactly the formula above (so param, the copy-out and the fp32 moment values
+// before they are stored are bit-identical to what the fp32-moment kernel computes from the
+// same widened moments), and the two new moments are stored by stochastic rounding:
+//   u = the fp32 bits of the value; idx = the element's index in the call's buffers (0 ..
+//   numel - 1, whatever the thread split); which = 0 for exp_avg, 1 for exp_avg_sq;
+//   x = lowbias32(idx * kSrIndexMul + seed * kSrSeedMul + which * kSrWhichMul) (cpu_adam.h);
+//   bf16 bits = (u + (x & 0xFFFF)) >> 16, uint32 arithmetic; NaN -> kBf16CanonicalNan.
+// Rounding up happens with probability (u & 0xFFFF) / 2^16, so the stored value is unbiased;
+// +-inf stay +-inf (their low bits are zero), finite values beyond bf16's largest may round to
+// inf (no saturation). The rounding depends only on (value, idx, which, seed): every ISA path
+// and every thread count gives the same bits, and tests/test_cpu_adam_bf16_moments.py
+// reproduces them in torch. The caller should pass a different seed each step (e.g. the step
+// count): with a fixed seed an element that keeps one value would round the same way each time.
+inline uint32_t sr_hash_base(uint32_t seed, int64_t idx, uint32_t which) {
+  return static_cast<uint32_t>(idx) * kSrIndexMul + seed * kSrSeedMul + which * kSrWhichMul;
+}
+
+// Stores a new moment: fp32 as is, bf16 by stochastic rounding (idx: the absolute index of
+// element i of `base`, see the tail staging in adam_range).
+template <class V, Dtype M>
+inline void store_moment(void* base, int64_t i, typename V::F x, uint32_t seed, int64_t idx,
+                         uint32_t which) {
+  if constexpr (M == Dtype::kFloat32) {
+    V::store(static_cast<float*>(base) + i, x);
+  } else {
+    V::store_bf16_stochastic(base, i, x, sr_hash_base(seed, idx, which));
+  }
+}
+
+// One vector of elements [i, i + kLanes) of b's buffers, whose absolute indices (for the
+// stochastic rounding of bf16 moments) are [idx, idx + kLanes).
+template <class V, Dtype G, Dtype O, Decay W, Dtype M>
+inline void adam_block(const Buffers& b, const Scalars& s, int64_t i, int64_t idx) {
   using F = typename V::F;
   F grad = V::template load_as<G>(b.grad, i);
   if (s.unscale) grad = V::div(grad, V::set1(s.grad_scale));  // grad = grad / grad_scale
@@ -57,15 +94,15 @@ inline void adam_block(const Buffers& b, const Scalars& s, int64_t i) {
   }
   // exp_avg.lerp_(grad, 1 - beta1): exp_avg + w * (grad - exp_avg), or, for w >= 0.5,
   // grad + (w - 1) * (grad - exp_avg)
-  F exp_avg = V::load(b.exp_avg + i);
+  F exp_avg = V::template load_as<M>(b.exp_avg, i);
   exp_avg = V::fmadd(V::set1(s.lerp_weight), V::sub(grad, exp_avg),
                      s.lerp_from_grad ? grad : exp_avg);
   // exp_avg_sq = exp_avg_sq * beta2 + (1 - beta2) * grad * grad, as fma((1 - beta2) * grad,
   // grad, exp_avg_sq * beta2)
   F exp_avg_sq = V::fmadd(V::mul(V::set1(s.one_minus_beta2), grad), grad,
-                          V::mul(V::load(b.exp_avg_sq + i), V::set1(s.beta2)));
-  V::store(b.exp_avg + i, exp_avg);
-  V::store(b.exp_avg_sq + i, exp_avg_sq);
+                          V::mul(V::template load_as<M>(b.exp_avg_sq, i), V::set1(s.beta2)));
+  store_moment<V, M>(b.exp_avg, i, exp_avg, b.seed, idx, 0);
+  store_moment<V, M>(b.exp_avg_sq, i, exp_avg_sq, b.seed, idx, 1);
   // denom = sqrt(exp_avg_sq) / sqrt(1 - beta2^step) + eps
   F denom = V::add(V::div(V::sqrt(exp_avg_sq), V::set1(s.bias_correction2_sqrt)), V::set1(s.eps));
   // param = param + (-lr / (1 - beta1^step)) * exp_avg / denom
@@ -76,33 +113,39 @@ inline void adam_block(const Buffers& b, const Scalars& s, int64_t i) {
 
 // A range that is not a whole number of vectors ends with a partial vector: it is staged
 // through zero-padded local buffers and run through the same adam_block, so tail elements get
-// exactly the same arithmetic as the body (no separate scalar loop to drift from it).
-template <class V, Dtype G, Dtype O, Decay W>
+// exactly the same arithmetic as the body (no separate scalar loop to drift from it), and the
+// same stochastic rounding (the staged block is told its absolute index).
+template <class V, Dtype G, Dtype O, Decay W, Dtype M>
 void adam_range(const Buffers& buffers, const Scalars& scalars, int64_t begin, int64_t end) {
   // Local copies: the compiler can then see that the float stores into the buffers never
   // overwrite a scalar or a buffer address, and keeps both in registers for the whole loop.
   const Buffers b = buffers;
   const Scalars s = scalars;
   int64_t i = begin;
-  for (; i + V::kLanes <= end; i += V::kLanes) adam_block<V, G, O, W>(b, s, i);
+  for (; i + V::kLanes <= end; i += V::kLanes) adam_block<V, G, O, W, M>(b, s, i, i);
   if constexpr (V::kLanes > 1) {
     const int64_t rest = end - i;
     if (rest <= 0) return;
     alignas(64) float param[V::kLanes] = {};
-    alignas(64) float exp_avg[V::kLanes] = {};
-    alignas(64) float exp_avg_sq[V::kLanes] = {};
+    alignas(64) unsigned char exp_avg[V::kLanes * 4] = {};
+    alignas(64) unsigned char exp_avg_sq[V::kLanes * 4] = {};
     alignas(64) unsigned char grad[V::kLanes * 4] = {};
     alignas(64) unsigned char out[V::kLanes * 4] = {};
+    constexpr int64_t m_size = element_size(M);
     __builtin_memcpy(param, b.param + i, rest * 4);
-    __builtin_memcpy(exp_avg, b.exp_avg + i, rest * 4);
-    __builtin_memcpy(exp_avg_sq, b.exp_avg_sq + i, rest * 4);
+    __builtin_memcpy(exp_avg, static_cast<const unsigned char*>(b.exp_avg) + i * m_size,
+                     rest * m_size);
+    __builtin_memcpy(exp_avg_sq, static_cast<const unsigned char*>(b.exp_avg_sq) + i * m_size,
+                     rest * m_size);
     __builtin_memcpy(grad, static_cast<const unsigned char*>(b.grad) + i * element_size(G),
                      rest * element_size(G));
-    const Buffers staged{param, grad, exp_avg, exp_avg_sq, out, G, O};
-    adam_block<V, G, O, W>(staged, s, 0);
+    const Buffers staged{param, grad, exp_avg, exp_avg_sq, out, G, O, M, b.seed};
+    adam_block<V, G, O, W, M>(staged, s, 0, i);  // staged lane k is element i + k
     __builtin_memcpy(b.param + i, param, rest * 4);
-    __builtin_memcpy(b.exp_avg + i, exp_avg, rest * 4);
-    __builtin_memcpy(b.exp_avg_sq + i, exp_avg_sq, rest * 4);
+    __builtin_memcpy(static_cast<unsigned char*>(b.exp_avg) + i * m_size, exp_avg,
+                     rest * m_size);
+    __builtin_memcpy(static_cast<unsigned char*>(b.exp_avg_sq) + i * m_size, exp_avg_sq,
+                     rest * m_size);
     if constexpr (O != Dtype::kNone) {
       __builtin_memcpy(static_cast<unsigned char*>(b.out) + i * element_size(O), out,
                        rest * element_size(O));
@@ -110,25 +153,34 @@ void adam_range(const Buffers& buffers, const Scalars& scalars, int64_t begin, i
   }
 }
 
-template <class V, Dtype G, Dtype O>
+template <class V, Dtype G, Dtype O, Dtype M>
 void adam_by_decay(const Buffers& b, const Scalars& s, int64_t begin, int64_t end) {
   switch (s.decay) {
-    case Decay::kNone: return adam_range<V, G, O, Decay::kNone>(b, s, begin, end);
-    case Decay::kL2: return adam_range<V, G, O, Decay::kL2>(b, s, begin, end);
-    case Decay::kDecoupled: return adam_range<V, G, O, Decay::kDecoupled>(b, s, begin, end);
+    case Decay::kNone: return adam_range<V, G, O, Decay::kNone, M>(b, s, begin, end);
+    case Decay::kL2: return adam_range<V, G, O, Decay::kL2, M>(b, s, begin, end);
+    case Decay::kDecoupled: return adam_range<V, G, O, Decay::kDecoupled, M>(b, s, begin, end);
+  }
+}
+
+template <class V, Dtype G, Dtype O>
+void adam_by_moment(const Buffers& b, const Scalars& s, int64_t begin, int64_t end) {
+  switch (b.moment_dtype) {
+    case Dtype::kBFloat16: return adam_by_decay<V, G, O, Dtype::kBFloat16>(b, s, begin, end);
+    default: return adam_by_decay<V, G, O, Dtype::kFloat32>(b, s, begin, end);  // checked by caller
   }
 }
 
 template <class V, Dtype G>
 void adam_by_out(const Buffers& b, const Scalars& s, int64_t begin, int64_t end) {
   switch (b.out_dtype) {
-    case Dtype::kBFloat16: return adam_by_decay<V, G, Dtype::kBFloat16>(b, s, begin, end);
-    case Dtype::kFloat16: return adam_by_decay<V, G, Dtype::kFloat16>(b, s, begin, end);
-    default: return adam_by_decay<V, G, Dtype::kNone>(b, s, begin, end);  // checked by caller
+    case Dtype::kBFloat16: return adam_by_moment<V, G, Dtype::kBFloat16>(b, s, begin, end);
+    case Dtype::kFloat16: return adam_by_moment<V, G, Dtype::kFloat16>(b, s, begin, end);
+    default: return adam_by_moment<V, G, Dtype::kNone>(b, s, begin, end);  // checked by caller
   }
 }
 
-// Kernels::adam for trait V: picks the instantiation for this call's dtypes and decay mode.
+// Kernels::adam for trait V: picks the instantiation for this call's dtypes (grad, copy-out,
+// moments) and decay mode.
 template <class V>
 void adam_kernel(const Buffers& b, const Scalars& s, int64_t begin, int64_t end) {
   switch (b.grad_dtype) {

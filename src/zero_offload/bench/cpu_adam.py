@@ -9,18 +9,26 @@ Cases, at each size (default 10M and 100M params), all on the same thread count:
   (b) the offload update, bf16 grads in and bf16 params out:
         ours:   adam_step(param, grad_bf16, ..., out_lowp=param_bf16)   (one pass)
         torch:  p.grad = grad_bf16.float(); Adam(fused=True).step(); param.to(torch.bfloat16)
+  --moments bf16 adds to (b), in the same interleaved loop:
+        ours, bf16 moments: adam_step(param, grad_bf16, m_bf16, v_bf16, ..., out_lowp=param_bf16,
+                            seed=step)   (moments stored by stochastic rounding)
+      and reports its throughput over the fp32-moment kernel's ("vs fp32 moments").
 Reference -> check -> timing: before timing, the script checks that our result equals torch's
-fused result bit for bit (all but the last numel % 16 elements, where torch runs a scalar loop).
+fused result bit for bit (all but the last numel % 16 elements, where torch runs a scalar loop);
+with --moments bf16, also that the bf16-moment kernel gives the fp32-moment kernel's params on
+the same (widened) moments and stores each moment as one of its two bf16 neighbours.
 
 Reported per implementation: median seconds per step over --repeats (the implementations are
 interleaved within each repeat, so machine noise hits them alike), Mparams/s, GB/s counting the
 minimum traffic of the update (28 bytes/param for both cases: fp32 param, exp_avg, exp_avg_sq
-read+written = 24, plus the grad read and, in (b), the bf16 copy written), the ratio to torch,
+read+written = 24, plus the grad read and, in (b), the bf16 copy written; 20 bytes/param with
+bf16 moments), the ratio to torch,
 and the percentage of an in-place read-modify-write bandwidth (x.mul_(c) over --rmw-gib GiB,
 2 x bytes per pass) timed in the same interleaved loop.
 
     zero-offload bench adam --threads 2 --sizes 10M,100M --repeats 5 \
         --json-out /tmp/cpu_adam.json --md-out cpu_adam_<hw>_<date>.md
+    zero-offload bench adam --threads 2 --cases b --moments bf16 --repeats 9
 
 (``python benchmarks/bench_cpu_adam.py ARGS`` in a source checkout runs the same ``main``.)
 """
@@ -42,7 +50,10 @@ import torch
 from ..ops.cpu_adam import CPUAdam, adam_step, default_threads, isa, set_isa
 
 BYTES_PER_PARAM = 28  # see the module docstring
+BYTES_PER_PARAM_BF16_MOMENTS = 20  # fp32 param r+w 8, bf16 exp_avg, exp_avg_sq r+w 8, bf16 grad, bf16 copy
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+OURS_B = "zero_offload adam_step"
+OURS_B_BF16 = "zero_offload adam_step, bf16 moments"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +76,8 @@ class Result:
     """BYTES_PER_PARAM * numel / median_s / 1e9."""
     ratio_to_torch: Optional[float] = None
     """Our Mparams/s over torch fused's (case a) or torch composite's (case b)."""
+    ratio_to_fp32_moments: Optional[float] = None
+    """bf16-moment row (--moments bf16): its Mparams/s over the fp32-moment kernel's (case b)."""
     pct_of_rmw: float = 0.0
     """gb_per_s as a percentage of the RMW bandwidth measured in this run."""
 
@@ -118,6 +131,29 @@ def check_parity() -> None:
         raise SystemExit("parity check failed: CPU-Adam differs from torch fused AdamW; not timing a wrong kernel")
 
 
+def check_bf16_moments() -> None:
+    """Reference -> check for --moments bf16: on the same moment values (bf16, widened to fp32 for
+    the fp32 kernel) the bf16-moment kernel gives the fp32 kernel's params and copy-out bit for
+    bit, and stores each new moment as the fp32 kernel's value truncated to bf16 or one ulp
+    further from zero (the two stochastic-rounding outcomes)."""
+    n = 100_003
+    gen = torch.Generator().manual_seed(2)
+    init, grad = torch.randn(n, generator=gen), torch.randn(n, generator=gen).to(torch.bfloat16)
+    m0 = torch.randn(n, generator=gen).mul_(1e-2).to(torch.bfloat16)
+    v0 = torch.rand(n, generator=gen).mul_(1e-4).to(torch.bfloat16)
+    p32, m32, v32, out32 = init.clone(), m0.float(), v0.float(), torch.empty(n, dtype=torch.bfloat16)
+    adam_step(p32, grad, m32, v32, step=3, adamw=True, out_lowp=out32, **HYPER)
+    p16, m16, v16, out16 = init.clone(), m0.clone(), v0.clone(), torch.empty(n, dtype=torch.bfloat16)
+    adam_step(p16, grad, m16, v16, step=3, adamw=True, out_lowp=out16, seed=3, **HYPER)
+    ok = torch.equal(p16, p32) and torch.equal(out16, out32)
+    for wide, low in ((m32, m16), (v32, v16)):
+        trunc = wide.view(torch.int32).to(torch.int64) >> 16
+        got = low.view(torch.int16).to(torch.int64)
+        ok = ok and bool(((got == trunc) | (got == trunc + 1)).all())
+    if not ok:
+        raise SystemExit("bf16-moment check failed: the bf16-moment kernel differs from the fp32 one; not timing it")
+
+
 def deepspeed_adam():
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401
@@ -127,7 +163,7 @@ def deepspeed_adam():
 
 
 def bench_size(numel: int, *, repeats: int, threads: int, cases: str, with_foreach: bool,
-               ds_cls, rmw: torch.Tensor, gap_s: float) -> list[Result]:
+               ds_cls, rmw: torch.Tensor, gap_s: float, moments: str = "fp32") -> list[Result]:
     gen = torch.Generator().manual_seed(1)
     grad32 = torch.randn(numel, generator=gen).mul_(1e-2)
     grad16 = grad32.to(torch.bfloat16)
@@ -179,7 +215,20 @@ def bench_size(numel: int, *, repeats: int, threads: int, cases: str, with_forea
             comp.step()
             p_comp.detach().to(torch.bfloat16)
 
-        impls[("b", "zero_offload adam_step")] = ours_b
+        impls[("b", OURS_B)] = ours_b
+        if moments == "bf16":
+            flat16 = flat.clone()
+            m16, v16 = torch.zeros(numel, dtype=torch.bfloat16), torch.zeros(numel, dtype=torch.bfloat16)
+            out16 = torch.empty(numel, dtype=torch.bfloat16)
+            counter16 = {"step": 0}
+
+            def ours_b_bf16():
+                counter16["step"] += 1
+                adam_step(flat16, grad16, m16, v16, step=counter16["step"], adamw=True, out_lowp=out16,
+                          threads=threads, seed=counter16["step"], **HYPER)
+
+            impls[("b", OURS_B_BF16)] = ours_b_bf16
+            keep += [flat16, m16, v16, out16]
         impls[("b", "torch composite")] = torch_b
         keep += [flat, m, v, out, comp]
 
@@ -200,22 +249,28 @@ def bench_size(numel: int, *, repeats: int, threads: int, cases: str, with_forea
             results.append(Result(case=case, impl=impl, numel=numel, seconds=seconds, median_s=med,
                                   gb_per_s=2 * rmw.numel() * 4 / med / 1e9))
             continue
+        nbytes = BYTES_PER_PARAM_BF16_MOMENTS if impl == OURS_B_BF16 else BYTES_PER_PARAM
         results.append(Result(case=case, impl=impl, numel=numel, seconds=seconds, median_s=med,
-                              mparams_per_s=numel / med / 1e6, gb_per_s=BYTES_PER_PARAM * numel / med / 1e9))
-    del keep
+                              mparams_per_s=numel / med / 1e6, gb_per_s=nbytes * numel / med / 1e9))
+    keep.clear()  # (not `del keep`: param() closes over it)
     return results
 
 
 def finish(results: list[Result]) -> list[Result]:
-    """Adds the ratio to torch and the % of the RMW bandwidth measured in the same loop."""
+    """Adds the ratio to torch (and, for the bf16-moment row, to the fp32-moment kernel) and the %
+    of the RMW bandwidth measured in the same loop."""
     reference = {("a", r.numel): r for r in results if r.impl == "torch Adam fused"}
     reference.update({("b", r.numel): r for r in results if r.impl == "torch composite"})
+    fp32_moments = {r.numel: r for r in results if r.case == "b" and r.impl == OURS_B}
     rmw = {r.numel: r.gb_per_s for r in results if r.case == "rmw"}
     done = []
     for r in results:
         ref = reference.get((r.case, r.numel))
         ratio = None if ref is None else r.mparams_per_s / ref.mparams_per_s
-        done.append(Result(**{**asdict(r), "ratio_to_torch": ratio, "pct_of_rmw": 100 * r.gb_per_s / rmw[r.numel]}))
+        base = fp32_moments.get(r.numel) if r.impl == OURS_B_BF16 else None
+        vs_fp32 = None if base is None else r.mparams_per_s / base.mparams_per_s
+        done.append(Result(**{**asdict(r), "ratio_to_torch": ratio, "ratio_to_fp32_moments": vs_fp32,
+                              "pct_of_rmw": 100 * r.gb_per_s / rmw[r.numel]}))
     return done
 
 
@@ -229,7 +284,7 @@ def markdown(results: list[Result], meta: dict) -> str:
         f"RMW reference: x.mul_(c) over {meta['rmw_gib']} GiB of fp32 (read+write counted), timed in the same "
         "interleaved loop as the optimizers (its row in each size's block; % of RMW is relative to it).  ",
         f"Medians of {meta['repeats']} interleaved steps, each after {meta['gap_ms']:g} ms idle; "
-        f"GB/s counts {BYTES_PER_PARAM} B/param. "
+        f"GB/s counts {BYTES_PER_PARAM} B/param ({BYTES_PER_PARAM_BF16_MOMENTS} with bf16 moments). "
         "Parity check (bit-equal to torch fused AdamW) passed before timing.",
         "",
         "| case | params | implementation | median ms | Mparams/s | GB/s | vs torch | % of RMW |",
@@ -245,6 +300,12 @@ def markdown(results: list[Result], meta: dict) -> str:
                      f"{r.mparams_per_s:.0f} | {r.gb_per_s:.1f} | {ratio} | {r.pct_of_rmw:.0f}% |")
     lines += ["", "(a) fp32 grads, no copy-out; torch = Adam(fused=True). (b) bf16 grads in, bf16 params out; "
               "torch = grad.float() + fused step + param.to(bfloat16).", ""]
+    bf16_rows = [r for r in results if r.ratio_to_fp32_moments is not None]
+    if bf16_rows:
+        lines.append("bf16 moments (stochastic rounding) vs fp32 moments, same kernel and case (b): " + ", ".join(
+            f"{r.ratio_to_fp32_moments:.2f}x at {r.numel / 1e6:g}M ({r.median_s * 1e3:.1f} ms vs "
+            f"{r.median_s * r.ratio_to_fp32_moments * 1e3:.1f} ms)" for r in bf16_rows) + ".")
+        lines.append("")
     if meta.get("deepspeed"):
         lines.append(f"DeepSpeedCPUAdam: not run ({meta['deepspeed']}).")
     return "\n".join(lines) + "\n"
@@ -258,6 +319,10 @@ def main(argv=None, *, prog: str = "python -m zero_offload.bench.cpu_adam") -> i
     parser.add_argument("--sizes", default="10M,100M", help="comma-separated param counts, e.g. 10M,100M")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per implementation (median reported)")
     parser.add_argument("--cases", default="ab", help="'a', 'b' or 'ab'")
+    parser.add_argument(
+        "--moments", default="fp32", choices=["fp32", "bf16"],
+        help="bf16: also time case (b) with bf16 moments (stochastic rounding) beside the fp32-moment "
+             "kernel and print the ratio (implies case b)")
     parser.add_argument("--isa", default=None, choices=["scalar", "avx2", "avx512"], help="force our ISA path")
     parser.add_argument("--no-foreach", action="store_true", help="skip torch foreach (slow at 100M on few threads)")
     parser.add_argument("--rmw-gib", type=float, default=1.0, help="buffer size of the RMW bandwidth reference")
@@ -277,6 +342,9 @@ def main(argv=None, *, prog: str = "python -m zero_offload.bench.cpu_adam") -> i
     threads = args.threads or default_threads()
     if threads < 1:
         parser.error("--threads must be >= 1")
+    if not args.cases or set(args.cases) - set("ab"):
+        parser.error(f"--cases must be 'a', 'b' or 'ab', got {args.cases!r}")
+    cases = args.cases if args.moments == "fp32" or "b" in args.cases else args.cases + "b"
     if args.isa:
         set_isa(args.isa)
     torch.set_num_threads(threads)
@@ -285,18 +353,22 @@ def main(argv=None, *, prog: str = "python -m zero_offload.bench.cpu_adam") -> i
 
     check_parity()
     print("parity check: ok", flush=True)
+    if args.moments == "bf16":
+        check_bf16_moments()
+        print("bf16-moment check: ok", flush=True)
     rmw = rmw_buffer(args.rmw_gib)
     results = []
     for numel in sizes:
-        results += bench_size(numel, repeats=args.repeats, threads=threads, cases=args.cases,
+        results += bench_size(numel, repeats=args.repeats, threads=threads, cases=cases,
                               with_foreach=not args.no_foreach, ds_cls=ds_cls, rmw=rmw,
-                              gap_s=args.gap_ms / 1e3)
+                              gap_s=args.gap_ms / 1e3, moments=args.moments)
         print(f"done {numel / 1e6:g}M", flush=True)
     results = finish(results)
     meta = {
         "cpu": cpu_model(), "cpus_online": os.cpu_count(), "threads": threads,
         "torch": torch.__version__, "torch_capability": torch.backends.cpu.get_cpu_capability(),
         "isa": isa(), "rmw_gib": args.rmw_gib, "repeats": args.repeats, "gap_ms": args.gap_ms,
+        "moments": args.moments,
         "date": datetime.date.today().isoformat(), "python": sys.version.split()[0],
         "command": " ".join([prog] + (argv if argv is not None else sys.argv[1:])),
         "deepspeed": ds_reason,

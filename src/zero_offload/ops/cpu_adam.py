@@ -2,7 +2,8 @@
 
 One pass per element over fp32 params and moments, grads in fp32/bf16/fp16, the loss-scale
 unscale fused in, and (for the offload engine) an optional bf16/fp16 copy of the updated params
-written in the same pass. The arithmetic is torch's fused CPU Adam's, operation for operation
+written in the same pass. The flat-buffer calls also take bf16 moments (opt-in, stored by
+stochastic rounding: see ``adam_step``). The arithmetic is torch's fused CPU Adam's, operation for operation
 (see [Note: formula order] in csrc/cpu_adam_kernel.h), so results match
 ``torch.optim.Adam(fused=True)`` / ``torch.optim.AdamW(fused=True)`` bit for bit on fp32 grads
 and on ``grad.float()`` of bf16/fp16 grads.
@@ -47,7 +48,9 @@ __all__ = [
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOWP_DTYPES = (torch.bfloat16, torch.float16)
+_MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 _MAX_THREADS = 4096
+_SEED_LIMIT = 2**32
 
 # Bumps a tensor's autograd version counter after the kernel wrote it through its address, as
 # an in-place torch op would (so autograd still catches a param modified after it was saved).
@@ -152,6 +155,15 @@ def _check_step(step: Any) -> float:
     if not (math.isfinite(value) and value >= 1 and value == int(value)):
         raise ValueError(f"step must be a whole number >= 1 (the first update is step 1), got {step}")
     return value
+
+
+def _check_seed(seed: Any) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, Integral):
+        raise TypeError(f"seed must be an int in [0, 2**32) (the stochastic-rounding seed of bf16 moments), "
+                        f"got {type(seed).__name__} {seed!r}")
+    if not 0 <= seed < _SEED_LIMIT:
+        raise ValueError(f"seed must be in [0, 2**32) (the stochastic-rounding seed of bf16 moments), got {seed}")
+    return int(seed)
 
 
 def _check_grad_scale(grad_scale: Any) -> float:
@@ -275,8 +287,12 @@ def _check_operands(param, grad, exp_avg, exp_avg_sq, out_lowp, *, prefix: str =
     _check_buffer(f"{prefix}param", param, dtypes=(torch.float32,))
     n = param.numel()
     _check_buffer(f"{prefix}grad", grad, dtypes=_GRAD_DTYPES, numel=n)
-    _check_buffer(f"{prefix}exp_avg", exp_avg, dtypes=(torch.float32,), numel=n)
-    _check_buffer(f"{prefix}exp_avg_sq", exp_avg_sq, dtypes=(torch.float32,), numel=n)
+    _check_buffer(f"{prefix}exp_avg", exp_avg, dtypes=_MOMENT_DTYPES, numel=n)
+    _check_buffer(f"{prefix}exp_avg_sq", exp_avg_sq, dtypes=_MOMENT_DTYPES, numel=n)
+    if exp_avg.dtype != exp_avg_sq.dtype:
+        raise TypeError(
+            f"{prefix}exp_avg has dtype {exp_avg.dtype} but {prefix}exp_avg_sq has dtype {exp_avg_sq.dtype}; "
+            "the moments must both be torch.float32 or both torch.bfloat16")
     named = [(f"{prefix}param", param), (f"{prefix}grad", grad), (f"{prefix}exp_avg", exp_avg),
              (f"{prefix}exp_avg_sq", exp_avg_sq)]
     if out_lowp is not None:
@@ -286,7 +302,7 @@ def _check_operands(param, grad, exp_avg, exp_avg_sq, out_lowp, *, prefix: str =
 
 
 def _native_args(param, grad, exp_avg, exp_avg_sq, out_lowp, *, step: float, hyper: AdamHyper,
-                 grad_scale: float, threads: Optional[int]) -> dict:
+                 grad_scale: float, threads: Optional[int], seed: int = 0) -> dict:
     """The keyword arguments of the native adam_step / adam_step_async for checked operands."""
     return dict(
         param=param.data_ptr(), grad=grad.data_ptr(), grad_dtype=int(TORCH_DTYPES[grad.dtype]),
@@ -296,6 +312,7 @@ def _native_args(param, grad, exp_avg, exp_avg_sq, out_lowp, *, step: float, hyp
         step=step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, eps=hyper.eps,
         weight_decay=hyper.weight_decay, adamw=hyper.adamw, grad_scale=grad_scale,
         threads=default_threads() if threads is None else threads,
+        moment_dtype=int(TORCH_DTYPES[exp_avg.dtype]), seed=seed,
     )
 
 
@@ -306,24 +323,25 @@ def _bump_versions(written: list) -> None:
 
 
 def _launch(param, grad, exp_avg, exp_avg_sq, out_lowp, *, step: float, hyper: AdamHyper,
-            grad_scale: float, threads: Optional[int]) -> float:
+            grad_scale: float, threads: Optional[int], seed: int = 0) -> float:
     """Runs the kernel on checked operands (see [Note: validate, then mutate]); returns the
     seconds the kernel ran."""
     if param.numel() == 0:
         return 0.0
     seconds = kernels.adam_step(**_native_args(param, grad, exp_avg, exp_avg_sq, out_lowp, step=step,
-                                               hyper=hyper, grad_scale=grad_scale, threads=threads))
+                                               hyper=hyper, grad_scale=grad_scale, threads=threads,
+                                               seed=seed))
     _bump_versions([param] if out_lowp is None else [param, out_lowp])
     return seconds
 
 
 def _checked_flat_call(param, grad, exp_avg, exp_avg_sq, out_lowp, *, step, lr, betas, eps,
-                       weight_decay, adamw, grad_scale, threads) -> dict:
+                       weight_decay, adamw, grad_scale, threads, seed=0) -> dict:
     """Every check of a flat-buffer call (raises before anything changes); returns the checked
     keyword arguments of ``_launch`` / ``_native_args``."""
     hyper = AdamHyper.checked(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw)
     checked = dict(step=_check_step(step), hyper=hyper, grad_scale=_check_grad_scale(grad_scale),
-                   threads=_check_threads(threads))
+                   threads=_check_threads(threads), seed=_check_seed(seed))
     _check_operands(param, grad, exp_avg, exp_avg_sq, out_lowp)
     return checked
 
@@ -347,20 +365,34 @@ def adam_step(
     grad_scale: float = 1.0,
     out_lowp: Optional[torch.Tensor] = None,
     threads: Optional[int] = None,
+    seed: int = 0,
 ) -> float:
     """One fused Adam (``adamw=False``, L2 decay) or AdamW step over flat CPU buffers, in place.
 
-    ``param``, ``exp_avg``, ``exp_avg_sq``: fp32, contiguous, same numel. ``grad``: fp32, bf16
-    or fp16, same numel; the update uses ``grad / grad_scale`` (grad itself is not modified).
-    ``step``: this update's 1-based count (bias correction). ``out_lowp``: optional bf16/fp16
-    buffer that receives the updated params rounded to nearest even. ``threads``: None = one
-    per CPU this process may use. Releases the GIL for the whole call. Raises TypeError /
-    ValueError before touching anything on bad input. Returns the seconds the kernel itself ran
-    (without the checks and without re-taking the GIL): the worker's trace tells the two apart.
+    ``param``: fp32, contiguous. ``exp_avg``, ``exp_avg_sq``: contiguous, same numel, both fp32
+    or both bf16 (mixed: TypeError). ``grad``: fp32, bf16 or fp16, same numel; the update uses
+    ``grad / grad_scale`` (grad itself is not modified). ``step``: this update's 1-based count
+    (bias correction). ``out_lowp``: optional bf16/fp16 buffer that receives the updated params
+    rounded to nearest even. ``threads``: None = one per CPU this process may use.
+
+    bf16 moments (opt-in): each element's moments are widened to fp32, updated with exactly the
+    fp32 formula (param and ``out_lowp`` equal, bit for bit, what fp32 moments holding the same
+    values give), and the new moments are stored as bf16 by stochastic rounding: with ``u`` the
+    fp32 bits, ``idx`` the element's index (0 .. numel - 1) and ``which`` 0 for exp_avg, 1 for
+    exp_avg_sq, ``x = lowbias32(idx * 0x9E3779B9 + seed * 0x85EBCA6B + which * 0xC2B2AE35)``
+    (mod 2**32) and the stored bits are ``(u + (x & 0xFFFF)) >> 16``; NaN is stored as 0x7FC0.
+    The stored value is unbiased, deterministic for a given ``seed`` (any ISA path, any thread
+    count). ``seed``: an int in [0, 2**32), ignored for fp32 moments; pass a different one each
+    step (e.g. ``step``), else an element whose moment stays put rounds the same way every step.
+    See [Note: bf16 moments with stochastic rounding] in csrc/cpu_adam_kernel.h.
+
+    Releases the GIL for the whole call. Raises TypeError / ValueError before touching anything
+    on bad input. Returns the seconds the kernel itself ran (without the checks and without
+    re-taking the GIL): the worker's trace tells the two apart.
     """
     checked = _checked_flat_call(param, grad, exp_avg, exp_avg_sq, out_lowp, step=step, lr=lr,
                                  betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw,
-                                 grad_scale=grad_scale, threads=threads)
+                                 grad_scale=grad_scale, threads=threads, seed=seed)
     return _launch(param, grad, exp_avg, exp_avg_sq, out_lowp, **checked)
 
 
@@ -415,15 +447,16 @@ def adam_step_async(
     grad_scale: float = 1.0,
     out_lowp: Optional[torch.Tensor] = None,
     threads: Optional[int] = None,
+    seed: int = 0,
 ) -> KernelTicket:
     """``adam_step`` queued on the native kernel thread: the arguments are checked now (errors
     raise here, before anything is queued or changed), the kernel runs after the calls queued
     before it, and the caller goes on at once. Calls run one at a time in submission order, each
     on all ``threads``. The buffers must not be read or written until ``wait()`` returns: see
-    [Note: why a native queue] in csrc/kernel_queue.h."""
+    [Note: why a native queue] in csrc/kernel_queue.h. bf16 moments and ``seed``: as ``adam_step``."""
     checked = _checked_flat_call(param, grad, exp_avg, exp_avg_sq, out_lowp, step=step, lr=lr,
                                  betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw,
-                                 grad_scale=grad_scale, threads=threads)
+                                 grad_scale=grad_scale, threads=threads, seed=seed)
     ticket = kernels.adam_step_async(**_native_args(param, grad, exp_avg, exp_avg_sq, out_lowp, **checked))
     written = [param] if out_lowp is None else [param, out_lowp]
     return KernelTicket(ticket, (param, grad, exp_avg, exp_avg_sq, out_lowp), written)
