@@ -95,17 +95,22 @@ uint16_t bf16_from_float(float f) {
   return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
-// fp32 -> bf16 by stochastic rounding, h0 = this element's pre-mix hash ([Note: bf16 moments
-// with stochastic rounding] in cpu_adam_kernel.h).
-uint16_t bf16_stochastic(float f, uint32_t h0) {
-  if (std::isnan(f)) return kBf16CanonicalNan;
+// lowbias32 of h0, this element's pre-mix hash ([Note: bf16 moments with stochastic rounding]
+// in cpu_adam_kernel.h).
+uint32_t sr_lowbias32(uint32_t h0) {
   uint32_t x = h0;
   x ^= x >> 16;
   x *= kSrMix1;
   x ^= x >> 15;
   x *= kSrMix2;
   x ^= x >> 16;
-  return static_cast<uint16_t>((float_bits(f) + (x & 0xFFFFu)) >> 16);
+  return x;
+}
+
+// fp32 -> bf16 by stochastic rounding with the 16 random bits r (< 2^16).
+uint16_t bf16_stochastic(float f, uint32_t r) {
+  if (std::isnan(f)) return kBf16CanonicalNan;
+  return static_cast<uint16_t>((float_bits(f) + r) >> 16);
 }
 
 struct ScalarTrait {
@@ -139,8 +144,11 @@ struct ScalarTrait {
       static_cast<uint16_t*>(base)[i] = half_from_float(x);
     }
   }
-  static void store_bf16_stochastic(void* base, int64_t i, F x, uint32_t h0) {
-    static_cast<uint16_t*>(base)[i] = bf16_stochastic(x, h0);
+  using SrHash = uint32_t;
+  static SrHash sr_hash(uint32_t h0) { return sr_lowbias32(h0); }
+  template <SrHalf H>
+  static void store_bf16_stochastic(void* base, int64_t i, F x, SrHash h) {
+    static_cast<uint16_t*>(base)[i] = bf16_stochastic(x, H == SrHalf::kLow ? (h & 0xFFFFu) : (h >> 16));
   }
   using Acc = double;
   static Acc acc_zero() { return 0.0; }

@@ -61,15 +61,18 @@ struct Buffers {
 };
 
 // Stochastic rounding of bf16 moments (see [Note: bf16 moments with stochastic rounding] in
-// cpu_adam_kernel.h): the hash of element idx of moment `which` (0 = exp_avg, 1 = exp_avg_sq) is
-// lowbias32(idx * kSrIndexMul + seed * kSrSeedMul + which * kSrWhichMul), all mod 2^32, with
-// lowbias32(x): x ^= x >> 16; x *= kSrMix1; x ^= x >> 15; x *= kSrMix2; x ^= x >> 16.
+// cpu_adam_kernel.h): element idx has ONE hash, lowbias32(idx * kSrIndexMul + seed * kSrSeedMul),
+// all mod 2^32, with lowbias32(x): x ^= x >> 16; x *= kSrMix1; x ^= x >> 15; x *= kSrMix2;
+// x ^= x >> 16. Its low 16 bits round exp_avg, its high 16 bits exp_avg_sq (SrHalf).
 constexpr uint32_t kSrIndexMul = 0x9E3779B9u;
 constexpr uint32_t kSrSeedMul = 0x85EBCA6Bu;
-constexpr uint32_t kSrWhichMul = 0xC2B2AE35u;
 constexpr uint32_t kSrMix1 = 0x7FEB352Du;
 constexpr uint32_t kSrMix2 = 0x846CA68Bu;
 constexpr uint16_t kBf16CanonicalNan = 0x7FC0;  // every NaN moment is stored as this
+
+// Which half of an element's hash rounds a moment: kLow (bits 0-15) for exp_avg, kHigh (bits
+// 16-31) for exp_avg_sq.
+enum class SrHalf { kLow, kHigh };
 
 // One ISA's kernels; each works on the element range [begin, end) of its buffers.
 struct Kernels {

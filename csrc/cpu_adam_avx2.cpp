@@ -70,10 +70,12 @@ struct Avx2Trait {
     }
   }
 
-  // Stochastic rounding to bf16 ([Note: bf16 moments with stochastic rounding]): lane k hashes
-  // h0 + k * kSrIndexMul (its element's index), adds the low 16 bits of the hash to the fp32 bits
-  // and keeps the top half; NaN -> kBf16CanonicalNan.
-  static void store_bf16_stochastic(void* base, int64_t i, F x, uint32_t h0) {
+  // Stochastic rounding to bf16 ([Note: bf16 moments with stochastic rounding]): sr_hash gives
+  // lane k the hash of h0 + k * kSrIndexMul (its element's index), computed once per vector and
+  // used by both moments; store_bf16_stochastic adds the hash's low (exp_avg) or high
+  // (exp_avg_sq) 16 bits to the fp32 bits and keeps the top half; NaN -> kBf16CanonicalNan.
+  using SrHash = __m256i;
+  static SrHash sr_hash(uint32_t h0) {
     const __m256i lanes = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
                                              _mm256_set1_epi32(static_cast<int>(kSrIndexMul)));
     __m256i h = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(h0)), lanes);
@@ -82,7 +84,16 @@ struct Avx2Trait {
     h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
     h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(kSrMix2)));
     h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-    const __m256i r = _mm256_and_si256(h, _mm256_set1_epi32(0xFFFF));
+    return h;
+  }
+  template <SrHalf H>
+  static void store_bf16_stochastic(void* base, int64_t i, F x, SrHash h) {
+    __m256i r;
+    if constexpr (H == SrHalf::kLow) {
+      r = _mm256_and_si256(h, _mm256_set1_epi32(0xFFFF));
+    } else {
+      r = _mm256_srli_epi32(h, 16);
+    }
     __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r), 16);
     rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(kBf16CanonicalNan),
                                  _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));

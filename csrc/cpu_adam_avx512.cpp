@@ -72,10 +72,12 @@ struct Avx512Trait {
     }
   }
 
-  // Stochastic rounding to bf16 ([Note: bf16 moments with stochastic rounding]): lane k hashes
-  // h0 + k * kSrIndexMul (its element's index), adds the low 16 bits of the hash to the fp32 bits
-  // and keeps the top half; NaN -> kBf16CanonicalNan.
-  static void store_bf16_stochastic(void* base, int64_t i, F x, uint32_t h0) {
+  // Stochastic rounding to bf16 ([Note: bf16 moments with stochastic rounding]): sr_hash gives
+  // lane k the hash of h0 + k * kSrIndexMul (its element's index), computed once per vector and
+  // used by both moments; store_bf16_stochastic adds the hash's low (exp_avg) or high
+  // (exp_avg_sq) 16 bits to the fp32 bits and keeps the top half; NaN -> kBf16CanonicalNan.
+  using SrHash = __m512i;
+  static SrHash sr_hash(uint32_t h0) {
     const __m512i lanes = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
         _mm512_set1_epi32(static_cast<int>(kSrIndexMul)));
@@ -85,7 +87,16 @@ struct Avx512Trait {
     h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 15));
     h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(kSrMix2)));
     h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-    const __m512i r = _mm512_and_si512(h, _mm512_set1_epi32(0xFFFF));
+    return h;
+  }
+  template <SrHalf H>
+  static void store_bf16_stochastic(void* base, int64_t i, F x, SrHash h) {
+    __m512i r;
+    if constexpr (H == SrHalf::kLow) {
+      r = _mm512_and_si512(h, _mm512_set1_epi32(0xFFFF));
+    } else {
+      r = _mm512_srli_epi32(h, 16);
+    }
     __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r), 16);
     rounded = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), rounded,
                                       _mm512_set1_epi32(kBf16CanonicalNan));

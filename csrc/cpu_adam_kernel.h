@@ -14,9 +14,10 @@
 //   fmadd(a, b, c) = a * b + c rounded once, any_nan(F) -> bool,
 //   load_as<Dtype>(const void* base, int64_t i) -> F   (fp32 | bf16 | fp16 elements i..i+kLanes)
 //   store_as<Dtype>(void* base, int64_t i, F)          (bf16 | fp16: round to nearest even)
-//   store_bf16_stochastic(void* base, int64_t i, F, uint32_t h0)   (bf16 moments: lane k is
-//     stochastically rounded with the hash of h0 + k * kSrIndexMul; see [Note: bf16 moments
-//     with stochastic rounding])
+//   SrHash, sr_hash(uint32_t h0) -> SrHash   (bf16 moments: lane k holds lowbias32(h0 + k *
+//     kSrIndexMul), its element's hash; see [Note: bf16 moments with stochastic rounding])
+//   store_bf16_stochastic<SrHalf>(void* base, int64_t i, F, SrHash)   (lane k stochastically
+//     rounded to bf16 with the low or high 16 bits of lane k's hash)
 //   Acc, acc_zero(), acc_add_squares(Acc, F) (fp64 accumulation), acc_total(Acc) -> double.
 #pragma once
 
@@ -54,28 +55,37 @@ constexpr int64_t element_size(Dtype dtype) { return dtype == Dtype::kFloat32 ? 
 // before they are stored are bit-identical to what the fp32-moment kernel computes from the
 // same widened moments), and the two new moments are stored by stochastic rounding:
 //   u = the fp32 bits of the value; idx = the element's index in the call's buffers (0 ..
-//   numel - 1, whatever the thread split); which = 0 for exp_avg, 1 for exp_avg_sq;
-//   x = lowbias32(idx * kSrIndexMul + seed * kSrSeedMul + which * kSrWhichMul) (cpu_adam.h);
-//   bf16 bits = (u + (x & 0xFFFF)) >> 16, uint32 arithmetic; NaN -> kBf16CanonicalNan.
-// Rounding up happens with probability (u & 0xFFFF) / 2^16, so the stored value is unbiased;
-// +-inf stay +-inf (their low bits are zero), finite values beyond bf16's largest may round to
-// inf (no saturation). The rounding depends only on (value, idx, which, seed): every ISA path
-// and every thread count gives the same bits, and tests/test_cpu_adam_bf16_moments.py
-// reproduces them in torch. The caller should pass a different seed each step (e.g. the step
-// count): with a fixed seed an element that keeps one value would round the same way each time.
-inline uint32_t sr_hash_base(uint32_t seed, int64_t idx, uint32_t which) {
-  return static_cast<uint32_t>(idx) * kSrIndexMul + seed * kSrSeedMul + which * kSrWhichMul;
+//   numel - 1, whatever the thread split);
+//   x = lowbias32(idx * kSrIndexMul + seed * kSrSeedMul) (cpu_adam.h), ONE hash per element;
+//   r = x & 0xFFFF for exp_avg, x >> 16 for exp_avg_sq (SrHalf);
+//   bf16 bits = (u + r) >> 16, uint32 arithmetic; NaN -> kBf16CanonicalNan.
+// Rounding up happens with probability (u & 0xFFFF) / 2^16, so each stored value is unbiased
+// (each half of the hash is uniform on [0, 2^16)); +-inf stay +-inf (their low bits are zero),
+// finite values beyond bf16's largest may round to inf (no saturation). The two moments of an
+// element share the hash but use disjoint bits of it; it is computed once per vector and
+// reused by both stores (half the hashing of one hash per moment, which matters where the
+// kernel is compute-bound, as on the 2-core dev VM). The rounding depends only on (value, idx,
+// which moment, seed): every ISA path and every thread count gives the same bits, and
+// tests/test_cpu_adam_bf16_moments.py reproduces them in torch. The caller should pass a
+// different seed each step (e.g. the step count): with a fixed seed an element that keeps one
+// value would round the same way each time.
+inline uint32_t sr_hash_base(uint32_t seed, int64_t idx) {
+  return static_cast<uint32_t>(idx) * kSrIndexMul + seed * kSrSeedMul;
 }
 
-// Stores a new moment: fp32 as is, bf16 by stochastic rounding (idx: the absolute index of
-// element i of `base`, see the tail staging in adam_range).
+// Stores the two new moments: fp32 as they are, bf16 by stochastic rounding with one hash per
+// element (idx: the absolute index of element i of b's buffers, see the tail staging in
+// adam_range).
 template <class V, Dtype M>
-inline void store_moment(void* base, int64_t i, typename V::F x, uint32_t seed, int64_t idx,
-                         uint32_t which) {
+inline void store_moments(const Buffers& b, int64_t i, int64_t idx, typename V::F exp_avg,
+                          typename V::F exp_avg_sq) {
   if constexpr (M == Dtype::kFloat32) {
-    V::store(static_cast<float*>(base) + i, x);
+    V::store(static_cast<float*>(b.exp_avg) + i, exp_avg);
+    V::store(static_cast<float*>(b.exp_avg_sq) + i, exp_avg_sq);
   } else {
-    V::store_bf16_stochastic(base, i, x, sr_hash_base(seed, idx, which));
+    const typename V::SrHash h = V::sr_hash(sr_hash_base(b.seed, idx));
+    V::template store_bf16_stochastic<SrHalf::kLow>(b.exp_avg, i, exp_avg, h);
+    V::template store_bf16_stochastic<SrHalf::kHigh>(b.exp_avg_sq, i, exp_avg_sq, h);
   }
 }
 
@@ -101,8 +111,7 @@ inline void adam_block(const Buffers& b, const Scalars& s, int64_t i, int64_t id
   // grad, exp_avg_sq * beta2)
   F exp_avg_sq = V::fmadd(V::mul(V::set1(s.one_minus_beta2), grad), grad,
                           V::mul(V::template load_as<M>(b.exp_avg_sq, i), V::set1(s.beta2)));
-  store_moment<V, M>(b.exp_avg, i, exp_avg, b.seed, idx, 0);
-  store_moment<V, M>(b.exp_avg_sq, i, exp_avg_sq, b.seed, idx, 1);
+  store_moments<V, M>(b, i, idx, exp_avg, exp_avg_sq);
   // denom = sqrt(exp_avg_sq) / sqrt(1 - beta2^step) + eps
   F denom = V::add(V::div(V::sqrt(exp_avg_sq), V::set1(s.bias_correction2_sqrt)), V::set1(s.eps));
   // param = param + (-lr / (1 - beta1^step)) * exp_avg / denom

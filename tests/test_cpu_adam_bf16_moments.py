@@ -33,15 +33,26 @@ def _lowbias32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def sr_bf16_bits(values: torch.Tensor, seed: int, which: int, *, first_index: int = 0) -> torch.Tensor:
-    """The bf16 bits (int64 in [0, 0xFFFF]) stochastic rounding stores for fp32 ``values``, the
-    elements ``first_index ..`` of moment ``which`` (0 = exp_avg, 1 = exp_avg_sq)."""
+def sr_hash(numel: int, seed: int, *, first_index: int = 0) -> torch.Tensor:
+    """The one hash (int64 in [0, 2**32)) of each of the elements ``first_index ..``."""
+    idx = torch.arange(first_index, first_index + numel, dtype=torch.int64) & MASK32
+    return _lowbias32((idx * 0x9E3779B9 + seed * 0x85EBCA6B) & MASK32)
+
+
+def sr_bf16_bits(values: torch.Tensor, rbits: torch.Tensor) -> torch.Tensor:
+    """The bf16 bits (int64 in [0, 0xFFFF]) stochastic rounding stores for fp32 ``values`` with
+    the rounding bits ``rbits`` (int64 in [0, 2**16), one per element)."""
     values = values.reshape(-1)
     u = values.view(torch.int32).to(torch.int64) & MASK32
-    idx = torch.arange(first_index, first_index + values.numel(), dtype=torch.int64) & MASK32
-    x = _lowbias32((idx * 0x9E3779B9 + seed * 0x85EBCA6B + which * 0xC2B2AE35) & MASK32)
-    bits = ((u + (x & 0xFFFF)) & MASK32) >> 16
+    bits = ((u + rbits) & MASK32) >> 16
     return torch.where(torch.isnan(values), torch.full_like(bits, BF16_NAN), bits)
+
+
+def sr_moment_bits(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, seed: int, *, first_index: int = 0):
+    """The reference rule: one hash per element, its low half rounds exp_avg, its high half
+    exp_avg_sq. Returns the two moments' bf16 bits."""
+    x = sr_hash(exp_avg.numel(), seed, first_index=first_index)
+    return sr_bf16_bits(exp_avg, x & 0xFFFF), sr_bf16_bits(exp_avg_sq, x >> 16)
 
 
 def bits16(t: torch.Tensor) -> torch.Tensor:
@@ -57,11 +68,12 @@ def test_reference_is_truncation_or_one_ulp_up():
     """Sanity of the reference itself: the stored value is the fp32 value truncated (toward zero)
     to bf16 or one bf16 ulp further from zero, and exact bf16 values stay exact."""
     v = torch.randn(10_000, generator=torch.Generator().manual_seed(0))
-    bits = sr_bf16_bits(v, 7, 0)
     trunc = (v.view(torch.int32).to(torch.int64) & MASK32) >> 16
-    assert bool(((bits == trunc) | (bits == trunc + 1)).all())
+    for bits in sr_moment_bits(v, v, 7):
+        assert bool(((bits == trunc) | (bits == trunc + 1)).all())
     exact = v.bfloat16().float()
-    assert torch.equal(sr_bf16_bits(exact, 7, 1), bits16(exact.bfloat16()))
+    for bits in sr_moment_bits(exact, exact, 7):
+        assert torch.equal(bits, bits16(exact.bfloat16()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,8 +100,9 @@ def _check_against_reference(param, grad, exp_avg, exp_avg_sq, *, out_dtype, see
     assert torch.equal(param.view(torch.int32), ref_param.view(torch.int32)), f"{what}: param"
     if out is not None:
         assert torch.equal(bits16(out), bits16(ref_out)), f"{what}: out_lowp"
-    for which, (name, got, wide) in enumerate((("exp_avg", exp_avg, ref_m), ("exp_avg_sq", exp_avg_sq, ref_v))):
-        expected = sr_bf16_bits(wide, seed, which)
+    expected_bits = sr_moment_bits(ref_m, ref_v, seed)
+    for (name, got, wide), expected in zip((("exp_avg", exp_avg, ref_m), ("exp_avg_sq", exp_avg_sq, ref_v)),
+                                           expected_bits):
         got_bits = bits16(got)
         if not torch.equal(got_bits, expected):
             bad = (got_bits != expected).nonzero().flatten()
@@ -196,35 +209,104 @@ def _store_through_kernel(values: torch.Tensor, *, seed: int, betas=(0.0, 0.0)):
     return m, v
 
 
-@pytest.mark.parametrize("x", [1.0 + 0.3 * 2**-7, -(1.0 + 0.3 * 2**-7), 3.0e-3 * (1 + 0.71 * 2**-7),
-                               1.0 + 0.01 * 2**-7, 1234.5678])
-def test_stochastic_rounding_is_unbiased(each_isa, x):
-    """Many elements holding the same fp32 value x: every stored value is one of x's two bf16
-    neighbours, and their mean is x within 4 standard errors. Likewise one element over many
-    seeds."""
-    x32 = torch.tensor(x, dtype=torch.float32)
+def _neighbours(x32: torch.Tensor):
+    """x32's bf16 neighbours (truncated toward zero, one ulp further), P(rounding away from zero)
+    and the ulp."""
     lo = x32.view(torch.int32).item() >> 16 << 16  # truncated toward zero (the sign bit stays)
     lo_val = torch.tensor(lo, dtype=torch.int32).view(torch.float32).item()
     hi_val = torch.tensor(lo + 0x10000, dtype=torch.int32).view(torch.float32).item()
     assert lo_val != x32.item() != hi_val
-    p_up = (x32.item() - lo_val) / (hi_val - lo_val)  # P(rounding away from zero)
-    ulp = abs(hi_val - lo_val)
+    return lo_val, hi_val, (x32.item() - lo_val) / (hi_val - lo_val), abs(hi_val - lo_val)
 
+
+def _assert_unbiased(stored: torch.Tensor, x32: torch.Tensor, what: str):
+    """Every stored value is one of x32's two bf16 neighbours; their mean is x32 within 4
+    standard errors."""
+    lo_val, hi_val, p_up, ulp = _neighbours(x32)
+    assert bool(((stored == lo_val) | (stored == hi_val)).all()), what
+    se = ulp * (p_up * (1 - p_up) / stored.numel()) ** 0.5
+    assert abs(stored.mean().item() - x32.item()) < 4 * se, (what, stored.mean().item(), x32.item(), se)
+
+
+@pytest.mark.parametrize("x", [1.0 + 0.3 * 2**-7, -(1.0 + 0.3 * 2**-7), 3.0e-3 * (1 + 0.71 * 2**-7),
+                               1.0 + 0.01 * 2**-7, 1234.5678])
+def test_stochastic_rounding_is_unbiased(each_isa, x):
+    """Many elements holding the same fp32 value: every stored value is one of its two bf16
+    neighbours, and their mean is the value within 4 standard errors. Likewise one element over
+    many seeds. Both moments: exp_avg holds x (rounded with the low half of each element's
+    hash), exp_avg_sq holds fl(x * x) (rounded with the high half)."""
+    x32 = torch.tensor(x, dtype=torch.float32)
+    sq32 = x32 * x32  # beta2 = 0: the new exp_avg_sq is fma(grad, grad, 0) = fl(x * x)
     n = 200_000
-    m, _ = _store_through_kernel(torch.full((n,), x), seed=12345)
-    stored = m.double()
-    assert bool(((stored == lo_val) | (stored == hi_val)).all())
-    se = ulp * (p_up * (1 - p_up) / n) ** 0.5
-    assert abs(stored.mean().item() - x32.item()) < 4 * se, (stored.mean().item(), x32.item(), se)
+    m, v = _store_through_kernel(torch.full((n,), x), seed=12345)
+    _assert_unbiased(m.double(), x32, "exp_avg over elements")
+    _assert_unbiased(v.double(), sq32, "exp_avg_sq over elements")
 
     seeds = 3000
-    over_seeds = torch.empty(seeds, dtype=torch.float64)
+    over_seeds = torch.empty(2, seeds, dtype=torch.float64)
     one = torch.full((1,), x)
     for seed in range(seeds):
-        over_seeds[seed] = _store_through_kernel(one, seed=seed * 2654435761 % 2**32)[0].double()
-    assert bool(((over_seeds == lo_val) | (over_seeds == hi_val)).all())
-    se = ulp * (p_up * (1 - p_up) / seeds) ** 0.5
-    assert abs(over_seeds.mean().item() - x32.item()) < 4 * se
+        m, v = _store_through_kernel(one, seed=seed * 2654435761 % 2**32)
+        over_seeds[0, seed], over_seeds[1, seed] = m.double(), v.double()
+    _assert_unbiased(over_seeds[0], x32, "exp_avg over seeds")
+    _assert_unbiased(over_seeds[1], sq32, "exp_avg_sq over seeds")
+
+
+def _rounding_bits_through_kernel(rounds_up, n: int) -> torch.Tensor:
+    """Each element's 16 rounding bits r, recovered from the kernel alone: an fp32 value whose
+    low 16 bits are L rounds up iff L + r >= 2**16, so a binary search (one kernel call per probe,
+    all elements at once) finds the smallest such L = 2**16 - r. rounds_up(L) -> bool per element."""
+    lo = torch.zeros(n, dtype=torch.int64)
+    hi = torch.full((n,), 1 << 16, dtype=torch.int64)  # 2**16: never rounds up (r = 0)
+    while bool((lo < hi).any()):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        up = rounds_up(mid.clamp(max=0xFFFF))
+        hi = torch.where(active & up, mid, hi)
+        lo = torch.where(active & ~up, mid + 1, lo)
+    return (1 << 16) - lo
+
+
+def test_moments_share_one_hash_low_and_high_halves(each_isa):
+    """The two moments of an element are rounded with the two halves of ONE hash: exp_avg's
+    rounding bits (recovered through the kernel) are the low 16 bits of lowbias32(idx *
+    0x9E3779B9 + seed * 0x85EBCA6B), exp_avg_sq's are its high 16 bits.
+    exp_avg: beta1 = 0, so the new exp_avg is the grad, 1.0 plus L fp32 ulps (bf16 0x3F80 or,
+    rounded up, 0x3F81). exp_avg_sq: beta2 = 0.5 from exp_avg_sq = 1, so the new exp_avg_sq is
+    fl(0.5 + 0.5 * g * g) = 0.5 plus L fp32 ulps for g = fl(sqrt(L * 2**-23)) (bf16 0x3F00 or
+    0x3F01); the fp32-moment kernel confirms that for every L."""
+    n, seed = 263, 0x9E3779B9 ^ 12345  # several vectors and a partial one on every path
+    hyper = dict(step=1, lr=1e-3, eps=1e-8, weight_decay=0.0, adamw=False, threads=1)
+
+    def sq_grads(low: torch.Tensor) -> torch.Tensor:
+        return (low.double() * 2**-23).sqrt().float()
+
+    every = torch.arange(1 << 16, dtype=torch.int64)
+    v32 = torch.ones(every.numel())
+    adam_step(torch.zeros(every.numel()), sq_grads(every), torch.zeros(every.numel()), v32,
+              betas=(0.0, 0.5), **hyper)
+    assert torch.equal(v32.view(torch.int32).to(torch.int64), 0x3F000000 + every)
+
+    def m_rounds_up(low):
+        m, v = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+        grad = (0x3F800000 + low).to(torch.int32).view(torch.float32)
+        adam_step(torch.zeros(n), grad, m, v, betas=(0.0, 0.999), seed=seed, **hyper)
+        assert bool(((bits16(m) == 0x3F80) | (bits16(m) == 0x3F81)).all())
+        return bits16(m) == 0x3F81
+
+    def v_rounds_up(low):
+        m, v = torch.zeros(n, dtype=torch.bfloat16), torch.ones(n, dtype=torch.bfloat16)
+        adam_step(torch.zeros(n), sq_grads(low), m, v, betas=(0.9, 0.5), seed=seed, **hyper)
+        assert bool(((bits16(v) == 0x3F00) | (bits16(v) == 0x3F01)).all())
+        return bits16(v) == 0x3F01
+
+    r_m = _rounding_bits_through_kernel(m_rounds_up, n)
+    r_v = _rounding_bits_through_kernel(v_rounds_up, n)
+    x = sr_hash(n, seed)
+    assert torch.equal(r_m, x & 0xFFFF), "exp_avg is rounded with the low half of the element's hash"
+    assert torch.equal(r_v, x >> 16), "exp_avg_sq is rounded with the high half of the element's hash"
+    assert torch.equal((r_v << 16) | r_m, x)
+    assert int((r_m != r_v).sum()) > n - 5  # the two moments' bits are not one and the same
 
 
 def test_nan_inf_and_exact_values(each_isa):

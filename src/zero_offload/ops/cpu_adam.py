@@ -378,9 +378,10 @@ def adam_step(
     bf16 moments (opt-in): each element's moments are widened to fp32, updated with exactly the
     fp32 formula (param and ``out_lowp`` equal, bit for bit, what fp32 moments holding the same
     values give), and the new moments are stored as bf16 by stochastic rounding: with ``u`` the
-    fp32 bits, ``idx`` the element's index (0 .. numel - 1) and ``which`` 0 for exp_avg, 1 for
-    exp_avg_sq, ``x = lowbias32(idx * 0x9E3779B9 + seed * 0x85EBCA6B + which * 0xC2B2AE35)``
-    (mod 2**32) and the stored bits are ``(u + (x & 0xFFFF)) >> 16``; NaN is stored as 0x7FC0.
+    fp32 bits and ``idx`` the element's index (0 .. numel - 1), one hash per element
+    ``x = lowbias32(idx * 0x9E3779B9 + seed * 0x85EBCA6B)`` (mod 2**32) gives the rounding bits
+    ``r = x & 0xFFFF`` for exp_avg and ``r = x >> 16`` for exp_avg_sq, and the stored bits are
+    ``(u + r) >> 16``; NaN is stored as 0x7FC0.
     The stored value is unbiased, deterministic for a given ``seed`` (any ISA path, any thread
     count). ``seed``: an int in [0, 2**32), ignored for fp32 moments; pass a different one each
     step (e.g. ``step``), else an element whose moment stays put rounds the same way every step.

@@ -6,17 +6,20 @@ optimizer uses it), and the per-update seeds.
 upper one with probability equal to its distance from the lower one, in units of their gap, so
 the stored value is unbiased: E[round(x)] = x. The rule is the fp32 bit pattern ``u`` plus 16
 random bits, truncated: ``(u + r) >> 16``. NaN becomes the canonical bf16 NaN; infinities stay.
-The random bits come from a counter-based hash of (element index in the call, seed, which
-moment), so a result does not depend on how the kernel splits the work between threads, and
-one update computes the same bits every time it runs:
+The random bits come from a counter-based hash of (element index in the call, seed), so a
+result does not depend on how the kernel splits the work between threads, and one update
+computes the same bits every time it runs. Each element has ONE hash, whose two halves round
+its two moments:
 
-    x = idx * 0x9E3779B9 + seed * 0x85EBCA6B + which * 0xC2B2AE35       (mod 2**32)
+    x = idx * 0x9E3779B9 + seed * 0x85EBCA6B                                (mod 2**32)
     x ^= x >> 16; x *= 0x7FEB352D; x ^= x >> 15; x *= 0x846CA68B; x ^= x >> 16   ("lowbias32")
-    r = x & 0xFFFF
+    r = x & 0xFFFF for exp_avg, r = x >> 16 for exp_avg_sq
 
-``which`` is 0 for exp_avg and 1 for exp_avg_sq. ``update_seed`` gives each update call its seed
-from the chunk, the step and the call's offset in the chunk (and a base, e.g. the rank), so
-repeated updates of one element use fresh bits.
+Each half is uniform on [0, 2**16), so each stored moment is unbiased; the two moments of one
+element use disjoint bits of one hash (hashing once per element, not once per moment, halves
+the CPU kernel's hashing work). ``stochastic_round_moments_bf16`` rounds both moments so.
+``update_seed`` gives each update call its seed from the chunk, the step and the call's offset
+in the chunk (and a base, e.g. the rank), so repeated updates of one element use fresh bits.
 """
 from __future__ import annotations
 
@@ -40,20 +43,32 @@ def _mix(x: int) -> int:
     return x ^ (x >> 16)
 
 
-def stochastic_round_bf16(x: torch.Tensor, seed: int, which: int) -> torch.Tensor:
-    """``x`` (fp32, flat) rounded stochastically to bf16 with [Note: stochastic rounding]'s bits
-    for elements ``0 .. x.numel() - 1``; on ``x``'s device."""
-    if x.dtype is not torch.float32:
-        raise TypeError(f"stochastic_round_bf16 takes an fp32 tensor, got {x.dtype}")
-    flat = x.reshape(-1)
-    idx = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64)
-    h = (idx * 0x9E3779B9 + ((int(seed) * 0x85EBCA6B + int(which) * 0xC2B2AE35) & _M32)) & _M32
+def stochastic_round_moments_bf16(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                                  seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``exp_avg`` and ``exp_avg_sq`` (fp32, same numel) rounded stochastically to bf16 with
+    [Note: stochastic rounding]'s bits for elements ``0 .. numel - 1``: one hash per element,
+    its low half for exp_avg, its high half for exp_avg_sq; on the inputs' device, in their
+    shapes. Gives the CPU-Adam kernel's bits for the same fp32 values and seed."""
+    for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if t.dtype is not torch.float32:
+            raise TypeError(f"stochastic_round_moments_bf16 takes fp32 tensors, got {name} {t.dtype}")
+    if exp_avg.numel() != exp_avg_sq.numel():
+        raise ValueError(f"stochastic_round_moments_bf16: exp_avg has {exp_avg.numel()} elements, "
+                         f"exp_avg_sq {exp_avg_sq.numel()}")
+    idx = torch.arange(exp_avg.numel(), device=exp_avg.device, dtype=torch.int64)
+    h = (idx * 0x9E3779B9 + ((int(seed) * 0x85EBCA6B) & _M32)) & _M32
     h = h ^ (h >> 16)
     h = (h * 0x7FEB352D) & _M32
     h = h ^ (h >> 15)
     h = (h * 0x846CA68B) & _M32
     h = h ^ (h >> 16)
+    return _round(exp_avg, h & 0xFFFF), _round(exp_avg_sq, h >> 16)
+
+
+def _round(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` to bf16 with the rounding bits ``r`` (int64 in [0, 2**16), one per element)."""
+    flat = x.reshape(-1)
     u = flat.view(torch.int32).to(torch.int64) & _M32
-    bits = ((u + (h & 0xFFFF)) >> 16) & 0xFFFF
+    bits = ((u + r) >> 16) & 0xFFFF
     bits = torch.where(torch.isnan(flat), torch.full_like(bits, 0x7FC0), bits)
     return ((bits ^ 0x8000) - 0x8000).to(torch.int16).view(torch.bfloat16).reshape(x.shape)

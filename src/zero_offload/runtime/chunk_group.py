@@ -51,7 +51,7 @@ from .pipeline import (Accumulate, AdamArgs, GradJob, PipelineError, PipelinePay
                        StepPipeline, UpdateJob)
 from .store import ChunkStore, Handle, PayloadSpec, Tier
 from .trace import StatsWindow, Trace
-from ..ops.rounding import stochastic_round_bf16, update_seed
+from ..ops.rounding import stochastic_round_moments_bf16, update_seed
 
 __all__ = ["ChunkGroup", "ChunkPhase", "GroupChunk", "GroupSlot", "adam_args", "update_segments"]
 
@@ -327,8 +327,9 @@ class ChunkGroup:
                   amsgrad=False, maximize=False, grad_scale=scale, found_inf=None)
             if rounded:
                 seed = update_seed(self.seed, chunk.cid, seg.step, seg.start)
-                m[sl].copy_(stochastic_round_bf16(m32, seed, 0))
-                v[sl].copy_(stochastic_round_bf16(v32, seed, 1))
+                m_bf16, v_bf16 = stochastic_round_moments_bf16(m32, v32, seed)
+                m[sl].copy_(m_bf16)
+                v[sl].copy_(v_bf16)
             if p.lowp:
                 bufs[3][sl].copy_(master[sl])
         for n in names:
