@@ -170,3 +170,29 @@ def test_unused_params_are_skipped_like_torch():
     steps = {int(s["step"]) for s in opt.state_dict()["state"].values()}
     assert steps == {3, 6}
     opt.close()
+
+
+@pytest.mark.parametrize("state", ["cpu", "nvme"])
+def test_bf16_moments_opt_in_tracks_torch_and_saves_state(state, tmp_path):
+    """moments_dtype="bf16" (inexact): moments stored as bf16 (stochastically rounded), 8 instead
+    of 12 bytes of state per param; training stays close to torch.optim.AdamW; state_dict gives
+    fp32 moments (on bf16 values); a bad value is refused."""
+    model, reference = make_model(), make_model()
+    hp = dict(lr=3e-3, weight_decay=0.1)
+    extra = dict(state="nvme", nvme_dir=str(tmp_path)) if state == "nvme" else {}
+    opt = OffloadAdamW(model.parameters(), **hp, chunk_mb=CHUNK_MB, threads=1, moments_dtype="bf16", **extra)
+    cid = opt._chunks[0].cid
+    assert opt._store.payload_spec(cid, "exp_avg").dtype is torch.bfloat16
+    assert opt._store.payload_spec(cid, "master").dtype is torch.float32
+    data = batches(10)
+    losses = train(model, opt, data)
+    ref_losses = train(reference, torch.optim.AdamW(reference.parameters(), **hp), data)
+    assert losses == pytest.approx(ref_losses, rel=1e-2)
+    assert 0 < max_rel_diff(model, reference) < 2e-2
+    sd = opt.state_dict()
+    for entry in sd["state"].values():
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert entry[k].dtype is torch.float32 and torch.equal(entry[k], entry[k].bfloat16().float())
+    opt.close()
+    with pytest.raises(ValueError, match=r"moments_dtype='fp16' is invalid: use 'fp32'"):
+        OffloadAdamW(make_model().parameters(), moments_dtype="fp16")

@@ -220,6 +220,9 @@ class OffloadAdam(torch.optim.Optimizer):
         process_group: data parallelism (see [Note: data parallel]). "auto" (default): the
             default group when ``torch.distributed`` is initialized with several ranks; None:
             every rank keeps the whole state; or a ProcessGroup.
+        moments_dtype: "fp32" (default, exact: torch's results) or "bf16": the moments stored in
+            bf16 with stochastic rounding, an opt-in INEXACT mode (8 instead of 12 bytes of state
+            per param; as ``OffloadConfig.moments_dtype``). ``state_dict`` gives fp32 moments.
     """
 
     _adamw = False
@@ -228,8 +231,13 @@ class OffloadAdam(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, *, state: str = "cpu",
                  nvme_dir=None, chunk_mb: float = 64.0, threads: int | None = None,
                  overlap: bool = True, overlap_forward: bool = False, grad_accum: int = 1,
-                 prefetch_depth: int = 2, cpu_budget: int | str = "auto", process_group="auto"):
+                 prefetch_depth: int = 2, cpu_budget: int | str = "auto", process_group="auto",
+                 moments_dtype: str = "fp32"):
         name = type(self).__name__
+        if moments_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"{name}: moments_dtype={moments_dtype!r} is invalid: use 'fp32' (exact, "
+                             f"the default) or 'bf16' (stochastically rounded, inexact)")
+        self._moments = torch.bfloat16 if moments_dtype == "bf16" else torch.float32
         h = AdamHyper.checked(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=self._adamw,
                               owner=name)
         home = {"cpu": Tier.CPU, "nvme": Tier.NVME}.get(state.lower() if isinstance(state, str) else state)
@@ -297,7 +305,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._steps = self._steps0 = 0
 
         # the swap space is preallocated: size it for all groups
-        self._nvme_need = _state_bytes(params, self._shard.world)
+        self._nvme_need = _state_bytes(params, self._shard.world, self._moments.itemsize)
         defaults = dict(lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay,
                         amsgrad=False, maximize=False, foreach=None, capturable=False,
                         differentiable=False, fused=None, decoupled_weight_decay=self._adamw)
@@ -398,7 +406,8 @@ class OffloadAdam(torch.optim.Optimizer):
                 offset += local(p).numel()
             lo, hi, k = self._shard.span(offset)  # this rank's elements; see [Note: data parallel]
             payloads = {"grads": PayloadSpec(k, run[0].dtype, Tier.CPU)}
-            payloads.update((n, PayloadSpec(k, torch.float32, self._home)) for n in _STATE)
+            payloads.update((n, PayloadSpec(k, torch.float32 if n == "master" else self._moments, self._home))
+                            for n in _STATE)
             if run[0].dtype in _LOWP:
                 payloads["params"] = PayloadSpec(k, run[0].dtype, Tier.CPU)
             slots = []
@@ -430,7 +439,8 @@ class OffloadAdam(torch.optim.Optimizer):
                                              budgets=budgets, nvme_dir=self._nvme_dir))
         self._group = ChunkGroup(self._store, hyper=self, adamw=self._adamw, payloads=_PAYLOADS,
                                  owner=type(self).__name__, prefetch_depth=self._depth,
-                                 threads=self._threads, on_update_done=_weak(self._write_back))
+                                 threads=self._threads, on_update_done=_weak(self._write_back),
+                                 seed=self._shard.rank)
 
     @torch.no_grad()
     def _init_state(self, chunk: GroupChunk) -> None:
@@ -668,8 +678,8 @@ class OffloadAdam(torch.optim.Optimizer):
                 for s in stepped:
                     sl, shape = slice(s.offset, s.stop), local(s.param).shape
                     entry = {"step": torch.tensor(float(s.step)),
-                             "exp_avg": exp_avg[sl].clone().view(shape),
-                             "exp_avg_sq": exp_avg_sq[sl].clone().view(shape)}
+                             "exp_avg": exp_avg[sl].to(torch.float32, copy=True).view(shape),
+                             "exp_avg_sq": exp_avg_sq[sl].to(torch.float32, copy=True).view(shape)}
                     if s.param.dtype in _LOWP:
                         entry["master"] = master[sl].clone().view(shape)
                     state[s.index] = entry
@@ -700,7 +710,7 @@ class OffloadAdam(torch.optim.Optimizer):
         for chunk in self._chunks:
             members, k = self._members[chunk.cid]
             with self._group.hold(chunk, _STATE) as bufs:
-                mine = torch.stack(bufs).to(dev)
+                mine = torch.stack([b.float() for b in bufs]).to(dev)
             full = torch.empty(world * 3, k, device=dev)
             with self._collective(what):
                 all_gather(full, mine, pg)
@@ -874,11 +884,13 @@ class OffloadAdamW(OffloadAdam):
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, state: str = "cpu",
                  nvme_dir=None, chunk_mb: float = 64.0, threads: int | None = None,
                  overlap: bool = True, overlap_forward: bool = False, grad_accum: int = 1,
-                 prefetch_depth: int = 2, cpu_budget: int | str = "auto"):
+                 prefetch_depth: int = 2, cpu_budget: int | str = "auto", process_group="auto",
+                 moments_dtype: str = "fp32"):
         super().__init__(params, lr, betas, eps, weight_decay, state=state, nvme_dir=nvme_dir,
                          chunk_mb=chunk_mb, threads=threads, overlap=overlap,
                          overlap_forward=overlap_forward, grad_accum=grad_accum,
-                         prefetch_depth=prefetch_depth, cpu_budget=cpu_budget)
+                         prefetch_depth=prefetch_depth, cpu_budget=cpu_budget,
+                         process_group=process_group, moments_dtype=moments_dtype)
 
 
 class _GradHook:
@@ -924,10 +936,11 @@ def _has_dtensor(params) -> bool:
     return False
 
 
-def _state_bytes(params, world: int = 1) -> int:
+def _state_bytes(params, world: int = 1, moment_bytes: int = 4) -> int:
     """Bytes of NVMe state for the trainable params in ``params`` (as read by ``_read_once``) on
-    one of ``world`` ranks: 12 per element of its shard, each of the 3 payloads of a chunk padded
-    to 4 KiB (at most one chunk per param)."""
+    one of ``world`` ranks: 4 + 2 * ``moment_bytes`` per element of its shard, each of the 3
+    payloads of a chunk padded to 4 KiB (at most one chunk per param)."""
+    per = 4 + 2 * moment_bytes
     if isinstance(params, torch.Tensor):
         return 0
     tensors = []
@@ -935,5 +948,5 @@ def _state_bytes(params, world: int = 1) -> int:
         ps = g.get("params") if isinstance(g, dict) else [g]
         tensors.extend([ps] if isinstance(ps, torch.Tensor) else (ps or ()))
     seen = {id(t): t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad}
-    return -(-sum(12 * local(t).numel() for t in seen.values()) // world) + \
-        len(seen) * (12 + 3 * ALIGNMENT)
+    return -(-sum(per * local(t).numel() for t in seen.values()) // world) + \
+        len(seen) * (per + 3 * ALIGNMENT)
