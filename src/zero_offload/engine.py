@@ -596,9 +596,10 @@ class Engine:
             placed = dataclasses.replace(self.partition, chunks=tuple(
                 dataclasses.replace(c, numel=self.shard.span(c.numel)[2]) for c in self.partition.chunks))
             # grad_sync="final": the window's fp32 sum of each whole chunk's grads on the device.
+            self._final_sync = cfg.grad_accum > 1 and not cfg.host_accum
             window = (4 * sum(self.shard.span(c.numel)[2] * self.shard.world
                               for c in self.partition.chunks if c.trainable)
-                      if cfg.grad_accum > 1 and not cfg.host_accum else 0)
+                      if self._final_sync else 0)
             self.plan: PlacementPlan = plan_placement(placed, cfg, self.store.budgets,
                                                       has_nvme=cfg.nvme_dir is not None,
                                                       gpu_optimizer=self._pg is None, gpu_extra=window)
@@ -707,7 +708,6 @@ class Engine:
         self._comm_stream = (torch.cuda.Stream(self.device) if self._comm_device.type == "cuda"
                              else None)
         self._replicas = self._pg is not None and cfg.params == "gpu"
-        self._final_sync = cfg.grad_accum > 1 and not cfg.host_accum
         self._updated = False  # an update was queued in backward in this window (overlap)
         self.last_grad_norm: Optional[float] = None
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}

@@ -35,10 +35,11 @@ def update_seed(base: int, cid: int, step: float, start: int) -> int:
     return _mix(x)
 
 
-def _mix(x: int) -> int:
-    x ^= x >> 16
+def _mix(x):
+    """lowbias32 of ``x`` (uint32 values): a Python int, or an int64 tensor elementwise."""
+    x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _M32
-    x ^= x >> 15
+    x = x ^ (x >> 15)
     x = (x * 0x846CA68B) & _M32
     return x ^ (x >> 16)
 
@@ -56,12 +57,7 @@ def stochastic_round_moments_bf16(exp_avg: torch.Tensor, exp_avg_sq: torch.Tenso
         raise ValueError(f"stochastic_round_moments_bf16: exp_avg has {exp_avg.numel()} elements, "
                          f"exp_avg_sq {exp_avg_sq.numel()}")
     idx = torch.arange(exp_avg.numel(), device=exp_avg.device, dtype=torch.int64)
-    h = (idx * 0x9E3779B9 + ((int(seed) * 0x85EBCA6B) & _M32)) & _M32
-    h = h ^ (h >> 16)
-    h = (h * 0x7FEB352D) & _M32
-    h = h ^ (h >> 15)
-    h = (h * 0x846CA68B) & _M32
-    h = h ^ (h >> 16)
+    h = _mix((idx * 0x9E3779B9 + ((int(seed) * 0x85EBCA6B) & _M32)) & _M32)
     return _round(exp_avg, h & 0xFFFF), _round(exp_avg_sq, h >> 16)
 
 

@@ -132,8 +132,7 @@ def plan_placement(partition: Partition, config: OffloadConfig, budgets: dict, *
 
     "auto" params fill the GPU first, up to its budget less ``config.activation_reserve`` (left
     to activations, which the store does not see; "auto": half the budget), then host memory,
-    then NVMe; "auto" optimizer
-    state fills host memory first, then NVMe. With ``gpu_optimizer`` (the front end updates
+    then NVMe; "auto" optimizer state fills host memory first, then NVMe. With ``gpu_optimizer`` (the front end updates
     such chunks on the device: [Note: GPU share]) "auto" optimizer state of chunks whose params
     live on the GPU fills the GPU first, in chunk order (the first layers, which the next
     forward needs first), within the same share: their state, accumulation buffer and the grads
