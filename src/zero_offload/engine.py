@@ -767,10 +767,14 @@ class Engine:
     def _give_weights_back(self) -> None:
         """Put the values of every chunk (the fp32 master, or the params payload for fp32 and
         frozen chunks) back into the model's parameters, on the device and in the dtype each had
-        at initialize, chunk by chunk (host memory: one chunk's copy at a time). Used when
-        initialize fails part-way (the chunks loaded so far) and by ``close``."""
+        at initialize, chunk by chunk, each chunk's memory freed in every tier as soon as its
+        values are out: host memory never holds the model's copy beside all the state (a 13B
+        model's 51 GB of fp32 values on top of its pinned state was an OOM kill). Used when
+        initialize fails part-way (the chunks loaded so far) and by ``close``: the store is
+        closed right after."""
         for chunk in self._chunks:
-            flat = self._read_full(chunk, self._fp32_payload_name(chunk))
+            chunk.replica = chunk.window = None
+            flat = self._read_full(chunk, self._fp32_payload_name(chunk), take=True)
             for s in chunk.layout.slots:
                 device, dtype = self._origins[s.index]
                 s.param.data = flat[s.offset:s.end].view(s.shape).to(device=device, dtype=dtype,
@@ -862,9 +866,10 @@ class Engine:
                 out.record_stream(stream)
             return self.group.flush_grads(chunk.g)
 
-    def _read_full(self, chunk: _Chunk, name: str) -> torch.Tensor:
-        """A CPU copy of a whole payload of the chunk (all ranks' shards: collective)."""
-        mine = self.group.read(chunk.g, name)
+    def _read_full(self, chunk: _Chunk, name: str, *, take: bool = False) -> torch.Tensor:
+        """A CPU copy of a whole payload of the chunk (all ranks' shards: collective). ``take``:
+        the chunk's memory is freed after (``ChunkGroup.take``)."""
+        mine = (self.group.take if take else self.group.read)(chunk.g, name)
         if self._pg is None:
             return mine
         return self._full(mine.to(self._comm_device), "an all-gather of a chunk's state")[

@@ -200,6 +200,14 @@ class ChunkGroup:
         with self.hold(chunk, [name]) as (buf,):
             return buf.clone()
 
+    def take(self, chunk: GroupChunk, name: str) -> torch.Tensor:
+        """``read``, then the chunk's memory in every tier is freed (``ChunkStore.discard``): for
+        an owner that is closing and hands the values on chunk by chunk."""
+        self.wait(chunk)
+        out = self.read(chunk, name)
+        self.store.discard(chunk.cid)
+        return out
+
     # ---- grads ------------------------------------------------------------------------------
 
     def open_grads(self, chunk: GroupChunk, *, host: bool = False) -> None:

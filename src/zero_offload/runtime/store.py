@@ -459,6 +459,8 @@ class _Chunk:
     cid: int
     payloads: dict = field(default_factory=dict)
     """name -> _Payload."""
+    discarded: bool = False
+    """``discard`` freed every copy; the chunk can no longer be used."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -716,6 +718,30 @@ class ChunkStore:
                 return
             self._evict(copy, explicit=True)
 
+    def discard(self, cid: int) -> None:
+        """Free every copy of the chunk, home copies included (pinned memory unregistered and
+        unmapped, swap slots returned), once the moves writing or reading them finish. For an
+        owner done with the chunk for good: ``Engine.close`` hands each chunk's values back to
+        the model and discards it, so host memory falls as the model's own copies grow. Any later
+        use of the chunk raises."""
+        with self._lock:
+            chunk = self._chunk(cid)
+            copies = [c for p in chunk.payloads.values() for c in p.copies.values()]
+            for c in copies:
+                if c.pins:
+                    raise StoreError(f"discard: {c.where()} is in use ({c.pins} pin(s)); leave the "
+                                     f"`use` block or unpin it first")
+            for c in copies:
+                self._await_quiet(c)
+                for r in c.readers:
+                    self._wait_host(r)
+                c.readers = []
+            for c in copies:
+                if c.state is not Residency.ABSENT:
+                    self._drop_memory(c, home=True)
+                    c.to(Residency.ABSENT, self)
+            chunk.discarded = True
+
     def pin(self, cid: int, name: str, tier: "Tier | str") -> None:
         """Keep the copy in ``tier`` from being evicted until ``unpin``."""
         with self._lock:
@@ -935,7 +961,11 @@ class ChunkStore:
         if isinstance(cid, bool) or not isinstance(cid, int) or not 0 <= cid < len(self._chunks):
             raise KeyError(f"no chunk {cid!r}: this store has chunks 0..{len(self._chunks) - 1} "
                            f"(ids come from add_chunk)")
-        return self._chunks[cid]
+        chunk = self._chunks[cid]
+        if chunk.discarded:
+            raise StoreError(f"chunk {cid} was discarded: its bytes are gone (discard frees a chunk "
+                             f"for good)")
+        return chunk
 
     def _payload(self, cid: int, name: str) -> _Payload:
         chunk = self._chunk(cid)
@@ -1037,9 +1067,9 @@ class ChunkStore:
         else:
             copy.slot = self._swap_space().alloc(copy.nbytes)
 
-    def _drop_memory(self, copy: _Copy) -> None:
-        if copy.is_home:
-            return  # home memory is kept for the store's life
+    def _drop_memory(self, copy: _Copy, *, home: bool = False) -> None:
+        if copy.is_home and not home:
+            return  # home memory is kept for the store's life (or until ``discard``)
         if copy.pool_buffer is not None:
             self._pool.release(copy.pool_buffer)
             copy.pool_buffer = None
