@@ -11,7 +11,7 @@ import torch
 
 import zero_offload as zo
 from _engine_util import (DEVICE, Reference, assert_params_close, config, gpt_batches, gpt_loss,
-                          micro_gpt, rel_err, torch_optimizer, train_engine)
+                          micro_gpt, torch_optimizer, train_engine)
 from _offload_optim_util import batches as optim_batches, make_model, max_rel_diff, train
 
 SPEC = zo.AdamW(lr=3e-3, weight_decay=0.1)

@@ -588,7 +588,7 @@ class ChunkStore:
                     if tier is Tier.NVME and self.config.nvme_dir is None:
                         raise StoreError("a payload's home is 'nvme' but StoreConfig.nvme_dir is None; "
                                          "set nvme_dir to a directory on a fast disk")
-                    self._make_room(tier, nbytes, for_what=f"the home copies of a new chunk")
+                    self._make_room(tier, nbytes, for_what="the home copies of a new chunk")
             chunk = _Chunk(cid=len(self._chunks))
             for name, spec in payloads.items():
                 p = _Payload(cid=chunk.cid, name=name, spec=spec)
