@@ -30,7 +30,12 @@ def _ddp_rank(rank, world, state, nvme_dir, resume_at, overlap_forward):
     ddp = DDP(model)
     kw = dict(lr=3e-3, chunk_mb=0.01, threads=1, state=state, overlap_forward=overlap_forward,
               nvme_dir=None if nvme_dir is None else os.path.join(nvme_dir, f"r{rank}"))
+    if state == "auto":  # the GPU share: each rank's shards of the first chunks on its device
+        kw["gpu_budget"] = 100_000
     opt = OffloadAdamW(_groups(model), **kw)
+    if state == "auto":
+        homes = [opt._store.payload_spec(c.cid, "master").home.value for c in opt._chunks]
+        assert homes[0] == "gpu" and homes[-1] == "cpu", homes
     shard_numel = sum(c.numel for c in opt._chunks)
     per = batches(STEPS, batch=2 * world)[0][0].shape[0] // world
     losses = []
@@ -61,7 +66,7 @@ def _reference():
 
 
 @pytest.mark.parametrize("state,resume_at,overlap_forward",
-                         [("cpu", None, False), ("cpu", 2, True), ("nvme", 3, True)])
+                         [("cpu", None, False), ("cpu", 2, True), ("nvme", 3, True), ("auto", 2, True)])
 def test_ddp_each_rank_updates_its_shard_and_matches_torch(state, resume_at, overlap_forward, tmp_path):
     """overlap_forward: the shards are all-gathered by the next forward's hooks (module by
     module), the last ones by state_dict()."""
@@ -83,7 +88,7 @@ def test_ddp_each_rank_updates_its_shard_and_matches_torch(state, resume_at, ove
     assert max_rel_diff(ref, ref) == 0.0
 
 
-def _fsdp_rank(rank, world):
+def _fsdp_rank(rank, world, state):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -105,8 +110,12 @@ def _fsdp_rank(rank, world):
         fully_shard(m, mesh=mesh, reshard_after_forward=True)
         models.append(m)
     ours, ref = models
-    opts = [OffloadAdamW(_groups(ours), lr=3e-3, chunk_mb=0.01, threads=1),
+    share = dict(state="auto", gpu_budget=50_000) if state == "auto" else {}
+    opts = [OffloadAdamW(_groups(ours), lr=3e-3, chunk_mb=0.01, threads=1, **share),
             torch.optim.AdamW(_groups(ref), lr=3e-3)]
+    if state == "auto":
+        homes = [opts[0]._store.payload_spec(c.cid, "master").home.value for c in opts[0]._chunks]
+        assert homes[0] == "gpu" and homes[-1] == "cpu", homes
     per = 2
     for x, y in batches(STEPS, batch=2 * world):
         for m, o in zip(models, opts):
@@ -123,8 +132,10 @@ def _fsdp_rank(rank, world):
     return full(ours), full(ref), local_numel, state_ok, refused
 
 
-def test_fsdp2_local_shards_match_torch_adamw_on_the_same_wrapped_model(tmp_path):
-    out = values(run_ranks(_fsdp_rank, WORLD, tmp_path, timeout_s=120))
+@pytest.mark.parametrize("state", ["cpu", "auto"])
+def test_fsdp2_local_shards_match_torch_adamw_on_the_same_wrapped_model(state, tmp_path):
+    """state="auto": the first chunks of each rank's local shards are updated on its device."""
+    out = values(run_ranks(_fsdp_rank, WORLD, tmp_path, state, timeout_s=120))
     total = sum(p.numel() for p in make_model().parameters())
     for ours, ref, local_numel, state_ok, refused in out:
         # overlap_forward is refused: FSDP2 gathers a whole unit before its modules' hooks run

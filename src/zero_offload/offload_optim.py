@@ -114,9 +114,10 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+import psutil
 import torch
 
-from .config import _as_budget, _as_float, _as_int
+from .config import _as_budget, _as_float, _as_int, parse_bytes
 from .distributed import (all_gather, collective, is_dtensor, local, resolve_group, shard_of,
                           threads_per_rank)
 from .ops.cpu_adam import UNSUPPORTED_OPTIONS, AdamHyper
@@ -204,8 +205,10 @@ class OffloadAdam(torch.optim.Optimizer):
         params: iterable of params or of param-group dicts (as any torch optimizer); groups may
             set their own ``lr``, ``betas``, ``eps``, ``weight_decay``.
         lr, betas, eps, weight_decay: defaults, as torch.optim.Adam(W).
-        state: "cpu" (host RAM, pinned when CUDA) or "nvme" (swap files under ``nvme_dir``,
-            read ahead and written behind per chunk).
+        state: "cpu" (host RAM, pinned when CUDA), "nvme" (swap files under ``nvme_dir``,
+            read ahead and written behind per chunk) or "auto": the GPU share first (see
+            [Note: GPU share of OffloadAdam]), then host RAM, then, with ``nvme_dir``, NVMe
+            for what does not fit ``cpu_budget``.
         nvme_dir: directory on a fast disk; required with ``state="nvme"``.
         chunk_mb: MiB of fp32 master per chunk (the unit of transfer and of CPU-Adam jobs).
         threads: CPU-Adam threads (None: every core this process may use).
@@ -217,6 +220,9 @@ class OffloadAdam(torch.optim.Optimizer):
         prefetch_depth: NVMe chunks read ahead of the update being run.
         cpu_budget: bytes (or "auto") of pinned host memory the optimizer may use ("cpu" state
             must fit whole; "nvme" state stages through it).
+        gpu_budget: with ``state="auto"`` (and only then; required): bytes of the params'
+            device the optimizer's GPU share may take (fp32 master, moments and a flat grads
+            buffer: 12 + 2 + the param's item size bytes per element with fp32 moments).
         process_group: data parallelism (see [Note: data parallel]). "auto" (default): the
             default group when ``torch.distributed`` is initialized with several ranks; None:
             every rank keeps the whole state; or a ProcessGroup.
@@ -232,7 +238,7 @@ class OffloadAdam(torch.optim.Optimizer):
                  nvme_dir=None, chunk_mb: float = 64.0, threads: int | None = None,
                  overlap: bool = True, overlap_forward: bool = False, grad_accum: int = 1,
                  prefetch_depth: int = 2, cpu_budget: int | str = "auto", process_group="auto",
-                 moments_dtype: str = "fp32"):
+                 moments_dtype: str = "fp32", gpu_budget: int | str | None = None):
         name = type(self).__name__
         if moments_dtype not in ("fp32", "bf16"):
             raise ValueError(f"{name}: moments_dtype={moments_dtype!r} is invalid: use 'fp32' (exact, "
@@ -240,13 +246,24 @@ class OffloadAdam(torch.optim.Optimizer):
         self._moments = torch.bfloat16 if moments_dtype == "bf16" else torch.float32
         h = AdamHyper.checked(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=self._adamw,
                               owner=name)
-        home = {"cpu": Tier.CPU, "nvme": Tier.NVME}.get(state.lower() if isinstance(state, str) else state)
+        home = {"cpu": Tier.CPU, "nvme": Tier.NVME, "auto": Tier.GPU}.get(
+            state.lower() if isinstance(state, str) else state)
         if home is None:
-            raise ValueError(f"{name}: state={state!r} is invalid: use 'cpu' (host RAM) or 'nvme' "
-                             f"(swap files; also pass nvme_dir)")
+            raise ValueError(f"{name}: state={state!r} is invalid: use 'cpu' (host RAM), 'nvme' "
+                             f"(swap files; also pass nvme_dir) or 'auto' (GPU share first; also pass "
+                             f"gpu_budget)")
         if home is Tier.NVME and nvme_dir is None:
             raise ValueError(f"{name}: state='nvme' needs nvme_dir='/path/on/a/fast/disk'")
-        if home is not Tier.NVME:
+        auto = home is Tier.GPU
+        if auto != (gpu_budget is not None):
+            raise ValueError(f"{name}: " + (
+                "state='auto' needs gpu_budget=<bytes the optimizer state may take on the params' "
+                "device, e.g. '8GiB'>; or use state='cpu'" if auto else
+                f"gpu_budget={gpu_budget!r} applies to state='auto' only; pass state='auto' for a "
+                f"GPU share of the optimizer, or drop gpu_budget"))
+        self._gpu_budget = (parse_bytes(gpu_budget, name=f"{name}.gpu_budget")
+                            if auto and gpu_budget != 0 else 0)
+        if home is Tier.CPU or (auto and nvme_dir is None):
             nvme_dir = None  # no state lives on NVMe: the directory is never touched nor created
         else:
             if not isinstance(nvme_dir, (str, os.PathLike)) or not os.fspath(nvme_dir):
@@ -281,7 +298,8 @@ class OffloadAdam(torch.optim.Optimizer):
         self._grad_accum = _as_int(name, "grad_accum", grad_accum, minimum=1)
         self._depth = _as_int(name, "prefetch_depth", prefetch_depth, minimum=0)
         self._cpu_budget = _as_budget(name, "cpu_budget", cpu_budget)
-        self._home = home
+        self._home = home  # Tier.GPU: state="auto" (each chunk's home is placed: ``_place``)
+        self._left: dict | None = None  # state="auto": bytes each tier has left ([Note: GPU share ...])
         # Last check before params get hooks: the swap directory exists (0700) and is writable.
         self._nvme_dir = None if nvme_dir is None else prepare_swap_dir(nvme_dir, name=f"{name} nvme_dir")
 
@@ -292,6 +310,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._chunk_of: dict[torch.Tensor, GroupChunk] = {}  # trainable param -> its chunk (forward hook)
         self._landed: dict[int, int] = {}        # chunk id -> slots whose grad is staged this step
         self._ready: dict[int, Handle] = {}      # chunk id -> handle of its last staged grad copy
+        self._device_grads: dict[int, torch.Tensor] = {}  # GPU share: chunk id -> its grads buffer
         self._members: dict[int, tuple] = {}     # chunk id -> ([(param, chunk offset)], shard size)
         self._gathers: list[GroupChunk] = []     # updated, not all-gathered yet ([Note: data parallel])
         self._jobs: dict[int, tuple] = {}        # chunk id -> (slots, grads handle) of its last update
@@ -304,8 +323,17 @@ class OffloadAdam(torch.optim.Optimizer):
         self._closed = False
         self._steps = self._steps0 = 0
 
-        # the swap space is preallocated: size it for all groups
-        self._nvme_need = _state_bytes(params, self._shard.world, self._moments.itemsize)
+        # the swap space is preallocated: size it for all groups (state="auto": for the chunks
+        # that do not fit the GPU and host budgets, placed here as add_param_group will)
+        if auto:
+            self._left = {Tier.GPU: self._gpu_budget, Tier.CPU: (
+                _auto_host_bytes() if self._cpu_budget == "auto" else self._cpu_budget)
+                if nvme_dir is not None else None}
+            left = dict(self._left)
+            self._nvme_need = sum(b for g in _groups_of(params)
+                                  for b in self._place(self._pack(g), left)[1])
+        else:
+            self._nvme_need = _state_bytes(params, self._shard.world, self._moments.itemsize)
         defaults = dict(lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay,
                         amsgrad=False, maximize=False, foreach=None, capturable=False,
                         differentiable=False, fused=None, decoupled_weight_decay=self._adamw)
@@ -334,9 +362,13 @@ class OffloadAdam(torch.optim.Optimizer):
             return
         group = self.param_groups[-1]
         runs = self._pack(group["params"])
-        if self._store is not None and self._home is Tier.NVME:
-            need = sum(3 * round_up(4 * self._shard.span(sum(local(p).numel() for p in run))[2], ALIGNMENT)
-                       for run in runs)
+        if self._left is not None:
+            homes, nvme = self._place(runs, self._left)
+        else:
+            homes = [self._home] * len(runs)
+            nvme = [self._state_nbytes(run) for run in runs] if self._home is Tier.NVME else [0]
+        if self._store is not None and sum(nvme):
+            need = sum(nvme)
             free = self._store.budgets[Tier.NVME] - self._store.bytes(Tier.NVME)
             if need > free:
                 self.param_groups.pop()
@@ -346,7 +378,7 @@ class OffloadAdam(torch.optim.Optimizer):
                     f"pass every param group to the constructor")
         if self._group is not None:
             self._group.drain()  # new chunks are written while no job runs
-        self._build_group(group, runs)
+        self._build_group(group, runs, homes)
 
     def _check_group(self, group: dict) -> None:
         """Hyperparameters of a group (with defaults filled in), as torch.optim.Adam checks them."""
@@ -375,6 +407,36 @@ class OffloadAdam(torch.optim.Optimizer):
                 raise ValueError(f"{name}: all params must be on one device; got {device} and "
                                  f"{p.device}. Use one optimizer per device")
 
+    def _state_nbytes(self, run, *, grads: bool = False) -> int:
+        """Bytes of a chunk's state (fp32 master and the moments; ``grads``: and its grads
+        buffer), each payload padded to 4 KiB as the store holds it."""
+        k = self._shard.span(sum(local(p).numel() for p in run))[2]
+        out = round_up(4 * k, ALIGNMENT) + 2 * round_up(self._moments.itemsize * k, ALIGNMENT)
+        return out + (round_up(run[0].dtype.itemsize * k, ALIGNMENT) if grads else 0)
+
+    def _place(self, runs, left: dict) -> tuple[list, list]:
+        """state="auto": the home of each chunk's state and its NVMe bytes, taking from ``left``
+        (bytes per tier; None for the host: no limit). See [Note: GPU share of OffloadAdam]."""
+        homes, nvme = [], []
+        for run in runs:
+            on_gpu = self._state_nbytes(run, grads=True)
+            host = round_up(run[0].dtype.itemsize * self._shard.span(
+                sum(local(p).numel() for p in run))[2], ALIGNMENT) * (2 if run[0].dtype in _LOWP else 1)
+            if on_gpu <= left[Tier.GPU]:
+                left[Tier.GPU] -= on_gpu
+                homes.append(Tier.GPU)
+                nvme.append(0)
+                continue
+            left[Tier.GPU] = -1  # the share is the first chunks (the first the next forward needs)
+            state = self._state_nbytes(run)
+            # room left to stage the NVMe chunks' state through (prefetch_depth + 1 chunks)
+            fits = left[Tier.CPU] is None or host + state * (self._depth + 2) <= left[Tier.CPU]
+            if left[Tier.CPU] is not None:
+                left[Tier.CPU] -= host + (state if fits else 0)
+            homes.append(Tier.CPU if fits else Tier.NVME)
+            nvme.append(0 if fits else state)
+        return homes, nvme
+
     def _pack(self, params) -> list[list[torch.Tensor]]:
         """Consecutive trainable params of one dtype, in chunks of about ``chunk_numel``."""
         runs: list[list[torch.Tensor]] = []
@@ -389,7 +451,7 @@ class OffloadAdam(torch.optim.Optimizer):
                 runs.append([p])
         return runs
 
-    def _build_group(self, group: dict, runs: list[list[torch.Tensor]]) -> None:
+    def _build_group(self, group: dict, runs: list[list[torch.Tensor]], homes: list) -> None:
         params = group["params"]
         self._frozen.extend(p for p in params if not p.requires_grad)
         if self._device is None and params:
@@ -399,16 +461,17 @@ class OffloadAdam(torch.optim.Optimizer):
         gi = len(self.param_groups) - 1
         index0 = sum(len(g["params"]) for g in self.param_groups[:-1])
         position = {id(p): index0 + i for i, p in enumerate(params)}
-        for run in runs:
+        for run, home in zip(runs, homes):
             members, offset = [], 0
             for p in run:
                 members.append((p, offset))
                 offset += local(p).numel()
             lo, hi, k = self._shard.span(offset)  # this rank's elements; see [Note: data parallel]
-            payloads = {"grads": PayloadSpec(k, run[0].dtype, Tier.CPU)}
-            payloads.update((n, PayloadSpec(k, torch.float32 if n == "master" else self._moments, self._home))
+            on_gpu = home is Tier.GPU
+            payloads = {"grads": PayloadSpec(k, run[0].dtype, Tier.GPU if on_gpu else Tier.CPU)}
+            payloads.update((n, PayloadSpec(k, torch.float32 if n == "master" else self._moments, home))
                             for n in _STATE)
-            if run[0].dtype in _LOWP:
+            if run[0].dtype in _LOWP and not on_gpu:  # the device share rounds into the params
                 payloads["params"] = PayloadSpec(k, run[0].dtype, Tier.CPU)
             slots = []
             for p, o in members:
@@ -433,7 +496,9 @@ class OffloadAdam(torch.optim.Optimizer):
         """The store and the chunk group (with the first trainable param)."""
         device = self._device
         budgets = {Tier.CPU: self._cpu_budget}
-        if self._home is Tier.NVME:
+        if self._left is not None:
+            budgets[Tier.GPU] = self._gpu_budget
+        if self._nvme_need:
             budgets[Tier.NVME] = max(ALIGNMENT, self._nvme_need)
         self._store = ChunkStore(StoreConfig(device=device if device.type == "cuda" else "cpu",
                                              budgets=budgets, nvme_dir=self._nvme_dir))
@@ -477,12 +542,19 @@ class OffloadAdam(torch.optim.Optimizer):
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
         if grad.shape != local(p).shape:
             raise RuntimeError(f"grad of shape {tuple(grad.shape)} for a param of shape {tuple(local(p).shape)}")
+        on_device = self._group.on_device(chunk)
         if chunk.phase is not ChunkPhase.FILLING:  # the chunk's first grad in this step
-            self._group.open_grads(chunk, host=True)  # its last update read "grads": it finishes first
+            # its last update read "grads": it finishes first
+            self._group.open_grads(chunk, host=not on_device)
+            if on_device:
+                self._device_grads[chunk.cid] = self._group.device_grads(chunk)
             self._remove_forward_hook_if_synced()
         if local(p)._version != slot.version:
             self._resync_master(chunk, slot)
-        self._ready[chunk.cid] = self._group.stage(chunk, [(slot.offset, _piece(slot, grad))])
+        if on_device:  # on the caller's stream, as the update that reads it
+            self._device_grads[chunk.cid][slot.offset:slot.stop].copy_(_piece(slot, grad))
+        else:
+            self._ready[chunk.cid] = self._group.stage(chunk, [(slot.offset, _piece(slot, grad))])
         if consume:
             p.grad = None
         slot.landed = True
@@ -495,10 +567,18 @@ class OffloadAdam(torch.optim.Optimizer):
         slot.version = local(slot.param)._version
 
     def _submit(self, chunk: GroupChunk) -> None:
-        """Hand a chunk whose staged grads are complete to the pipeline, its update behind."""
+        """Hand a chunk whose staged grads are complete to the pipeline, its update behind; a
+        chunk of the GPU share is updated now and its params written from its master."""
+        slots = tuple(s for s in chunk.slots if s.landed)
+        if self._group.on_device(chunk):
+            del self._device_grads[chunk.cid]
+            self._group.device_submit(chunk, slots, update=True)
+            master = self._store.get(chunk.cid, "master", Tier.GPU)
+            for s in slots:
+                _piece(s, local(s.param).data.view(-1)).copy_(master[s.offset:s.stop])
+            return
         self._store.mark_dirty(chunk.cid, "grads", Tier.CPU)
         ready = self._ready[chunk.cid]
-        slots = tuple(s for s in chunk.slots if s.landed)
         self._jobs[chunk.cid] = (slots, ready)
         self._submitted.append(chunk.cid)
         self._group.submit(chunk, slots, ready=ready, update=True,
@@ -871,7 +951,7 @@ class OffloadAdam(torch.optim.Optimizer):
     def __repr__(self):
         n = sum(c.numel for c in self._chunks)
         return (f"{type(self).__name__}(params={n}, chunks={len(self._chunks)}, "
-                f"state={self._home.value!r}, overlap={self._overlap}, "
+                f"state={'auto' if self._left is not None else self._home.value!r}, overlap={self._overlap}, "
                 f"overlap_forward={self._overlap_forward}, groups={len(self.param_groups)})")
 
 
@@ -885,12 +965,13 @@ class OffloadAdamW(OffloadAdam):
                  nvme_dir=None, chunk_mb: float = 64.0, threads: int | None = None,
                  overlap: bool = True, overlap_forward: bool = False, grad_accum: int = 1,
                  prefetch_depth: int = 2, cpu_budget: int | str = "auto", process_group="auto",
-                 moments_dtype: str = "fp32"):
+                 moments_dtype: str = "fp32", gpu_budget: int | str | None = None):
         super().__init__(params, lr, betas, eps, weight_decay, state=state, nvme_dir=nvme_dir,
                          chunk_mb=chunk_mb, threads=threads, overlap=overlap,
                          overlap_forward=overlap_forward, grad_accum=grad_accum,
                          prefetch_depth=prefetch_depth, cpu_budget=cpu_budget,
-                         process_group=process_group, moments_dtype=moments_dtype)
+                         process_group=process_group, moments_dtype=moments_dtype,
+                         gpu_budget=gpu_budget)
 
 
 class _GradHook:
@@ -950,3 +1031,19 @@ def _state_bytes(params, world: int = 1, moment_bytes: int = 4) -> int:
     seen = {id(t): t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad}
     return -(-sum(per * local(t).numel() for t in seen.values()) // world) + \
         len(seen) * (per + 3 * ALIGNMENT)
+
+
+def _groups_of(params) -> list:
+    """The param lists of the constructor's ``params`` (as read by ``_read_once``), one a group."""
+    if isinstance(params, torch.Tensor):
+        return []
+    if params and all(isinstance(g, dict) for g in params):
+        return [list(g["params"]) if not isinstance(g["params"], torch.Tensor) else [g["params"]]
+                for g in params]
+    return [list(params)]
+
+
+def _auto_host_bytes() -> int:
+    """An "auto" host budget as the store resolves it: available memory less its reserve."""
+    vm = psutil.virtual_memory()
+    return max(0, int(vm.available - StoreConfig.auto_reserve_fraction * vm.total))

@@ -319,7 +319,8 @@ class ChunkGroup:
         job = self._update_job(chunk, grad_scale)
         store, cid, p = self.store, chunk.cid, self.payloads
         src = store.get(cid, job.source, Tier.GPU)
-        names = [p.master, p.exp_avg, p.exp_avg_sq] + ([p.lowp] if p.lowp else [])
+        names = [p.master, p.exp_avg, p.exp_avg_sq] + (
+            [p.lowp] if p.lowp and store.has_payload(cid, p.lowp) else [])  # OffloadAdam rounds itself
         bufs = [store.get(cid, n, Tier.GPU, write=True) for n in names]
         master, m, v = bufs[:3]
         rounded = m.dtype is not torch.float32  # bf16 moments: widened, rounded back stochastically
@@ -338,7 +339,7 @@ class ChunkGroup:
                 m_bf16, v_bf16 = stochastic_round_moments_bf16(m32, v32, seed)
                 m[sl].copy_(m_bf16)
                 v[sl].copy_(v_bf16)
-            if p.lowp:
+            if len(bufs) > 3:
                 bufs[3][sl].copy_(master[sl])
         for n in names:
             store.mark_dirty(cid, n, Tier.GPU)
