@@ -58,7 +58,8 @@ from zero_offload.models import GPT, GPTConfig, preset
 
 GiB = float(2 ** 30)
 CASES = ("torch", "engine-cpu", "offload-adamw", "offload-adamw-fwd", "torchao", "engine-nvme",
-         "engine-auto", "offload-adamw-nvme", "engine-largest", "engine-gpu", "engine-share")
+         "engine-auto", "offload-adamw-nvme", "engine-largest", "engine-gpu", "engine-share",
+         "offload-adamw-share")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,7 +398,16 @@ class Bench:
                            overlap_forward=False):
         self.start_case()
         model = self.build(device=self.device)
-        opt = zo.OffloadAdamW(model.parameters(), lr=1e-4, weight_decay=0.1, state=state,
+        share = {}
+        if state == "auto":  # the GPU share: --gpu-budget GiB of optimizer state on the GPU
+            if not self.args.gpu_budget:
+                raise SystemExit("offload-adamw-share needs --gpu-budget GiB (the optimizer's GPU share)")
+            share["gpu_budget"] = int(self.args.gpu_budget * GiB)
+            if self.args.gpu_cap and self.device.type == "cuda":
+                total = torch.cuda.get_device_properties(self.device).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(1.0, self.args.gpu_cap * GiB / total),
+                                                           torch.cuda.current_device())
+        opt = zo.OffloadAdamW(model.parameters(), lr=1e-4, weight_decay=0.1, state=state, **share,
                               nvme_dir=self.nvme_dir() if state == "nvme" else None,
                               chunk_mb=self.args.adamw_chunk_mb or self.args.chunk_mb,
                               threads=threads or self.args.threads,
@@ -601,7 +611,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-cap", type=float, default=None,
                     help="engine cases: hold the process to this many GiB of GPU memory "
                          "(torch.cuda.set_per_process_memory_fraction) and use it as gpu_budget")
-    ap.add_argument("--gpu-budget", type=float, default=None, help="engine cases: gpu_budget in GiB")
+    ap.add_argument("--gpu-budget", type=float, default=None,
+                    help="engine cases: gpu_budget in GiB; offload-adamw-share: its gpu_budget (required)")
     ap.add_argument("--activation-reserve", type=float, default=None,
                     help="engine cases: OffloadConfig.activation_reserve in GiB (default: half the budget)")
     ap.add_argument("--moments-dtype", default="fp32", choices=("fp32", "bf16"),
@@ -650,6 +661,8 @@ def main(argv=None) -> int:
                 bench.case_offload_adamw(threads=args.adamw_threads)
             elif case == "offload-adamw-fwd":
                 bench.case_offload_adamw(case, threads=args.adamw_threads, overlap_forward=True)
+            elif case == "offload-adamw-share":  # state="auto": the first chunks' state on the GPU
+                bench.case_offload_adamw(case, state="auto", threads=args.adamw_threads, overlap_forward=True)
             elif case == "offload-adamw-nvme":
                 bench.case_offload_adamw(case, state="nvme", threads=args.adamw_threads,
                                          steps=args.nvme_steps, warmup=1)

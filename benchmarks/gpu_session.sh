@@ -69,6 +69,16 @@ for what in "$@"; do
           --gpu-cap $cap --activation-reserve ${ZO_SHARE_RESERVE:-17.5} --nvme-dir /tmp/zo \
           --json-out "$OUT/train_share_cap$cap.json" 2>&1 | grep -E '^\[engine|Error' | cut -c1-900
       done ;;
+    share-adamw)  # issue 13.1 for OffloadAdamW(state="auto", gpu_budget=G): GiB of optimizer state on
+      # the GPU, the process capped at ZO_ADAMW_CAP GiB, beside the host-only OffloadAdamW
+      python3 benchmarks/bench_train.py --model 1.3b --batch 8 --steps 7 --warmup 2 \
+        --cases torch,torchao,offload-adamw-fwd --json-out "$OUT/train_share_adamw_base.json" 2>&1 \
+        | grep -E '^\[|\*\*|Error'
+      for g in ${ZO_ADAMW_SHARES:-4 8}; do
+        python3 benchmarks/bench_train.py --model 1.3b --batch 8 --steps 7 --warmup 2 \
+          --cases offload-adamw-share --gpu-budget $g --gpu-cap ${ZO_ADAMW_CAP:-35} \
+          --json-out "$OUT/train_share_adamw_$g.json" 2>&1 | grep -E '^\[offload|Error' | cut -c1-900
+      done ;;
     rss)  # host bytes per param from the start of a script: one case per process, model built on meta
       for c in engine-gpu engine-cpu; do
         /usr/bin/time -v python3 benchmarks/bench_train.py --model 1.3b --batch 8 --steps 3 --warmup 1 \
