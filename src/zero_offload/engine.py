@@ -749,8 +749,8 @@ class Engine:
         for name, dt in dtypes.items():
             if name == "params":
                 home = homes.params
-            elif name in opt or (name == "accum" and homes.optimizer is Tier.GPU):
-                home = homes.optimizer  # (the GPU share keeps its accumulation there too)
+            elif name in opt or (name in ("accum", "grads") and homes.optimizer is Tier.GPU):
+                home = homes.optimizer  # (the GPU share keeps its grads and accumulation there too)
             else:
                 home = Tier.CPU  # grads, accum
             specs[name] = PayloadSpec(numel=k, dtype=dt, home=home)

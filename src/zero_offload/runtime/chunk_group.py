@@ -238,9 +238,13 @@ class ChunkGroup:
 
     def flush_grads(self, chunk: GroupChunk, *, drop: bool = False) -> Handle:
         """The device grads buffer of ``device_grads`` goes to its host copy (D2H, async) and is
-        freed; returns the move's handle. ``drop``: freed without copying (after an error)."""
+        freed; returns the move's handle. ``drop``: freed without copying (after an error). A
+        chunk of the GPU share keeps its grads on the device (their home): only unpinned."""
         store, name = self.store, self.payloads.grads
         store.unpin(chunk.cid, name, Tier.GPU)
+        if store.payload_spec(chunk.cid, name).home is Tier.GPU:
+            self._held_grads.discard(chunk.cid)
+            return Handle.completed()
         handle = None if drop else store.flush(chunk.cid, name, Tier.CPU)
         store.evict(chunk.cid, name, Tier.GPU)
         return handle

@@ -6,7 +6,8 @@ Payloads of a chunk (all flat, one element per parameter element, padding includ
 payload        dtype                   home
 =============  ======================  ==========================================================
 params         working (config.dtype)  ``OffloadConfig.params`` (auto: GPU, then CPU, then NVMe)
-grads          working                 CPU (written on the GPU in backward, flushed down)
+grads          working                 CPU (written on the GPU in backward, flushed down; the
+                                       GPU for the GPU share, which updates it there)
 master         fp32                    ``OffloadConfig.optimizer``; only when dtype is not fp32
                                        (in fp32 training ``params`` is the master copy)
 exp_avg(_sq)   fp32 (bf16 with            ``OffloadConfig.optimizer`` (auto: the GPU share when the
@@ -179,6 +180,7 @@ def plan_placement(partition: Partition, config: OffloadConfig, budgets: dict, *
             if config.optimizer is Placement.AUTO and gpu_optimizer and ptier is Tier.GPU \
                     and need[Tier.GPU] + params_ahead + dev <= gpu_auto:
                 otier, obytes = Tier.GPU, dev
+                need[Tier.CPU] -= dev - chunk_bytes(c, config, opt_names)  # its grads home there too
             elif config.optimizer is Placement.AUTO:
                 otier = Tier.CPU if (host_room(obytes) or not has_nvme) else Tier.NVME
             else:
