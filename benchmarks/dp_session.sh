@@ -31,10 +31,14 @@ for what in "$@"; do
           --cases "$cases" --steps ${DP_STEPS:-6} --warmup 2 --json-out "$OUT/dp_n$n.json" 2>&1 \
           | grep -vE "^\s*$|Warning|warn\(" | tail -30 | tee -a "$OUT/dp_bench.log"
       done ;;
-    largest)  # the largest model of the node: 12.8B, params and optimizer offloaded (RAM, then NVMe)
-      timeout ${DP_TIMEOUT:-400} torchrun --standalone --nproc-per-node "$ngpu" benchmarks/bench_dp.py \
-        --model ${DP_LARGEST:-13b} --cases engine-largest --checkpointing --steps 2 --warmup 1 \
-        --json-out "$OUT/dp_largest_n$ngpu.json" 2>&1 | grep -vE "^\s*$|Warning|warn\(" | tail -30 \
-        | tee -a "$OUT/dp_bench.log" ;;
+    largest)  # the largest model of the node: 12.8B, params and optimizer offloaded (RAM, then NVMe),
+      # at each GPU count in $DP_LARGEST_NS (default: all the GPUs only)
+      for n in ${DP_LARGEST_NS:-$ngpu}; do
+        [ "$n" -le "$ngpu" ] || continue
+        timeout ${DP_TIMEOUT:-400} torchrun --standalone --nproc-per-node "$n" benchmarks/bench_dp.py \
+          --model ${DP_LARGEST:-13b} --cases engine-largest --checkpointing --steps 2 --warmup 1 \
+          --json-out "$OUT/dp_largest_n$n.json" 2>&1 | grep -vE "^\s*$|Warning|warn\(" | tail -30 \
+          | tee -a "$OUT/dp_bench.log"
+      done ;;
   esac
 done
