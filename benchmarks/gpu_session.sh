@@ -65,8 +65,10 @@ for what in "$@"; do
         --cases torch,torchao,engine-gpu --nvme-dir /tmp/zo \
         --md-out "$OUT/train_share.md" --json-out "$OUT/train_share.json" 2>&1 | grep -E '^\[|\*\*|Error'
       for cap in ${ZO_SHARE_CAPS:-25.6 30 35}; do
+        # ZO_SHARE_FLAGS: e.g. "--checkpointing" (with a smaller ZO_SHARE_RESERVE) frees activation
+        # memory for the share under the same cap, at the cost of recomputing the forward
         python3 benchmarks/bench_train.py --model 1.3b --batch 8 --steps 7 --warmup 2 --cases engine-share \
-          --gpu-cap $cap --activation-reserve ${ZO_SHARE_RESERVE:-17.5} --nvme-dir /tmp/zo \
+          --gpu-cap $cap --activation-reserve ${ZO_SHARE_RESERVE:-17.5} --nvme-dir /tmp/zo ${ZO_SHARE_FLAGS:-} \
           --json-out "$OUT/train_share_cap$cap.json" 2>&1 | grep -E '^\[engine|Error' | cut -c1-900
       done ;;
     share-adamw)  # issue 13.1 for OffloadAdamW(state="auto", gpu_budget=G): GiB of optimizer state on
