@@ -3,6 +3,7 @@ that chunk is within the params look-ahead window, its copy to the compute devic
 by the worker, without the consumer asking: the next forward finds it fetched ahead. Also the
 pipeline's job choice: a grad job whose grads are still in flight does not hold the worker."""
 import threading
+import time
 
 import torch
 
@@ -63,6 +64,32 @@ def test_fetch_on_completion_keeps_results_exact():
         engine.close()
     for k in sds[0]:
         assert torch.equal(sds[0][k], sds[1][k]), k
+
+
+def test_drain_waits_for_the_workers_chunk_idle_calls():
+    # The worker calls on_chunk_idle (the fetch on completion) after taking the job off its
+    # queue; drain used to return while such a call still ran, and Engine.close then freed the
+    # chunk it was looking ahead at (a race seen in CI: "chunk 2 was discarded"). A slow call
+    # makes the race certain.
+    engine = _engine(prefetch_depth=2)
+    calls = {"started": 0, "finished": 0}
+    notify = engine.pipeline.on_chunk_idle
+
+    def slow(cid):
+        calls["started"] += 1
+        time.sleep(0.05)
+        notify(cid)
+        calls["finished"] += 1
+
+    engine.pipeline.on_chunk_idle = slow
+    try:
+        for b in gpt_batches(2):
+            engine.backward(gpt_loss(engine, b))
+            engine.step()
+            engine.pipeline.drain()
+            assert calls["started"] > 0 and calls["finished"] == calls["started"], calls
+    finally:
+        engine.close()
 
 
 class _Gate:

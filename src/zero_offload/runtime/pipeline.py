@@ -263,6 +263,7 @@ class StepPipeline:
         self._queue: list[_Queued] = []  # submitted, not finished (the running one included)
         self._seq = itertools.count()
         self._pending_grads = 0
+        self._notifying = 0  # ``on_chunk_idle`` calls running on the worker (``drain`` waits for them)
         self._sumsq = 0.0
         self._error: Optional[BaseException] = None
         self._closed = False
@@ -324,9 +325,10 @@ class StepPipeline:
         self._raise_if_failed()
 
     def drain(self) -> None:
-        """Block until every submitted job has run."""
+        """Block until every submitted job has run, its ``on_chunk_idle`` call included (a caller
+        that frees chunks next, as ``Engine.close`` does, must not race a prefetch it issues)."""
         with self._cv:
-            self._cv.wait_for(lambda: not self._queue or self._error is not None)
+            self._cv.wait_for(lambda: (not self._queue and not self._notifying) or self._error is not None)
         self._raise_if_failed()
 
     def take_grad_stats(self) -> float:
@@ -454,12 +456,17 @@ class StepPipeline:
                 idle = (self.on_chunk_idle is not None and self._error is None
                         and (isinstance(q.job, UpdateJob) or q.job.then is not None)
                         and not any(o.cid == q.cid for o in self._queue))
+                self._notifying += idle
                 self._cv.notify_all()
         if idle:
             try:
                 self.on_chunk_idle(q.cid)  # outside the lock: see [Note: lock order] (engine.py)
             except BaseException as e:
                 self._error = e
+            finally:
+                with self._cv:
+                    self._notifying -= 1
+                    self._cv.notify_all()
         if self.trace is not None:
             self.trace.span(type(q.job).__name__, run.t0, time.perf_counter(), cid=q.cid)
 
