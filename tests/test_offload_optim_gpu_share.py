@@ -140,3 +140,22 @@ def test_gpu_share_settings_are_checked_before_anything_changes():
     assert set(_homes(opt)) == {Tier.CPU}
     assert "state='auto'" in repr(opt)
     opt.close()
+
+
+def test_auto_with_nvme_dir_takes_no_disk_when_the_state_fits(tmp_path):
+    """nvme_dir is a place to spill, not a reservation: when every chunk fits the GPU share and
+    the host budget, no swap file is made; a group added later that would need NVMe is refused
+    (the swap space is sized by the constructor's params) and nothing changes."""
+    model = make_model(DEVICE)
+    opt = OffloadAdamW(model.parameters(), **HP, chunk_mb=CHUNK_MB, threads=1, state="auto",
+                       gpu_budget=PARTIAL, cpu_budget=1 << 20, nvme_dir=str(tmp_path))
+    assert Tier.NVME not in _homes(opt) and Tier.CPU in _homes(opt)
+    big = torch.nn.Parameter(torch.zeros(1 << 20, device=DEVICE))  # 12 MB of state: NVMe
+    groups = len(opt.param_groups)
+    with pytest.raises(ValueError, match=r"the swap space was sized for the params given to the "
+                                         r"constructor and has 0 bytes left"):
+        opt.add_param_group({"params": [big]})
+    assert len(opt.param_groups) == groups
+    train(model, opt, batches(2, device=DEVICE))
+    assert not list(tmp_path.iterdir())  # no swap space was made
+    opt.close()

@@ -498,8 +498,8 @@ class OffloadAdam(torch.optim.Optimizer):
         budgets = {Tier.CPU: self._cpu_budget}
         if self._left is not None:
             budgets[Tier.GPU] = self._gpu_budget
-        if self._nvme_need:
-            budgets[Tier.NVME] = max(ALIGNMENT, self._nvme_need)
+        if self._nvme_dir is not None:  # swap files are preallocated: exactly what the plan needs
+            budgets[Tier.NVME] = max(ALIGNMENT, self._nvme_need) if self._nvme_need else 0
         self._store = ChunkStore(StoreConfig(device=device if device.type == "cuda" else "cpu",
                                              budgets=budgets, nvme_dir=self._nvme_dir))
         self._group = ChunkGroup(self._store, hyper=self, adamw=self._adamw, payloads=_PAYLOADS,
