@@ -76,6 +76,20 @@ store's: the chunk's next update, which takes the buffer for writing, waits for 
 and with ``state="nvme"`` the host "master" the pipeline evicts after writing it home keeps its
 memory until they finish (lifetime). ``ChunkGroup.wait`` makes the caller's stream wait for them.
 
+[Note: GPU share of OffloadAdam] With ``state="auto", gpu_budget=G`` the chunks are placed in
+param order (``_place``): each chunk's fp32 master, moments and a flat buffer for its grads are
+homed on the params' device while they fit ``G`` (the first chunks: the first layers, which the
+next forward needs first; once one does not fit, the rest go to the host), then in host RAM,
+and, with ``nvme_dir``, on NVMe once ``cpu_budget`` less room to stage (``prefetch_depth`` + 1)
+chunks runs out (the swap space is sized to exactly those chunks). A chunk of the share never
+meets the worker: its grads are copied into the device buffer on the caller's stream as they
+come, and when the chunk's last grad is in, ``ChunkGroup.device_submit`` runs torch's fused
+Adam(W) on the same segments and hyperparameters CPU-Adam gets, on that stream, and the params
+are written from the master (rounded for bf16/fp16 params, as CPU-Adam rounds them). The
+caller's stream orders it all: nothing to wait for in ``step()``, ``overlap_forward`` or the
+data-parallel all-gathers. The state dict and ``load_state_dict`` go through host copies as for
+the other homes, so a state moves between placements.
+
 [Note: data parallel] With several ranks (DDP scripts; ``process_group``), each rank's store
 holds only its shard of every chunk (distributed.py, [Note: chunk shards]): fp32 master,
 moments and grads of 1/N of the elements, so the node's host memory holds the 12 bytes per param
