@@ -69,3 +69,38 @@ def test_crash_between_renames_falls_back_to_previous(tmp_path, monkeypatch):
         assert engine.global_step == 1
     finally:
         engine.close()
+
+
+def test_save_never_replaces_files_zero_offload_did_not_write(tmp_path):
+    """save_checkpoint replaces the directory at its path: a directory of the user's (no marker)
+    or a checkpoint someone saved a file into is refused before anything is written, and its
+    files stay; an empty directory and our own checkpoint are replaced. remove_checkpoint (the
+    CLI's clean-up) leaves a checkpoint holding a foreign file alone too."""
+    engine = zo.initialize(mlp(), optimizer=zo.AdamW(lr=1e-2), config=config(), device=DEVICE)
+    try:
+        train_engine(engine, mlp_batches(1), mlp_loss)
+        mine = tmp_path / "my_project"
+        mine.mkdir()
+        (mine / "notes.txt").write_text("the user's")
+        with pytest.raises(ckpt.CheckpointError, match=r"my_project is a directory zero_offload did not "
+                                                       r"write \(no \.zero_offload marker\)"):
+            engine.save_checkpoint(mine)
+        assert sorted(os.listdir(mine)) == ["notes.txt"] and sorted(os.listdir(tmp_path)) == ["my_project"]
+
+        path = tmp_path / "ckpt"
+        (tmp_path / "empty").mkdir()
+        engine.save_checkpoint(tmp_path / "empty")  # an empty directory takes the checkpoint
+        assert ckpt.is_zero_offload_checkpoint(tmp_path / "empty")
+        engine.save_checkpoint(path)
+        engine.save_checkpoint(path)  # our own checkpoint is replaced
+        (path / "config.json").write_text("{}")  # e.g. saved beside the weights by the user
+        with pytest.raises(ckpt.CheckpointError, match=r"holds 1 file\(s\) zero_offload did not write "
+                                                       r"\(config\.json\)"):
+            engine.save_checkpoint(path)
+        assert (path / "config.json").read_text() == "{}"
+        engine.load_checkpoint(path)  # still whole
+        assert not ckpt.remove_checkpoint(path) and (path / "config.json").exists()
+        (path / "config.json").unlink()
+        assert ckpt.remove_checkpoint(path) and not path.exists()
+    finally:
+        engine.close()

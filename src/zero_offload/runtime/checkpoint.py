@@ -24,7 +24,10 @@ the new one renamed into place, and the old one removed. A crash while writing l
 previous checkpoint untouched at the target (the temp dir is removed on the next save or by the
 failing save itself; a full disk is one ``CheckpointError``); a crash between the two renames
 leaves the previous one whole under its ``.old`` name, which ``load_checkpoint`` falls back to
-when the target is missing. Temp and ``.old`` dirs are removed only when they carry the marker.
+when the target is missing. Temp and ``.old`` dirs are removed only when they carry the marker
+and hold nothing else (``remove_checkpoint``); a target that is not empty is replaced only when
+it is such a directory: a directory of the user's, or a checkpoint someone saved another file
+into, is refused before anything is written.
 
 [Note: verified load] ``load_checkpoint`` checks everything before it writes anything: the
 manifest, every file's size and CRC-32, the format version, parameter names/shapes/trainable
@@ -38,6 +41,7 @@ the chunk files are read again while they are applied (from the page cache when 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import errno
@@ -47,6 +51,7 @@ import itertools
 import json
 import os
 import random
+import re
 import shutil
 import warnings
 import zlib
@@ -66,6 +71,7 @@ _MANIFEST_KIND = "zero_offload checkpoint manifest"
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _READ_BLOCK = 8 << 20
 _counter = itertools.count()
+_CHUNK_FILE = re.compile(r"chunk_\d{5,}\.pt")
 
 
 class CheckpointError(RuntimeError):
@@ -79,6 +85,13 @@ class CheckpointCorrupt(CheckpointError):
 
 def _chunk_file(i: int) -> str:
     return f"chunk_{i:05d}.pt"
+
+
+def _foreign(path: str) -> list[str]:
+    """The entries of a checkpoint directory that ``save_checkpoint`` did not write there (a
+    config or tokenizer file someone saved beside it, say)."""
+    ours = (MARKER, MANIFEST, META)
+    return sorted(e for e in os.listdir(path) if e not in ours and not _CHUNK_FILE.fullmatch(e))
 
 
 def _fsync_dir(path: str) -> None:
@@ -154,10 +167,11 @@ def is_zero_offload_checkpoint(path) -> bool:
 
 
 def remove_checkpoint(path) -> bool:
-    """Remove directory ``path`` if zero_offload wrote it (``is_zero_offload_checkpoint``);
-    anything else is left alone. Returns whether it was removed."""
+    """Remove directory ``path`` if zero_offload wrote it (``is_zero_offload_checkpoint``) and it
+    holds nothing else; anything else is left alone, a checkpoint someone added a file to
+    included. Returns whether it was removed."""
     path = os.fspath(path)
-    if os.path.islink(path) or not is_zero_offload_checkpoint(path):
+    if os.path.islink(path) or not is_zero_offload_checkpoint(path) or _foreign(path):
         return False
     shutil.rmtree(path, ignore_errors=True)
     return not os.path.exists(path)
@@ -308,6 +322,16 @@ def _write_checkpoint(engine, path, states: _ChunkStates) -> None:
             f"step() that completes the window")
     if os.path.exists(path) and not os.path.isdir(path):
         raise CheckpointError(f"{path} exists and is not a directory; pass a checkpoint directory path")
+    if os.path.isdir(path) and os.listdir(path):  # a save replaces the directory: never a user's
+        if not is_zero_offload_checkpoint(path):
+            raise CheckpointError(f"{path} is a directory zero_offload did not write (no {MARKER} marker); "
+                                  f"saving there would replace what it holds: pass a new directory or "
+                                  f"a checkpoint save_checkpoint wrote")
+        foreign = _foreign(path)
+        if foreign:
+            raise CheckpointError(f"{path} holds {len(foreign)} file(s) zero_offload did not write "
+                                  f"({', '.join(foreign[:3])}); saving there would remove them: move "
+                                  f"them out or pass another directory")
     _remove_stale(parent, name)
     tmp = os.path.join(parent, f".{name}.tmp-{os.getpid()}-{next(_counter)}")
     writing = tmp
@@ -361,8 +385,9 @@ def _write_checkpoint(engine, path, states: _ChunkStates) -> None:
         os.rename(path, old)
     os.rename(tmp, path)
     _fsync_dir(parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    if old is not None and not remove_checkpoint(old):  # (checked above: ours, or empty)
+        with contextlib.suppress(OSError):
+            os.rmdir(old)
 
 
 def _is_whole_dir(path: str) -> bool:
