@@ -100,3 +100,22 @@ def test_keep_fallback_and_orphans(run, tmp_path):
     assert names(ck) == ["step_0000003", "step_0000005", "step_0000011", "train_state.json"]
     assert (ck / "step_0000011" / "keep.txt").read_text() == "mine"
     ckpt.verify(ck / "step_0000005")
+
+
+def test_a_save_point_taken_by_a_directory_of_the_users_is_refused_before_training(run, tmp_path):
+    # this run saves step_0000002 (its last step) and step_0000001 (--save-every 1): a directory
+    # of the user's under either name would be replaced, so the run stops before any step with
+    # one line naming it; the user's files stay. step_0000099 is no save point: left alone.
+    ck = tmp_path / "ck"
+    for name in ("step_0000001", "step_0000099"):
+        (ck / name).mkdir(parents=True)
+        (ck / name / "w.pt").write_text("mine")
+    r = run("--steps", "2", "--save-every", "1", "--out", str(ck))
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"zero-offload: error: --out {ck} holds step_0000001, which zero_offload did not write (or which "
+        f"holds files it did not write), and this run saves a checkpoint under that name; move it out "
+        f"or pass another --out"]
+    assert "training started" not in r.stdout
+    assert names(ck) == ["step_0000001", "step_0000099"]
+    assert all((ck / n / "w.pt").read_text() == "mine" for n in names(ck))

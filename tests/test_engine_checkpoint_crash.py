@@ -83,7 +83,7 @@ def test_save_never_replaces_files_zero_offload_did_not_write(tmp_path):
         mine.mkdir()
         (mine / "notes.txt").write_text("the user's")
         with pytest.raises(ckpt.CheckpointError, match=r"my_project is a directory zero_offload did not "
-                                                       r"write \(no \.zero_offload marker\)"):
+                                                       r"write \(no \.zero_offload marker, or a link\)"):
             engine.save_checkpoint(mine)
         assert sorted(os.listdir(mine)) == ["notes.txt"] and sorted(os.listdir(tmp_path)) == ["my_project"]
 

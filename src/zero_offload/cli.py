@@ -152,7 +152,7 @@ def _checkpoints(state: Optional[dict]) -> list:
     return [{"name": state["checkpoint"], "step": state["step"]}] if state.get("checkpoint") else []
 
 
-def _check_run_dir(out: Path, previous: Optional[dict], *, replacing: bool) -> None:
+def _check_run_dir(out: Path, previous: Optional[dict], *, replacing: bool, steps: int, every: int) -> None:
     """--out may hold the user's files; zero_offload replaces only a state file it wrote (one of
     an older zero_offload, without the writer field, can still be resumed)."""
     if out.exists() and not out.is_dir():
@@ -160,6 +160,17 @@ def _check_run_dir(out: Path, previous: Optional[dict], *, replacing: bool) -> N
     if replacing and previous is not None and previous.get("writer") != _STATE_WRITER:
         raise UsageError(f"{out / STATE_FILE} was not written by this zero_offload (no "
                          f"\"writer\": \"{_STATE_WRITER}\"); remove it yourself or pass another --out")
+    # Checkpoints are saved as out/step_NNNNNNN at the save points: one there that
+    # save_checkpoint would refuse (not ours, or holding a file of someone's) is named now, not
+    # after the steps ran.
+    from .runtime.checkpoint import replaceable
+    for entry in sorted(out.iterdir()) if out.is_dir() else ():
+        n = int(entry.name[5:]) if _STEP_DIR.fullmatch(entry.name) else 0
+        saved = n == steps or (every > 0 and 0 < n < steps and n % every == 0)
+        if saved and not replaceable(entry):
+            raise UsageError(f"--out {out} holds {entry.name}, which zero_offload did not write (or "
+                             f"which holds files it did not write), and this run saves a checkpoint "
+                             f"under that name; move it out or pass another --out")
 
 
 def _clean_run_dir(out: Path, referenced: set) -> None:
@@ -240,7 +251,7 @@ def _resume(engine, out: Path, previous: dict) -> dict:
                   file=sys.stderr, flush=True)
         return entry
     raise CheckpointCorrupt(f"no whole checkpoint in {out}: " + "; ".join(damaged) +
-                            f" (no earlier one to fall back to); start again with --overwrite")
+                            " (no earlier one to fall back to); start again with --overwrite")
 
 
 def _tqdm():
@@ -300,7 +311,8 @@ def cmd_train(args) -> int:
                                          init=getattr(model, "init_param", None) if meta else None)
         stack.callback(engine.close)
         device = getattr(engine, "device", None) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        _check_run_dir(out, previous, replacing=not args.resume)
+        _check_run_dir(out, previous, replacing=not args.resume, steps=settings.steps,
+                       every=extras.get("save_every") or 0)
         resumed = None
         if args.resume:
             resumed = _resume(engine, out, previous)

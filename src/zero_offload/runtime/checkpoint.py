@@ -59,7 +59,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["save_checkpoint", "load_checkpoint", "verify", "is_zero_offload_checkpoint",
+__all__ = ["save_checkpoint", "load_checkpoint", "verify", "is_zero_offload_checkpoint", "replaceable",
            "remove_checkpoint", "CheckpointError", "CheckpointCorrupt", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
@@ -164,6 +164,15 @@ def is_zero_offload_checkpoint(path) -> bool:
             return f.read(len(_MARKER_TEXT) + 1) == _MARKER_TEXT
     except (OSError, UnicodeDecodeError):
         return False
+
+
+def replaceable(path) -> bool:
+    """Whether ``save_checkpoint`` may replace directory ``path``: it is missing or empty, or a
+    checkpoint zero_offload wrote holding nothing else."""
+    path = os.fspath(path)
+    if not os.path.isdir(path) or not os.listdir(path):
+        return True
+    return not os.path.islink(path) and is_zero_offload_checkpoint(path) and not _foreign(path)
 
 
 def remove_checkpoint(path) -> bool:
@@ -322,16 +331,15 @@ def _write_checkpoint(engine, path, states: _ChunkStates) -> None:
             f"step() that completes the window")
     if os.path.exists(path) and not os.path.isdir(path):
         raise CheckpointError(f"{path} exists and is not a directory; pass a checkpoint directory path")
-    if os.path.isdir(path) and os.listdir(path):  # a save replaces the directory: never a user's
-        if not is_zero_offload_checkpoint(path):
-            raise CheckpointError(f"{path} is a directory zero_offload did not write (no {MARKER} marker); "
-                                  f"saving there would replace what it holds: pass a new directory or "
-                                  f"a checkpoint save_checkpoint wrote")
-        foreign = _foreign(path)
+    if not replaceable(path):  # a save replaces the directory: never a user's
+        foreign = _foreign(path) if is_zero_offload_checkpoint(path) else None
         if foreign:
             raise CheckpointError(f"{path} holds {len(foreign)} file(s) zero_offload did not write "
                                   f"({', '.join(foreign[:3])}); saving there would remove them: move "
                                   f"them out or pass another directory")
+        raise CheckpointError(f"{path} is a directory zero_offload did not write (no {MARKER} marker, "
+                              f"or a link); saving there would replace what it holds: pass a new "
+                              f"directory or a checkpoint save_checkpoint wrote")
     _remove_stale(parent, name)
     tmp = os.path.join(parent, f".{name}.tmp-{os.getpid()}-{next(_counter)}")
     writing = tmp
