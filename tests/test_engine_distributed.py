@@ -99,8 +99,10 @@ def _resume_rank(rank, world, ckpt):
         engine.backward(loss)
         engine.step()
     sd = engine.state_dict()
+    # the export is collective too: rank 0 writes the gathered chunks, shard by shard
+    files = engine.save_weights(os.path.join(os.path.dirname(ckpt), "export"), shard_size=8_000)
     engine.close()
-    return sd
+    return sd, files
 
 
 def test_checkpoint_written_by_two_ranks_resumes_on_two_and_on_one(tmp_path):
@@ -110,8 +112,14 @@ def test_checkpoint_written_by_two_ranks_resumes_on_two_and_on_one(tmp_path):
     assert verify(ckpt)
     ref = _reference(6, 1)
     two = values(run_ranks(_resume_rank, WORLD, tmp_path / "b", ckpt, timeout_s=120))
-    for sd in two:
+    for sd, _ in two:
         assert_params_close(sd, ref.master_state(), rtol=1e-5)
+    (sd, files), (_, none) = two
+    assert none == [] and len(files) > 2
+    from safetensors.torch import load_file
+    exported = {k: v for f in files if f.endswith(".safetensors") for k, v in load_file(f).items()}
+    assert set(exported) == set(sd) - {"lm_head.weight"}
+    assert all(torch.equal(v, sd[k]) for k, v in exported.items())
     # one process (no group) takes the whole global batch: resharded from 2 ranks to 1
     engine = zo.initialize(micro_gpt(seed=5), optimizer=SPEC, config=_config(None), device="cpu",
                            process_group=None)

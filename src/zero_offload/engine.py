@@ -1556,6 +1556,35 @@ class Engine:
                 out[key] = t
         return out
 
+    def save_weights(self, path, *, dtype: Optional[torch.dtype] = None, shard_size="5GB") -> list:
+        """Write the model's weights (fp32, or ``dtype``: torch.bfloat16 / torch.float16; buffers
+        included) to directory ``path`` as safetensors shards of at most ``shard_size`` in the
+        Hugging Face layout, chunk by chunk: host memory holds one shard and one chunk, not the
+        model (``state_dict()`` holds it all). ``path`` must be new or an empty directory; the
+        files appear there only when whole (see weights.py). Loads back with
+        ``initialize(model, weights=path)``. Collective with several ranks (rank 0 writes).
+        Returns the files written (rank 0; [] on the others)."""
+        from .weights import ShardedWriter
+        self._require_idle("save_weights")
+        writer = ShardedWriter(path, dtype=dtype, shard_size=shard_size, write=self.shard.rank == 0)
+        try:
+            for s, value in self._slot_values():  # every rank takes part in every gather
+                writer.add(s.name, value)
+            for key, t in self.module.state_dict(keep_vars=True).items():
+                if isinstance(t, torch.Tensor) and self.partition.slot_of(t) is None:
+                    writer.add(key, t)
+            for file, attr in (("config.json", "config"), ("generation_config.json", "generation_config")):
+                hf = getattr(self.module, attr, None)  # a Hugging Face model: from_pretrained reads these
+                if callable(getattr(hf, "to_json_string", None)):
+                    writer.add_text(file, hf.to_json_string())
+        except BaseException:
+            writer.abort()
+            raise
+        if not self.agree(writer.error is None) and writer.error is None:
+            writer.abort()
+            raise RuntimeError(f"save_weights: rank 0 could not write {path} (its error says why)")
+        return writer.close()
+
     @contextlib.contextmanager
     def gathered(self) -> Iterator[nn.Module]:
         """``with engine.gathered() as model:`` the parameters hold their current fp32 values on
