@@ -27,8 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["GPTConfig", "GPT", "Block", "PRESETS", "preset", "build", "from_hf", "HFCausalLM",
-           "flops_per_token", "generate"]
+__all__ = ["GPTConfig", "GPT", "Block", "PRESETS", "preset", "build", "from_hf", "HFCausalLM", "generate"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,10 +70,6 @@ class GPTConfig:
                 f"pick n_head among the divisors of d_model, e.g. {self.d_model // 64 or 1}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
 
     def num_params(self, *, include_position: bool = True) -> int:
         """Closed-form parameter count (equals ``GPT(cfg).num_params()``; no allocation)."""
@@ -122,13 +117,6 @@ def preset(name: str, **overrides) -> GPTConfig:
     except KeyError:
         raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}") from None
     return dataclasses.replace(cfg, **overrides) if overrides else cfg
-
-
-def flops_per_token(model: nn.Module, seq_len: int) -> int:
-    """6·P + 12·L·H·S for a GPT or an HFCausalLM (P counted from the module's parameters)."""
-    if isinstance(model, (GPT, HFCausalLM)):
-        return model.flops_per_token(seq_len)
-    raise TypeError(f"flops_per_token needs a GPT or HFCausalLM, got {type(model).__name__}")
 
 
 class CausalSelfAttention(nn.Module):
@@ -334,15 +322,12 @@ def generate(forward: Callable[[torch.Tensor], torch.Tensor], idx: torch.Tensor,
 
 # --------------------------------------------------------------------------- Hugging Face
 
-_HF_INSTALL_HINT = ("zero_offload.models.from_hf needs the 'transformers' package, which is not "
-                    "installed; `pip install transformers` (or use a GPT preset)")
-
-
 def _transformers():
     try:
         import transformers
     except ImportError as e:
-        raise ImportError(_HF_INSTALL_HINT) from e
+        raise ImportError("zero_offload.models.from_hf needs the 'transformers' package, which is not "
+                          "installed; `pip install transformers` (or use a GPT preset)") from e
     return transformers
 
 
@@ -366,13 +351,6 @@ class HFCausalLM(nn.Module):
     def flops_per_token(self, seq_len: Optional[int] = None) -> int:
         s = self.seq_len if seq_len is None else seq_len
         return 6 * self.num_params() + 12 * self.n_layer * self.d_model * s
-
-    def set_activation_checkpointing(self, enabled: bool = True) -> None:
-        if enabled:
-            self.hf_model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            self.hf_model.gradient_checkpointing_disable()
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         logits = self.hf_model(input_ids=idx, use_cache=False).logits
