@@ -59,7 +59,6 @@ from .run_settings import (
     _positive_int,
     _nonneg_int,
     _positive_float,
-    _depths,
     _one_line,
     _is_temp_swap,
     _flag_name,
@@ -155,8 +154,6 @@ def _checkpoints(state: Optional[dict]) -> list:
 def _check_run_dir(out: Path, previous: Optional[dict], *, replacing: bool, steps: int, every: int) -> None:
     """--out may hold the user's files; zero_offload replaces only a state file it wrote (one of
     an older zero_offload, without the writer field, can still be resumed)."""
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} is a file; pass a directory (it is created if missing)")
     if replacing and previous is not None and previous.get("writer") != _STATE_WRITER:
         raise UsageError(f"{out / STATE_FILE} was not written by this zero_offload (no "
                          f"\"writer\": \"{_STATE_WRITER}\"); remove it yourself or pass another --out")
@@ -295,10 +292,7 @@ def cmd_train(args) -> int:
         torch.manual_seed(settings.seed)
         model, seq_len = build_model(settings)
         corpus = CharCorpus.default()
-        if _is_temp_swap(cfg.nvme_dir):
-            where = f"{cfg.nvme_dir} (temporary)"
-        else:
-            where = cfg.nvme_dir
+        where = f"{cfg.nvme_dir} (temporary)" if _is_temp_swap(cfg.nvme_dir) else cfg.nvme_dir
         n_params = sum(p.numel() for p in model.parameters())
         say(f"zero-offload train: {_describe_model(settings)} ({n_params / 1e6:.2f}M params), "
               f"device {'cuda' if torch.cuda.is_available() else 'cpu'}" +
@@ -310,7 +304,7 @@ def cmd_train(args) -> int:
         engine = zero_offload.initialize(model, optimizer=spec, config=cfg,
                                          init=getattr(model, "init_param", None) if meta else None)
         stack.callback(engine.close)
-        device = getattr(engine, "device", None) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = engine.device
         _check_run_dir(out, previous, replacing=not args.resume, steps=settings.steps,
                        every=extras.get("save_every") or 0)
         resumed = None
@@ -691,8 +685,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bp = bsub.add_parser("prefetch", help=bench_prefetch.HELP, description=bench_prefetch.DESCRIPTION,
                          epilog=PRECEDENCE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench_prefetch.add_arguments(bp, depths_type=_depths, nonneg_int=_nonneg_int, positive_int=_positive_int,
-                                 positive_float=_positive_float)
+    bench_prefetch.add_arguments(bp)
     _add_run_flags(bp, what="small on CPU, 1.3b on CUDA")
     _add_debug_flag(bp)
     bp.set_defaults(func=cmd_bench_prefetch)

@@ -434,9 +434,7 @@ def run(args) -> int:
             engine = zero_offload.initialize(model, optimizer=spec,
                                              config=dataclasses.replace(cfg, prefetch_depth=depth))
             stack.callback(engine.close)
-            device = torch.device(getattr(engine, "device", None) or
-                                  ("cuda" if torch.cuda.is_available() else "cpu"))
-            r = _Runner(depth=depth, engine=engine, model=model, device=device)
+            r = _Runner(depth=depth, engine=engine, model=model, device=engine.device)
             for _ in range(args.warmup):  # the first records the access order
                 _step(r, corpus, settings, seq_len, timed=False)
             engine.synchronize()
@@ -449,11 +447,8 @@ def run(args) -> int:
               f"{args.block} timed steps, at least {settings.steps} timed steps per depth, until the depths "
               f"separate or {args.max_seconds:g} s pass", flush=True)
 
-        def samples() -> dict:
-            return {r.depth: r.times for r in runners}
-
         def verdict(n: int) -> Decision:
-            return decide(samples(), baseline=baseline, tolerance=args.tolerance,
+            return decide({r.depth: r.times for r in runners}, baseline=baseline, tolerance=args.tolerance,
                           confidence=args.confidence, block=args.block)
 
         t0 = time.perf_counter()
@@ -494,7 +489,7 @@ def run(args) -> int:
         "machine": {"hardware": _hardware_slug(), "host": platform.node(), "cpus": os.cpu_count(),
                     "torch": torch.__version__},
         "model": _describe_model(settings), "batch_size": settings.batch_size, "seq_len": seq_len,
-        "offload": cfg.to_dict() if hasattr(cfg, "to_dict") else str(cfg),
+        "offload": cfg.to_dict(),
         "warmup_steps": args.warmup, "min_steps": settings.steps, "block": args.block,
         "max_seconds": args.max_seconds, "measure_s": measure_s, "rounds": rounds, "looks": looks,
         "tolerance": args.tolerance, "recommended_depth": decision.recommended,
@@ -533,20 +528,22 @@ Memory: all engines live at once (the number of depths x the model's homes); "au
 are split evenly between them."""
 
 
-def add_arguments(p, *, depths_type, nonneg_int, positive_int, positive_float) -> None:
+def add_arguments(p) -> None:
     """The flags of ``bench prefetch`` (the model/offload flags are the CLI's run flags)."""
-    p.add_argument("--depths", type=depths_type, default=list(DEFAULT_DEPTHS),
+    from ..run_settings import _depths, _nonneg_int, _positive_float, _positive_int
+
+    p.add_argument("--depths", type=_depths, default=list(DEFAULT_DEPTHS),
                    help="comma-separated (default 0,1,2,4,8); the baseline is added when missing")
-    p.add_argument("--max-seconds", type=positive_float, default=DEFAULT_MAX_SECONDS, metavar="S",
+    p.add_argument("--max-seconds", type=_positive_float, default=DEFAULT_MAX_SECONDS, metavar="S",
                    help=f"stop measuring after this many seconds when the depths have not separated "
                         f"(default {DEFAULT_MAX_SECONDS:g}; building the engines comes on top; a round "
                         f"started finishes)")
-    p.add_argument("--block", type=positive_int, default=DEFAULT_BLOCK, metavar="N",
+    p.add_argument("--block", type=_positive_int, default=DEFAULT_BLOCK, metavar="N",
                    help=f"timed steps per depth in each round (default {DEFAULT_BLOCK}; each block "
                         f"starts with 1 untimed settle step)")
-    p.add_argument("--warmup", type=nonneg_int, default=2, help="untimed steps per engine after building "
+    p.add_argument("--warmup", type=_nonneg_int, default=2, help="untimed steps per engine after building "
                    "it (default 2; the first records the access order)")
-    p.add_argument("--tolerance", type=positive_float, default=0.03,
+    p.add_argument("--tolerance", type=_positive_float, default=0.03,
                    help="smallest gain over the baseline worth recommending, and the margin within "
                         "which the smallest faster depth is preferred (default 0.03)")
     p.add_argument("--confidence", type=_confidence, default=0.95,
