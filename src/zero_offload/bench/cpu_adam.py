@@ -38,7 +38,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -48,6 +47,7 @@ from typing import Callable, Optional
 import torch
 
 from ..ops.cpu_adam import CPUAdam, adam_step, default_threads, isa, set_isa
+from . import cpu_model
 
 BYTES_PER_PARAM = 28  # see the module docstring
 BYTES_PER_PARAM_BF16_MOMENTS = 20  # fp32 param r+w 8, bf16 exp_avg, exp_avg_sq r+w 8, bf16 grad, bf16 copy
@@ -86,17 +86,6 @@ def parse_size(text: str) -> int:
     text = text.strip().upper()
     scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:], 1)
     return int(float(text[:-1] if scale != 1 else text) * scale)
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def time_once(fn: Callable[[], None]) -> float:
@@ -170,31 +159,21 @@ def bench_size(numel: int, *, repeats: int, threads: int, cases: str, with_forea
     impls: dict[tuple[str, str], Callable[[], None]] = {}
     keep = []  # optimizers and buffers alive for the whole size
 
-    def param():
+    def param(grad=None):
         p = torch.randn(numel, generator=gen).requires_grad_()
+        p.grad = grad
         keep.append(p)
         return p
 
-    if "a" in cases:
-        p_ours = param()
-        p_ours.grad = grad32
-        ours = CPUAdam([p_ours], threads=threads, decoupled_weight_decay=True, **HYPER)
-        impls[("a", "zero_offload CPUAdam")] = ours.step
-        p_fused = param()
-        p_fused.grad = grad32
-        fused = torch.optim.AdamW([p_fused], fused=True, **HYPER)
-        impls[("a", "torch Adam fused")] = fused.step
+    if "a" in cases:  # each optimizer its own param (same fp32 grads); impls holds the optimizers
+        impls[("a", "zero_offload CPUAdam")] = CPUAdam(
+            [param(grad32)], threads=threads, decoupled_weight_decay=True, **HYPER).step
+        impls[("a", "torch Adam fused")] = torch.optim.AdamW([param(grad32)], fused=True, **HYPER).step
         if with_foreach:
-            p_foreach = param()
-            p_foreach.grad = grad32
-            foreach = torch.optim.AdamW([p_foreach], foreach=True, **HYPER)
-            impls[("a", "torch Adam foreach")] = foreach.step
+            impls[("a", "torch Adam foreach")] = torch.optim.AdamW(
+                [param(grad32)], foreach=True, **HYPER).step
         if ds_cls is not None:
-            p_ds = param()
-            p_ds.grad = grad32
-            ds = ds_cls([p_ds], adamw_mode=True, **HYPER)
-            impls[("a", "DeepSpeedCPUAdam")] = ds.step
-        keep += [ours, fused]
+            impls[("a", "DeepSpeedCPUAdam")] = ds_cls([param(grad32)], adamw_mode=True, **HYPER).step
 
     if "b" in cases:
         flat = torch.randn(numel, generator=gen)

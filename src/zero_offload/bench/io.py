@@ -31,6 +31,7 @@ import time
 import torch
 
 from ..runtime.swap_io import AioEngine, SwapSpace, aligned_empty
+from . import cpu_model
 
 MIB = 1 << 20
 DD_BLOCK = 16 * MIB
@@ -56,16 +57,8 @@ class Result:
 
 
 def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return {"cpu": cpu, "cores": os.cpu_count(), "gpu": gpu, "kernel": platform.release()}
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "gpu": gpu, "kernel": platform.release()}
 
 
 def fs_info(directory: str) -> str:
