@@ -17,13 +17,12 @@ registration runs on a CPU-only machine.
 """
 from __future__ import annotations
 
-import bisect
 import threading
 from dataclasses import dataclass, field
 
 import torch
 
-from .swap_io import aligned_empty
+from .swap_io import aligned_empty, give_extent, take_extent
 from .vocab import ALIGNMENT, round_up
 
 __all__ = ["PinnedPool", "PoolBuffer", "PoolStats"]
@@ -38,7 +37,7 @@ class _Slab:
     grown: bool
     """True for a slab added after construction (see [Note: pool growth])."""
     free: list[tuple[int, int]] = field(default_factory=list)
-    """Sorted, non-adjacent (offset, nbytes) extents that no buffer holds."""
+    """Sorted, non-adjacent (offset, nbytes) extents that no buffer holds (swap_io.take_extent)."""
 
     @property
     def nbytes(self) -> int:
@@ -46,32 +45,6 @@ class _Slab:
 
     def idle(self) -> bool:
         return self.free == [(0, self.nbytes)]
-
-    def take(self, nbytes: int) -> int | None:
-        """First fit: the offset of a free extent of ``nbytes`` carved out, or None."""
-        for i, (off, size) in enumerate(self.free):
-            if size >= nbytes:
-                if size == nbytes:
-                    del self.free[i]
-                else:
-                    self.free[i] = (off + nbytes, size - nbytes)
-                return off
-        return None
-
-    def give(self, off: int, nbytes: int) -> None:
-        """Return an extent, merging it with free neighbours."""
-        i = bisect.bisect_left(self.free, (off, 0))
-        if i < len(self.free) and self.free[i][0] < off + nbytes or \
-                i > 0 and sum(self.free[i - 1]) > off:
-            raise RuntimeError(f"pinned pool: extent at {off} ({nbytes} bytes) returned twice")
-        if i < len(self.free) and self.free[i][0] == off + nbytes:
-            nbytes += self.free[i][1]
-            del self.free[i]
-        if i > 0 and sum(self.free[i - 1]) == off:
-            off, nbytes = self.free[i - 1][0], self.free[i - 1][1] + nbytes
-            del self.free[i - 1]
-            i -= 1
-        self.free.insert(i, (off, nbytes))
 
 
 @dataclass(eq=False)
@@ -97,9 +70,8 @@ class PoolBuffer:
 class PoolStats:
     """Counters of pool events (not of bytes held: those are derived from the slabs)."""
 
-    acquires: int = 0
     grows: int = 0
-    trims: int = 0
+    """Slabs added because a request fit nowhere (see [Note: pool growth])."""
 
 
 class PinnedPool:
@@ -149,9 +121,8 @@ class PinnedPool:
             raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
         size = round_up(nbytes, ALIGNMENT)
         with self._lock:
-            self.stats.acquires += 1
             for slab in self._slabs:
-                off = slab.take(size)
+                off = take_extent(slab.free, size)
                 if off is not None:
                     return PoolBuffer(raw=slab.memory[off:off + size], slab=slab, offset=off)
             if not self.growable:
@@ -163,7 +134,7 @@ class PinnedPool:
             slab = self._new_slab(size, grown=True)
             self._slabs.append(slab)
             self.stats.grows += 1
-            off = slab.take(size)
+            off = take_extent(slab.free, size)
             return PoolBuffer(raw=slab.memory[off:off + size], slab=slab, offset=off)
 
     def release(self, buf: PoolBuffer) -> None:
@@ -172,12 +143,11 @@ class PinnedPool:
             if buf.released:
                 raise RuntimeError("pinned pool: buffer released twice")
             buf.released = True
-            buf.slab.give(buf.offset, buf.nbytes)
+            give_extent(buf.slab.free, buf.offset, buf.nbytes, owner="pinned pool")
 
     def trim(self) -> int:
         """Free grown slabs that hold no buffer; returns the bytes given back."""
         with self._lock:
             idle = [s for s in self._slabs if s.grown and s.idle()]
             self._slabs = [s for s in self._slabs if s not in idle]
-            self.stats.trims += len(idle)
             return sum(s.nbytes for s in idle)

@@ -283,6 +283,37 @@ def _wait_quietly(handle) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Free extents: first fit over sorted (offset, nbytes) pairs (SwapSpace's file, PinnedPool's slabs)
+
+
+def take_extent(free: list, nbytes: int) -> int | None:
+    """First fit: carve ``nbytes`` out of ``free`` (sorted, non-adjacent ``(offset, nbytes)``
+    extents) and return its offset, or None when no extent is large enough."""
+    for i, (off, size) in enumerate(free):
+        if size >= nbytes:
+            if size == nbytes:
+                del free[i]
+            else:
+                free[i] = (off + nbytes, size - nbytes)
+            return off
+    return None
+
+
+def give_extent(free: list, off: int, nbytes: int, *, owner: str) -> None:
+    """Return an extent to ``free``, merging it with free neighbours; ``owner`` names the memory
+    in the error raised for an extent that is free already."""
+    i = bisect.bisect_left(free, (off, 0))
+    if i < len(free) and free[i][0] < off + nbytes or i > 0 and sum(free[i - 1]) > off:
+        raise RuntimeError(f"{owner}: extent at {off} ({nbytes} bytes) returned twice")
+    if i < len(free) and free[i][0] == off + nbytes:
+        nbytes += free.pop(i)[1]
+    if i > 0 and sum(free[i - 1]) == off:
+        i -= 1
+        off, nbytes = free[i][0], free.pop(i)[1] + nbytes
+    free.insert(i, (off, nbytes))
+
+
+# ---------------------------------------------------------------------------------------------
 # Swap space
 
 
@@ -574,10 +605,8 @@ def swap_dir_problem(directory) -> str | None:
             return None  # e.g. a parent we may not search: prepare_swap_dir reports it
     if stat.S_ISDIR(st.st_mode):
         return None
-    kind = "a regular file" if stat.S_ISREG(st.st_mode) else "not a directory"
-    if probe == path:
-        return f"is {kind}, not a directory" if kind != "not a directory" else "is not a directory"
-    return f"cannot be created: {probe!r} is {kind}" + (", not a directory" if kind != "not a directory" else "")
+    kind = "a regular file, not a directory" if stat.S_ISREG(st.st_mode) else "not a directory"
+    return f"is {kind}" if probe == path else f"cannot be created: {probe!r} is {kind}"
 
 
 def _unwritable(err: int, name: str, path: str, *, action: str = "create swap files in") -> OSError:
@@ -688,7 +717,7 @@ class SwapSpace:
         except OSError as e:
             raise _unwritable(e.errno, "swap directory", directory) from None
         path = os.path.join(private, SWAP_FILE)
-        fd = -1
+        fd = None
         try:
             owner = os.open(os.path.join(private, OWNER_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
                             0o600)
@@ -709,21 +738,18 @@ class SwapSpace:
                                        f"{e.strerror}; lower capacity_bytes or free space", path) from None
             finally:
                 os.close(prealloc)
-            if mode is IoMode.BUFFERED:
-                fd = -1
-            else:
-                fd = _probe_direct(path)
-                if fd is None and mode is IoMode.DIRECT:
-                    raise OSError(errno.EINVAL, f"the file system of {directory!r} does not support O_DIRECT; "
-                                                f"pass mode=None (fall back to buffered) or another directory",
-                                  directory)
-            self.mode = IoMode.DIRECT if fd is not None and fd >= 0 else IoMode.BUFFERED
-            if self.mode is IoMode.BUFFERED:
+            fd = None if mode is IoMode.BUFFERED else _probe_direct(path)
+            if fd is None and mode is IoMode.DIRECT:
+                raise OSError(errno.EINVAL, f"the file system of {directory!r} does not support O_DIRECT; "
+                                            f"pass mode=None (fall back to buffered) or another directory",
+                              directory)
+            self.mode = IoMode.BUFFERED if fd is None else IoMode.DIRECT
+            if fd is None:
                 fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
             self._owns_engine = engine is None
             self.engine = engine if engine is not None else AioEngine()
         except BaseException:
-            if fd is not None and fd >= 0:
+            if fd is not None:
                 os.close(fd)
             _remove_created(path, private)
             raise
@@ -734,7 +760,7 @@ class SwapSpace:
         self._lock = threading.Lock()
         self._files = _Files(directory=private, path=path, fd=fd, in_flight=set(), lock=self._lock)
         self._finalizer = weakref.finalize(self, self._files.remove)
-        self._free: list[list[int]] = [[0, capacity]]  # sorted [offset, size] extents
+        self._free: list[tuple[int, int]] = [(0, capacity)]  # see take_extent
         self._slots: dict[int, _SlotRecord] = {}  # offset -> record of each allocated slot
 
     @property
@@ -760,15 +786,11 @@ class SwapSpace:
         size = round_up(nbytes)
         with self._lock:
             self._check_open()
-            for i, (offset, extent) in enumerate(self._free):
-                if extent >= size:
-                    if extent == size:
-                        del self._free[i]
-                    else:
-                        self._free[i] = [offset + size, extent - size]
-                    slot = Slot(offset=offset, nbytes=nbytes)
-                    self._slots[offset] = _SlotRecord(slot=slot)
-                    return slot
+            offset = take_extent(self._free, size)
+            if offset is not None:
+                slot = Slot(offset=offset, nbytes=nbytes)
+                self._slots[offset] = _SlotRecord(slot=slot)
+                return slot
             largest = max((extent for _, extent in self._free), default=0)
         raise RuntimeError(f"swap space full: a slot of {size} bytes does not fit (capacity {self.capacity_bytes}, "
                            f"largest free extent {largest}); create the SwapSpace with a larger capacity_bytes")
@@ -782,14 +804,7 @@ class SwapSpace:
         if last is not None:
             _wait_quietly(last)
         with self._lock:
-            start, size = slot.offset, slot.padded_nbytes
-            i = bisect.bisect_left(self._free, [start, size])
-            self._free.insert(i, [start, size])
-            # merge with the next extent, then with the previous one
-            if i + 1 < len(self._free) and start + size == self._free[i + 1][0]:
-                self._free[i][1] += self._free.pop(i + 1)[1]
-            if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == start:
-                self._free[i - 1][1] += self._free.pop(i)[1]
+            give_extent(self._free, slot.offset, slot.padded_nbytes, owner=f"swap space {self.path}")
 
     # ---- transfers
 
