@@ -84,11 +84,9 @@ def _as_float(owner: str, name: str, value: Any, *, minimum: float | None = None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _fail(owner, name, value, expected, fix)
     value = float(value)
-    if not math.isfinite(value):
-        raise _fail(owner, name, value, expected, fix)
-    if minimum is not None and (value < minimum or (not min_inclusive and value == minimum)):
-        raise _fail(owner, name, value, expected, fix)
-    if maximum is not None and (value > maximum or (not max_inclusive and value == maximum)):
+    low = minimum is not None and (value < minimum if min_inclusive else value <= minimum)
+    high = maximum is not None and (value > maximum if max_inclusive else value >= maximum)
+    if not math.isfinite(value) or low or high:
         raise _fail(owner, name, value, expected, fix)
     return value
 
@@ -408,7 +406,7 @@ class OffloadConfig:
         setv("io_block_size", _as_int(o, "io_block_size", self.io_block_size, minimum=4096))
         if self.io_block_size % 4096:
             raise _fail(o, "io_block_size", self.io_block_size, "a multiple of 4096 (O_DIRECT)",
-                        f"e.g. {(self.io_block_size // 4096 + 1) * 4096}")
+                        f"e.g. {round_up(self.io_block_size)}")
         setv("io_queue_depth", _as_int(o, "io_queue_depth", self.io_queue_depth, minimum=1))
         if not isinstance(self.overlap, bool):
             raise _fail(o, "overlap", self.overlap, "True or False")
@@ -442,11 +440,8 @@ class OffloadConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able values (enums as their strings); ``from_dict`` reads it back."""
-        out = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            out[f.name] = v.value if isinstance(v, enum.Enum) else v
-        return out
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {k: v.value if isinstance(v, enum.Enum) else v for k, v in values.items()}
 
     def to_json(self, path: str | os.PathLike) -> None:
         """Write ``to_dict()`` as JSON."""
@@ -763,10 +758,6 @@ def translate_deepspeed(ds: Mapping[str, Any] | str | os.PathLike) -> DeepSpeedT
                                 ignored=tuple(ignored), notes=tuple(notes))
 
 
-def _is_deepspeed(d: Mapping) -> bool:
-    return "zero_optimization" in d
-
-
 def load_config(obj: Any) -> tuple[OffloadConfig, Adam | None]:
     """Any accepted form of configuration -> ``(OffloadConfig, optimizer spec or None)``.
 
@@ -782,7 +773,7 @@ def load_config(obj: Any) -> tuple[OffloadConfig, Adam | None]:
     if not isinstance(obj, Mapping):
         raise TypeError(f"load_config expects an OffloadConfig, a dict or a JSON path, got "
                         f"{type(obj).__name__}")
-    if _is_deepspeed(obj):
+    if "zero_optimization" in obj:  # a DeepSpeed config
         t = translate_deepspeed(obj)
         t.warn()
         return t.config, t.optimizer

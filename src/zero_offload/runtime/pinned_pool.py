@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .swap_io import aligned_empty, give_extent, take_extent
-from .vocab import ALIGNMENT, round_up
+from .vocab import round_up
 
 __all__ = ["PinnedPool", "PoolBuffer", "PoolStats"]
 
@@ -119,7 +119,7 @@ class PinnedPool:
         """A buffer of ``round_up(nbytes, 4096)`` bytes, carved first-fit from the slabs."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
-        size = round_up(nbytes, ALIGNMENT)
+        size = round_up(nbytes)
         with self._lock:
             for slab in self._slabs:
                 off = take_extent(slab.free, size)
