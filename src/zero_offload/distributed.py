@@ -127,10 +127,8 @@ def bind_to_cores(cores: "list[int]") -> None:
     """Every thread of this process runs on ``cores`` from now on (threads started later inherit
     it from the thread that starts them), as ``numactl --physcpubind`` for the running process."""
     for tid in os.listdir("/proc/self/task"):
-        try:
+        with contextlib.suppress(OSError):  # a thread that just ended
             os.sched_setaffinity(int(tid), cores)
-        except OSError:  # a thread that just ended
-            pass
 
 
 def threads_per_rank(cuda: bool) -> int:

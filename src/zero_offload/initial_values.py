@@ -52,9 +52,8 @@ class InitialValues:
         self.model = model
         self.partition = partition
         self.init = init
-        self.files: dict[str, str] = {}  # tensor name -> safetensors file holding it
-        if weights is not None:
-            self.files = _index(weights)
+        # tensor name -> safetensors file holding it
+        self.files: dict[str, str] = {} if weights is None else _index(weights)
         self._owner = {}  # slot index -> module holding it first (module order)
         for module in model.modules():
             for p in module._parameters.values():
@@ -68,8 +67,8 @@ class InitialValues:
     def check(self) -> None:
         """Raise (one line naming the problem and the fix) before anything is allocated."""
         meta_buffers = self._meta_buffers()
-        if meta_buffers and not all(k in self.files for k in meta_buffers):
-            missing = [k for k in meta_buffers if k not in self.files]
+        missing = [k for k in meta_buffers if k not in self.files]
+        if missing:
             raise ValueError(f"buffer {missing[0]!r} is on the meta device and no weights file holds it; "
                              f"zero_offload fills parameters only: create buffers on the CPU (register "
                              f"them after building the model on meta) or save them in the weights")
@@ -89,8 +88,7 @@ class InitialValues:
             if bad:
                 raise ValueError(f"weights of the wrong shape: {'; '.join(bad[:5])}; pass the checkpoint "
                                  f"saved from this architecture and size")
-            known = set(self.partition.names) | set(meta_buffers) | {
-                k for k in self.model.state_dict(keep_vars=True)}
+            known = set(self.partition.names) | set(meta_buffers) | set(self.model.state_dict(keep_vars=True))
             extra = [k for k in self.files if k not in known]
             if extra:
                 warnings.warn(f"initialize: the weights hold {len(extra)} tensor(s) the model does not "
@@ -108,10 +106,7 @@ class InitialValues:
                         f"(e.g. GPT.init_param), or weights='path/to/safetensors'")
 
     def _key(self, slot) -> Optional[str]:
-        for name in self._aliases.get(slot.index, [slot.name]):
-            if name in self.files:
-                return name
-        return None
+        return next((name for name in self._aliases.get(slot.index, [slot.name]) if name in self.files), None)
 
     def fill(self, layout: ChunkLayout, flat: torch.Tensor) -> None:
         """Write the first values of the chunk's slots into ``flat`` (the chunk's elements) at
