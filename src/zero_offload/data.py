@@ -25,8 +25,6 @@ DEFAULT_CORPUS = "coriolanus.txt"
 VOCAB_SIZE = 256
 """Byte-level tokenizer: token id = byte value."""
 
-_SPLITS = ("train", "val")
-
 
 def default_text() -> str:
     """The shipped public-domain text."""
@@ -98,8 +96,8 @@ class CharCorpus:
 
     def split(self, name: str) -> torch.Tensor:
         """The int64 token ids of the "train" or "val" split."""
-        if name not in _SPLITS:
-            raise ValueError(f"split must be one of {_SPLITS}, got {name!r}")
+        if name not in self._splits:
+            raise ValueError(f"split must be one of {tuple(self._splits)}, got {name!r}")
         return self._splits[name]
 
     def batch(self, *, batch_size: int, seq_len: int, generator: Optional[torch.Generator] = None,

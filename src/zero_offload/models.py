@@ -183,15 +183,15 @@ def _check_fits_in_host_memory(cfg: GPTConfig, device, dtype) -> None:
     dev = torch.device(device) if device is not None else torch.empty(0).device
     if dev.type != "cpu":
         return
-    itemsize = (dtype or torch.get_default_dtype()).itemsize
-    need = cfg.num_params() * itemsize
+    dtype = dtype or torch.get_default_dtype()
+    need = cfg.num_params() * dtype.itemsize
     import psutil  # a declared dependency; imported here to keep `import models` light
 
     available = psutil.virtual_memory().available
     if need > 0.9 * available:
         raise MemoryError(
             f"building this GPT ({cfg.num_params() / 1e9:.2f}B params) on the CPU in "
-            f"{dtype or torch.get_default_dtype()} needs {need / 2**30:.1f} GiB but only "
+            f"{dtype} needs {need / 2**30:.1f} GiB but only "
             f"{available / 2**30:.1f} GiB of host RAM is available; pass device='meta' (no "
             f"memory; hand it to zero_offload.initialize or materialize with to_empty + "
             f"init_weights), a smaller dtype, or a smaller preset")

@@ -45,32 +45,23 @@ class _Parser(argparse.ArgumentParser):
 
 # --------------------------------------------------------------------------------- flag types
 
-def _int_at_least(minimum: int, what: str, name: str):
-    """An argparse type: an integer >= ``minimum``; anything else is "expected {what}"."""
-    def parse(text: str) -> int:
+def _number(convert, ok, what: str, name: str):
+    """An argparse type: ``convert(text)`` where ``ok`` holds of it; anything else is "expected {what}"."""
+    def parse(text: str):
         try:
-            value = int(text)
+            value = convert(text)
         except ValueError:
-            value = minimum - 1
-        if value < minimum:
+            value = None
+        if value is None or not ok(value):
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
         return value
     parse.__name__ = parse.__qualname__ = name
     return parse
 
 
-_positive_int = _int_at_least(1, "a positive integer", "_positive_int")
-_nonneg_int = _int_at_least(0, "an integer >= 0", "_nonneg_int")
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
+_positive_int = _number(int, lambda v: v >= 1, "a positive integer", "_positive_int")
+_nonneg_int = _number(int, lambda v: v >= 0, "an integer >= 0", "_nonneg_int")
+_positive_float = _number(float, lambda v: math.isfinite(v) and v > 0, "a positive number", "_positive_float")
 
 
 def _depths(text: str) -> list[int]:

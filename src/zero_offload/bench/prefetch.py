@@ -256,10 +256,7 @@ def plot_prefetch(results: Sequence[dict], path, *, title: str = "", recommended
 # -------------------------------------------------------------------------------- measuring
 
 def _hardware_slug() -> str:
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name(0)
-    else:
-        name = f"cpu{os.cpu_count()}"
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu{os.cpu_count()}"
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
