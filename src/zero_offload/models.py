@@ -352,6 +352,14 @@ class HFCausalLM(nn.Module):
         s = self.seq_len if seq_len is None else seq_len
         return 6 * self.num_params() + 12 * self.n_layer * self.d_model * s
 
+    def set_activation_checkpointing(self, enabled: bool = True) -> None:
+        """As ``GPT.set_activation_checkpointing`` (the wrapper keeps GPT's contract)."""
+        if enabled:
+            self.hf_model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            self.hf_model.gradient_checkpointing_disable()
+
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         logits = self.hf_model(input_ids=idx, use_cache=False).logits
         if targets is None:
