@@ -11,8 +11,8 @@ loads with ``initialize(model, weights=path)``, ``safetensors.torch.load_file`` 
 config.json and generation_config.json are written beside the shards). A tied parameter is
 written once, under its first name (loaders tie it again).
 
-The files are written into ``.<name>.tmp-<pid>`` beside ``path`` and renamed into place when
-whole: a failed or killed export leaves no partial directory at ``path``. An existing ``path``
+The files are written into a new ``.<name>.tmp-*`` directory beside ``path`` and renamed into
+place when whole: a failed or killed export leaves no partial directory at ``path``. An existing ``path``
 must be an empty directory: an export never replaces files.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from typing import Optional
 
 import torch
@@ -69,9 +70,7 @@ class ShardedWriter:
                                  f"new directory (an export never replaces files)")
             parent, name = os.path.split(self.path)
             os.makedirs(parent, exist_ok=True)
-            self._tmp = os.path.join(parent, f".{name}.tmp-{os.getpid()}")
-            shutil.rmtree(self._tmp, ignore_errors=True)  # our own, of an earlier failed try
-            os.makedirs(self._tmp)
+            self._tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)  # a new name: ours alone
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if not self.write or self.error is not None:
@@ -145,7 +144,7 @@ class ShardedWriter:
             raise
 
     def abort(self) -> None:
-        """Remove the temporary directory (ours: made by this writer under a name of our pid)."""
+        """Remove the temporary directory (ours: made by this writer under a new name)."""
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None

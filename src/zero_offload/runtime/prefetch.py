@@ -35,8 +35,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-import torch
-
 from .store import BudgetError, ChunkStore, FarthestNextUsePolicy, Hop, Residency, Tier
 
 __all__ = ["Prefetcher", "PrefetchStats"]
