@@ -99,10 +99,16 @@ def _resume_rank(rank, world, ckpt):
         engine.backward(loss)
         engine.step()
     sd = engine.state_dict()
-    # the export is collective too: rank 0 writes the gathered chunks, shard by shard
+    # the export is collective too: rank 0 writes the gathered chunks, shard by shard; a path
+    # rank 0 refuses stops every rank (no rank left waiting in a gather)
+    try:
+        engine.save_weights(os.path.join(os.path.dirname(ckpt), "taken"))
+        refused = None
+    except (ValueError, RuntimeError) as e:
+        refused = f"{type(e).__name__}: {e}"
     files = engine.save_weights(os.path.join(os.path.dirname(ckpt), "export"), shard_size=8_000)
     engine.close()
-    return sd, files
+    return sd, (files, refused)
 
 
 def test_checkpoint_written_by_two_ranks_resumes_on_two_and_on_one(tmp_path):
@@ -111,10 +117,16 @@ def test_checkpoint_written_by_two_ranks_resumes_on_two_and_on_one(tmp_path):
     from zero_offload.runtime.checkpoint import verify
     assert verify(ckpt)
     ref = _reference(6, 1)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("the user's")
     two = values(run_ranks(_resume_rank, WORLD, tmp_path / "b", ckpt, timeout_s=120))
     for sd, _ in two:
         assert_params_close(sd, ref.master_state(), rtol=1e-5)
-    (sd, files), (_, none) = two
+    (sd, (files, refused0)), (_, (none, refused1)) = two
+    assert refused0.startswith("ValueError: save_weights:") and "is not an empty directory" in refused0
+    assert refused1 == f"RuntimeError: save_weights: rank 0 refused {tmp_path / 'taken'} (its error says " \
+                       f"why); nothing was written"
+    assert os.listdir(tmp_path / "taken") == ["notes.txt"]
     assert none == [] and len(files) > 2
     from safetensors.torch import load_file
     exported = {k: v for f in files if f.endswith(".safetensors") for k, v in load_file(f).items()}

@@ -1566,7 +1566,15 @@ class Engine:
         Returns the files written (rank 0; [] on the others)."""
         from .weights import ShardedWriter
         self._require_idle("save_weights")
-        writer = ShardedWriter(path, dtype=dtype, shard_size=shard_size, write=self.shard.rank == 0)
+        writer = refused = None
+        try:
+            writer = ShardedWriter(path, dtype=dtype, shard_size=shard_size, write=self.shard.rank == 0)
+        except (ValueError, ImportError, OSError) as e:  # rank 0 checks the path: all ranks stop
+            refused = e
+        if not self.agree(refused is None):
+            if refused is not None:
+                raise refused
+            raise RuntimeError(f"save_weights: rank 0 refused {path} (its error says why); nothing was written")
         try:
             for s, value in self._slot_values():  # every rank takes part in every gather
                 writer.add(s.name, value)
