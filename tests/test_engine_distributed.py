@@ -99,6 +99,9 @@ def _resume_rank(rank, world, ckpt):
         engine.backward(loss)
         engine.step()
     sd = engine.state_dict()
+    only = engine.state_dict(rank0_only=True)  # one copy on the node: rank 0's
+    assert (only.keys() == sd.keys() and all(torch.equal(only[k], sd[k]) for k in sd)) if rank == 0 \
+        else only == {}
     # the export is collective too: rank 0 writes the gathered chunks, shard by shard; a path
     # rank 0 refuses stops every rank (no rank left waiting in a gather)
     try:

@@ -1539,12 +1539,18 @@ class Engine:
             for s in chunk.layout.slots:
                 yield s, flat[s.offset:s.end].view(s.shape)
 
-    def state_dict(self) -> dict:
+    def state_dict(self, *, rank0_only: bool = False) -> dict:
         """The model's state dict with fp32 CPU tensors (tied parameters under each of their
         names, buffers included), loadable into a fresh copy of the model with
-        ``load_state_dict``. Frozen parameters carry the working-dtype values (no master)."""
+        ``load_state_dict``. Frozen parameters carry the working-dtype values (no master).
+        Collective with several ranks; ``rank0_only``: the other ranks take part in the gathers
+        but keep nothing and get ``{}`` (one copy of the model on the node, not one per rank;
+        ``save_weights`` holds none)."""
         self._require_idle("state_dict")
-        values = {s.index: v.clone() for s, v in self._slot_values()}
+        keep = not rank0_only or self.shard.rank == 0
+        values = {s.index: v.clone() for s, v in self._slot_values() if keep}  # (every gather runs)
+        if not keep:
+            return {}
         out = {}
         for key, t in self.module.state_dict(keep_vars=True).items():
             slot = self.partition.slot_of(t)
