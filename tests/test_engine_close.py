@@ -158,3 +158,19 @@ def test_offload_adamw_close_keeps_trained_params():
     assert max_rel_diff(model, start) > 1e-3
     assert max_rel_diff(model, ref) < 1e-5
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_close_without_write_back_frees_everything_and_the_params_say_so():
+    # e.g. after save_weights, for a model whose fp32 copy the host need not hold
+    model = micro_gpt()
+    engine = zo.initialize(model, optimizer=SPEC, config=config(), device=DEVICE)
+    train_engine(engine, gpt_batches(1), gpt_loss)
+    with pytest.raises(TypeError, match=r"close\(write_back=...\) takes True or False, got 'no'"):
+        engine.close(write_back="no")
+    engine.close(write_back=False)
+    engine.close()  # idempotent: closed already, nothing is written back later
+    w = model.blocks[0].attn.qkv.weight
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    with pytest.raises(RuntimeError, match=r"'blocks\.0\.attn\.qkv\.weight' was read \(t\) after its engine "
+                                           r"was closed without writing its values back"):
+        w.t()

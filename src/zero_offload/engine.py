@@ -1018,7 +1018,7 @@ class Engine:
             raise RuntimeError(
                 f"parameter {slot.name!r} was read ({_call_name(func)}) after its engine was "
                 f"closed without writing its values back; restore them from a checkpoint "
-                f"(engine.save_checkpoint / engine.state_dict)")
+                f"(engine.save_checkpoint / engine.save_weights / engine.state_dict)")
         phase = self._phase
         if phase is Phase.IDLE:
             if chunk.buffer is not None or self._gathering:
@@ -1734,15 +1734,22 @@ class Engine:
         self.module.eval()
         return self
 
-    def close(self) -> None:
+    def close(self, *, write_back: bool = True) -> None:
         """Write the trained values back into the model's parameters (fp32 master, or the
         params payload for fp32 and frozen ones; on the device and in the dtype each parameter
         had at initialize, chunk by chunk; buffers back to their devices), then remove the hooks,
         stop the worker and free the store. The model then trains or runs as a plain module, or
         can be handed to ``initialize`` again. If the values cannot be read (a failed update or
         I/O), the parameters are left as zero-byte placeholders that raise on use, and close
-        raises saying why (with ``with``: a warning, so the original error stays). Idempotent."""
-        self._close(write_back=True, quiet=False)
+        raises saying why (with ``with``: a warning, so the original error stays). Idempotent.
+
+        ``write_back=False``: everything is freed and nothing is written back; the parameters
+        stay placeholders that raise on use. For a model whose values were saved already
+        (``save_weights``, a checkpoint) and whose fp32 copy the host need not hold (with N
+        ranks, every rank would get one)."""
+        if not isinstance(write_back, bool):
+            raise TypeError(f"engine.close(write_back=...) takes True or False, got {write_back!r}")
+        self._close(write_back=write_back, quiet=False)
 
     def _close(self, *, write_back: bool, quiet: bool) -> None:
         if getattr(self, "_closed", True):
