@@ -94,8 +94,8 @@ def test_close_frees_each_chunk_as_its_values_go_back(optimizer, tmp_path):
     before = _proc_status("VmRSS:")
     engine.close()
     rise = _proc_status("VmHWM:") - before
-    # at most one chunk's copy in flight (the whole model's values before: +4 chunks or more)
-    assert rise <= chunk + (4 << 20), f"close raised host memory by {rise / 2**20:.1f} MiB"
+    # at most one chunk's copy in flight, with slack (the whole model's values before: +4 chunks)
+    assert rise <= chunk + (8 << 20), f"close raised host memory by {rise / 2**20:.1f} MiB"
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), want[name]), name
 
