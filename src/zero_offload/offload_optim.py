@@ -236,7 +236,7 @@ class OffloadAdam(torch.optim.Optimizer):
             must fit whole; "nvme" state stages through it).
         gpu_budget: with ``state="auto"`` (and only then; required): bytes of the params'
             device the optimizer's GPU share may take (fp32 master, moments and a flat grads
-            buffer: 12 + 2 + the param's item size bytes per element with fp32 moments).
+            buffer: 12 + the param's item size bytes per element with fp32 moments).
         process_group: data parallelism (see [Note: data parallel]). "auto" (default): the
             default group when ``torch.distributed`` is initialized with several ranks; None:
             every rank keeps the whole state; or a ProcessGroup.
@@ -433,16 +433,15 @@ class OffloadAdam(torch.optim.Optimizer):
         (bytes per tier; None for the host: no limit). See [Note: GPU share of OffloadAdam]."""
         homes, nvme = [], []
         for run in runs:
-            on_gpu = self._state_nbytes(run, grads=True)
-            host = round_up(run[0].dtype.itemsize * self._shard.span(
-                sum(local(p).numel() for p in run))[2], ALIGNMENT) * (2 if run[0].dtype in _LOWP else 1)
+            state, on_gpu = self._state_nbytes(run), self._state_nbytes(run, grads=True)
+            # host homes of a CPU or NVMe chunk: grads, and the rounded params of bf16/fp16 ones
+            host = (on_gpu - state) * (2 if run[0].dtype in _LOWP else 1)
             if on_gpu <= left[Tier.GPU]:
                 left[Tier.GPU] -= on_gpu
                 homes.append(Tier.GPU)
                 nvme.append(0)
                 continue
             left[Tier.GPU] = -1  # the share is the first chunks (the first the next forward needs)
-            state = self._state_nbytes(run)
             # room left to stage the NVMe chunks' state through (prefetch_depth + 1 chunks)
             fits = left[Tier.CPU] is None or host + state * (self._depth + 2) <= left[Tier.CPU]
             if left[Tier.CPU] is not None:

@@ -76,10 +76,9 @@ class ShardedWriter:
         if not self.write or self.error is not None:
             return
         try:
-            t = tensor.detach().to("cpu")
-            if self.dtype is not None and t.is_floating_point():
-                t = t.to(self.dtype)
-            t = t.contiguous().clone()  # its own storage: not a view into a whole chunk
+            dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() else tensor.dtype
+            # one copy, its own storage (not a view into a whole chunk)
+            t = tensor.detach().to("cpu", dtype=dtype, copy=True).contiguous()
             nbytes = t.numel() * t.element_size()
             if self._shard and self._shard_bytes + nbytes > self.shard_size:
                 self._flush()

@@ -166,13 +166,16 @@ def is_zero_offload_checkpoint(path) -> bool:
         return False
 
 
+def _ours_alone(path: str) -> bool:
+    """A directory zero_offload wrote (not a link to one) that holds nothing else."""
+    return not os.path.islink(path) and is_zero_offload_checkpoint(path) and not _foreign(path)
+
+
 def replaceable(path) -> bool:
     """Whether ``save_checkpoint`` may replace directory ``path``: it is missing or empty, or a
     checkpoint zero_offload wrote holding nothing else."""
     path = os.fspath(path)
-    if not os.path.isdir(path) or not os.listdir(path):
-        return True
-    return not os.path.islink(path) and is_zero_offload_checkpoint(path) and not _foreign(path)
+    return not os.path.isdir(path) or not os.listdir(path) or _ours_alone(path)
 
 
 def remove_checkpoint(path) -> bool:
@@ -180,7 +183,7 @@ def remove_checkpoint(path) -> bool:
     holds nothing else; anything else is left alone, a checkpoint someone added a file to
     included. Returns whether it was removed."""
     path = os.fspath(path)
-    if os.path.islink(path) or not is_zero_offload_checkpoint(path) or _foreign(path):
+    if not _ours_alone(path):
         return False
     shutil.rmtree(path, ignore_errors=True)
     return not os.path.exists(path)

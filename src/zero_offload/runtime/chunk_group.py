@@ -203,8 +203,7 @@ class ChunkGroup:
     def take(self, chunk: GroupChunk, name: str) -> torch.Tensor:
         """``read``, then the chunk's memory in every tier is freed (``ChunkStore.discard``): for
         an owner that is closing and hands the values on chunk by chunk."""
-        self.wait(chunk)
-        out = self.read(chunk, name)
+        out = self.read(chunk, name)  # (after the chunk's last job: ``hold`` waits)
         self.store.discard(chunk.cid)
         return out
 
