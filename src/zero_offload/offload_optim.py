@@ -293,8 +293,9 @@ class OffloadAdam(torch.optim.Optimizer):
         self._overlap = _check_flag("overlap", overlap)
         self._overlap_forward = _check_flag("overlap_forward", overlap_forward)
         params = _read_once(params)
+        groups = _groups_of(params)
         # See [Note: data parallel]: FSDP2's params are sharded already (each rank its own).
-        fsdp2 = _has_dtensor(params)
+        fsdp2 = any(is_dtensor(t) for g in groups for t in g)
         self._pg = None if fsdp2 else resolve_group(process_group, name)
         self._shard = shard_of(self._pg)
         if fsdp2 and self._overlap_forward:
@@ -337,17 +338,16 @@ class OffloadAdam(torch.optim.Optimizer):
         self._closed = False
         self._steps = self._steps0 = 0
 
-        # the swap space is preallocated: size it for all groups (state="auto": for the chunks
-        # that do not fit the GPU and host budgets, placed here as add_param_group will)
+        # the swap space is preallocated: size it for all groups' chunks, packed (state="auto":
+        # those that do not fit the GPU and host budgets, placed) here as add_param_group will
         if auto:
             self._left = {Tier.GPU: self._gpu_budget, Tier.CPU: (
                 _auto_host_bytes() if self._cpu_budget == "auto" else self._cpu_budget)
                 if nvme_dir is not None else None}
             left = dict(self._left)
-            self._nvme_need = sum(b for g in _groups_of(params)
-                                  for b in self._place(self._pack(g), left)[1])
+            self._nvme_need = sum(b for g in groups for b in self._place(self._pack(g), left)[1])
         else:
-            self._nvme_need = _state_bytes(params, self._shard.world, self._moments.itemsize)
+            self._nvme_need = sum(self._state_nbytes(run) for g in groups for run in self._pack(g))
         defaults = dict(lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay,
                         amsgrad=False, maximize=False, foreach=None, capturable=False,
                         differentiable=False, fused=None, decoupled_weight_decay=self._adamw)
@@ -762,20 +762,27 @@ class OffloadAdam(torch.optim.Optimizer):
         if any(s.landed or s.hooks for s in self._slots):
             raise RuntimeError(f"{type(self).__name__}.state_dict() in the middle of a step: call step() first")
         self._sync_all()
-        state: dict[int, dict[str, torch.Tensor]] = {} if self._pg is None else self._gathered_state()
-        for chunk in self._chunks if self._pg is None else ():
-            stepped = [s for s in chunk.slots if s.step > 0]
-            if not stepped:
-                continue
-            with self._group.hold(chunk, _STATE) as (master, exp_avg, exp_avg_sq):
-                for s in stepped:
-                    sl, shape = slice(s.offset, s.stop), local(s.param).shape
-                    entry = {"step": torch.tensor(float(s.step)),
-                             "exp_avg": exp_avg[sl].to(torch.float32, copy=True).view(shape),
-                             "exp_avg_sq": exp_avg_sq[sl].to(torch.float32, copy=True).view(shape)}
-                    if s.param.dtype in _LOWP:
-                        entry["master"] = master[sl].clone().view(shape)
-                    state[s.index] = entry
+        steps = {s.index: s.step for s in self._slots}
+        if self._pg is not None:  # a param cut by a shard boundary is stepped by each of its ranks
+            import torch.distributed as dist
+            gathered = [None] * self._shard.world
+            with self._collective("the all-gather of the optimizer state"):
+                dist.all_gather_object(gathered, steps, group=self._pg)
+            steps = {i: max(d.get(i, 0) for d in gathered) for i in set().union(*gathered)}
+        index_of = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        state = {}
+        for chunk in self._chunks:
+            master, exp_avg, exp_avg_sq = self._whole_state(chunk)
+            for p, o in self._members[chunk.cid][0]:
+                i = index_of[id(p)]
+                if steps.get(i, 0) == 0:
+                    continue
+                sl, shape = slice(o, o + local(p).numel()), local(p).shape
+                state[i] = {"step": torch.tensor(float(steps[i])),
+                            "exp_avg": exp_avg[sl].clone().view(shape),
+                            "exp_avg_sq": exp_avg_sq[sl].clone().view(shape)}
+                if p.dtype in _LOWP:
+                    state[i]["master"] = master[sl].clone().view(shape)
         groups, start = [], 0
         for g in self.param_groups:
             packed = {k: v for k, v in g.items() if k != "params"}
@@ -784,41 +791,20 @@ class OffloadAdam(torch.optim.Optimizer):
             groups.append(packed)
         return {"state": dict(sorted(state.items())), "param_groups": groups}
 
-    def _gathered_state(self) -> dict:
-        """The whole state in torch's format, on every rank: each chunk's shards all-gathered
-        (host memory: one chunk's state at a time beside the result)."""
+    def _whole_state(self, chunk: GroupChunk) -> torch.Tensor:
+        """The chunk's master and moments, fp32 on the CPU, shape (3, elements): several ranks
+        all-gather their shards (host memory: one chunk's state at a time beside the result)."""
+        with self._group.hold(chunk, _STATE) as bufs:
+            mine = torch.stack([b.float() for b in bufs])
+        if self._pg is None:
+            return mine.cpu()
         import torch.distributed as dist
-        world, pg = self._shard.world, self._pg
-        index_of = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        steps: dict[int, int] = {}
-        gathered = [None] * world
-        dev = self._device if dist.get_backend(pg) == "nccl" else torch.device("cpu")
-        state = {}
-        what = "the all-gather of the optimizer state"
-        with self._collective(what):
-            dist.all_gather_object(gathered, {s.index: s.step for s in self._slots}, group=pg)
-        for d in gathered:
-            for i, step in d.items():
-                steps[i] = max(steps.get(i, 0), step)
-        for chunk in self._chunks:
-            members, k = self._members[chunk.cid]
-            with self._group.hold(chunk, _STATE) as bufs:
-                mine = torch.stack([b.float() for b in bufs]).to(dev)
-            full = torch.empty(world * 3, k, device=dev)
-            with self._collective(what):
-                all_gather(full, mine, pg)
-            flat = full.view(world, 3, k).transpose(0, 1).reshape(3, world * k).cpu()
-            for p, o in members:
-                i = index_of[id(p)]
-                if steps.get(i, 0) == 0:
-                    continue
-                sl = slice(o, o + p.numel())
-                state[i] = {"step": torch.tensor(float(steps[i])),
-                            "exp_avg": flat[1, sl].clone().view(p.shape),
-                            "exp_avg_sq": flat[2, sl].clone().view(p.shape)}
-                if p.dtype in _LOWP:
-                    state[i]["master"] = flat[0, sl].clone().view(p.shape)
-        return state
+        world, k = self._shard.world, mine.shape[1]
+        dev = self._device if dist.get_backend(self._pg) == "nccl" else torch.device("cpu")
+        full = torch.empty(world * 3, k, device=dev)
+        with self._collective("the all-gather of the optimizer state"):
+            all_gather(full, mine.to(dev), self._pg)
+        return full.view(world, 3, k).transpose(0, 1).reshape(3, world * k).cpu()
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1020,40 +1006,15 @@ def _piece(slot: _Slot, t: torch.Tensor) -> torch.Tensor:
     return local(t).detach().reshape(-1)[slot.start:slot.start + slot.stop - slot.offset]
 
 
-def _has_dtensor(params) -> bool:
-    if isinstance(params, torch.Tensor):
-        return is_dtensor(params)
-    for g in params:
-        ps = g.get("params") if isinstance(g, dict) else [g]
-        if any(is_dtensor(t) for t in ([ps] if isinstance(ps, torch.Tensor) else (ps or ()))):
-            return True
-    return False
-
-
-def _state_bytes(params, world: int = 1, moment_bytes: int = 4) -> int:
-    """Bytes of NVMe state for the trainable params in ``params`` (as read by ``_read_once``) on
-    one of ``world`` ranks: 4 + 2 * ``moment_bytes`` per element of its shard, each of the 3
-    payloads of a chunk padded to 4 KiB (at most one chunk per param)."""
-    per = 4 + 2 * moment_bytes
-    if isinstance(params, torch.Tensor):
-        return 0
-    tensors = []
-    for g in params:
-        ps = g.get("params") if isinstance(g, dict) else [g]
-        tensors.extend([ps] if isinstance(ps, torch.Tensor) else (ps or ()))
-    seen = {id(t): t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad}
-    return -(-sum(per * local(t).numel() for t in seen.values()) // world) + \
-        len(seen) * (per + 3 * ALIGNMENT)
-
-
 def _groups_of(params) -> list:
-    """The param lists of the constructor's ``params`` (as read by ``_read_once``), one a group."""
+    """The tensors of each group of the constructor's ``params`` (as read by ``_read_once``;
+    anything else is left for torch's ``add_param_group`` to name)."""
     if isinstance(params, torch.Tensor):
         return []
-    if params and all(isinstance(g, dict) for g in params):
-        return [list(g["params"]) if not isinstance(g["params"], torch.Tensor) else [g["params"]]
-                for g in params]
-    return [list(params)]
+    groups = [g.get("params") for g in params] if params and all(isinstance(g, dict) for g in params) \
+        else [params]
+    return [[t for t in ([ps] if isinstance(ps, torch.Tensor) else (ps or ())) if isinstance(t, torch.Tensor)]
+            for ps in groups]
 
 
 def _auto_host_bytes() -> int:
