@@ -151,6 +151,7 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import itertools
 import linecache
 import math
 import os
@@ -346,17 +347,11 @@ def _call_name(func) -> str:
 def _tensor_args(args, kwargs) -> Iterator:
     """The arguments torch's dispatch looks at: positional and keyword ones, and the items of a
     list/tuple among them (tensor lists: ``torch.cat``, ``_foreach_*``)."""
-    for a in args:
+    for a in itertools.chain(args, kwargs.values()):
         if type(a) in (list, tuple):
             yield from a
         else:
             yield a
-    if kwargs:
-        for a in kwargs.values():
-            if type(a) in (list, tuple):
-                yield from a
-            else:
-                yield a
 
 
 class _PagedParameter(nn.Parameter):
