@@ -10,140 +10,124 @@ Usage::
         engine.backward(loss)      # grads leave the device chunk by chunk
         engine.step()              # clip / update / advance the lr schedule (every grad_accum calls)
 
-Ownership, outer to inner (see docs/internals.md): ``Engine`` owns a ``Partition`` (which
-parameter lives where, partition.py), a ``ChunkStore`` (bytes and tiers, store.py), a
-``Prefetcher`` for the working params (prefetch.py) and a ``StepPipeline`` (the CPU-Adam worker,
-pipeline.py). It keeps one ``_Chunk`` record per chunk and one ``_ModuleRecord`` per module that
-holds parameters directly (or reads other modules' ones, see [Note: external parameters]);
-nothing is written onto the user's modules or parameters except ``param.data`` and the class of
-a parameter holding its placeholder (see [Note: parameter data]) and the hooks it registers
-(all undone by ``close``).
+Ownership, outer to inner (docs/internals.md): ``Engine`` owns a ``Partition`` (which parameter
+lives where), a ``ChunkStore`` (bytes and tiers), a ``Prefetcher`` for the working params and a
+``ChunkGroup`` (updates, over the CPU-Adam worker). It keeps one ``_Chunk`` per chunk and one
+``_ModuleRecord`` per module that holds parameters directly or reads other modules' ones
+([Note: external parameters]). It writes nothing onto the user's modules or parameters but
+``param.data``, the class of a parameter holding its placeholder ([Note: parameter data]) and its
+hooks, all undone by ``close``.
 
 [Note: parameter data] While a chunk is in use on the compute device, each of its parameters'
 ``.data`` is a view of the chunk's device buffer (working dtype). Otherwise ``.data`` is the
-parameter's placeholder (one per parameter, made at initialize): a tensor of the parameter's
-shape, the working dtype and the compute device whose storage has zero bytes, as FSDP2 frees
-unsharded parameters, so ``shape``, ``numel``, ``dtype`` and ``device`` stay meaningful. Torch
-does not check every read of such a tensor (an element-wise kernel, ``w * x``, ``w.sum()``,
-``print(w)``, reads a null pointer: a segfault on the CPU, an illegal address on CUDA), so a
-parameter holding its placeholder has the class ``_PagedParameter`` (a per-engine subclass of
-its own class: identity, ``isinstance(p, nn.Parameter)``, hooks and grads unchanged), whose
+parameter's placeholder: a tensor of its shape, the working dtype and the compute device whose
+storage has zero bytes (as FSDP2 frees unsharded parameters), so ``shape``, ``numel``, ``dtype``
+and ``device`` stay meaningful. Torch does not check every read of such a tensor (``w * x``,
+``w.sum()``, ``print(w)`` read a null pointer: a segfault on the CPU, an illegal address on
+CUDA), so a parameter holding its placeholder has the class ``_PagedParameter`` (a per-engine
+subclass of its own class: identity, ``isinstance``, hooks and grads unchanged), whose
 ``__torch_function__`` sees every torch call taking it. Metadata calls (``_METADATA_CALLS``)
-pass; any other call reaches ``Engine._guard_read``: in forward or backward (any thread) the
-chunk is fetched on the spot (a forward read is recorded as in [Note: external parameters], held
-until the forward ends; a backward read, e.g. a custom Function's ``ctx.weight``, until backward
-ends); idle it raises naming the parameter and the fix (``engine.gathered()``,
-``engine.state_dict()``, ``engine.close()``); so does ``p.data``, ``state_dict()``'s ``detach``
-and pickling. The call itself runs with subclass dispatch off, so outputs are plain tensors.
-A materialized chunk's parameters get their own class back (``_materialize``; ``_release``
-guards them again), so reads of real values pay nothing per op (measured: the subclass path
-costs tens of µs per ``F.linear`` on the CPU, mostly torch's slower path with subclass dispatch
-disabled), except during a recording forward, where every parameter stays guarded. ``close()``
-restores each class once the values are back; if they cannot be read the parameters stay
-guarded and raise.
+pass; any other reaches ``Engine._guard_read``: in forward or backward (any thread) the chunk is
+fetched on the spot (a forward read is recorded as in [Note: external parameters] and held until
+the forward ends; a backward read, e.g. a custom Function's ``ctx.weight``, until backward ends);
+idle, it raises naming the parameter and the fix (``engine.gathered()``, ``state_dict()``,
+``close()``), as do ``p.data``, ``state_dict()``'s ``detach`` and pickling. The call itself runs
+with subclass dispatch off, so outputs are plain tensors. A materialized chunk's parameters get
+their own class back (``_materialize``; ``_release`` guards them again), so reads of real values
+pay nothing per op (the subclass path costs tens of µs per ``F.linear`` on the CPU), except in a
+recording forward, where every parameter stays guarded. ``close()`` restores each class once the
+values are back; if they cannot be read, the parameters stay guarded and raise.
 
-[Note: external parameters] A module's hooks fetch the chunks of the parameters it holds
+[Note: external parameters] Module hooks fetch the chunks of the parameters a module holds
 directly, but models read parameters elsewhere too: a parent's ``F.linear(x, self.tok.weight)``
-(tied head), a parameter handed to a custom ``autograd.Function``, one weight shared by two
-modules, a parent reading a child's bias. The first forward with grad enabled records them: every
-parameter is guarded ([Note: parameter data]) and temporary hooks on every module keep a call
-stack (``_ReadFrame``; the root is always on it); a read of a parameter whose chunk is not held
-by a module on that stack holds the chunk until that module's forward ends and is recorded as an
-*external* read of the innermost running module. When the forward ends, each such module's
-``_ModuleRecord`` gets the parameter (``external``) and its chunk: later forwards hold it in that
-module's pre-forward and backward holds it with the module's backward token, and its grad is
-``expect``ed like the module's own (modules without parameters get a record and hooks then).
-During the recording pass backward reaches such chunks through saved views (held until backward
-ends). A read first seen later (a branch taken on step 3) meets a guarded placeholder and is
-fetched and recorded the same way, on the innermost running module that has a record (else the
-root); ``engine.record_reads()`` makes the next forward record with the exact call stack again.
+(tied head), a parameter handed to a custom ``autograd.Function``, a weight shared by two
+modules. The first forward with grad enabled records them: every parameter is guarded and
+temporary hooks on every module keep a call stack (``_ReadFrame``; the root is always on it); a
+read of a parameter whose chunk no module on that stack holds holds the chunk until the innermost
+module's forward ends and is recorded as that module's *external* read. When the forward ends,
+each such module's ``_ModuleRecord`` gets the parameter and its chunk: later forwards hold it in
+that module's pre-forward, backward holds it with the module's backward token, and its grad is
+``expect``ed like the module's own (modules without parameters get a record and hooks then). In
+the recording pass, backward reaches such chunks through saved views (held until backward ends).
+A read first seen later (a branch taken on step 3) meets a guarded placeholder and is fetched and
+recorded the same way, on the innermost running module that has a record (else the root);
+``engine.record_reads()`` makes the next forward record with the exact call stack again.
 
 [Note: saved parameter views] Autograd may save views of parameters for backward (``linear``
-saves ``weight.t()``); such a view would keep the chunk's device buffer alive after the chunk is
-released, so memory would never be given back. While the engine runs forward, a
-``saved_tensors_hooks`` pair replaces any saved tensor that lives in a chunk's device buffer by a
-small ``_SavedParamView`` (chunk, offset, size, stride) and rebuilds it in backward from the
-buffer that is current then (the chunk was fetched again by the pre-backward hook).
+saves ``weight.t()``), which would keep a released chunk's device buffer alive. While the engine
+runs forward, a ``saved_tensors_hooks`` pair replaces a saved tensor living in a chunk's device
+buffer by a small ``_SavedParamView`` (chunk, offset, size, stride), rebuilt in backward from
+the buffer current then (the pre-backward hook fetched the chunk again).
 
-[Note: backward hooks] Per module call with grad enabled: the pre-forward hook wraps the
-module's input tensors in ``_PostBackward`` (its backward runs once the module's input grads are
-computed, i.e. after the module's backward), and the post-forward hook puts a multi-grad hook on
-the outputs (runs before the module's backward). The first holds the module's chunks for
-backward, the second lets them go. Chunks whose post-backward never runs (inputs that need no
-grad, e.g. token ids) are let go when backward ends. A chunk is released in backward only once
-every grad it expects this pass has landed (``_Chunk.awaiting``): the AccumulateGrad of a
-parameter may run after its module's post-backward, and it needs the parameter's real data.
+[Note: backward hooks] Per module call with grad enabled, the pre-forward hook wraps the module's
+input tensors in ``_PostBackward`` (whose backward runs after the module's backward) and the
+post-forward hook puts a multi-grad hook on the outputs (runs before it): the second holds the
+module's chunks for backward, the first lets them go. Chunks whose post-backward never runs
+(inputs that need no grad, e.g. token ids) are let go when backward ends. A chunk is released in
+backward only once every grad it expects this pass has landed (``_Chunk.awaiting``): the
+AccumulateGrad of a parameter may run after its module's post-backward and needs its real data.
 
-[Note: parked chunks] Consecutive modules mostly share a chunk. Releasing a chunk as soon as
-one module's forward ends would page it out and in again for the next module, once per module
-(measured: two thirds of a 350M GPT's forward went to that). So a chunk nobody holds stays on the
-device, views intact, in a short list of ``PARKED_CHUNKS`` parked chunks; the oldest is released
-when the list overflows, and every parked chunk is released when backward ends and before a step
-queues updates (an update makes the device copy stale: the next use must fetch again). Parked
-chunks stay pinned in the store and are part of the working window (placement.py).
+[Note: parked chunks] Consecutive modules mostly share a chunk; releasing it when one module's
+forward ends would page it out and in again per module (two thirds of a 350M GPT's forward, when
+measured). So a chunk nobody holds stays on the device, views intact, in a list of
+``PARKED_CHUNKS``; the oldest is released when the list overflows, and all are released when
+backward ends and before a step queues updates (an update makes the device copy stale). Parked
+chunks stay pinned in the store and count in the working window (placement.py).
 
-[Note: kept copies] Forward and backward use every chunk once each, so releasing a chunk's
-device copy after its forward use fetches the params twice per step. When the GPU budget has
-room (``placement.keep_limit``: at most half of it, never the working window), a chunk released
-during a forward with grad enabled is only unpinned in the store (``Prefetcher.release(keep=
-True)``): its copy stays valid for the backward, and if a tier needs room the store evicts by the
-prefetcher's farthest-next-use policy. A release in backward drops the copy as before, and
-``_release_idle`` (end of backward, before a step's updates, idle) drops every kept copy not in
-use, so nothing kept outlives the step whose CPU update makes it stale. A budget that only fits
-the working window keeps nothing (the behaviour before keeping).
+[Note: kept copies] Forward and backward use every chunk once each, so releasing a chunk after
+its forward use fetches the params twice per step. When the GPU budget has room
+(``placement.keep_limit``: at most half of it, never the working window), a chunk released in a
+forward with grad enabled is only unpinned (``Prefetcher.release(keep=True)``): its copy stays
+valid for backward, and a tier needing room evicts by the prefetcher's farthest-next-use policy.
+A release in backward drops the copy, and ``_release_idle`` (end of backward, before a step's
+updates, idle) drops every kept copy not in use, so none outlives the update that makes it stale.
+A budget that only fits the working window keeps nothing.
 
-[Note: lock order] Two threads use the store: the caller's (forward, and backward hooks) and the
+[Note: lock order] Two threads use the store: the caller's (forward, backward hooks) and the
 CPU-Adam worker. Each takes the prefetcher's lock before the store's, and the store's eviction
 policy queries the prefetcher without its lock (prefetch.py, [Note: lock order]).
 
 [Note: fetch on completion] The params look-ahead stops at the first chunk whose CPU update is
-queued or running (its bytes are about to change). Left at that, after backward the next forward
-runs right behind the updates and finds every chunk just updated and not yet fetched: the fetch
-was issued on demand at the hook, and the device waited for each copy. So the worker calls
-``_chunk_ready`` as soon as no job of a chunk is left (``StepPipeline.on_chunk_idle``), and the
-prefetcher (``Prefetcher.chunk_ready``) re-issues its look-ahead from the consumer's current position: the chunk's copy to
-the device starts the moment its update ends, if it is within the window (``prefetch_depth``
-uses ahead, the GPU budget respected as for any look-ahead). The worker thread takes the
-prefetcher's lock and then the store's, the same order as the caller's thread (see
-[Note: lock order]), and holds no pipeline lock meanwhile. On CUDA the copy is queued behind
-what the compute stream (captured at the last ``forward``) has issued, as for a fetch from the
-caller's thread; nothing synchronises the host.
+queued or running (its bytes are about to change). Left at that, the next forward would run
+right behind the updates and wait for each chunk's copy, issued on demand at its hook. So the
+worker calls ``_chunk_ready`` as soon as a chunk has no job left (``on_chunk_idle``), and the
+prefetcher (``Prefetcher.chunk_ready``) re-issues its look-ahead from the consumer's position:
+the chunk's copy starts the moment its update ends, if it is within the window (``prefetch_depth``
+uses ahead, within the GPU budget). The worker takes the prefetcher's lock, then the store's (as
+in [Note: lock order]), holding no pipeline lock. On CUDA the copy is queued behind what the
+compute stream (captured at the last ``forward``) has issued; nothing synchronises the host.
 
 [Note: exact step] Clipping by the global norm and the fp16 overflow check need every grad before
-any update. As grads land, the worker adds up their sums of squares; ``step()`` then knows the
-norm/overflow, decides (skip, clip coefficient), queues the updates in forward order and
-returns: the updates overlap the next forward, whose fetch of chunk c waits only for chunk c's
-update. Without clipping and fp16 (and with ``OffloadConfig.overlap``), nothing global is
-needed and each chunk is updated as soon as its grads land, overlapping the rest of backward.
-Both orders give results equal to ``torch.optim.Adam``/``AdamW`` on the same grads.
+any update. As grads land, the worker adds up their sums of squares; ``step()`` then decides
+(skip, clip coefficient), queues the updates in forward order and returns: they overlap the next
+forward, whose fetch of chunk c waits only for chunk c's update. Without clipping and fp16 (and
+with ``OffloadConfig.overlap``), each chunk is updated as soon as its grads land, overlapping the
+rest of backward. Both orders give ``torch.optim.Adam``/``AdamW``'s results on the same grads.
 
-[Note: data parallel] With a process group (``torchrun``; ``process_group="auto"``) every chunk is
-split between the N ranks (distributed.py, [Note: chunk shards]): each rank's store holds only
-its shard of every payload (params, grads, master, moments, accum), placement plans for the
-shards, and the chunk group updates only the rank's part of each slot (``GroupSlot`` spans cut at
-the shard boundary). A chunk is used whole: ``_materialize`` fetches the rank's params shard
-(prefetched as on one GPU) and all-gathers the chunk into a device buffer the params view; the
-backward accumulates the whole chunk's grads in a device buffer, and the flush reduce-scatters
-it (mean over the ranks, as DDP) into the rank's grads shard, which goes to the host as before.
-Clipping and the fp16 overflow check all-reduce the shards' sums of squares. Every collective
-is issued by the caller's or autograd's thread (never the worker), in an order every rank
-shares: the same modules run in the same order, and the end-of-backward flushes go in chunk
+[Note: data parallel] With a process group (``torchrun``; ``process_group="auto"``) every chunk
+is split between the N ranks (distributed.py, [Note: chunk shards]): each rank's store holds its
+shard of every payload, placement plans for the shards, and the chunk group updates the rank's
+part of each slot (``GroupSlot`` spans cut at the shard boundary). A chunk is used whole:
+``_materialize`` fetches the rank's params shard (prefetched as on one GPU) and all-gathers the
+chunk into a device buffer; backward accumulates the whole chunk's grads in a device buffer,
+which the flush reduce-scatters (mean over the ranks, as DDP) into the rank's grads shard, sent
+to the host as before. Clipping and the overflow check all-reduce the shards' sums of squares.
+Every collective is issued by the caller's or autograd's thread (never the worker) in an order
+all ranks share: the same modules run in the same order, and end-of-backward flushes go in chunk
 order. Whole-model reads (``state_dict``, ``gathered``, ``close``, checkpoints) gather chunk by
-chunk and are collective: every rank calls them. ``params="gpu"`` keeps each chunk's gathered
-params as a replica on every GPU (ZeRO-2 with offload): it is gathered again only after an
-update changed the shards, once per step, not at every use. ``grad_sync="final"`` with
-``grad_accum > 1`` sums a chunk's grads over the window's micro-batches in an fp32 device buffer
-and reduce-scatters once, at the last one (the others communicate nothing).
+chunk and are collective. ``params="gpu"`` keeps each chunk's gathered params as a replica on
+every GPU (ZeRO-2 with offload), gathered again only after an update changed the shards.
+``grad_sync="final"`` with ``grad_accum > 1`` sums a chunk's grads over the window in an fp32
+device buffer and reduce-scatters once, at the last micro-batch.
 
-[Note: collectives ahead] With NCCL the collectives overlap compute. When a chunk is materialized
-the all-gather of the next chunk of the recorded order (``Prefetcher.peek``: this pass only, the
-same answer on every rank) is issued async; its use waits for it device-side. The decision reads
-only state every rank shares (the recorded order, which chunks are held, update versions), so
-the ranks issue the same collectives in the same order; it waits on the host for that chunk's
-update first (a timing-dependent "is it ready?" would let ranks disagree). A grads
-reduce-scatter is issued async on the compute stream; the comm stream waits for it, then sends
-the shard to the host, and the whole-chunk buffer is recorded on that stream so its memory is
-not reused before the collective has read it.
+[Note: collectives ahead] With NCCL the collectives overlap compute. When a chunk is
+materialized, the all-gather of the next chunk of the recorded order (``Prefetcher.peek``: this
+pass only, the same answer on every rank) is issued async; its use waits for it device-side. The
+decision reads only state every rank shares (the recorded order, held chunks, update versions)
+and waits on the host for that chunk's update first (a timing-dependent "is it ready?" would let
+ranks disagree). A grads reduce-scatter is issued async on the compute stream; the comm stream
+waits for it, then sends the shard to the host, and the whole-chunk buffer is recorded on that
+stream so its memory is not reused before the collective has read it.
 """
 from __future__ import annotations
 
