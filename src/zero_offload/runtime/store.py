@@ -563,9 +563,8 @@ class ChunkStore:
                 need[spec.home] += round_up(spec.nbytes, ALIGNMENT)
             for tier, nbytes in need.items():
                 if nbytes:
-                    if tier is Tier.NVME and self.config.nvme_dir is None:
-                        raise StoreError("a payload's home is 'nvme' but StoreConfig.nvme_dir is None; "
-                                         "set nvme_dir to a directory on a fast disk")
+                    if tier is Tier.NVME:
+                        self._check_nvme()
                     self._make_room(tier, nbytes, for_what="the home copies of a new chunk")
             chunk = _Chunk(cid=len(self._chunks))
             for name, spec in payloads.items():
@@ -591,16 +590,14 @@ class ChunkStore:
         Idempotent: returns the pending handle while a move into that copy is in flight, or a
         completed handle when it is already valid. May evict other copies by policy to fit the
         budget; raises BudgetError when nothing can be evicted."""
-        tier = Tier.of(tier)
         with self._lock:
-            copy = self._copy(cid, name, tier)
-            return self._ensure(copy, Residency.LOADING)
+            return self._ensure(self._copy(cid, name, tier), Residency.LOADING)
 
     def flush(self, cid: int, name: str, tier: "Tier | str | None" = None) -> Handle:
         """Write the newest bytes to ``tier`` (default: the payload's home), asynchronously
         (write-behind). GPU → CPU runs on the D2H stream."""
         with self._lock:
-            tier = self._payload(cid, name).spec.home if tier is None else Tier.of(tier)
+            tier = self._payload(cid, name).spec.home if tier is None else tier
             return self._ensure(self._copy(cid, name, tier), Residency.FLUSHING)
 
     def allocate(self, cid: int, name: str, tier: "Tier | str") -> torch.Tensor:
@@ -670,7 +667,6 @@ class ChunkStore:
 
     def mark_dirty(self, cid: int, name: str, tier: "Tier | str") -> None:
         """The caller changed the copy in ``tier``: it is now the only newest copy."""
-        tier = Tier.of(tier)
         with self._lock:
             copy = self._copy(cid, name, tier)
             self._settle(copy)
@@ -684,7 +680,6 @@ class ChunkStore:
         """Drop a non-home copy, writing it back home first when it is the only newest copy.
         No-op when the copy is absent. Raises for the home copy, and for a copy in use unless
         ``defer``: then its last ``unpin`` evicts it (a reader still holds it until then)."""
-        tier = Tier.of(tier)
         with self._lock:
             copy = self._copy(cid, name, tier)
             if defer and copy.pins and not copy.is_home:
@@ -719,14 +714,14 @@ class ChunkStore:
     def pin(self, cid: int, name: str, tier: "Tier | str") -> None:
         """Keep the copy in ``tier`` from being evicted until ``unpin``."""
         with self._lock:
-            copy = self._copy(cid, name, Tier.of(tier))
+            copy = self._copy(cid, name, tier)
             if copy.state is Residency.ABSENT:
                 raise StoreError(f"pin: {copy.where()} is ABSENT; fetch or allocate it first")
             copy.pins += 1
 
     def unpin(self, cid: int, name: str, tier: "Tier | str") -> None:
         with self._lock:
-            copy = self._copy(cid, name, Tier.of(tier))
+            copy = self._copy(cid, name, tier)
             if copy.pins <= 0:
                 raise StoreError(f"unpin: {copy.where()} is not pinned (unpin without a matching pin)")
             copy.pins -= 1
@@ -760,11 +755,10 @@ class ChunkStore:
         return self._copy_pieces(cid, name, tier, pieces, into=False, after=after)
 
     def _copy_pieces(self, cid, name, tier, pieces, *, into: bool, after) -> Handle:
-        tier = Tier.of(tier)
         with self._lock:
             copy = self._copy(cid, name, tier)
             self._settle(copy)
-            if tier is not Tier.CPU or copy.state is not Residency.VALID:
+            if copy.tier is not Tier.CPU or copy.state is not Residency.VALID:
                 raise StoreError(f"copy_{'in' if into else 'out'}: {copy.where()} is {copy.state.name}; "
                                  f"it needs a valid CPU copy: get(), use() or allocate() it first")
             buf = copy.buffer
@@ -801,7 +795,6 @@ class ChunkStore:
     @contextlib.contextmanager
     def use(self, cid: int, name: str, tier: "Tier | str", *, write: bool = False) -> Iterator[torch.Tensor]:
         """Fetch (if needed), pin and ``get`` the copy; unpin on exit."""
-        tier = Tier.of(tier)
         with self._lock:
             self.fetch(cid, name, tier)
             self.pin(cid, name, tier)
@@ -813,7 +806,7 @@ class ChunkStore:
     def state(self, cid: int, name: str, tier: "Tier | str") -> Residency:
         """Residency of one copy (settled first)."""
         with self._lock:
-            copy = self._copy(cid, name, Tier.of(tier))
+            copy = self._copy(cid, name, tier)
             self._settle(copy)
             return copy.state
 
@@ -944,11 +937,16 @@ class ChunkStore:
         except KeyError:
             raise KeyError(f"chunk {cid} has no payload {name!r}; it has {sorted(chunk.payloads)}") from None
 
-    def _copy(self, cid: int, name: str, tier: Tier) -> _Copy:
-        copy = self._payload(cid, name).copies[tier]
-        if tier is Tier.NVME and self.config.nvme_dir is None:
-            raise StoreError("this store has no NVMe tier: set StoreConfig.nvme_dir to use 'nvme'")
+    def _copy(self, cid: int, name: str, tier: "Tier | str") -> _Copy:
+        copy = self._payload(cid, name).copies[Tier.of(tier)]
+        if copy.tier is Tier.NVME:
+            self._check_nvme()
         return copy
+
+    def _check_nvme(self) -> None:
+        if self.config.nvme_dir is None:
+            raise StoreError("this store has no NVMe tier: set StoreConfig.nvme_dir to a directory on a "
+                             "fast disk to use 'nvme'")
 
     @staticmethod
     def _copies(chunks) -> list[_Copy]:
@@ -1048,8 +1046,6 @@ class ChunkStore:
 
     def _swap_space(self):
         if self._swap is None:
-            if self.config.nvme_dir is None:
-                raise StoreError("this store has no NVMe tier: set StoreConfig.nvme_dir")
             from .swap_io import AioEngine, SwapSpace
             engine = AioEngine(threads=self.config.io_threads, block_size=self.config.io_block_size,
                                queue_depth=self.config.io_queue_depth)
