@@ -642,7 +642,7 @@ class ChunkStore:
         try:
             t0 = time.perf_counter()
             ready = pending is None or pending.done()
-            if pending is not None and not ready:
+            if not ready:
                 if tier is Tier.GPU and self._streams is not None:
                     pending.wait_stream(torch.cuda.current_stream(self.device))
                 else:
@@ -762,7 +762,7 @@ class ChunkStore:
                 raise StoreError(f"copy_{'in' if into else 'out'}: {copy.where()} is {copy.state.name}; "
                                  f"it needs a valid CPU copy: get(), use() or allocate() it first")
             buf = copy.buffer
-            hop = Hop.between(Tier.GPU, Tier.CPU) if into else Hop.between(Tier.CPU, Tier.GPU)
+            hop = Hop.GPU_TO_CPU if into else Hop.CPU_TO_GPU
             nbytes = sum(t.numel() * buf.element_size() for _, t in pieces)
             self.stats.bytes_moved[hop] += nbytes
             self.stats.moves[hop] += 1
