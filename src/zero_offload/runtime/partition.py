@@ -93,10 +93,6 @@ class Partition:
                 out.append(slot)
         return tuple(out)
 
-    @property
-    def numel(self) -> int:
-        return sum(s.numel for s in self.slots)
-
 
 def partition_parameters(module: nn.Module, *, chunk_numel: int) -> Partition:
     """Pack ``module``'s distinct parameters into chunks of about ``chunk_numel`` elements.
@@ -113,6 +109,7 @@ def partition_parameters(module: nn.Module, *, chunk_numel: int) -> Partition:
     open_fill: dict[bool, int] = {True: 0, False: 0}
     groups: list[tuple[bool, list]] = []  # closed chunks, in closing order
     empty = []
+    rank = {}  # id(param) -> slot index (module order)
 
     def close(trainable: bool) -> None:
         if open_slots[trainable]:
@@ -124,6 +121,7 @@ def partition_parameters(module: nn.Module, *, chunk_numel: int) -> Partition:
         if p.numel() == 0:
             empty.append((name, p))
             continue
+        rank[id(p)] = len(rank)
         kind = bool(p.requires_grad)
         need = _align(p.numel())
         if open_slots[kind] and open_fill[kind] + need > chunk_numel:
@@ -132,17 +130,11 @@ def partition_parameters(module: nn.Module, *, chunk_numel: int) -> Partition:
         open_fill[kind] += need
         if open_fill[kind] >= chunk_numel:
             close(kind)
-    # Close what is left in module order of its first member.
-    leftovers = [k for k in (True, False) if open_slots[k]]
-    first_pos = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
-    leftovers.sort(key=lambda k: first_pos[id(open_slots[k][0][1])])
-    for k in leftovers:
-        close(k)
+    close(True)
+    close(False)
     # Chunks are numbered in module order of their first parameter.
-    groups.sort(key=lambda g: first_pos[id(g[1][0][1])])
+    groups.sort(key=lambda g: rank[id(g[1][0][1])])
 
-    rank = {id(p): i for i, (_, p) in enumerate(
-        (n, p) for n, p in module.named_parameters() if p.numel() > 0)}
     chunks, by_param = [], {}
     for ci, (trainable, members) in enumerate(groups):
         offset, chunk_slots = 0, []

@@ -43,9 +43,6 @@ class _Slab:
     def nbytes(self) -> int:
         return self.memory.numel()
 
-    def idle(self) -> bool:
-        return self.free == [(0, self.nbytes)]
-
 
 @dataclass(eq=False)
 class PoolBuffer:
@@ -132,10 +129,10 @@ class PinnedPool:
                     f"of {sum(s.nbytes for s in self._slabs)} reserved; build the pool with a larger "
                     f"capacity_bytes, or growable=True")
             slab = self._new_slab(size, grown=True)
+            slab.free.clear()  # the whole new slab is this buffer
             self._slabs.append(slab)
             self.stats.grows += 1
-            off = take_extent(slab.free, size)
-            return PoolBuffer(raw=slab.memory[off:off + size], slab=slab, offset=off)
+            return PoolBuffer(raw=slab.memory, slab=slab, offset=0)
 
     def release(self, buf: PoolBuffer) -> None:
         """Give a buffer back for reuse. The caller must not touch ``buf`` afterwards."""
@@ -148,6 +145,6 @@ class PinnedPool:
     def trim(self) -> int:
         """Free grown slabs that hold no buffer; returns the bytes given back."""
         with self._lock:
-            idle = [s for s in self._slabs if s.grown and s.idle()]
+            idle = [s for s in self._slabs if s.grown and s.free == [(0, s.nbytes)]]
             self._slabs = [s for s in self._slabs if s not in idle]
             return sum(s.nbytes for s in idle)

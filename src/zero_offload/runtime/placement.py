@@ -49,7 +49,6 @@ KEEP_SHARE = 0.5
 rest is left to activations, which the store does not see (as for "auto" params homes)."""
 
 
-
 class FitError(ValueError):
     """The configuration cannot fit the budgets; the message has the numbers and the fix."""
 
@@ -74,10 +73,6 @@ class PlacementPlan:
         return sum(1 for h in self.homes
                    if (params is None or h.params is params)
                    and (optimizer is None or h.optimizer is optimizer))
-
-
-def _nbytes(numel: int, dtype: torch.dtype) -> int:
-    return round_up(numel * dtype.itemsize, ALIGNMENT)
 
 
 def payload_dtypes(chunk: ChunkLayout, config: OffloadConfig) -> dict:
@@ -106,7 +101,7 @@ def optimizer_payloads(config: OffloadConfig) -> tuple:
 
 def chunk_bytes(chunk: ChunkLayout, config: OffloadConfig, names) -> int:
     dtypes = payload_dtypes(chunk, config)
-    return sum(_nbytes(chunk.numel, dtypes[n]) for n in names if n in dtypes)
+    return sum(round_up(chunk.numel * dtypes[n].itemsize, ALIGNMENT) for n in names if n in dtypes)
 
 
 def window_bytes(partition: Partition, config: OffloadConfig) -> int:
@@ -176,11 +171,11 @@ def plan_placement(partition: Partition, config: OffloadConfig, budgets: dict, *
         otier = None
         if c.trainable:
             obytes = chunk_bytes(c, config, opt_names)
-            dev = obytes + chunk_bytes(c, config, ("grads", "accum"))
+            fixed = chunk_bytes(c, config, ("grads", "accum"))
             if config.optimizer is Placement.AUTO and gpu_optimizer and ptier is Tier.GPU \
-                    and need[Tier.GPU] + params_ahead + dev <= gpu_auto:
-                otier, obytes = Tier.GPU, dev
-                need[Tier.CPU] -= dev - chunk_bytes(c, config, opt_names)  # its grads home there too
+                    and need[Tier.GPU] + params_ahead + obytes + fixed <= gpu_auto:
+                otier, obytes = Tier.GPU, obytes + fixed
+                need[Tier.CPU] -= fixed  # its grads (and accum) home there too
             elif config.optimizer is Placement.AUTO:
                 otier = Tier.CPU if (host_room(obytes) or not has_nvme) else Tier.NVME
             else:
@@ -192,11 +187,11 @@ def plan_placement(partition: Partition, config: OffloadConfig, budgets: dict, *
     if uses_nvme:
         need[Tier.CPU] += staging
     _check_fits(partition, config, budgets, need, gpu_window=gpu_window, gpu_extra=gpu_extra,
-                staging=staging if uses_nvme else 0, homes=homes)
+                staging=staging if uses_nvme else 0)
     return PlacementPlan(homes=tuple(homes), need=need)
 
 
-def _check_fits(partition, config, budgets, need, *, gpu_window, gpu_extra, staging, homes) -> None:
+def _check_fits(partition, config, budgets, need, *, gpu_window, gpu_extra, staging) -> None:
     big = max(partition.chunks, key=lambda c: c.numel)
     big_bytes = chunk_bytes(big, config, ("params",))
     if need[Tier.GPU] > budgets[Tier.GPU]:

@@ -69,7 +69,7 @@ class Tier(enum.Enum):
 
     @property
     def level(self) -> int:
-        return _LEVEL[self]
+        return list(Tier).index(self)
 
     @classmethod
     def of(cls, value: "Tier | str") -> "Tier":
@@ -80,9 +80,6 @@ class Tier(enum.Enum):
         except ValueError:
             raise ValueError(f"unknown tier {value!r}; use one of 'gpu', 'cpu', 'nvme' "
                              f"(or zero_offload.store.Tier)") from None
-
-
-_LEVEL = {Tier.GPU: 0, Tier.CPU: 1, Tier.NVME: 2}
 
 
 class Residency(enum.Enum):
@@ -231,10 +228,10 @@ class StoreConfig:
                 budgets[tier] = value
         object.__setattr__(self, "budgets", budgets)
 
-        for name in ("io_threads", "io_queue_depth", "copy_threads"):
+        for name, least in (("io_threads", 1), ("io_queue_depth", 1), ("copy_threads", 1), ("pool_bytes", 0)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"StoreConfig.{name} must be an int >= 1, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"StoreConfig.{name} must be an int >= {least}, got {value!r}")
         if not isinstance(self.io_block_size, int) or self.io_block_size <= 0 or self.io_block_size % ALIGNMENT:
             raise ValueError(f"StoreConfig.io_block_size must be a positive multiple of {ALIGNMENT}, "
                              f"got {self.io_block_size!r}")
@@ -242,8 +239,6 @@ class StoreConfig:
             raise TypeError(f"StoreConfig.pin_memory must be True, False or None, got {self.pin_memory!r}")
         if self.pin_memory and not torch.cuda.is_available():
             raise ValueError("StoreConfig.pin_memory=True needs CUDA; leave it None (pin when CUDA is used)")
-        if isinstance(self.pool_bytes, bool) or not isinstance(self.pool_bytes, int) or self.pool_bytes < 0:
-            raise ValueError(f"StoreConfig.pool_bytes must be an int >= 0, got {self.pool_bytes!r}")
         if not (0.0 <= self.auto_reserve_fraction < 1.0):
             raise ValueError(f"StoreConfig.auto_reserve_fraction must be in [0, 1), got {self.auto_reserve_fraction!r}")
         if self.nvme_dir is not None and not isinstance(self.nvme_dir, (str, os.PathLike)):
@@ -285,14 +280,8 @@ def _resolve_budgets(config: StoreConfig) -> dict[Tier, int]:
 # Handles
 
 
-class _Done:
-    """A host-side waitable that is already complete."""
-
-    def done(self) -> bool:
-        return True
-
-    def result(self):
-        return None
+_DONE = concurrent.futures.Future()  # a host-side waitable that is already complete
+_DONE.set_result(None)
 
 
 class _IoWait:
@@ -319,14 +308,11 @@ class Handle:
     on its stream. The host part resolves to that event when the event is created late.
     """
 
-    __slots__ = ("_host", "_event", "hop", "nbytes")
+    __slots__ = ("_host", "_event")
 
-    def __init__(self, *, host=None, event: "torch.cuda.Event | None" = None,
-                 hop: "Hop | None" = None, nbytes: int = 0):
-        self._host = host if host is not None else _Done()
+    def __init__(self, *, host=None, event: "torch.cuda.Event | None" = None):
+        self._host = host if host is not None else _DONE
         self._event = event
-        self.hop = hop
-        self.nbytes = nbytes
 
     @classmethod
     def completed(cls) -> "Handle":
@@ -376,14 +362,6 @@ class _Streams(NamedTuple):
 
     h2d: "torch.cuda.Stream"  # pinned CPU → GPU copies (fetches)
     d2h: "torch.cuda.Stream"  # GPU → pinned CPU copies (flushes, write-behind of grads)
-
-
-class _CudaCopy(NamedTuple):
-    """Handoff from the issuing thread to the copy stream: the event the copy stream must wait
-    for before touching the buffers (the caller's current stream at issue time, i.e. the kernels
-    that produced the source or last used the destination's memory)."""
-
-    after: "torch.cuda.Event"
 
 
 # --------------------------------------------------------------------------------------------
@@ -585,9 +563,8 @@ class ChunkStore:
                 need[spec.home] += round_up(spec.nbytes, ALIGNMENT)
             for tier, nbytes in need.items():
                 if nbytes:
-                    if tier is Tier.NVME and self.config.nvme_dir is None:
-                        raise StoreError("a payload's home is 'nvme' but StoreConfig.nvme_dir is None; "
-                                         "set nvme_dir to a directory on a fast disk")
+                    if tier is Tier.NVME:
+                        self._check_nvme()
                     self._make_room(tier, nbytes, for_what="the home copies of a new chunk")
             chunk = _Chunk(cid=len(self._chunks))
             for name, spec in payloads.items():
@@ -597,12 +574,12 @@ class ChunkStore:
             self._chunks.append(chunk)
             for p in chunk.payloads.values():
                 home = p.copies[p.spec.home]
+                self._alloc_memory(home)
                 if home.tier is Tier.NVME:
-                    self._alloc_memory(home)
                     home.to(Residency.FLUSHING, self)
-                    home.pending = Handle(host=self._write_nvme(home, self._zero_source(p.spec.nbytes), deps=()))
+                    home.pending = Handle(host=self._io_after((), functools.partial(
+                        self._swap_space().write, home.slot, self._zero_source(p.spec.nbytes))))
                 else:
-                    self._alloc_memory(home)
                     home.buffer.zero_()
                     home.to(Residency.VALID, self)
             return chunk.cid
@@ -613,18 +590,15 @@ class ChunkStore:
         Idempotent: returns the pending handle while a move into that copy is in flight, or a
         completed handle when it is already valid. May evict other copies by policy to fit the
         budget; raises BudgetError when nothing can be evicted."""
-        tier = Tier.of(tier)
         with self._lock:
-            copy = self._copy(cid, name, tier)
-            return self._ensure(copy, Residency.LOADING)
+            return self._ensure(self._copy(cid, name, tier), Residency.LOADING)
 
     def flush(self, cid: int, name: str, tier: "Tier | str | None" = None) -> Handle:
         """Write the newest bytes to ``tier`` (default: the payload's home), asynchronously
         (write-behind). GPU → CPU runs on the D2H stream."""
         with self._lock:
-            p = self._payload(cid, name)
-            tier = p.spec.home if tier is None else Tier.of(tier)
-            return self._ensure(p.copies[tier], Residency.FLUSHING)
+            tier = self._payload(cid, name).spec.home if tier is None else tier
+            return self._ensure(self._copy(cid, name, tier), Residency.FLUSHING)
 
     def allocate(self, cid: int, name: str, tier: "Tier | str") -> torch.Tensor:
         """A buffer in ``tier`` for the caller to write, without reading anything into it; it
@@ -668,7 +642,7 @@ class ChunkStore:
         try:
             t0 = time.perf_counter()
             ready = pending is None or pending.done()
-            if pending is not None and not ready:
+            if not ready:
                 if tier is Tier.GPU and self._streams is not None:
                     pending.wait_stream(torch.cuda.current_stream(self.device))
                 else:
@@ -693,7 +667,6 @@ class ChunkStore:
 
     def mark_dirty(self, cid: int, name: str, tier: "Tier | str") -> None:
         """The caller changed the copy in ``tier``: it is now the only newest copy."""
-        tier = Tier.of(tier)
         with self._lock:
             copy = self._copy(cid, name, tier)
             self._settle(copy)
@@ -707,16 +680,12 @@ class ChunkStore:
         """Drop a non-home copy, writing it back home first when it is the only newest copy.
         No-op when the copy is absent. Raises for the home copy, and for a copy in use unless
         ``defer``: then its last ``unpin`` evicts it (a reader still holds it until then)."""
-        tier = Tier.of(tier)
         with self._lock:
             copy = self._copy(cid, name, tier)
-            if defer and copy.pins:
-                if copy.is_home:
-                    raise StoreError(f"evict: {copy.where()} is the home copy and cannot be evicted; "
-                                     f"evict non-home copies only")
+            if defer and copy.pins and not copy.is_home:
                 copy.evict_at_unpin = True
                 return
-            self._evict(copy, explicit=True)
+            self._evict(copy)  # raises for the home copy, and for a pinned one
 
     def discard(self, cid: int) -> None:
         """Free every copy of the chunk, home copies included (pinned memory unregistered and
@@ -726,7 +695,7 @@ class ChunkStore:
         use of the chunk raises."""
         with self._lock:
             chunk = self._chunk(cid)
-            copies = [c for p in chunk.payloads.values() for c in p.copies.values()]
+            copies = self._copies([chunk])
             for c in copies:
                 if c.pins:
                     raise StoreError(f"discard: {c.where()} is in use ({c.pins} pin(s)); leave the "
@@ -734,7 +703,7 @@ class ChunkStore:
             for c in copies:
                 self._await_quiet(c)
                 for r in c.readers:
-                    self._wait_host(r)
+                    r.wait()
                 c.readers = []
             for c in copies:
                 if c.state is not Residency.ABSENT:
@@ -745,20 +714,20 @@ class ChunkStore:
     def pin(self, cid: int, name: str, tier: "Tier | str") -> None:
         """Keep the copy in ``tier`` from being evicted until ``unpin``."""
         with self._lock:
-            copy = self._copy(cid, name, Tier.of(tier))
+            copy = self._copy(cid, name, tier)
             if copy.state is Residency.ABSENT:
                 raise StoreError(f"pin: {copy.where()} is ABSENT; fetch or allocate it first")
             copy.pins += 1
 
     def unpin(self, cid: int, name: str, tier: "Tier | str") -> None:
         with self._lock:
-            copy = self._copy(cid, name, Tier.of(tier))
+            copy = self._copy(cid, name, tier)
             if copy.pins <= 0:
                 raise StoreError(f"unpin: {copy.where()} is not pinned (unpin without a matching pin)")
             copy.pins -= 1
             if not copy.pins and copy.evict_at_unpin:
                 copy.evict_at_unpin = False
-                self._evict(copy, explicit=True)
+                self._evict(copy)
 
     def copy_in(self, cid: int, name: str, tier: "Tier | str",
                 pieces: "Sequence[tuple[int, torch.Tensor]]") -> Handle:
@@ -786,15 +755,14 @@ class ChunkStore:
         return self._copy_pieces(cid, name, tier, pieces, into=False, after=after)
 
     def _copy_pieces(self, cid, name, tier, pieces, *, into: bool, after) -> Handle:
-        tier = Tier.of(tier)
         with self._lock:
             copy = self._copy(cid, name, tier)
             self._settle(copy)
-            if tier is not Tier.CPU or copy.state is not Residency.VALID:
+            if copy.tier is not Tier.CPU or copy.state is not Residency.VALID:
                 raise StoreError(f"copy_{'in' if into else 'out'}: {copy.where()} is {copy.state.name}; "
                                  f"it needs a valid CPU copy: get(), use() or allocate() it first")
             buf = copy.buffer
-            hop = Hop.between(Tier.GPU, Tier.CPU) if into else Hop.between(Tier.CPU, Tier.GPU)
+            hop = Hop.GPU_TO_CPU if into else Hop.CPU_TO_GPU
             nbytes = sum(t.numel() * buf.element_size() for _, t in pieces)
             self.stats.bytes_moved[hop] += nbytes
             self.stats.moves[hop] += 1
@@ -819,7 +787,7 @@ class ChunkStore:
                         t.record_stream(stream)
                     else:
                         t.view(-1).copy_(buf[offset:offset + t.numel()], non_blocking=True)
-                handle = Handle(event=stream.record_event(), hop=hop, nbytes=nbytes)
+                handle = Handle(event=stream.record_event())
             if not into:
                 copy.readers.append(handle)
             return handle
@@ -827,7 +795,6 @@ class ChunkStore:
     @contextlib.contextmanager
     def use(self, cid: int, name: str, tier: "Tier | str", *, write: bool = False) -> Iterator[torch.Tensor]:
         """Fetch (if needed), pin and ``get`` the copy; unpin on exit."""
-        tier = Tier.of(tier)
         with self._lock:
             self.fetch(cid, name, tier)
             self.pin(cid, name, tier)
@@ -839,7 +806,7 @@ class ChunkStore:
     def state(self, cid: int, name: str, tier: "Tier | str") -> Residency:
         """Residency of one copy (settled first)."""
         with self._lock:
-            copy = self._copy(cid, name, Tier.of(tier))
+            copy = self._copy(cid, name, tier)
             self._settle(copy)
             return copy.state
 
@@ -906,14 +873,12 @@ class ChunkStore:
             if self._streams is not None:
                 self._streams.d2h.synchronize()
                 self._streams.h2d.synchronize()
-            for chunk in self._chunks:
-                for p in chunk.payloads.values():
-                    for c in p.copies.values():
-                        if c.pending is not None:
-                            self._wait_host(c.pending)
-                        for r in c.readers:
-                            self._wait_host(r)
-                        self._settle(c, force=True)
+            for c in self._copies(self._chunks):
+                if c.pending is not None:
+                    c.pending.wait()
+                for r in c.readers:
+                    r.wait()
+                self._settle(c, force=True)
 
     def close(self) -> None:
         """Finish moves in flight, free every buffer and the swap files. Idempotent."""
@@ -925,12 +890,10 @@ class ChunkStore:
             finally:
                 self._closed = True
                 self._executor.shutdown(wait=True)
-                for chunk in self._chunks:
-                    for p in chunk.payloads.values():
-                        for c in p.copies.values():
-                            c.buffer = None
-                            c.pool_buffer = None
-                            c.slot = None
+                for c in self._copies(self._chunks):
+                    c.buffer = None
+                    c.pool_buffer = None
+                    c.slot = None
                 self._chunks.clear()
                 for t in Tier:
                     self._held[t].clear()
@@ -974,11 +937,20 @@ class ChunkStore:
         except KeyError:
             raise KeyError(f"chunk {cid} has no payload {name!r}; it has {sorted(chunk.payloads)}") from None
 
-    def _copy(self, cid: int, name: str, tier: Tier) -> _Copy:
-        copy = self._payload(cid, name).copies[tier]
-        if tier is Tier.NVME and self.config.nvme_dir is None:
-            raise StoreError("this store has no NVMe tier: set StoreConfig.nvme_dir to use 'nvme'")
+    def _copy(self, cid: int, name: str, tier: "Tier | str") -> _Copy:
+        copy = self._payload(cid, name).copies[Tier.of(tier)]
+        if copy.tier is Tier.NVME:
+            self._check_nvme()
         return copy
+
+    def _check_nvme(self) -> None:
+        if self.config.nvme_dir is None:
+            raise StoreError("this store has no NVMe tier: set StoreConfig.nvme_dir to a directory on a "
+                             "fast disk to use 'nvme'")
+
+    @staticmethod
+    def _copies(chunks) -> list[_Copy]:
+        return [c for chunk in chunks for p in chunk.payloads.values() for c in p.copies.values()]
 
     def _tick(self) -> int:
         self._clock += 1
@@ -990,9 +962,6 @@ class ChunkStore:
             self._peak[tier] = now
 
     # ---- settling and waiting -----------------------------------------------------------
-
-    def _wait_host(self, handle: Handle) -> None:
-        handle.wait()
 
     def _settle(self, copy: _Copy, *, force: bool = False) -> None:
         """See [Note: lazy settling]. ``force``: the caller has already waited for ``pending``."""
@@ -1017,7 +986,7 @@ class ChunkStore:
         """Wait (host) until no move writes into ``copy`` and, if it is EVICTING, until its
         readers finish; then settle it."""
         if copy.pending is not None:
-            self._wait_host(copy.pending)
+            copy.pending.wait()
             self._settle(copy, force=True)
         if copy.state is Residency.EVICTING:
             for r in copy.readers:
@@ -1042,7 +1011,7 @@ class ChunkStore:
                 continue
             if c.state in _IN_FLIGHT:
                 # A move into it was issued before this write; let it land, then outdate it.
-                self._wait_host(c.pending)
+                c.pending.wait()
                 self._settle(c, force=True)
             if c.state is Residency.VALID:
                 c.to(Residency.STALE, self)
@@ -1053,10 +1022,7 @@ class ChunkStore:
         """Give an ABSENT copy its buffer or slot (budget already checked)."""
         spec = copy.payload.spec
         if copy.tier is Tier.GPU:
-            if self.config.cuda:
-                copy.buffer = torch.empty(spec.numel, dtype=spec.dtype, device=self.device)
-            else:
-                copy.buffer = torch.empty(spec.numel, dtype=spec.dtype)
+            copy.buffer = torch.empty(spec.numel, dtype=spec.dtype, device=self.device)
         elif copy.tier is Tier.CPU:
             if copy.is_home:
                 # Home copies live as long as the store: their own exact-size aligned allocation.
@@ -1080,8 +1046,6 @@ class ChunkStore:
 
     def _swap_space(self):
         if self._swap is None:
-            if self.config.nvme_dir is None:
-                raise StoreError("this store has no NVMe tier: set StoreConfig.nvme_dir")
             from .swap_io import AioEngine, SwapSpace
             engine = AioEngine(threads=self.config.io_threads, block_size=self.config.io_block_size,
                                queue_depth=self.config.io_queue_depth)
@@ -1104,18 +1068,17 @@ class ChunkStore:
         for _ in range(3):
             if self.bytes(tier) + nbytes <= budget:
                 return
-            candidates = []
+            candidates = {}
             for c in list(self._held[tier]):
                 self._settle(c)
                 if c.is_home or c.pins or c.state not in (Residency.VALID, Residency.STALE):
                     continue
-                candidates.append((EvictionCandidate(c.payload.cid, c.payload.name, tier, c.nbytes,
-                                                     c.last_use, c.state is Residency.STALE), c))
-            by_key = {(e.cid, e.name): c for e, c in candidates}
-            for e in self.policy.order([e for e, _ in candidates]):
+                candidates[EvictionCandidate(c.payload.cid, c.payload.name, tier, c.nbytes,
+                                             c.last_use, c.state is Residency.STALE)] = c
+            for e in self.policy.order(list(candidates)):
                 if self.bytes(tier) + nbytes <= budget:
                     return
-                self._evict(by_key[(e.cid, e.name)], explicit=False)
+                self._evict(candidates[e])
             # Copies still EVICTING free their memory once their readers finish.
             for c in [c for c in self._held[tier] if c.state is Residency.EVICTING]:
                 self._await_quiet(c)
@@ -1138,7 +1101,7 @@ class ChunkStore:
 
     # ---- eviction -----------------------------------------------------------------------
 
-    def _evict(self, copy: _Copy, *, explicit: bool) -> None:
+    def _evict(self, copy: _Copy) -> None:
         self._settle(copy)
         if copy.state is Residency.ABSENT or copy.state is Residency.EVICTING:
             return
@@ -1168,8 +1131,6 @@ class ChunkStore:
         """Make ``copy`` valid: nothing to do, or the handle of the move in flight, or a new move
         (LOADING for fetches, FLUSHING for write-behind) from the nearest valid copy."""
         p = copy.payload
-        if copy.tier is Tier.NVME and self.config.nvme_dir is None:
-            raise StoreError("this store has no NVMe tier: set StoreConfig.nvme_dir to use 'nvme'")
         self._settle(copy)
         copy.last_use = self._tick()
         if copy.state is Residency.VALID:
@@ -1215,27 +1176,25 @@ class ChunkStore:
     def _issue(self, src: _Copy, dst: _Copy) -> Handle:
         """Start moving src's bytes into dst (neighbouring tiers). Dependencies: src's pending
         move (RAW), dst's readers (WAR). See [Note: hazards]."""
-        nbytes = src.payload.spec.nbytes
-        hop = Hop.between(src.tier, dst.tier)
         deps = [h for h in ([src.pending] + dst.readers) if h is not None and not h.finished()]
-        if dst.tier is Tier.NVME:
-            return Handle(host=self._write_nvme(dst, self._raw(src), deps=deps), hop=hop, nbytes=nbytes)
-        if src.tier is Tier.NVME:
-            return Handle(host=self._read_nvme(src, dst, deps=deps), hop=hop, nbytes=nbytes)
+        if Tier.NVME in (src.tier, dst.tier):
+            swap = self._swap_space()
+            io = (functools.partial(swap.write, dst.slot, self._raw(src)) if dst.tier is Tier.NVME
+                  else functools.partial(swap.read, src.slot, self._raw(dst)))
+            return Handle(host=self._io_after(deps, io))
         if self._streams is None:
             def host_copy():
                 for d in deps:
                     d.wait()
                 dst.buffer.copy_(src.buffer)
-            return Handle(host=self._executor.submit(host_copy), hop=hop, nbytes=nbytes)
-        return self._issue_cuda(src, dst, deps, hop, nbytes)
+            return Handle(host=self._executor.submit(host_copy))
+        return self._issue_cuda(src, dst, deps)
 
-    def _issue_cuda(self, src: _Copy, dst: _Copy, deps, hop: Hop, nbytes: int) -> Handle:
-        streams = self._streams
-        stream = streams.h2d if dst.tier is Tier.GPU else streams.d2h
+    def _issue_cuda(self, src: _Copy, dst: _Copy, deps) -> Handle:
+        stream = self._streams.h2d if dst.tier is Tier.GPU else self._streams.d2h
         # Handoff: the copy stream starts after what the caller's stream has issued so far
         # (the kernels that wrote a GPU source, or last used a reused GPU destination).
-        handoff = _CudaCopy(after=torch.cuda.current_stream(self.device).record_event())
+        after = torch.cuda.current_stream(self.device).record_event()
         gpu_buf = dst.buffer if dst.tier is Tier.GPU else src.buffer
         gpu_buf.record_stream(stream)  # see [Note: hazards]: freeing waits for this stream
 
@@ -1243,21 +1202,13 @@ class ChunkStore:
             for d in deps:
                 d.wait_stream(stream)  # host-side parts block here (we are off the hot path then)
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
-                stream.wait_event(handoff.after)
+                stream.wait_event(after)
                 dst.buffer.copy_(src.buffer, non_blocking=True)
                 return stream.record_event()
 
         if all(d.host_done() for d in deps):
-            return Handle(event=enqueue(), hop=hop, nbytes=nbytes)
-        return Handle(host=self._executor.submit(enqueue), hop=hop, nbytes=nbytes)
-
-    def _read_nvme(self, src: _Copy, dst: _Copy, *, deps) -> object:
-        swap = self._swap_space()
-        return self._io_after(deps, functools.partial(swap.read, src.slot, self._raw(dst)))
-
-    def _write_nvme(self, dst: _Copy, data: torch.Tensor, *, deps) -> object:
-        swap = self._swap_space()
-        return self._io_after(deps, functools.partial(swap.write, dst.slot, data))
+            return Handle(event=enqueue())
+        return Handle(host=self._executor.submit(enqueue))
 
     def _io_after(self, deps, submit) -> object:
         """Submit the I/O now when nothing must finish first; otherwise on the executor, once
