@@ -257,7 +257,13 @@ def _check_buffer_any_layout(name: str, tensor: Any, *, dtypes: tuple, numel: in
     _check_buffer(name, tensor, dtypes=dtypes, numel=numel)
 
 
-def _check_operands(param, grad, exp_avg, exp_avg_sq, out_lowp) -> None:
+def _checked_flat_call(param, grad, exp_avg, exp_avg_sq, out_lowp, *, step, lr, betas, eps,
+                       weight_decay, adamw, grad_scale, threads, seed=0) -> dict:
+    """Every check of a flat-buffer call (raises before anything changes); returns the checked
+    keyword arguments of ``_launch`` / ``_native_args``."""
+    hyper = AdamHyper.checked(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw)
+    checked = dict(step=_check_step(step), hyper=hyper, grad_scale=_check_grad_scale(grad_scale),
+                   threads=_check_threads(threads), seed=_check_seed(seed))
     _check_buffer("param", param, dtypes=(torch.float32,))
     _check_buffer("grad", grad, dtypes=_FLOAT_DTYPES, numel=param.numel())
     _check_buffer("exp_avg", exp_avg, dtypes=_MOMENT_DTYPES, numel=param.numel())
@@ -270,6 +276,7 @@ def _check_operands(param, grad, exp_avg, exp_avg_sq, out_lowp) -> None:
         _check_buffer("out_lowp", out_lowp, dtypes=_LOWP_DTYPES, numel=param.numel())
         named.append(("out_lowp", out_lowp))
     _check_no_overlap(named)
+    return checked
 
 
 def _native_args(param, grad, exp_avg, exp_avg_sq, out_lowp, *, step: float, hyper: AdamHyper,
@@ -293,28 +300,14 @@ def _bump_versions(written: list) -> None:
         _set_version(written, [t._version + 1 for t in written])
 
 
-def _launch(param, grad, exp_avg, exp_avg_sq, out_lowp, *, step: float, hyper: AdamHyper,
-            grad_scale: float, threads: Optional[int], seed: int = 0) -> float:
-    """Runs the kernel on checked operands (see [Note: validate, then mutate]); returns the
-    seconds the kernel ran."""
+def _launch(param, grad, exp_avg, exp_avg_sq, out_lowp, **checked) -> float:
+    """Runs the kernel on checked operands and ``_native_args``'s checked keyword arguments (see
+    [Note: validate, then mutate]); returns the seconds the kernel ran."""
     if param.numel() == 0:
         return 0.0
-    seconds = kernels.adam_step(**_native_args(param, grad, exp_avg, exp_avg_sq, out_lowp, step=step,
-                                               hyper=hyper, grad_scale=grad_scale, threads=threads,
-                                               seed=seed))
+    seconds = kernels.adam_step(**_native_args(param, grad, exp_avg, exp_avg_sq, out_lowp, **checked))
     _bump_versions([param] if out_lowp is None else [param, out_lowp])
     return seconds
-
-
-def _checked_flat_call(param, grad, exp_avg, exp_avg_sq, out_lowp, *, step, lr, betas, eps,
-                       weight_decay, adamw, grad_scale, threads, seed=0) -> dict:
-    """Every check of a flat-buffer call (raises before anything changes); returns the checked
-    keyword arguments of ``_launch`` / ``_native_args``."""
-    hyper = AdamHyper.checked(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw)
-    checked = dict(step=_check_step(step), hyper=hyper, grad_scale=_check_grad_scale(grad_scale),
-                   threads=_check_threads(threads), seed=_check_seed(seed))
-    _check_operands(param, grad, exp_avg, exp_avg_sq, out_lowp)
-    return checked
 
 
 # ---------------------------------------------------------------------------------------------
