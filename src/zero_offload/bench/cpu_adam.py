@@ -71,7 +71,7 @@ class Result:
     mparams_per_s: float = 0.0
     """numel / median_s / 1e6."""
     gb_per_s: float = 0.0
-    """BYTES_PER_PARAM * numel / median_s / 1e9."""
+    """The minimum traffic of the update (BYTES_PER_PARAM*) per median_s, in 1e9 bytes/s."""
     ratio_to_torch: Optional[float] = None
     """Our Mparams/s over torch fused's (case a) or torch composite's (case b)."""
     ratio_to_fp32_moments: Optional[float] = None

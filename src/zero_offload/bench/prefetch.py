@@ -295,7 +295,6 @@ class _Runner:
     depth: int
     engine: object
     model: object
-    device: torch.device
     times: list = dataclasses.field(default_factory=list)
     stalls: list = dataclasses.field(default_factory=list)
     steps_run: int = 0
@@ -311,9 +310,10 @@ def _stall(engine) -> float:
 def _step(runner: _Runner, corpus, settings, seq_len: int, *, timed: bool) -> None:
     from ..run_settings import _batch_generator
 
-    engine, cuda = runner.engine, runner.device.type == "cuda"
+    engine = runner.engine
+    cuda = engine.device.type == "cuda"
     x, y = corpus.batch(batch_size=settings.batch_size, seq_len=seq_len,
-                        generator=_batch_generator(settings.seed, runner.steps_run), device=runner.device)
+                        generator=_batch_generator(settings.seed, runner.steps_run), device=engine.device)
     if cuda:
         torch.cuda.synchronize()
     stall0 = _stall(engine) if timed else 0.0
@@ -431,7 +431,7 @@ def run(args) -> int:
             engine = zero_offload.initialize(model, optimizer=spec,
                                              config=dataclasses.replace(cfg, prefetch_depth=depth))
             stack.callback(engine.close)
-            r = _Runner(depth=depth, engine=engine, model=model, device=engine.device)
+            r = _Runner(depth=depth, engine=engine, model=model)
             for _ in range(args.warmup):  # the first records the access order
                 _step(r, corpus, settings, seq_len, timed=False)
             engine.synchronize()
@@ -444,7 +444,7 @@ def run(args) -> int:
               f"{args.block} timed steps, at least {settings.steps} timed steps per depth, until the depths "
               f"separate or {args.max_seconds:g} s pass", flush=True)
 
-        def verdict(n: int) -> Decision:
+        def verdict() -> Decision:
             return decide({r.depth: r.times for r in runners}, baseline=baseline, tolerance=args.tolerance,
                           confidence=args.confidence, block=args.block)
 
@@ -461,7 +461,7 @@ def run(args) -> int:
             n = min(len(r.times) for r in runners)
             elapsed = time.perf_counter() - t0
             if n >= look_at:
-                decision = verdict(n)
+                decision = verdict()
                 looks.append(n)
                 print(f"  {elapsed:6.1f} s, {n} steps per depth: " +
                       ", ".join(f"{r.depth}: {np.median(r.times) * 1e3:.1f} ms" for r in runners) +
@@ -471,7 +471,7 @@ def run(args) -> int:
                 look_at = next_look(n)
             if elapsed >= args.max_seconds and n >= settings.steps:
                 if not looks or looks[-1] != n:
-                    decision = verdict(n)
+                    decision = verdict()
                     looks.append(n)
                 break
         measure_s = time.perf_counter() - t0
@@ -527,8 +527,9 @@ are split evenly between them."""
 
 def add_arguments(p) -> None:
     """The flags of ``bench prefetch`` (the model/offload flags are the CLI's run flags)."""
-    from ..run_settings import _depths, _nonneg_int, _positive_float, _positive_int
+    from ..run_settings import _depths, _nonneg_int, _number, _positive_float, _positive_int
 
+    confidence = _number(float, lambda v: 0.5 <= v < 1.0, "a confidence in [0.5, 1), e.g. 0.95", "_confidence")
     p.add_argument("--depths", type=_depths, default=list(DEFAULT_DEPTHS),
                    help="comma-separated (default 0,1,2,4,8); the baseline is added when missing")
     p.add_argument("--max-seconds", type=_positive_float, default=DEFAULT_MAX_SECONDS, metavar="S",
@@ -543,18 +544,6 @@ def add_arguments(p) -> None:
     p.add_argument("--tolerance", type=_positive_float, default=0.03,
                    help="smallest gain over the baseline worth recommending, and the margin within "
                         "which the smallest faster depth is preferred (default 0.03)")
-    p.add_argument("--confidence", type=_confidence, default=0.95,
+    p.add_argument("--confidence", type=confidence, default=0.95,
                    help="confidence of the bootstrap intervals (default 0.95)")
     p.add_argument("--out", default="zero_offload_bench", metavar="DIR", help="where the JSON and PNG go")
-
-
-def _confidence(text: str) -> float:
-    import argparse
-
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0.5 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a confidence in [0.5, 1), e.g. 0.95; got {text!r}")
-    return value
