@@ -125,13 +125,9 @@ class Decision:
         return f"no depth measurably better; keep {self.baseline} ({why})"
 
     def to_dict(self) -> dict:
-        return {"baseline": self.baseline, "recommended": self.recommended, "separated": self.separated,
-                "measurably_better": self.better, "tolerance": self.tolerance,
-                "confidence": self.confidence, "resamples": self.resamples, "seed": self.seed,
-                "block": self.block,
-                "message": self.message(),
-                "comparisons": [{"depth": c.depth, "gain": c.gain, "low": c.low, "high": c.high,
-                                 "verdict": c.verdict.value} for c in self.comparisons]}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "comparisons"}
+        return {**fields, "measurably_better": self.better, "message": self.message(),
+                "comparisons": [{**dataclasses.asdict(c), "verdict": c.verdict.value} for c in self.comparisons]}
 
 
 def _join(depths: Sequence[int]) -> str:
@@ -230,19 +226,15 @@ def plot_prefetch(results: Sequence[dict], path, *, title: str = "", recommended
         ax1.axvline(baseline, color="grey", linestyle=":", label=f"baseline depth {baseline}")
     if recommended is not None:
         ax1.axvline(recommended, color="grey", linestyle="--", label=f"recommended depth {recommended}")
-    ax1.set_xticks(depths)
-    ax1.set_xlabel("prefetch depth (chunks in flight per hop)")
-    ax1.set_ylabel("ms per step")
-    ax1.set_ylim(bottom=0)
+    ax1.set(xticks=depths, xlabel="prefetch depth (chunks in flight per hop)", ylabel="ms per step", ylim=(0, None))
     ax1.legend(fontsize=8)
     ax1.grid(alpha=0.3)
     width = 0.8 / max(len(hops), 1)
     for i, hop in enumerate(hops):
         ax2.bar([j + i * width for j in range(len(depths))],
                 [r["bytes_per_step"].get(hop, 0) / 2**20 for r in results], width=width, label=hop)
-    ax2.set_xticks([j + width * (len(hops) - 1) / 2 for j in range(len(depths))], [str(d) for d in depths])
-    ax2.set_xlabel("prefetch depth")
-    ax2.set_ylabel("MiB moved per step")
+    ax2.set(xticks=[j + width * (len(hops) - 1) / 2 for j in range(len(depths))], xticklabels=depths,
+            xlabel="prefetch depth", ylabel="MiB moved per step")
     if hops:
         ax2.legend(fontsize=8)
     ax2.grid(alpha=0.3, axis="y")
