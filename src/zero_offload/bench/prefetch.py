@@ -226,7 +226,8 @@ def plot_prefetch(results: Sequence[dict], path, *, title: str = "", recommended
         ax1.axvline(baseline, color="grey", linestyle=":", label=f"baseline depth {baseline}")
     if recommended is not None:
         ax1.axvline(recommended, color="grey", linestyle="--", label=f"recommended depth {recommended}")
-    ax1.set(xticks=depths, xlabel="prefetch depth (chunks in flight per hop)", ylabel="ms per step", ylim=(0, None))
+    ax1.set(xticks=depths, xlabel="prefetch depth (chunks in flight per hop)", ylabel="ms per step",
+            ylim=(0, None))
     ax1.legend(fontsize=8)
     ax1.grid(alpha=0.3)
     width = 0.8 / max(len(hops), 1)

@@ -343,9 +343,10 @@ def adam_step(
     fp32 formula (param and ``out_lowp`` equal, bit for bit, what fp32 moments holding the same
     values give), and the new moments are stored as bf16 by stochastic rounding with one hash per
     element of its index in the call and ``seed`` ([Note: stochastic rounding] in ops/rounding.py,
-    whose ``stochastic_round_moments_bf16`` gives the same bits). The stored value is unbiased, deterministic for a given ``seed`` (any ISA path, any thread
-    count). ``seed``: an int in [0, 2**32), ignored for fp32 moments; pass a different one each
-    step (e.g. ``step``), else an element whose moment stays put rounds the same way every step.
+    whose ``stochastic_round_moments_bf16`` gives the same bits). The stored value is unbiased,
+    deterministic for a given ``seed`` (any ISA path, any thread count). ``seed``: an int in
+    [0, 2**32), ignored for fp32 moments; pass a different one each step (e.g. ``step``), else an
+    element whose moment stays put rounds the same way every step.
     See [Note: bf16 moments with stochastic rounding] in csrc/cpu_adam_kernel.h.
 
     Releases the GIL for the whole call. Raises TypeError / ValueError before touching anything
