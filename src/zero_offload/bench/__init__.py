@@ -3,7 +3,12 @@
 io``: the swap I/O engine vs ``dd``). Each module has ``main(argv, *, prog) -> int``. The
 repository's own benchmarks (training step, chunk store) and lab scripts stay in ``benchmarks/``.
 """
+import json
 import platform
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
 
 
 def cpu_model() -> str:
@@ -16,3 +21,25 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds ``fn()`` took (time.perf_counter)."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def command_line(prog: str, argv: Optional[list[str]]) -> str:
+    """The command a benchmark's ``main(argv, prog=prog)`` runs, as its results record it."""
+    return " ".join([prog] + (argv if argv is not None else sys.argv[1:]))
+
+
+def publish(report: str, record: dict, *, md_path: Optional[str], json_path: Optional[str]) -> None:
+    """Prints the markdown ``report``; writes it to ``md_path`` and ``record`` to ``json_path``
+    (each when given)."""
+    print(report)
+    if md_path:
+        Path(md_path).write_text(report)
+    if json_path:
+        Path(json_path).write_text(json.dumps(record, indent=1))

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
+import itertools
 import os
 import statistics
 import sys
@@ -47,7 +47,7 @@ from typing import Callable, Optional
 import torch
 
 from ..ops.cpu_adam import CPUAdam, adam_step, default_threads, isa, set_isa
-from . import cpu_model
+from . import command_line, cpu_model, publish, timed
 
 BYTES_PER_PARAM = 28  # see the module docstring
 BYTES_PER_PARAM_BF16_MOMENTS = 20  # fp32 param r+w 8, bf16 exp_avg, exp_avg_sq r+w 8, bf16 grad, bf16 copy
@@ -61,19 +61,17 @@ class Result:
     """One implementation's timing of one case at one size."""
 
     case: str
-    """"a" (fp32 grads, no copy-out) or "b" (bf16 grads in, bf16 params out)."""
+    """"a" (fp32 grads, no copy-out), "b" (bf16 grads in, bf16 params out) or "rmw"."""
     impl: str
-    """Which implementation."""
     numel: int
     """Params updated per step."""
     seconds: list[float] = field(default_factory=list)
     """Every timed step, in order."""
     median_s: float = 0.0
-    """Median of ``seconds``."""
     mparams_per_s: float = 0.0
     """numel / median_s / 1e6."""
     gb_per_s: float = 0.0
-    """BYTES_PER_PARAM * numel / median_s / 1e9."""
+    """The minimum traffic of the update (BYTES_PER_PARAM*) per median_s, in 1e9 bytes/s."""
     ratio_to_torch: Optional[float] = None
     """Our Mparams/s over torch fused's (case a) or torch composite's (case b)."""
     ratio_to_fp32_moments: Optional[float] = None
@@ -86,12 +84,6 @@ def parse_size(text: str) -> int:
     text = text.strip().upper()
     scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:], 1)
     return int(float(text[:-1] if scale != 1 else text) * scale)
-
-
-def time_once(fn: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 RMW = "x.mul_(c), RMW reference"
@@ -156,13 +148,11 @@ def bench_size(numel: int, *, repeats: int, threads: int, cases: str, with_forea
     gen = torch.Generator().manual_seed(1)
     grad32 = torch.randn(numel, generator=gen).mul_(1e-2)
     grad16 = grad32.to(torch.bfloat16)
-    impls: dict[tuple[str, str], Callable[[], None]] = {}
-    keep = []  # optimizers and buffers alive for the whole size
+    impls: dict[tuple[str, str], Callable[[], None]] = {}  # each holds its optimizer and buffers
 
     def param(grad=None):
         p = torch.randn(numel, generator=gen).requires_grad_()
         p.grad = grad
-        keep.append(p)
         return p
 
     if "a" in cases:  # each optimizer its own param (same fp32 grads); impls holds the optimizers
@@ -177,14 +167,17 @@ def bench_size(numel: int, *, repeats: int, threads: int, cases: str, with_forea
 
     if "b" in cases:
         flat = torch.randn(numel, generator=gen)
-        m, v = torch.zeros(numel), torch.zeros(numel)
-        out = torch.empty(numel, dtype=torch.bfloat16)
-        counter = {"step": 0}
 
-        def ours_b():
-            counter["step"] += 1
-            adam_step(flat, grad16, m, v, step=counter["step"], adamw=True, out_lowp=out,
-                      threads=threads, **HYPER)
+        def ours_b(p: torch.Tensor, moments: torch.dtype) -> Callable[[], None]:
+            out = torch.empty(numel, dtype=torch.bfloat16)
+            m, v = torch.zeros(numel, dtype=moments), torch.zeros(numel, dtype=moments)
+            steps = itertools.count(1)
+
+            def update():
+                step = next(steps)  # also the seed of bf16 moments (fp32 moments ignore it)
+                adam_step(p, grad16, m, v, step=step, adamw=True, out_lowp=out, threads=threads, seed=step,
+                          **HYPER)
+            return update
 
         p_comp = param()
         comp = torch.optim.AdamW([p_comp], fused=True, **HYPER)
@@ -194,22 +187,10 @@ def bench_size(numel: int, *, repeats: int, threads: int, cases: str, with_forea
             comp.step()
             p_comp.detach().to(torch.bfloat16)
 
-        impls[("b", OURS_B)] = ours_b
+        impls[("b", OURS_B)] = ours_b(flat, torch.float32)
         if moments == "bf16":
-            flat16 = flat.clone()
-            m16, v16 = torch.zeros(numel, dtype=torch.bfloat16), torch.zeros(numel, dtype=torch.bfloat16)
-            out16 = torch.empty(numel, dtype=torch.bfloat16)
-            counter16 = {"step": 0}
-
-            def ours_b_bf16():
-                counter16["step"] += 1
-                adam_step(flat16, grad16, m16, v16, step=counter16["step"], adamw=True, out_lowp=out16,
-                          threads=threads, seed=counter16["step"], **HYPER)
-
-            impls[("b", OURS_B_BF16)] = ours_b_bf16
-            keep += [flat16, m16, v16, out16]
+            impls[("b", OURS_B_BF16)] = ours_b(flat.clone(), torch.bfloat16)
         impls[("b", "torch composite")] = torch_b
-        keep += [flat, m, v, out, comp]
 
     impls[("rmw", RMW)] = lambda: rmw.mul_(1.0000001)
     for fn in impls.values():  # warm-up: lazy state, page faults
@@ -220,7 +201,7 @@ def bench_size(numel: int, *, repeats: int, threads: int, cases: str, with_forea
             # [Note: idle gap before each timed step]: see --gap-ms
             if gap_s:
                 time.sleep(gap_s)
-            times[key].append(time_once(fn))
+            times[key].append(timed(fn))
     results = []
     for (case, impl), seconds in times.items():
         med = statistics.median(seconds)
@@ -231,7 +212,6 @@ def bench_size(numel: int, *, repeats: int, threads: int, cases: str, with_forea
         nbytes = BYTES_PER_PARAM_BF16_MOMENTS if impl == OURS_B_BF16 else BYTES_PER_PARAM
         results.append(Result(case=case, impl=impl, numel=numel, seconds=seconds, median_s=med,
                               mparams_per_s=numel / med / 1e6, gb_per_s=nbytes * numel / med / 1e9))
-    keep.clear()  # (not `del keep`: param() closes over it)
     return results
 
 
@@ -349,17 +329,11 @@ def main(argv=None, *, prog: str = "python -m zero_offload.bench.cpu_adam") -> i
         "isa": isa(), "rmw_gib": args.rmw_gib, "repeats": args.repeats, "gap_ms": args.gap_ms,
         "moments": args.moments,
         "date": datetime.date.today().isoformat(), "python": sys.version.split()[0],
-        "command": " ".join([prog] + (argv if argv is not None else sys.argv[1:])),
+        "command": command_line(prog, argv),
         "deepspeed": ds_reason,
     }
-    text = markdown(results, meta)
-    print(text)
-    if args.md_out:
-        with open(args.md_out, "w") as f:
-            f.write(text)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump({"meta": meta, "results": [asdict(r) for r in results]}, f, indent=1)
+    publish(markdown(results, meta), {"meta": meta, "results": [asdict(r) for r in results]},
+            md_path=args.md_out, json_path=args.json_out)
     return 0
 
 

@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import datetime
 import itertools
-import json
 import os
 import platform
 import random
@@ -27,11 +26,12 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Callable
 
 import torch
 
 from ..runtime.swap_io import AioEngine, SwapSpace, aligned_empty
-from . import cpu_model
+from . import command_line, cpu_model, publish, timed
 
 MIB = 1 << 20
 DD_BLOCK = 16 * MIB
@@ -51,7 +51,11 @@ FULL_SETTINGS = [(t, b, q) for t, b, q in itertools.product(
 
 @dataclasses.dataclass(kw_only=True)
 class Result:
+    """One row of the report: how to move the whole region each way, and the seconds each took."""
+
     name: str
+    write: Callable[[], object]
+    read: Callable[[], object]
     write_s: list = dataclasses.field(default_factory=list)
     read_s: list = dataclasses.field(default_factory=list)
 
@@ -67,18 +71,11 @@ def fs_info(directory: str) -> str:
     return f"{fs} on {dev[0] if dev else '?'}"
 
 
-def run_dd(args: list[str]) -> float:
-    t0 = time.perf_counter()
-    subprocess.run(["dd", *args, "status=none"], check=True)
-    return time.perf_counter() - t0
-
-
-def timed_chunks(submit, fd, ring, size, path) -> float:
-    """Seconds to move ``size`` bytes in ring-buffer-sized chunks, ``len(ring)`` in flight: a
-    buffer is reused only once the transfer that last used it has ended."""
+def move_chunks(submit, fd, ring, size, path) -> None:
+    """Moves ``size`` bytes in ring-buffer-sized chunks, ``len(ring)`` in flight: a buffer is
+    reused only once the transfer that last used it has ended."""
     chunk = ring[0].numel()
     pending = [None] * len(ring)
-    t0 = time.perf_counter()
     for i, offset in enumerate(range(0, size, chunk)):
         k = i % len(ring)
         if pending[k] is not None:
@@ -87,7 +84,6 @@ def timed_chunks(submit, fd, ring, size, path) -> float:
     for h in pending:
         if h is not None:
             h.wait()
-    return time.perf_counter() - t0
 
 
 def main(argv=None, *, prog: str = "python -m zero_offload.bench.io") -> int:
@@ -126,67 +122,58 @@ def main(argv=None, *, prog: str = "python -m zero_offload.bench.io") -> int:
         mode = space.mode.value
         path = space.path  # preallocated, private; the benchmark file for everything below
         fd = os.open(path, os.O_RDWR | (os.O_DIRECT if space.direct else 0))
-        dd_w = ["if=/dev/zero", f"of={path}", f"bs={DD_BLOCK}", f"count={size // DD_BLOCK}",
-                "conv=notrunc", *(["oflag=direct"] if space.direct else [])]
-        dd_r = [f"if={path}", "of=/dev/null", f"bs={DD_BLOCK}", f"count={size // DD_BLOCK}",
-                *(["iflag=direct"] if space.direct else [])]
-        results = {"dd": Result(name=f"dd bs=16M {'O_DIRECT' if space.direct else 'buffered'}")}
+        def dd(*operands: str, direct_flag: str) -> Callable[[], object]:
+            direct = [f"{direct_flag}=direct"] if space.direct else []
+            count = f"count={size // DD_BLOCK}"
+            return lambda: subprocess.run(["dd", *operands, *direct, f"bs={DD_BLOCK}", count, "status=none"],
+                                          check=True)
+
+        results = {"dd": Result(name=f"dd bs=16M {'O_DIRECT' if space.direct else 'buffered'}",
+                                write=dd("if=/dev/zero", f"of={path}", "conv=notrunc", direct_flag="oflag"),
+                                read=dd(f"if={path}", "of=/dev/null", direct_flag="iflag"))}
         engines = {}
         for t, b, q in settings:
-            engines[(t, b, q)] = AioEngine(threads=t, block_size=b, queue_depth=q)
-            results[(t, b, q)] = Result(name=f"engine threads={t} block={b // 1024}K qd={q}")
-        results["space"] = Result(name="SwapSpace default engine (threads=4, block=1024K, qd=16)")
+            engine = engines[(t, b, q)] = AioEngine(threads=t, block_size=b, queue_depth=q)
+            results[(t, b, q)] = Result(name=f"engine threads={t} block={b // 1024}K qd={q}",
+                                        write=lambda e=engine: e.write(fd, buf, offset=0, path=path).wait(),
+                                        read=lambda e=engine: e.read(fd, out, offset=0, path=path).wait())
+        slot = space.alloc(size)
+        results["space"] = Result(name="SwapSpace default engine (threads=4, block=1024K, qd=16)",
+                                  write=lambda: space.write(slot, buf).wait(),
+                                  read=lambda: space.read(slot, out).wait())
         ring_mib, ring_n = (int(v) for v in args.ring.lower().split("x"))
         ring = [aligned_empty(ring_mib * MIB) for _ in range(ring_n)]
         for r in ring:
             r.fill_(0)  # touch every page before timing
-        results["ring"] = Result(name=f"engine threads=4 block=1024K qd=16, {ring_mib} MiB chunks "
-                                      f"into {ring_n} reused buffers (the store's staging pattern)")
         ring_engine = AioEngine(threads=4, block_size=MIB, queue_depth=16)
-        slot = space.alloc(size)
+        results["ring"] = Result(name=f"engine threads=4 block=1024K qd=16, {ring_mib} MiB chunks "
+                                      f"into {ring_n} reused buffers (the store's staging pattern)",
+                                 write=lambda: move_chunks(ring_engine.write, fd, ring, size, path),
+                                 read=lambda: move_chunks(ring_engine.read, fd, ring, size, path))
 
         started = time.perf_counter()
         repeats = 0
         for rep in range(args.repeats):
             # [Note: fairness] a VM disk's host cache and the neighbours' load drift over a run,
             # so each repeat runs dd and the settings in a different (seeded) order
-            order = ["dd", *engines, "space", "ring"]
+            order = list(results)
             random.Random(rep).shuffle(order)
             for key in order:
-                if key == "dd":
-                    results["dd"].write_s.append(run_dd(dd_w))
-                    results["dd"].read_s.append(run_dd(dd_r))
-                    continue
-                if key == "space":
-                    t0 = time.perf_counter()
-                    space.write(slot, buf).wait()
-                    results["space"].write_s.append(time.perf_counter() - t0)
-                    t0 = time.perf_counter()
-                    space.read(slot, out).wait()
-                    results["space"].read_s.append(time.perf_counter() - t0)
-                    continue
-                if key == "ring":
-                    results["ring"].write_s.append(timed_chunks(ring_engine.write, fd, ring, size, path))
-                    results["ring"].read_s.append(timed_chunks(ring_engine.read, fd, ring, size, path))
-                    continue
-                engine = engines[key]
-                t0 = time.perf_counter()
-                engine.write(fd, buf, offset=0, path=path).wait()
-                results[key].write_s.append(time.perf_counter() - t0)
-                out.view(-1, MIB)[:, :8].zero_()  # so a read that moved nothing cannot pass
-                t0 = time.perf_counter()
-                engine.read(fd, out, offset=0, path=path).wait()
-                results[key].read_s.append(time.perf_counter() - t0)
-                if not torch.equal(out[: 64 * MIB], buf[: 64 * MIB]) or not torch.equal(out[-MIB:], buf[-MIB:]) \
-                        or not bool((out.view(-1, MIB)[:, :8] == tile[:8]).all()):
-                    raise RuntimeError(f"data read back differs from data written ({results[key].name})")
+                r = results[key]
+                r.write_s.append(timed(r.write))
+                if key in engines:
+                    out.view(-1, MIB)[:, :8].zero_()  # so a read that moved nothing cannot pass
+                r.read_s.append(timed(r.read))
+                if key in engines and (not torch.equal(out[: 64 * MIB], buf[: 64 * MIB])
+                                       or not torch.equal(out[-MIB:], buf[-MIB:])
+                                       or not bool((out.view(-1, MIB)[:, :8] == tile[:8]).all())):
+                    raise RuntimeError(f"data read back differs from data written ({r.name})")
             repeats += 1
             print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr, flush=True)
             if args.max_seconds is not None and time.perf_counter() - started > args.max_seconds:
                 break
         os.close(fd)
-        ring_engine.close()
-        for engine in engines.values():
+        for engine in [ring_engine, *engines.values()]:
             engine.close()
 
     gb = size / 1e9
@@ -211,7 +198,7 @@ def main(argv=None, *, prog: str = "python -m zero_offload.bench.io") -> int:
         f"- Machine: {info['cpu']}, {info['cores']} cores, GPU {info['gpu']}, kernel {info['kernel']}",
         f"- Directory: `{args.dir}` ({fs_info(args.dir)}), swap mode `{mode}`",
         f"- Region: {size / (1 << 30):.2f} GiB, write then read, {repeats} repeats (order shuffled per repeat); medians",
-        f"- Command: `{' '.join([prog] + (argv if argv is not None else sys.argv[1:]))}`",
+        f"- Command: `{command_line(prog, argv)}`",
         "- GB = 1e9 bytes. Ratios are to dd's median in the same run.",
         "",
         "| setting | write GB/s | read GB/s | write / dd | read / dd |",
@@ -224,14 +211,10 @@ def main(argv=None, *, prog: str = "python -m zero_offload.bench.io") -> int:
                   f"{best_w['write_vs_dd']:.0%} of dd ({dd_w_gbs:.3f} GB/s).",
               f"Best read: {best_r['setting']}: {best_r['read_GBps']:.3f} GB/s = "
               f"{best_r['read_vs_dd']:.0%} of dd ({dd_r_gbs:.3f} GB/s)."]
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.out:
-        with open(args.out + ".md", "w") as f:
-            f.write(report)
-        with open(args.out + ".json", "w") as f:
-            json.dump({"machine": info, "hardware": hw, "date": date, "directory": args.dir, "mode": mode,
-                       "size_bytes": size, "repeats": repeats, "rows": rows}, f, indent=1)
+    record = {"machine": info, "hardware": hw, "date": date, "directory": args.dir, "mode": mode,
+              "size_bytes": size, "repeats": repeats, "rows": rows}
+    publish("\n".join(lines) + "\n", record, md_path=args.out and args.out + ".md",
+            json_path=args.out and args.out + ".json")
     return 0
 
 

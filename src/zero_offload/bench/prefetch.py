@@ -125,13 +125,9 @@ class Decision:
         return f"no depth measurably better; keep {self.baseline} ({why})"
 
     def to_dict(self) -> dict:
-        return {"baseline": self.baseline, "recommended": self.recommended, "separated": self.separated,
-                "measurably_better": self.better, "tolerance": self.tolerance,
-                "confidence": self.confidence, "resamples": self.resamples, "seed": self.seed,
-                "block": self.block,
-                "message": self.message(),
-                "comparisons": [{"depth": c.depth, "gain": c.gain, "low": c.low, "high": c.high,
-                                 "verdict": c.verdict.value} for c in self.comparisons]}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "comparisons"}
+        return {**fields, "measurably_better": self.better, "message": self.message(),
+                "comparisons": [{**dataclasses.asdict(c), "verdict": c.verdict.value} for c in self.comparisons]}
 
 
 def _join(depths: Sequence[int]) -> str:
@@ -230,19 +226,16 @@ def plot_prefetch(results: Sequence[dict], path, *, title: str = "", recommended
         ax1.axvline(baseline, color="grey", linestyle=":", label=f"baseline depth {baseline}")
     if recommended is not None:
         ax1.axvline(recommended, color="grey", linestyle="--", label=f"recommended depth {recommended}")
-    ax1.set_xticks(depths)
-    ax1.set_xlabel("prefetch depth (chunks in flight per hop)")
-    ax1.set_ylabel("ms per step")
-    ax1.set_ylim(bottom=0)
+    ax1.set(xticks=depths, xlabel="prefetch depth (chunks in flight per hop)", ylabel="ms per step",
+            ylim=(0, None))
     ax1.legend(fontsize=8)
     ax1.grid(alpha=0.3)
     width = 0.8 / max(len(hops), 1)
     for i, hop in enumerate(hops):
         ax2.bar([j + i * width for j in range(len(depths))],
                 [r["bytes_per_step"].get(hop, 0) / 2**20 for r in results], width=width, label=hop)
-    ax2.set_xticks([j + width * (len(hops) - 1) / 2 for j in range(len(depths))], [str(d) for d in depths])
-    ax2.set_xlabel("prefetch depth")
-    ax2.set_ylabel("MiB moved per step")
+    ax2.set(xticks=[j + width * (len(hops) - 1) / 2 for j in range(len(depths))], xticklabels=depths,
+            xlabel="prefetch depth", ylabel="MiB moved per step")
     if hops:
         ax2.legend(fontsize=8)
     ax2.grid(alpha=0.3, axis="y")
@@ -295,7 +288,6 @@ class _Runner:
     depth: int
     engine: object
     model: object
-    device: torch.device
     times: list = dataclasses.field(default_factory=list)
     stalls: list = dataclasses.field(default_factory=list)
     steps_run: int = 0
@@ -311,9 +303,10 @@ def _stall(engine) -> float:
 def _step(runner: _Runner, corpus, settings, seq_len: int, *, timed: bool) -> None:
     from ..run_settings import _batch_generator
 
-    engine, cuda = runner.engine, runner.device.type == "cuda"
+    engine = runner.engine
+    cuda = engine.device.type == "cuda"
     x, y = corpus.batch(batch_size=settings.batch_size, seq_len=seq_len,
-                        generator=_batch_generator(settings.seed, runner.steps_run), device=runner.device)
+                        generator=_batch_generator(settings.seed, runner.steps_run), device=engine.device)
     if cuda:
         torch.cuda.synchronize()
     stall0 = _stall(engine) if timed else 0.0
@@ -431,7 +424,7 @@ def run(args) -> int:
             engine = zero_offload.initialize(model, optimizer=spec,
                                              config=dataclasses.replace(cfg, prefetch_depth=depth))
             stack.callback(engine.close)
-            r = _Runner(depth=depth, engine=engine, model=model, device=engine.device)
+            r = _Runner(depth=depth, engine=engine, model=model)
             for _ in range(args.warmup):  # the first records the access order
                 _step(r, corpus, settings, seq_len, timed=False)
             engine.synchronize()
@@ -444,7 +437,7 @@ def run(args) -> int:
               f"{args.block} timed steps, at least {settings.steps} timed steps per depth, until the depths "
               f"separate or {args.max_seconds:g} s pass", flush=True)
 
-        def verdict(n: int) -> Decision:
+        def verdict() -> Decision:
             return decide({r.depth: r.times for r in runners}, baseline=baseline, tolerance=args.tolerance,
                           confidence=args.confidence, block=args.block)
 
@@ -461,7 +454,7 @@ def run(args) -> int:
             n = min(len(r.times) for r in runners)
             elapsed = time.perf_counter() - t0
             if n >= look_at:
-                decision = verdict(n)
+                decision = verdict()
                 looks.append(n)
                 print(f"  {elapsed:6.1f} s, {n} steps per depth: " +
                       ", ".join(f"{r.depth}: {np.median(r.times) * 1e3:.1f} ms" for r in runners) +
@@ -471,7 +464,7 @@ def run(args) -> int:
                 look_at = next_look(n)
             if elapsed >= args.max_seconds and n >= settings.steps:
                 if not looks or looks[-1] != n:
-                    decision = verdict(n)
+                    decision = verdict()
                     looks.append(n)
                 break
         measure_s = time.perf_counter() - t0
@@ -527,8 +520,9 @@ are split evenly between them."""
 
 def add_arguments(p) -> None:
     """The flags of ``bench prefetch`` (the model/offload flags are the CLI's run flags)."""
-    from ..run_settings import _depths, _nonneg_int, _positive_float, _positive_int
+    from ..run_settings import _depths, _nonneg_int, _number, _positive_float, _positive_int
 
+    confidence = _number(float, lambda v: 0.5 <= v < 1.0, "a confidence in [0.5, 1), e.g. 0.95", "_confidence")
     p.add_argument("--depths", type=_depths, default=list(DEFAULT_DEPTHS),
                    help="comma-separated (default 0,1,2,4,8); the baseline is added when missing")
     p.add_argument("--max-seconds", type=_positive_float, default=DEFAULT_MAX_SECONDS, metavar="S",
@@ -543,18 +537,6 @@ def add_arguments(p) -> None:
     p.add_argument("--tolerance", type=_positive_float, default=0.03,
                    help="smallest gain over the baseline worth recommending, and the margin within "
                         "which the smallest faster depth is preferred (default 0.03)")
-    p.add_argument("--confidence", type=_confidence, default=0.95,
+    p.add_argument("--confidence", type=confidence, default=0.95,
                    help="confidence of the bootstrap intervals (default 0.95)")
     p.add_argument("--out", default="zero_offload_bench", metavar="DIR", help="where the JSON and PNG go")
-
-
-def _confidence(text: str) -> float:
-    import argparse
-
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0.5 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a confidence in [0.5, 1), e.g. 0.95; got {text!r}")
-    return value

@@ -15,18 +15,15 @@ import torch
 ISA_ENV = "ZERO_OFFLOAD_ISA"
 
 
-def _load():
-    try:
-        from .. import _C
-    except ImportError as exc:  # pragma: no cover - depends on the installation
-        raise ImportError(
-            "zero_offload's native extension (zero_offload._C) is not built: run "
-            "`pip install -e .` (or `python setup.py build_ext --inplace`) in the repository"
-        ) from exc
-    return _C.cpu_adam
+try:
+    from .. import _C
+except ImportError as exc:  # pragma: no cover - depends on the installation
+    raise ImportError(
+        "zero_offload's native extension (zero_offload._C) is not built: run "
+        "`pip install -e .` (or `python setup.py build_ext --inplace`) in the repository"
+    ) from exc
 
-
-kernels = _load()
+kernels = _C.cpu_adam
 
 
 class Dtype(enum.IntEnum):

@@ -29,8 +29,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.optim import Optimizer
 
-from ._native import TORCH_DTYPES, Dtype, default_threads, kernels, set_isa, supported_isas
-from ._native import isa as _native_isa
+from ._native import TORCH_DTYPES, Dtype, default_threads, isa, kernels, set_isa, supported_isas
 
 __all__ = [
     "CPUAdam",
@@ -46,7 +45,7 @@ __all__ = [
     "default_threads",
 ]
 
-_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOWP_DTYPES = (torch.bfloat16, torch.float16)
 _MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 _MAX_THREADS = 4096
@@ -55,11 +54,6 @@ _SEED_LIMIT = 2**32
 # Bumps a tensor's autograd version counter after the kernel wrote it through its address, as
 # an in-place torch op would (so autograd still catches a param modified after it was saved).
 _set_version = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
-
-
-def isa() -> str:
-    """The ISA path the kernels use: "avx512", "avx2" or "scalar"."""
-    return _native_isa()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,13 +71,13 @@ def _check_threads(threads: Optional[int]) -> Optional[int]:
     return int(threads)
 
 
-def _as_float(name: str, value: Any) -> float:
+def _as_float(name: str, value: Any, what: str = "a number") -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"{name} must be a number or a one-element tensor, got shape {tuple(value.shape)}")
-        return float(value.item())
+        value = value.item()
     if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__}")
     return float(value)
 
 
@@ -145,15 +139,9 @@ class AdamHyper:
 
 
 def _check_step(step: Any) -> float:
-    if isinstance(step, torch.Tensor):
-        if step.numel() != 1:
-            raise ValueError(f"step must be a number or a one-element tensor, got shape {tuple(step.shape)}")
-        step = step.item()
-    if isinstance(step, bool) or not isinstance(step, Real):
-        raise TypeError(f"step must be an int (the 1-based count of this update), got {type(step).__name__}")
-    value = float(step)
+    value = _as_float("step", step, "an int (the 1-based count of this update)")
     if not (math.isfinite(value) and value >= 1 and value == int(value)):
-        raise ValueError(f"step must be a whole number >= 1 (the first update is step 1), got {step}")
+        raise ValueError(f"step must be a whole number >= 1 (the first update is step 1), got {value:g}")
     return value
 
 
@@ -173,8 +161,10 @@ def _check_grad_scale(grad_scale: Any) -> float:
     return value
 
 
-def _check_buffer(name: str, tensor: Any, *, dtypes: tuple, numel: Optional[int] = None) -> None:
-    """A flat kernel operand: a dense, contiguous CPU tensor of one of `dtypes`."""
+def _check_buffer(name: str, tensor: Any, *, dtypes: tuple, numel: Optional[int] = None,
+                  any_dense_layout: bool = False) -> None:
+    """A kernel operand: a dense CPU tensor of one of `dtypes`, contiguous (or, with
+    ``any_dense_layout``, of any layout `_flat` can update)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.layout != torch.strided:
@@ -190,7 +180,13 @@ def _check_buffer(name: str, tensor: Any, *, dtypes: tuple, numel: Optional[int]
     if tensor.dtype not in dtypes:
         allowed = ", ".join(str(d) for d in dtypes)
         raise TypeError(f"{name} has dtype {tensor.dtype}; expected {allowed}")
-    if not tensor.is_contiguous():
+    if any_dense_layout and not _dense_layout(tensor):
+        raise ValueError(
+            f"{name} (shape {tuple(tensor.shape)}, stride {tensor.stride()}) overlaps itself or has gaps in "
+            "memory; CPU-Adam updates a param's memory in place, so a copy would lose the update: "
+            "give the optimizer a param that owns its memory (e.g. p.data = p.data.contiguous() "
+            "before building it)")
+    if not any_dense_layout and not tensor.is_contiguous():
         raise ValueError(
             f"{name} is not contiguous (shape {tuple(tensor.shape)}, stride {tensor.stride()}); the kernel "
             "updates memory in place, so a .contiguous() copy would lose the update: make the tensor "
@@ -225,9 +221,6 @@ def _check_no_overlap(named: list[tuple[str, torch.Tensor]]) -> None:
 # even: exactly what torch's fused CPU Adam does (it loads them as fp32, computes in fp32 and
 # rounds each store), so results equal torch.optim.AdamW(fused=True) bit for bit.
 
-_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def _dense_layout(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements fill exactly ``t.numel()`` consecutive slots of its storage from
     ``storage_offset`` on (contiguous up to a permutation of its dims), each once."""
@@ -239,25 +232,6 @@ def _dense_layout(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
-
-
-def _check_param(name: str, p: Any) -> None:
-    """An optimizer param: a dense CPU fp32/bf16/fp16 tensor of a layout `_flat` can update."""
-    if not isinstance(p, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(p).__name__}")
-    if p.layout != torch.strided:
-        raise ValueError(f"{name} is a {p.layout} tensor; CPU-Adam needs dense params (call .to_dense())")
-    if p.device.type != "cpu":
-        raise ValueError(f"{name} is on {p.device}; CPU-Adam updates CPU tensors only (keep the model's "
-                         "params on the CPU, or use torch.optim.AdamW(fused=True) on the GPU)")
-    if p.dtype not in _PARAM_DTYPES:
-        raise TypeError(f"{name} has dtype {p.dtype}; expected torch.float32, torch.bfloat16 or torch.float16")
-    if not _dense_layout(p):
-        raise ValueError(
-            f"{name} (shape {tuple(p.shape)}, stride {p.stride()}) overlaps itself or has gaps in "
-            "memory; CPU-Adam updates a param's memory in place, so a copy would lose the update: "
-            "give the optimizer a param that owns its memory (e.g. p.data = p.data.contiguous() "
-            "before building it)")
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -283,22 +257,26 @@ def _check_buffer_any_layout(name: str, tensor: Any, *, dtypes: tuple, numel: in
     _check_buffer(name, tensor, dtypes=dtypes, numel=numel)
 
 
-def _check_operands(param, grad, exp_avg, exp_avg_sq, out_lowp, *, prefix: str = "") -> None:
-    _check_buffer(f"{prefix}param", param, dtypes=(torch.float32,))
-    n = param.numel()
-    _check_buffer(f"{prefix}grad", grad, dtypes=_GRAD_DTYPES, numel=n)
-    _check_buffer(f"{prefix}exp_avg", exp_avg, dtypes=_MOMENT_DTYPES, numel=n)
-    _check_buffer(f"{prefix}exp_avg_sq", exp_avg_sq, dtypes=_MOMENT_DTYPES, numel=n)
+def _checked_flat_call(param, grad, exp_avg, exp_avg_sq, out_lowp, *, step, lr, betas, eps,
+                       weight_decay, adamw, grad_scale, threads, seed=0) -> dict:
+    """Every check of a flat-buffer call (raises before anything changes); returns the checked
+    keyword arguments of ``_launch`` / ``_native_args``."""
+    hyper = AdamHyper.checked(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw)
+    checked = dict(step=_check_step(step), hyper=hyper, grad_scale=_check_grad_scale(grad_scale),
+                   threads=_check_threads(threads), seed=_check_seed(seed))
+    _check_buffer("param", param, dtypes=(torch.float32,))
+    _check_buffer("grad", grad, dtypes=_FLOAT_DTYPES, numel=param.numel())
+    _check_buffer("exp_avg", exp_avg, dtypes=_MOMENT_DTYPES, numel=param.numel())
+    _check_buffer("exp_avg_sq", exp_avg_sq, dtypes=_MOMENT_DTYPES, numel=param.numel())
     if exp_avg.dtype != exp_avg_sq.dtype:
-        raise TypeError(
-            f"{prefix}exp_avg has dtype {exp_avg.dtype} but {prefix}exp_avg_sq has dtype {exp_avg_sq.dtype}; "
-            "the moments must both be torch.float32 or both torch.bfloat16")
-    named = [(f"{prefix}param", param), (f"{prefix}grad", grad), (f"{prefix}exp_avg", exp_avg),
-             (f"{prefix}exp_avg_sq", exp_avg_sq)]
+        raise TypeError(f"exp_avg has dtype {exp_avg.dtype} but exp_avg_sq has dtype {exp_avg_sq.dtype}; "
+                        "the moments must both be torch.float32 or both torch.bfloat16")
+    named = [("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
     if out_lowp is not None:
-        _check_buffer(f"{prefix}out_lowp", out_lowp, dtypes=_LOWP_DTYPES, numel=n)
-        named.append((f"{prefix}out_lowp", out_lowp))
+        _check_buffer("out_lowp", out_lowp, dtypes=_LOWP_DTYPES, numel=param.numel())
+        named.append(("out_lowp", out_lowp))
     _check_no_overlap(named)
+    return checked
 
 
 def _native_args(param, grad, exp_avg, exp_avg_sq, out_lowp, *, step: float, hyper: AdamHyper,
@@ -322,28 +300,14 @@ def _bump_versions(written: list) -> None:
         _set_version(written, [t._version + 1 for t in written])
 
 
-def _launch(param, grad, exp_avg, exp_avg_sq, out_lowp, *, step: float, hyper: AdamHyper,
-            grad_scale: float, threads: Optional[int], seed: int = 0) -> float:
-    """Runs the kernel on checked operands (see [Note: validate, then mutate]); returns the
-    seconds the kernel ran."""
+def _launch(param, grad, exp_avg, exp_avg_sq, out_lowp, **checked) -> float:
+    """Runs the kernel on checked operands and ``_native_args``'s checked keyword arguments (see
+    [Note: validate, then mutate]); returns the seconds the kernel ran."""
     if param.numel() == 0:
         return 0.0
-    seconds = kernels.adam_step(**_native_args(param, grad, exp_avg, exp_avg_sq, out_lowp, step=step,
-                                               hyper=hyper, grad_scale=grad_scale, threads=threads,
-                                               seed=seed))
+    seconds = kernels.adam_step(**_native_args(param, grad, exp_avg, exp_avg_sq, out_lowp, **checked))
     _bump_versions([param] if out_lowp is None else [param, out_lowp])
     return seconds
-
-
-def _checked_flat_call(param, grad, exp_avg, exp_avg_sq, out_lowp, *, step, lr, betas, eps,
-                       weight_decay, adamw, grad_scale, threads, seed=0) -> dict:
-    """Every check of a flat-buffer call (raises before anything changes); returns the checked
-    keyword arguments of ``_launch`` / ``_native_args``."""
-    hyper = AdamHyper.checked(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw)
-    checked = dict(step=_check_step(step), hyper=hyper, grad_scale=_check_grad_scale(grad_scale),
-                   threads=_check_threads(threads), seed=_check_seed(seed))
-    _check_operands(param, grad, exp_avg, exp_avg_sq, out_lowp)
-    return checked
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,14 +341,12 @@ def adam_step(
 
     bf16 moments (opt-in): each element's moments are widened to fp32, updated with exactly the
     fp32 formula (param and ``out_lowp`` equal, bit for bit, what fp32 moments holding the same
-    values give), and the new moments are stored as bf16 by stochastic rounding: with ``u`` the
-    fp32 bits and ``idx`` the element's index (0 .. numel - 1), one hash per element
-    ``x = lowbias32(idx * 0x9E3779B9 + seed * 0x85EBCA6B)`` (mod 2**32) gives the rounding bits
-    ``r = x & 0xFFFF`` for exp_avg and ``r = x >> 16`` for exp_avg_sq, and the stored bits are
-    ``(u + r) >> 16``; NaN is stored as 0x7FC0.
-    The stored value is unbiased, deterministic for a given ``seed`` (any ISA path, any thread
-    count). ``seed``: an int in [0, 2**32), ignored for fp32 moments; pass a different one each
-    step (e.g. ``step``), else an element whose moment stays put rounds the same way every step.
+    values give), and the new moments are stored as bf16 by stochastic rounding with one hash per
+    element of its index in the call and ``seed`` ([Note: stochastic rounding] in ops/rounding.py,
+    whose ``stochastic_round_moments_bf16`` gives the same bits). The stored value is unbiased,
+    deterministic for a given ``seed`` (any ISA path, any thread count). ``seed``: an int in
+    [0, 2**32), ignored for fp32 moments; pass a different one each step (e.g. ``step``), else an
+    element whose moment stays put rounds the same way every step.
     See [Note: bf16 moments with stochastic rounding] in csrc/cpu_adam_kernel.h.
 
     Releases the GIL for the whole call. Raises TypeError / ValueError before touching anything
@@ -469,32 +431,27 @@ def grad_sumsq(grad: torch.Tensor, *, grad_scale: float = 1.0, threads: Optional
     ``grad``: a contiguous CPU fp32/bf16/fp16 tensor. inf/NaN grads give inf/NaN.
     """
     scale = _check_grad_scale(grad_scale)
-    threads = _check_threads(threads)
-    _check_buffer("grad", grad, dtypes=_GRAD_DTYPES)
-    if grad.numel() == 0:
-        return 0.0
-    return kernels.grad_sumsq(
-        grad=grad.data_ptr(), dtype=int(TORCH_DTYPES[grad.dtype]), numel=grad.numel(),
-        grad_scale=scale, threads=default_threads() if threads is None else threads,
-    )
+    return _grad_kernel(kernels.grad_sumsq, grad, threads, 0.0, grad_scale=scale)
 
 
 def grad_nonfinite(grad: torch.Tensor, *, threads: Optional[int] = None) -> bool:
     """Whether any element of ``grad`` (contiguous CPU fp32/bf16/fp16) is inf or NaN."""
+    return _grad_kernel(kernels.grad_nonfinite, grad, threads, False)
+
+
+def _grad_kernel(kernel, grad, threads, empty, **scalars):
+    """``kernel`` over a checked grad (``empty`` for a grad without elements)."""
     threads = _check_threads(threads)
-    _check_buffer("grad", grad, dtypes=_GRAD_DTYPES)
+    _check_buffer("grad", grad, dtypes=_FLOAT_DTYPES)
     if grad.numel() == 0:
-        return False
-    return kernels.grad_nonfinite(
-        grad=grad.data_ptr(), dtype=int(TORCH_DTYPES[grad.dtype]), numel=grad.numel(),
-        threads=default_threads() if threads is None else threads,
-    )
+        return empty
+    return kernel(grad=grad.data_ptr(), dtype=int(TORCH_DTYPES[grad.dtype]), numel=grad.numel(),
+                  threads=default_threads() if threads is None else threads, **scalars)
 
 
 # ---------------------------------------------------------------------------------------------
 # Optimizers.
 
-# Options torch's Adam has and CPU-Adam does not implement, with their off values.
 UNSUPPORTED_OPTIONS = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
 """torch.optim.Adam options the CPU kernel does not implement (with torch's defaults)."""
 
@@ -512,18 +469,6 @@ def _group_hyper(group: dict) -> AdamHyper:
     return AdamHyper.checked(lr=group["lr"], betas=group["betas"], eps=group["eps"],
                              weight_decay=group["weight_decay"],
                              adamw=bool(group.get("decoupled_weight_decay", False)))
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Update:
-    """One param's share of an optimizer step, checked and ready to run."""
-
-    param: torch.Tensor
-    """The fp32 param updated in place."""
-    grad: torch.Tensor
-    """Its grad (fp32/bf16/fp16, same numel)."""
-    hyper: AdamHyper
-    """Its group's scalars."""
 
 
 class CPUAdam(Optimizer):
@@ -559,11 +504,6 @@ class CPUAdam(Optimizer):
         decoupled_weight_decay: bool = False,
         threads: Optional[int] = None,
     ) -> None:
-        _check_supported(dict(amsgrad=amsgrad, maximize=maximize, capturable=capturable,
-                              differentiable=differentiable))
-        AdamHyper.checked(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                          adamw=bool(decoupled_weight_decay))
-        self.threads = _check_threads(threads)
         # [Note: groups record fused=True]: whatever foreach/fused the caller passed, the groups
         # say fused=True, foreach=None. The arithmetic is torch's fused kernel's, so a torch
         # Adam/AdamW that loads this optimizer's state dict continues bit for bit (torch takes
@@ -572,6 +512,8 @@ class CPUAdam(Optimizer):
                         maximize=maximize, foreach=None, capturable=capturable,
                         differentiable=differentiable, fused=True,
                         decoupled_weight_decay=decoupled_weight_decay)
+        _group_hyper(defaults)
+        self.threads = _check_threads(threads)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -583,14 +525,13 @@ class CPUAdam(Optimizer):
             for index, item in enumerate(items):
                 tensor = item[1] if isinstance(item, tuple) and len(item) == 2 else item
                 if isinstance(tensor, torch.Tensor):  # anything else: torch's own TypeError below
-                    _check_param(f"params[{index}]", tensor)
+                    _check_buffer(f"params[{index}]", tensor, dtypes=_FLOAT_DTYPES, any_dense_layout=True)
         super().add_param_group(param_group)
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         for group in self.param_groups:
-            for key, default in (("amsgrad", False), ("maximize", False), ("capturable", False),
-                                 ("differentiable", False), ("decoupled_weight_decay", False)):
+            for key, default in {**UNSUPPORTED_OPTIONS, "decoupled_weight_decay": False}.items():
                 group.setdefault(key, default)
             group["foreach"], group["fused"] = None, True  # [Note: groups record fused=True]
             for p in group["params"]:
@@ -629,15 +570,15 @@ class CPUAdam(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         # [Note: validate, then mutate]: check every group, param, grad and state first.
-        updates: list[_Update] = []
+        updates: list[tuple[torch.Tensor, AdamHyper]] = []  # (param, its group's scalars)
         for gi, group in enumerate(self.param_groups):
             hyper = _group_hyper(group)
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
                 where = f"param_groups[{gi}]['params'][{pi}]"
-                _check_param(f"{where} param", p)
-                _check_buffer_any_layout(f"{where} grad", p.grad, dtypes=_GRAD_DTYPES, numel=p.numel())
+                _check_buffer(f"{where} param", p, dtypes=_FLOAT_DTYPES, any_dense_layout=True)
+                _check_buffer_any_layout(f"{where} grad", p.grad, dtypes=_FLOAT_DTYPES, numel=p.numel())
                 named = [(f"{where} param", p)] + ([(f"{where} grad", p.grad)] if _dense_layout(p.grad) else [])
                 state = self.state.get(p)
                 if state:
@@ -645,9 +586,8 @@ class CPUAdam(Optimizer):
                     named += [(f"{where} state['{k}']", state[k]) for k in ("exp_avg", "exp_avg_sq")
                               if _dense_layout(state[k])]
                 _check_no_overlap(named)
-                updates.append(_Update(param=p, grad=p.grad, hyper=hyper))
-        for update in updates:
-            p = update.param
+                updates.append((p, hyper))
+        for p, hyper in updates:
             state = self.state[p]
             if not state:  # lazy init, as torch's Adam: the param's dtype and strides
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -655,12 +595,12 @@ class CPUAdam(Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             for key in ("exp_avg", "exp_avg_sq"):  # loaded with other strides: same values, p's layout
                 state[key] = _in_layout_of(p, state[key], p.dtype)
-            grad = _flat(_in_layout_of(p, update.grad, update.grad.dtype))
+            grad = _flat(_in_layout_of(p, p.grad, p.grad.dtype))
             state["step"] += 1
             buffers = (_flat(p), _flat(state["exp_avg"]), _flat(state["exp_avg_sq"]))
             wide = buffers if p.dtype == torch.float32 else tuple(t.float() for t in buffers)
             _launch(wide[0], grad, wide[1], wide[2], None, step=float(state["step"]),
-                    hyper=update.hyper, grad_scale=1.0, threads=self.threads)
+                    hyper=hyper, grad_scale=1.0, threads=self.threads)
             if wide is not buffers:  # round back to nearest even, as torch's fused kernel stores
                 for t, w in zip(buffers, wide):
                     t.copy_(w)
