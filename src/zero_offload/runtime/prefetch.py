@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence
 
 from .store import BudgetError, ChunkStore, FarthestNextUsePolicy, Hop, Residency, Tier
@@ -235,14 +235,11 @@ class Prefetcher:
         the look-ahead window does not need again. ``keep=True`` only unpins: the copies stay
         resident (evictable by the store's policy when a tier needs room) until ``drop(cid)``
         or a later ``release``."""
-        store = self.store
         with self._lock:
-            soon = set(self._upcoming(self.depth))
             for name, tier in self.hops:
-                store.unpin(cid, name, tier)
-                if self.evict_after_use and not keep and cid not in soon \
-                        and store.payload_spec(cid, name).home is not tier:
-                    store.evict(cid, name, tier)
+                self.store.unpin(cid, name, tier)
+            if self.evict_after_use and not keep:
+                self.drop([cid])
 
     def drop(self, cids) -> None:
         """Drop the non-home target copies of the unpinned chunks ``cids`` that were kept by
@@ -302,7 +299,4 @@ class Prefetcher:
         """A copy of the stats with ``bytes_moved`` filled in from the store."""
         with self._lock:
             now = self.store.stats.bytes_moved
-            s = PrefetchStats(**{k: getattr(self.stats, k) for k in
-                                 ("uses", "hits", "ahead", "stall_s", "prefetches", "budget_limited", "rerecords", "passes")})
-            s.bytes_moved = {h.value: now[h] - self._bytes0.get(h, 0) for h in Hop}
-            return s
+            return replace(self.stats, bytes_moved={h.value: now[h] - self._bytes0.get(h, 0) for h in Hop})
