@@ -1,13 +1,6 @@
-"""NVMe swap I/O: aligned host buffers, the native O_DIRECT engine, and swap spaces.
-
-Three layers, each usable alone:
-
-- ``aligned_empty``: a CPU tensor whose data is 4096-aligned and whose memory extends to a
-  multiple of 4096 bytes (what O_DIRECT needs), optionally registered with CUDA as pinned memory.
-- ``AioEngine`` / ``IoHandle``: a pool of native I/O threads doing pread/pwrite on aligned
-  buffers, each request split into ``block_size`` pieces; the GIL is released while waiting.
-- ``SwapSpace``: one private directory of preallocated files, a slot allocator for fixed-size
-  payloads, blocking-handle and asyncio fronts.
+"""NVMe swap I/O in three layers, each usable alone: ``aligned_empty`` (host buffers fit for
+O_DIRECT), ``AioEngine`` / ``IoHandle`` (the native I/O threads) and ``SwapSpace`` (a private
+directory holding a preallocated file, with a slot allocator, blocking-handle and asyncio fronts).
 
 Swap directories: ``prepare_swap_dir`` checks (and creates 0700) a directory meant to hold swap
 spaces; ``find_spaces`` / ``remove_stale_spaces`` find the spaces other processes left there and
@@ -378,28 +371,23 @@ def _remove_created(path: str, directory: str) -> None:
     if set(rest) <= {OWNER_FILE}:  # never removes what someone else put there
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(directory, OWNER_FILE))
-        with contextlib.suppress(FileNotFoundError, OSError):
+        with contextlib.suppress(OSError):
             os.rmdir(directory)
 
 
 def _probe_direct(path: str) -> int | None:
     """Open ``path`` with O_DIRECT and write one aligned block; the fd, or None if refused."""
+    fd = -1
     try:
         fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+        with mmap.mmap(-1, ALIGNMENT) as probe:  # page-aligned
+            os.pwrite(fd, probe, 0)
     except OSError as e:
+        if fd >= 0:
+            os.close(fd)
         if e.errno == errno.EINVAL:
             return None
         raise
-    probe = mmap.mmap(-1, ALIGNMENT)  # page-aligned
-    try:
-        os.pwrite(fd, probe, 0)
-    except OSError as e:
-        os.close(fd)
-        if e.errno == errno.EINVAL:
-            return None
-        raise
-    finally:
-        probe.close()
     return fd
 
 
