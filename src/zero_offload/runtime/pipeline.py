@@ -266,7 +266,6 @@ class StepPipeline:
         self._sumsq = 0.0
         self._error: Optional[BaseException] = None
         self._closed = False
-        self._stop = False
         self._pid = os.getpid()
         self._thread = threading.Thread(target=self._run, name="zero_offload-cpu-adam", daemon=True)
         self._thread.start()
@@ -401,8 +400,8 @@ class StepPipeline:
         while True:
             with self._cv:
                 if inflight is None:
-                    self._cv.wait_for(lambda: self._stop or (self._queue and self._runnable()))
-                    if self._stop and not self._queue:
+                    self._cv.wait_for(lambda: self._closed or (self._queue and self._runnable()))
+                    if self._closed and not self._queue:
                         return
                 q = self._pick(can_defer=inflight is not None)
                 if q is not None:
@@ -558,11 +557,10 @@ class StepPipeline:
 
     def close(self) -> None:
         """Finish queued jobs and stop the worker. Idempotent; does not raise worker errors."""
-        if self._closed:
-            return
-        self._closed = True
         with self._cv:
-            self._stop = True
+            if self._closed:
+                return
+            self._closed = True
             self._cv.notify_all()
         self._thread.join()
 
