@@ -30,6 +30,7 @@ start of the next pass (the first chunks of the next step are fetched during thi
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -192,11 +193,7 @@ class Prefetcher:
             return []
         n = len(self._order)
         out = [self._order[(self._pos + k) % n] for k in range(min(count, n))]
-        if self._ready is not None:
-            for k, cid in enumerate(out):
-                if not self._ready(cid):
-                    return out[:k]
-        return out
+        return out if self._ready is None else list(itertools.takewhile(self._ready, out))
 
     # ---- use ----------------------------------------------------------------------------
 
