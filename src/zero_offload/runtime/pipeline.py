@@ -181,6 +181,11 @@ class _Queued:
     def key(self) -> tuple:
         return (self.priority, self.seq)
 
+    @property
+    def updates(self) -> bool:
+        """Whether the job runs an update (an UpdateJob, or a GradJob with ``then``)."""
+        return isinstance(self.job, UpdateJob) or self.job.then is not None
+
 
 @dataclass(eq=False)
 class _Running:
@@ -191,7 +196,8 @@ class _Running:
     held: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     """Pins of the update's buffers, released (after its kernels) when the job completes."""
     update: Optional[UpdateJob] = None
-    lowp: bool = False
+    written: tuple = ()
+    """Payloads the update writes in their CPU copies: see [Note: what an update writes]."""
     tickets: list = field(default_factory=list)
 
 
@@ -208,7 +214,6 @@ def _wait_quietly(tickets) -> None:
 @dataclass
 class PipelineStats:
     updates: int = 0
-    elements_updated: int = 0
     adam_s: float = 0.0
     """Seconds the CPU-Adam kernels ran (on the native kernel thread)."""
     busy_s: float = 0.0
@@ -216,12 +221,6 @@ class PipelineStats:
     (the time it waited for new jobs excluded)."""
     wait_chunk_s: float = 0.0
     """Seconds callers spent in ``wait_chunk`` (the consumer's stall on the CPU update)."""
-    state_wait_s: float = 0.0
-    """Seconds the worker waited for optimizer state to arrive (NVMe reads)."""
-    grad_jobs: int = 0
-
-    def as_dict(self) -> dict:
-        return dict(vars(self))
 
 
 class StepPipeline:
@@ -267,7 +266,6 @@ class StepPipeline:
         self._sumsq = 0.0
         self._error: Optional[BaseException] = None
         self._closed = False
-        self._stop = False
         self._pid = os.getpid()
         self._thread = threading.Thread(target=self._run, name="zero_offload-cpu-adam", daemon=True)
         self._thread.start()
@@ -280,13 +278,13 @@ class StepPipeline:
         if job.accumulate is not Accumulate.NONE and self.payloads.accum is None:
             raise ValueError("GradJob asks to accumulate but the pipeline has no accum payload; "
                              "build it with PipelinePayloads(accum=...)")
-        self._put(job, priority, grads=True)
+        self._put(job, priority)
 
     def submit_update(self, job: UpdateJob, *, priority: Optional[int] = None) -> None:
         """Queue an update. ``priority``: see [Note: job order] (None: submission order)."""
-        self._put(job, priority, grads=False)
+        self._put(job, priority)
 
-    def _put(self, job, priority, *, grads: bool) -> None:
+    def _put(self, job, priority) -> None:
         self._raise_if_failed()
         if self._closed:
             raise PipelineError("the step pipeline is closed")
@@ -294,8 +292,7 @@ class StepPipeline:
             seq = next(self._seq)
             self._queue.append(_Queued(job=job, cid=job.cid, priority=seq if priority is None else priority,
                                        seq=seq))
-            if grads:
-                self._pending_grads += 1
+            self._pending_grads += isinstance(job, GradJob)
             self._cv.notify_all()
         self._read_ahead()
 
@@ -309,9 +306,9 @@ class StepPipeline:
     def wait_chunk(self, cid: int) -> None:
         """Block until no job of chunk ``cid`` is queued or running."""
         with self._cv:
-            if any(q.cid == cid for q in self._queue) and self._error is None:
+            if self.busy(cid) and self._error is None:
                 t0 = time.perf_counter()
-                self._cv.wait_for(lambda: self._error is not None or not any(q.cid == cid for q in self._queue))
+                self._cv.wait_for(lambda: self._error is not None or not self.busy(cid))
                 t1 = time.perf_counter()
                 self.stats.wait_chunk_s += t1 - t0
                 if self.trace is not None:
@@ -387,8 +384,7 @@ class StepPipeline:
         with self._cv:
             # Jobs already started hold their state (pinned); re-reading a chunk whose update just
             # ended would fetch back what its write-behind is sending home.
-            upcoming = [q.cid for q in sorted(self._queue, key=lambda q: q.key) if not q.running
-                        and (isinstance(q.job, UpdateJob) or getattr(q.job, "then", None) is not None)]
+            upcoming = [q.cid for q in sorted(self._queue, key=lambda q: q.key) if not q.running and q.updates]
         try:
             for cid in list(dict.fromkeys(upcoming))[:self.prefetch_depth]:
                 for name in self._state_names:
@@ -404,8 +400,8 @@ class StepPipeline:
         while True:
             with self._cv:
                 if inflight is None:
-                    self._cv.wait_for(lambda: self._stop or (self._queue and self._runnable()))
-                    if self._stop and not self._queue:
+                    self._cv.wait_for(lambda: self._closed or (self._queue and self._runnable()))
+                    if self._closed and not self._queue:
                         return
                 q = self._pick(can_defer=inflight is not None)
                 if q is not None:
@@ -451,11 +447,9 @@ class StepPipeline:
             with self._cv:
                 self.stats.busy_s += time.perf_counter() - t0
                 self._queue.remove(q)
-                if isinstance(q.job, GradJob):
-                    self._pending_grads -= 1
-                idle = (self.on_chunk_idle is not None and self._error is None
-                        and (isinstance(q.job, UpdateJob) or q.job.then is not None)
-                        and not any(o.cid == q.cid for o in self._queue))
+                self._pending_grads -= isinstance(q.job, GradJob)
+                idle = (self.on_chunk_idle is not None and self._error is None and q.updates
+                        and not self.busy(q.cid))
                 self._notifying += idle
                 self._cv.notify_all()
         if idle:
@@ -493,13 +487,11 @@ class StepPipeline:
             s = self._adam.grad_sumsq(source, grad_scale=job.stats_scale, threads=self.threads)
             with self._cv:
                 self._sumsq += s
-        self.stats.grad_jobs += 1
         return job.then
 
     def _launch(self, job: UpdateJob, run: "_Running") -> None:
         """Pin the update's buffers (held until ``_finish``) and queue its kernels."""
         store, names, cid = self.store, self.payloads, job.cid
-        t0 = time.perf_counter()
         held = run.held
         # use(): fetch (a no-op when home on the CPU or read ahead) and pin atomically, so a
         # concurrent fetch making room cannot evict a copy between the two.
@@ -508,8 +500,8 @@ class StepPipeline:
         grad = held.enter_context(store.use(cid, job.source, Tier.CPU))
         lowp = (self._lowp_buffer(cid, job, held)
                 if names.lowp is not None and store.has_payload(cid, names.lowp) else None)
-        self.stats.state_wait_s += time.perf_counter() - t0
-        run.update, run.lowp = job, lowp is not None
+        run.update = job
+        run.written = self._state_names + (() if lowp is None else (names.lowp,))
         rounded = exp_avg.dtype is not torch.float32  # bf16 moments: [Note: stochastic rounding]
         for seg in job.segments:
             a = seg.args or job.args
@@ -524,7 +516,7 @@ class StepPipeline:
         held.callback(_wait_quietly, run.tickets)
 
     def _complete(self, run: "_Running") -> None:
-        store, names, job = self.store, self.payloads, run.update
+        store, job = self.store, run.update
         cid = job.cid
         for ticket in run.tickets:
             seconds = ticket.wait()
@@ -533,15 +525,11 @@ class StepPipeline:
                 self.trace.span("adam", ticket.start, ticket.start + seconds, cid=cid,
                                 thread="zero_offload-kernels")
         self.stats.updates += 1
-        self.stats.elements_updated += sum(s.stop - s.start for s in job.segments)
-        for n in self._state_names:
+        for n in run.written:
             store.mark_dirty(cid, n, Tier.CPU)
-        if run.lowp:
-            store.mark_dirty(cid, names.lowp, Tier.CPU)
         run.held.close()  # unpin before the write-behind may evict
         # See [Note: state read-ahead] and [Note: what an update writes]: write-behind.
-        written = list(self._state_names) + ([names.lowp] if run.lowp else [])
-        behind = [n for n in written if store.payload_spec(cid, n).home is not Tier.CPU]
+        behind = [n for n in run.written if store.payload_spec(cid, n).home is not Tier.CPU]
         for n in behind:
             store.flush(cid, n)
         if self.on_update_done is not None:
@@ -569,11 +557,10 @@ class StepPipeline:
 
     def close(self) -> None:
         """Finish queued jobs and stop the worker. Idempotent; does not raise worker errors."""
-        if self._closed:
-            return
-        self._closed = True
         with self._cv:
-            self._stop = True
+            if self._closed:
+                return
+            self._closed = True
             self._cv.notify_all()
         self._thread.join()
 

@@ -30,9 +30,10 @@ start of the next pass (the first chunks of the next step are fetched during thi
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence
 
 from .store import BudgetError, ChunkStore, FarthestNextUsePolicy, Hop, Residency, Tier
@@ -192,11 +193,7 @@ class Prefetcher:
             return []
         n = len(self._order)
         out = [self._order[(self._pos + k) % n] for k in range(min(count, n))]
-        if self._ready is not None:
-            for k, cid in enumerate(out):
-                if not self._ready(cid):
-                    return out[:k]
-        return out
+        return out if self._ready is None else list(itertools.takewhile(self._ready, out))
 
     # ---- use ----------------------------------------------------------------------------
 
@@ -235,14 +232,11 @@ class Prefetcher:
         the look-ahead window does not need again. ``keep=True`` only unpins: the copies stay
         resident (evictable by the store's policy when a tier needs room) until ``drop(cid)``
         or a later ``release``."""
-        store = self.store
         with self._lock:
-            soon = set(self._upcoming(self.depth))
             for name, tier in self.hops:
-                store.unpin(cid, name, tier)
-                if self.evict_after_use and not keep and cid not in soon \
-                        and store.payload_spec(cid, name).home is not tier:
-                    store.evict(cid, name, tier)
+                self.store.unpin(cid, name, tier)
+            if self.evict_after_use and not keep:
+                self.drop([cid])
 
     def drop(self, cids) -> None:
         """Drop the non-home target copies of the unpinned chunks ``cids`` that were kept by
@@ -302,7 +296,4 @@ class Prefetcher:
         """A copy of the stats with ``bytes_moved`` filled in from the store."""
         with self._lock:
             now = self.store.stats.bytes_moved
-            s = PrefetchStats(**{k: getattr(self.stats, k) for k in
-                                 ("uses", "hits", "ahead", "stall_s", "prefetches", "budget_limited", "rerecords", "passes")})
-            s.bytes_moved = {h.value: now[h] - self._bytes0.get(h, 0) for h in Hop}
-            return s
+            return replace(self.stats, bytes_moved={h.value: now[h] - self._bytes0.get(h, 0) for h in Hop})

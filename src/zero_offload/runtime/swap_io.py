@@ -1,13 +1,6 @@
-"""NVMe swap I/O: aligned host buffers, the native O_DIRECT engine, and swap spaces.
-
-Three layers, each usable alone:
-
-- ``aligned_empty``: a CPU tensor whose data is 4096-aligned and whose memory extends to a
-  multiple of 4096 bytes (what O_DIRECT needs), optionally registered with CUDA as pinned memory.
-- ``AioEngine`` / ``IoHandle``: a pool of native I/O threads doing pread/pwrite on aligned
-  buffers, each request split into ``block_size`` pieces; the GIL is released while waiting.
-- ``SwapSpace``: one private directory of preallocated files, a slot allocator for fixed-size
-  payloads, blocking-handle and asyncio fronts.
+"""NVMe swap I/O in three layers, each usable alone: ``aligned_empty`` (host buffers fit for
+O_DIRECT), ``AioEngine`` / ``IoHandle`` (the native I/O threads) and ``SwapSpace`` (a private
+directory holding a preallocated file, with a slot allocator, blocking-handle and asyncio fronts).
 
 Swap directories: ``prepare_swap_dir`` checks (and creates 0700) a directory meant to hold swap
 spaces; ``find_spaces`` / ``remove_stale_spaces`` find the spaces other processes left there and
@@ -38,16 +31,12 @@ import torch
 from .vocab import ALIGNMENT, round_up
 
 
-def _check_pin(pin) -> bool:
-    if pin is None:
-        return torch.cuda.is_available()
-    if not isinstance(pin, bool):
-        raise TypeError(f"pin must be True, False or None (None = pin when CUDA exists), got {pin!r}")
-    if pin and not torch.cuda.is_available():
-        raise RuntimeError(
-            "aligned_empty(pin=True) needs CUDA, but torch.cuda.is_available() is False; "
-            "pass pin=False, or pin=None to pin only when CUDA exists")
-    return pin
+def _check_int(name: str, value, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
 
 
 def _cuda_unregister(ptr: int, owner) -> None:
@@ -69,17 +58,20 @@ def aligned_empty(nbytes: int, *, dtype: torch.dtype = torch.uint8, pin: bool | 
     RuntimeError without CUDA. ``None`` pins exactly when CUDA is available. ``False`` (the
     default) leaves it pageable.
     """
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
-        raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
-    if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    _check_int("nbytes", nbytes, minimum=0)
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
     itemsize = dtype.itemsize
     if nbytes % itemsize:
         raise ValueError(f"nbytes={nbytes} is not a multiple of {dtype}'s item size {itemsize}; "
                          f"pass a whole number of elements")
-    pin = _check_pin(pin)
+    if pin is None:
+        pin = torch.cuda.is_available()
+    elif not isinstance(pin, bool):
+        raise TypeError(f"pin must be True, False or None (None = pin when CUDA exists), got {pin!r}")
+    elif pin and not torch.cuda.is_available():
+        raise RuntimeError("aligned_empty(pin=True) needs CUDA, but torch.cuda.is_available() is False; "
+                           "pass pin=False, or pin=None to pin only when CUDA exists")
     padded = max(round_up(nbytes), ALIGNMENT)
     # [Note: aligned memory] An anonymous mmap is page-aligned and zero-filled. torch.frombuffer
     # keeps a reference to the memoryview for as long as the storage lives, and the memoryview
@@ -108,14 +100,6 @@ def aligned_empty(nbytes: int, *, dtype: torch.dtype = torch.uint8, pin: bool | 
 def _native():
     from .. import _C  # deferred: importing swap_io for aligned_empty needs no build
     return _C
-
-
-def _check_int(name: str, value, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def _check_aligned(name: str, value: int) -> None:
@@ -387,28 +371,23 @@ def _remove_created(path: str, directory: str) -> None:
     if set(rest) <= {OWNER_FILE}:  # never removes what someone else put there
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(directory, OWNER_FILE))
-        with contextlib.suppress(FileNotFoundError, OSError):
+        with contextlib.suppress(OSError):
             os.rmdir(directory)
 
 
 def _probe_direct(path: str) -> int | None:
     """Open ``path`` with O_DIRECT and write one aligned block; the fd, or None if refused."""
+    fd = -1
     try:
         fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+        with mmap.mmap(-1, ALIGNMENT) as probe:  # page-aligned
+            os.pwrite(fd, probe, 0)
     except OSError as e:
+        if fd >= 0:
+            os.close(fd)
         if e.errno == errno.EINVAL:
             return None
         raise
-    probe = mmap.mmap(-1, ALIGNMENT)  # page-aligned
-    try:
-        os.pwrite(fd, probe, 0)
-    except OSError as e:
-        os.close(fd)
-        if e.errno == errno.EINVAL:
-            return None
-        raise
-    finally:
-        probe.close()
     return fd
 
 
@@ -685,7 +664,6 @@ class SwapSpace:
                  mode: IoMode | str | None = None, remove_stale: bool = True):
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"directory must be a str or os.PathLike, got {type(directory).__name__}")
-        directory = os.path.abspath(os.fspath(directory))
         _check_int("capacity_bytes", capacity_bytes, minimum=1)
         capacity = round_up(capacity_bytes)
         if engine is not None and not isinstance(engine, AioEngine):
