@@ -437,10 +437,14 @@ def _read_manifest(path: str) -> Optional[dict]:
             isinstance(r, dict) and isinstance(r.get("size"), int) and isinstance(r.get("crc32"), int)
             for r in files.values()) or META not in files:
         raise _damaged(file, "is not a zero_offload manifest (fields missing)")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: checkpoint format {manifest.get('format_version')!r}, this "
-                              f"version of zero_offload reads format {FORMAT_VERSION}")
+    _check_format(path, manifest.get("format_version"))
     return files
+
+
+def _check_format(path: str, version) -> None:
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint format {version!r}, this version of zero_offload "
+                              f"reads format {FORMAT_VERSION}")
 
 
 def _crc_file(file: str, keep: bool) -> tuple:
@@ -517,10 +521,7 @@ def _plan_load(engine, path: str) -> tuple[str, dict, dict]:
     (chunk file, offset, numel))."""
     path, files, meta_bytes = _verified(path, checksums=True)
     meta = _load_file(os.path.join(path, META), meta_bytes, weights_only=False)
-    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
-        version = meta.get("format_version") if isinstance(meta, dict) else None
-        raise CheckpointError(f"{path}: checkpoint format {version!r}, this version "
-                              f"of zero_offload reads format {FORMAT_VERSION}")
+    _check_format(path, meta.get("format_version") if isinstance(meta, dict) else None)
     saved = meta["slots"]
     ours = {s.name: s for s in engine.partition.slots}
     missing, unexpected = sorted(set(ours) - set(saved)), sorted(set(saved) - set(ours))
