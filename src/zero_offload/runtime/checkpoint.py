@@ -196,7 +196,7 @@ def _owner_alive(temp_name: str) -> bool:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: no process can have that pid
         return False
     except OSError:
         return True
