@@ -145,3 +145,15 @@ def test_killed_saves_are_cleaned_only_when_ours(saved):
     assert not ours.exists()
     assert (theirs / "notes.txt").read_text() == "mine"
     ckpt.verify(path)
+
+
+def test_temp_name_with_impossible_pid_does_not_break_saves(saved):
+    """A directory named like a killed save's temp dir but with a pid too large for the OS made
+    every later save raise OverflowError (from os.kill); it is no live save: cleaned only if ours."""
+    engine, path = saved
+    odd = path.parent / ".ckpt.tmp-99999999999999999999-0"
+    odd.mkdir()
+    (odd / "notes.txt").write_text("mine")
+    engine.save_checkpoint(path)
+    assert (odd / "notes.txt").read_text() == "mine"
+    ckpt.verify(path)

@@ -11,6 +11,7 @@ host memory holds each optimizer byte once, whatever N is.
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 from dataclasses import dataclass
 
@@ -82,21 +83,18 @@ _NODE_CORES: "list[int] | None" = None  # the cores of the process before any bi
 def _numa_node_of() -> dict:
     """cpu -> NUMA node, from sysfs ({} where it is not readable)."""
     out = {}
-    base = "/sys/devices/system/node"
-    try:
-        nodes = [d for d in os.listdir(base) if d.startswith("node") and d[4:].isdigit()]
-    except OSError:
-        return out
-    for d in nodes:
+    for file in glob.glob("/sys/devices/system/node/node*/cpulist"):
+        node = os.path.basename(os.path.dirname(file))[4:]
+        if not node.isdigit():
+            continue
         try:
-            with open(os.path.join(base, d, "cpulist")) as f:
+            with open(file) as f:
                 spec = f.read().strip()
         except OSError:
             continue
         for part in filter(None, spec.split(",")):
             lo, _, hi = part.partition("-")
-            for c in range(int(lo), int(hi or lo) + 1):
-                out[c] = int(d[4:])
+            out.update(dict.fromkeys(range(int(lo), int(hi or lo) + 1), int(node)))
     return out
 
 
@@ -106,8 +104,8 @@ def rank_cores() -> "list[int] | None":
     ``LOCAL_RANK`` takes its block, so ranks share no core and (with one or two ranks per socket)
     each reads memory on its own socket. None with one local rank (or fewer cores than ranks)."""
     global _NODE_CORES
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    if local == 1:
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    if ranks == 1:
         return None
     if _NODE_CORES is None:
         try:
@@ -116,10 +114,10 @@ def rank_cores() -> "list[int] | None":
             return None
         node = _numa_node_of()
         _NODE_CORES = sorted(cores, key=lambda c: (node.get(c, 0), c))
-    per = len(_NODE_CORES) // local
+    per = len(_NODE_CORES) // ranks
     if per < 1:
         return None
-    r = int(os.environ.get("LOCAL_RANK", "0") or 0) % local
+    r = int(os.environ.get("LOCAL_RANK", "0") or 0) % ranks
     return _NODE_CORES[r * per:(r + 1) * per]
 
 

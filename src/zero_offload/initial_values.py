@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .runtime.partition import ChunkLayout, Partition
+from .weights import INDEX
 
 __all__ = ["InitialValues", "set_values"]
 
@@ -74,7 +75,7 @@ class InitialValues:
                              f"them after building the model on meta) or save them in the weights")
         if self.files:
             missing, bad = [], []
-            shapes = _shapes(self.files)
+            shapes = {k: f.get_slice(k).get_shape() for k, f in _opened(self.files, self.files)}
             for s in self.partition.slots:
                 key = self._key(s)
                 if key is None:
@@ -113,7 +114,10 @@ class InitialValues:
         their offsets: ``init`` writes straight into it; a file's tensors and the model's own
         are copied."""
         if self.files:
-            self._from_files(layout, flat)
+            slot_of = {self._key(s): s for s in layout.slots}
+            for key, f in _opened(self.files, slot_of):
+                s = slot_of[key]
+                flat[s.offset:s.end].view(s.shape).copy_(f.get_tensor(key))
             return
         for s in layout.slots:
             p, dst = s.param, flat[s.offset:s.end].view(s.shape)
@@ -129,12 +133,6 @@ class InitialValues:
                 with torch.no_grad():
                     module.reset_parameters()
             dst.copy_(p.detach())
-
-    def _from_files(self, layout: ChunkLayout, flat: torch.Tensor) -> None:
-        slot_of = {self._key(s): s for s in layout.slots}
-        for key, f in _opened(self.files, slot_of):
-            s = slot_of[key]
-            flat[s.offset:s.end].view(s.shape).copy_(f.get_tensor(key))
 
     def buffers(self) -> None:
         """Meta buffers get their values from the weights (``check`` made sure they are there)."""
@@ -164,7 +162,7 @@ def _index(weights) -> dict:
         raise ImportError("initialize(weights=...) reads safetensors files: pip install safetensors "
                           "(or zero_offload[hf])") from None
     if os.path.isdir(path):
-        index = os.path.join(path, "model.safetensors.index.json")
+        index = os.path.join(path, INDEX)
         if os.path.isfile(index):
             with open(index) as f:
                 wmap = json.load(f).get("weight_map", {})
@@ -187,10 +185,6 @@ def _index(weights) -> dict:
         except Exception as e:  # noqa: BLE001 - a corrupt or foreign file: say which
             raise ValueError(f"initialize: {file!r} is not a readable safetensors file ({e})") from None
     return out
-
-
-def _shapes(files: dict) -> dict:
-    return {k: f.get_slice(k).get_shape() for k, f in _opened(files, files)}
 
 
 def _opened(files: dict, keys):

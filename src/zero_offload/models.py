@@ -18,7 +18,9 @@ the machine to death.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -179,6 +181,14 @@ class Block(nn.Module):
         return self._forward(x)
 
 
+def _logits_or_loss(logits: torch.Tensor, targets: Optional[torch.Tensor]) -> torch.Tensor:
+    """The output contract: the logits, or their scalar mean cross-entropy against ``targets``
+    (entries equal to -100 are ignored)."""
+    if targets is None:
+        return logits
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+
+
 def _check_fits_in_host_memory(cfg: GPTConfig, device, dtype) -> None:
     dev = torch.device(device) if device is not None else torch.empty(0).device
     if dev.type != "cpu":
@@ -285,11 +295,7 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
-                               ignore_index=-100)
+        return _logits_or_loss(self.lm_head(self.ln_f(x)), targets)
 
 
 def build(name_or_config, *, device=None, dtype=None) -> GPT:
@@ -361,11 +367,7 @@ class HFCausalLM(nn.Module):
             self.hf_model.gradient_checkpointing_disable()
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
-        logits = self.hf_model(input_ids=idx, use_cache=False).logits
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
-                               ignore_index=-100)
+        return _logits_or_loss(self.hf_model(input_ids=idx, use_cache=False).logits, targets)
 
 
 def _hf_config(name_or_config):
@@ -380,9 +382,6 @@ def _hf_config(name_or_config):
                              "{'model_type': 'llama', 'hidden_size': 2048, ...}")
         return transformers.AutoConfig.for_model(model_type, **kwargs)
     if isinstance(name_or_config, str):
-        import json
-        import os
-
         if os.path.isfile(name_or_config):  # a config.json
             with open(name_or_config) as f:
                 return _hf_config(json.load(f))

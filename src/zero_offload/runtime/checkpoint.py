@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import errno
 import glob
 import io
@@ -57,6 +56,7 @@ import warnings
 import zlib
 from typing import Optional
 
+import numpy as np
 import torch
 
 __all__ = ["save_checkpoint", "load_checkpoint", "verify", "is_zero_offload_checkpoint", "replaceable",
@@ -95,16 +95,12 @@ def _foreign(path: str) -> list[str]:
 
 
 def _fsync_dir(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 class _Checksummed:
@@ -200,7 +196,7 @@ def _owner_alive(temp_name: str) -> bool:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: no process can have that pid
         return False
     except OSError:
         return True
@@ -214,10 +210,8 @@ def _remove_stale(parent: str, name: str) -> None:
         if _owner_alive(os.path.basename(stale)):
             continue
         if not remove_checkpoint(stale):
-            try:
+            with contextlib.suppress(OSError):
                 os.rmdir(stale)  # only succeeds when empty
-            except OSError:
-                pass
     if os.path.isfile(os.path.join(parent, name, MANIFEST)):
         for old in glob.glob(os.path.join(parent, f".{name}.old-*")):
             remove_checkpoint(old)
@@ -231,11 +225,8 @@ def _mount_point(path: str) -> str:
 
 
 def _estimated_bytes(engine) -> int:
-    total = 0
-    for layout in engine.partition.chunks:
-        per = 3 * 4 if layout.trainable else torch.empty(0, dtype=engine.dtype).element_size()
-        total += layout.numel * per
-    return total
+    """fp32 master and moments of trainable chunks, frozen ones in the working dtype."""
+    return sum(c.numel * (3 * 4 if c.trainable else engine.dtype.itemsize) for c in engine.partition.chunks)
 
 
 def _no_space(err: OSError, path: str, parent: str, file: str, needed: int) -> CheckpointError:
@@ -252,14 +243,9 @@ def _no_space(err: OSError, path: str, parent: str, file: str, needed: int) -> C
 
 
 def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-        state["numpy"] = np.random.get_state()
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        pass
     return state
 
 
@@ -269,7 +255,6 @@ def _set_rng_state(state: dict) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state:
-        import numpy as np
         np.random.set_state(state["numpy"])
 
 
@@ -360,7 +345,7 @@ def _write_checkpoint(engine, path, states: _ChunkStates) -> None:
             writing = _chunk_file(layout.index)
             files[writing] = _save({"slots": slots, **payload}, os.path.join(tmp, writing))
             del payload
-            chunks_meta.append({"file": _chunk_file(layout.index), "trainable": layout.trainable})
+            chunks_meta.append({"file": writing, "trainable": layout.trainable})
         meta = {
             "format_version": FORMAT_VERSION,
             "global_step": engine.global_step,
@@ -452,20 +437,21 @@ def _read_manifest(path: str) -> Optional[dict]:
             isinstance(r, dict) and isinstance(r.get("size"), int) and isinstance(r.get("crc32"), int)
             for r in files.values()) or META not in files:
         raise _damaged(file, "is not a zero_offload manifest (fields missing)")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: checkpoint format {manifest.get('format_version')!r}, this "
-                              f"version of zero_offload reads format {FORMAT_VERSION}")
+    _check_format(path, manifest.get("format_version"))
     return files
+
+
+def _check_format(path: str, version) -> None:
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint format {version!r}, this version of zero_offload "
+                              f"reads format {FORMAT_VERSION}")
 
 
 def _crc_file(file: str, keep: bool) -> tuple:
     """(CRC-32, the bytes if ``keep``) of a file, read once in blocks."""
     crc, parts = 0, []
     with open(file, "rb", buffering=0) as f:
-        while True:
-            block = f.read(_READ_BLOCK)
-            if not block:
-                break
+        for block in iter(lambda: f.read(_READ_BLOCK), b""):
             crc = zlib.crc32(block, crc)
             if keep:
                 parts.append(block)
@@ -498,6 +484,19 @@ def _check_files(path: str, files: dict, *, checksums: bool) -> Optional[bytes]:
     return meta_bytes
 
 
+def _verified(path, *, checksums: bool) -> tuple[str, Optional[dict], Optional[bytes]]:
+    """``(directory, manifest's file table, engine.pt's bytes)`` of the checkpoint at ``path``
+    once ``_check_files`` passed; the table and bytes are None (with a warning) for a checkpoint
+    written before manifests existed, the bytes None without ``checksums``."""
+    resolved = _resolve(os.path.abspath(os.fspath(path)))
+    files = _read_manifest(resolved)
+    if files is None:
+        warnings.warn(f"{resolved} was written by an older zero_offload without a manifest; its "
+                      f"files cannot be verified")
+        return resolved, None, None
+    return resolved, files, _check_files(resolved, files, checksums=checksums)
+
+
 def verify(path, *, checksums: bool = True) -> str:
     """Check that the checkpoint directory ``path`` is whole without loading it: the marker and
     manifest are present, and every file has its recorded size and (``checksums=True``) CRC-32.
@@ -505,49 +504,24 @@ def verify(path, *, checksums: bool = True) -> str:
     by a save interrupted between its renames). Raises ``CheckpointCorrupt`` naming the damaged
     file, ``CheckpointError`` when ``path`` is no checkpoint. Checkpoints written before manifests
     existed pass with a warning (nothing to check them against)."""
-    resolved = _resolve(os.path.abspath(os.fspath(path)))
-    files = _read_manifest(resolved)
-    if files is None:
-        warnings.warn(f"{resolved} was written by an older zero_offload without a manifest; its "
-                      f"files cannot be verified")
-        return resolved
-    _check_files(resolved, files, checksums=checksums)
-    return resolved
+    return _verified(path, checksums=checksums)[0]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _LoadPlan:
-    """What ``load_checkpoint`` writes, built only after every check passed."""
-    path: str
-    meta: dict
-    where: dict  # slot name -> (chunk file, offset, numel)
-
-
-def _load_file(file: str, **kw):
+def _load_file(file: str, data: Optional[bytes] = None, **kw):
+    """torch.load of ``file`` (or of ``data``, its bytes already read) onto the CPU."""
     try:
-        return torch.load(file, map_location="cpu", **kw)
+        return torch.load(file if data is None else io.BytesIO(data), map_location="cpu", **kw)
     except Exception as e:  # torch raises RuntimeError/pickle errors for damaged zip files
         raise _damaged(file, f"cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
-def _plan_load(engine, path: str) -> _LoadPlan:
-    """Every check of [Note: verified load]; changes nothing."""
-    path = _resolve(os.path.abspath(os.fspath(path)))
-    files = _read_manifest(path)
-    if files is None:
-        warnings.warn(f"{path} was written by an older zero_offload without a manifest; its files "
-                      f"cannot be verified")
-        meta = _load_file(os.path.join(path, META), weights_only=False)
-    else:
-        meta_bytes = _check_files(path, files, checksums=True)
-        try:
-            meta = torch.load(io.BytesIO(meta_bytes), map_location="cpu", weights_only=False)
-        except Exception as e:
-            raise _damaged(os.path.join(path, META), f"cannot be read ({type(e).__name__}: {e})") from None
-    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
-        version = meta.get("format_version") if isinstance(meta, dict) else None
-        raise CheckpointError(f"{path}: checkpoint format {version!r}, this version "
-                              f"of zero_offload reads format {FORMAT_VERSION}")
+def _plan_load(engine, path: str) -> tuple[str, dict, dict]:
+    """Every check of [Note: verified load]; changes nothing. Returns what ``load_checkpoint``
+    writes: the directory, engine.pt's contents and where each slot's values are (slot name ->
+    (chunk file, offset, numel))."""
+    path, files, meta_bytes = _verified(path, checksums=True)
+    meta = _load_file(os.path.join(path, META), meta_bytes, weights_only=False)
+    _check_format(path, meta.get("format_version") if isinstance(meta, dict) else None)
     saved = meta["slots"]
     ours = {s.name: s for s in engine.partition.slots}
     missing, unexpected = sorted(set(ours) - set(saved)), sorted(set(saved) - set(ours))
@@ -604,7 +578,7 @@ def _plan_load(engine, path: str) -> _LoadPlan:
     if "cuda" in rng and torch.cuda.is_available() and len(rng["cuda"]) > torch.cuda.device_count():
         raise CheckpointError(f"{path} holds RNG states of {len(rng['cuda'])} GPUs, this machine has "
                               f"{torch.cuda.device_count()}; load it where as many GPUs are visible")
-    # Where each saved slot is, and that its bytes are there: name -> (file, offset, numel).
+    # Where each saved slot is, and that its bytes are there.
     where = {}
     for c in meta["chunks"]:
         file = os.path.join(path, c["file"])
@@ -625,14 +599,14 @@ def _plan_load(engine, path: str) -> _LoadPlan:
     not_saved = sorted(set(ours) - set(where))
     if not_saved:
         raise _damaged(path, f"has no values for {not_saved[:5]} in its chunk files")
-    return _LoadPlan(path=path, meta=meta, where=where)
+    return path, meta, where
 
 
 def load_checkpoint(engine, path) -> None:
     """Restore everything ``save_checkpoint`` wrote. Checks everything first ([Note: verified
     load]); nothing changes in the engine when it raises ``CheckpointError``."""
-    plan = _plan_load(engine, path)
-    path, meta, where, saved = plan.path, plan.meta, plan.where, plan.meta["slots"]
+    path, meta, where = _plan_load(engine, path)
+    saved = meta["slots"]
 
     engine.synchronize()
     cache: dict = {}
