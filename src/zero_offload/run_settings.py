@@ -158,17 +158,15 @@ def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack, saved: Opt
     from . import config as zc
 
     saved = saved or {}
-    file_cfg = _read_config_file(args.config) if args.config else None
+    file_cfg = _read_config_file(args.config) if args.config else {}
     file_name = f"--config {args.config}"
-    train_section = {}
-    if file_cfg is not None:
-        train_section = file_cfg.pop("train", {}) or {}
-        if not isinstance(train_section, dict):
-            raise UsageError(f"--config {args.config}: \"train\" must be an object of flag names")
-        unknown = set(train_section) - TRAIN_KEYS
-        if unknown:
-            raise UsageError(f"--config {args.config}: unknown \"train\" key(s) {sorted(unknown)}; "
-                             f"valid keys: {', '.join(sorted(TRAIN_KEYS))}")
+    train_section = file_cfg.pop("train", {}) or {}
+    if not isinstance(train_section, dict):
+        raise UsageError(f"{file_name}: \"train\" must be an object of flag names")
+    unknown = set(train_section) - TRAIN_KEYS
+    if unknown:
+        raise UsageError(f"{file_name}: unknown \"train\" key(s) {sorted(unknown)}; "
+                         f"valid keys: {', '.join(sorted(TRAIN_KEYS))}")
 
     # settings: defaults < checkpoint < file "train" section < flags
     run, run_source = {}, {}
@@ -213,16 +211,15 @@ def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack, saved: Opt
     if saved.get("optim"):
         optim, optim_source = saved["optim"], "checkpoint"
     try:
-        if file_cfg is not None and "zero_optimization" in file_cfg:  # a DeepSpeed config
+        if "zero_optimization" in file_cfg:  # a DeepSpeed config
             ds_cfg, ds_spec = zc.load_config(file_cfg)
             _layer(base, base_source, file_name, ds_cfg.to_dict())
             if ds_spec is not None:
                 optim, optim_source = ds_spec.to_dict(), file_name
-        elif file_cfg is not None:
-            named = dict(file_cfg)
-            if "optim" in named:
-                optim, optim_source = named.pop("optim"), file_name
-            _layer(base, base_source, file_name, named)
+        else:
+            if "optim" in file_cfg:
+                optim, optim_source = file_cfg.pop("optim"), file_name
+            _layer(base, base_source, file_name, file_cfg)
         _layer(base, base_source, "flag", flags)
         wants_nvme = "nvme" in (str(base.get("params", "")).lower(), str(base.get("optimizer", "")).lower())
         if wants_nvme and not base.get("nvme_dir"):
@@ -311,11 +308,11 @@ def _describe_model(settings: RunSettings) -> str:
 # ---------------------------------------------------------------------------- engine stats
 
 def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
             return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
         n /= 1024
-    raise AssertionError("unreachable")
+    return f"{n:.1f}TiB"
 
 
 # ------------------------------------------------------------------------------------ train
