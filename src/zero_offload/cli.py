@@ -275,10 +275,10 @@ def cmd_train(args) -> int:
         where = f"{cfg.nvme_dir} (temporary)" if _is_temp_swap(cfg.nvme_dir) else cfg.nvme_dir
         n_params = sum(p.numel() for p in model.parameters())
         say(f"zero-offload train: {_describe_model(settings)} ({n_params / 1e6:.2f}M params), "
-              f"device {'cuda' if torch.cuda.is_available() else 'cpu'}" +
-              (f" x {world} ranks" if world > 1 else "") + f", params on {cfg.params}, "
-              f"optimizer on {cfg.optimizer}" + (f" (swap: {where})" if where else "") +
-              f", dtype {cfg.dtype}, prefetch depth {cfg.prefetch_depth}", flush=True)
+            f"device {'cuda' if torch.cuda.is_available() else 'cpu'}" +
+            (f" x {world} ranks" if world > 1 else "") + f", params on {cfg.params}, "
+            f"optimizer on {cfg.optimizer}" + (f" (swap: {where})" if where else "") +
+            f", dtype {cfg.dtype}, prefetch depth {cfg.prefetch_depth}", flush=True)
 
         meta = any(p.is_meta for p in model.parameters())
         engine = zero_offload.initialize(model, optimizer=spec, config=cfg,
@@ -340,7 +340,7 @@ def cmd_train(args) -> int:
             _save(engine, out, step, state, args.keep, lead=rank == 0)
         median = statistics.median(step_times) if step_times else float("nan")
         say(f"step {step}: loss {losses[-1]:.4f} (first {losses[0]:.4f}), median step "
-              f"{median * 1e3:.1f} ms, {world * tokens_per_step / median:,.0f} tokens/s", flush=True)
+            f"{median * 1e3:.1f} ms, {world * tokens_per_step / median:,.0f} tokens/s", flush=True)
         say(f"checkpoint: {out / state['checkpoint']} (continue with --resume --out {out})", flush=True)
         if stopping:
             say(f"stopped by {stop.what if stop.signum else 'a signal to another rank'}", file=sys.stderr)
@@ -348,7 +348,7 @@ def cmd_train(args) -> int:
         n_sample = extras.get("sample_tokens") or 0
         if n_sample:
             prompt = corpus.encode("\n").view(1, -1).to(device)
-            ids = generate(lambda ids: engine(ids), prompt, max_new_tokens=n_sample, seq_len=seq_len,
+            ids = generate(engine, prompt, max_new_tokens=n_sample, seq_len=seq_len,
                            temperature=0.8, top_k=40, generator=torch.Generator().manual_seed(settings.seed))
             say("sample:\n" + corpus.decode(ids[0, 1:].cpu()), flush=True)
     return EXIT_OK

@@ -110,9 +110,7 @@ def parse_bytes(value: Any, *, name: str = "size") -> int:
     1024). Single letters ("8G") are refused as ambiguous. The result is a positive int
     (fractions of a byte are rounded to the nearest byte).
     """
-    if isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} is not a size: write bytes as an int or a string like '8GiB'")
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         if value <= 0:
             raise ValueError(f"{name}={value!r} must be a positive number of bytes")
         return value

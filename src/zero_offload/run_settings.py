@@ -45,7 +45,7 @@ class _Parser(argparse.ArgumentParser):
 
 # --------------------------------------------------------------------------------- flag types
 
-def _number(convert, ok, what: str, name: str):
+def _number(convert, ok, what: str):
     """An argparse type: ``convert(text)`` where ``ok`` holds of it; anything else is "expected {what}"."""
     def parse(text: str):
         try:
@@ -55,13 +55,12 @@ def _number(convert, ok, what: str, name: str):
         if value is None or not ok(value):
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
         return value
-    parse.__name__ = parse.__qualname__ = name
     return parse
 
 
-_positive_int = _number(int, lambda v: v >= 1, "a positive integer", "_positive_int")
-_nonneg_int = _number(int, lambda v: v >= 0, "an integer >= 0", "_nonneg_int")
-_positive_float = _number(float, lambda v: math.isfinite(v) and v > 0, "a positive number", "_positive_float")
+_positive_int = _number(int, lambda v: v >= 1, "a positive integer")
+_nonneg_int = _number(int, lambda v: v >= 0, "an integer >= 0")
+_positive_float = _number(float, lambda v: math.isfinite(v) and v > 0, "a positive number")
 
 
 def _depths(text: str) -> list[int]:
@@ -244,7 +243,9 @@ def _report_overrides(saved: dict, *, settings: RunSettings, run_source: dict, c
     def who(source: str, key: str, value) -> str:
         return f"{_flag_name(key)} {value}" if source == "flag" else f"{key} {value} from {source}"
 
-    lines = []
+    def report(source: str, key: str, new, old) -> None:
+        print(f"--resume: {who(source, key, new)} overrides the checkpoint's {old}", flush=True)
+
     old_settings = saved.get("settings") or {}
     for key in _MODEL_KEYS:
         new, old = getattr(settings, key), old_settings.get(key)
@@ -256,19 +257,17 @@ def _report_overrides(saved: dict, *, settings: RunSettings, run_source: dict, c
     for key in ("steps", "batch_size", "seq_len", "seed"):
         new, old = getattr(settings, key), old_settings.get(key)
         if key in old_settings and new is not None and new != old:
-            lines.append(f"--resume: {who(run_source[key], key, new)} overrides the checkpoint's {old}")
+            report(run_source[key], key, new, old)
     new_offload = cfg.to_dict()
     for key, old in (saved.get("offload") or {}).items():
         new = new_offload.get(key)
         if base_source.get(key) not in (None, "default", "checkpoint") and new != old:
-            lines.append(f"--resume: {who(base_source[key], key, new)} overrides the checkpoint's {old}")
+            report(base_source[key], key, new, old)
     for key, new in spec.to_dict().items():
         old = (saved.get("optim") or {}).get(key)
         if old is not None and new != old:
             source = run_source["lr"] if key == "lr" and settings.lr is not None else optim_source
-            lines.append(f"--resume: {who(source, key, new)} overrides the checkpoint's {old}")
-    for line in lines:
-        print(line, flush=True)
+            report(source, key, new, old)
 
 
 # --------------------------------------------------------------------------------- models
