@@ -571,29 +571,28 @@ def _add_run_flags(p: argparse.ArgumentParser, *, what: str) -> None:
     from .models import PRESETS
 
     m = p.add_argument_group("model and data")
-    m.add_argument("--preset", choices=list(PRESETS), default=None,
-                   help=f"GPT preset (default: {what})")
-    m.add_argument("--hf-config", default=None, metavar="CONFIG",
+    m.add_argument("--preset", choices=list(PRESETS), help=f"GPT preset (default: {what})")
+    m.add_argument("--hf-config", metavar="CONFIG",
                    help="a Hugging Face architecture instead: config.json path, directory or hub name "
                         "(randomly initialized; needs transformers)")
-    m.add_argument("--steps", type=_positive_int, default=None, help="training steps")
-    m.add_argument("--batch-size", type=_positive_int, default=None)
-    m.add_argument("--seq-len", type=_positive_int, default=None, help="default: the model's")
-    m.add_argument("--lr", type=_positive_float, default=None, help="learning rate (AdamW; default 1e-2)")
-    m.add_argument("--seed", type=_nonneg_int, default=None, help="model init and batch order (default 0)")
+    m.add_argument("--steps", type=_positive_int, help="training steps")
+    m.add_argument("--batch-size", type=_positive_int)
+    m.add_argument("--seq-len", type=_positive_int, help="default: the model's")
+    m.add_argument("--lr", type=_positive_float, help="learning rate (AdamW; default 1e-2)")
+    m.add_argument("--seed", type=_nonneg_int, help="model init and batch order (default 0)")
     o = p.add_argument_group("offload (flags override --config, which overrides a resumed checkpoint)")
-    o.add_argument("--config", default=None, metavar="FILE",
+    o.add_argument("--config", metavar="FILE",
                    help="JSON: OffloadConfig fields (or a DeepSpeed config), optional \"optim\" "
                         "{type, lr, ...} and \"train\" {preset, steps, ...} sections")
-    o.add_argument("--params", choices=["gpu", "cpu", "nvme", "auto"], default=None,
+    o.add_argument("--params", choices=["gpu", "cpu", "nvme", "auto"],
                    help="home tier of the params (default cpu)")
-    o.add_argument("--optimizer", choices=["cpu", "nvme", "auto"], default=None,
+    o.add_argument("--optimizer", choices=["cpu", "nvme", "auto"],
                    help="home tier of master weights and Adam moments (default nvme)")
-    o.add_argument("--nvme-dir", default=None, metavar="DIR",
+    o.add_argument("--nvme-dir", metavar="DIR",
                    help="swap directory (default: a temporary directory, removed at the end)")
-    o.add_argument("--prefetch-depth", type=_nonneg_int, default=None, metavar="N",
+    o.add_argument("--prefetch-depth", type=_nonneg_int, metavar="N",
                    help="chunks in flight ahead of use per hop (default 2)")
-    o.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+    o.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
                    help="working precision (default bf16 on CUDA, fp32 on CPU)")
 
 
@@ -642,9 +641,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--keep", type=_positive_int, default=2, metavar="N",
                    help="checkpoints kept in --out (default 2; --resume falls back to an older one when "
                         "the newest is damaged)")
-    c.add_argument("--save-every", type=_nonneg_int, default=None, metavar="N",
+    c.add_argument("--save-every", type=_nonneg_int, metavar="N",
                    help="also save every N steps (default 100; 0: only at the end)")
-    c.add_argument("--sample-tokens", type=_nonneg_int, default=None, metavar="N",
+    c.add_argument("--sample-tokens", type=_nonneg_int, metavar="N",
                    help="characters of text to generate at the end (default 200; 0: none)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_debug_flag(t)
@@ -665,7 +664,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="GPU, host and pinnable memory, swap dir (O_DIRECT), CPU-Adam path, bandwidths")
     i.add_argument("--json", action="store_true", help="machine-readable output")
-    i.add_argument("--nvme-dir", default=None, metavar="DIR", help="swap directory to check (default: the temp dir)")
+    i.add_argument("--nvme-dir", metavar="DIR", help="swap directory to check (default: the temp dir)")
     i.add_argument("--no-measure", action="store_true", help="skip the bandwidth measurements")
     i.set_defaults(func=cmd_info)
     cl = sub.add_parser("clean", help="remove swap spaces left in --nvme-dir by killed runs (dead owner, this host)",

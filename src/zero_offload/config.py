@@ -372,12 +372,10 @@ class OffloadConfig:
         else:
             setv("loss_scale", _as_float(o, "loss_scale", self.loss_scale, minimum=0.0,
                                          min_inclusive=False, fix="or 'dynamic'"))
-        setv("initial_scale", _as_float(o, "initial_scale", self.initial_scale, minimum=0.0,
-                                        min_inclusive=False))
-        setv("growth_factor", _as_float(o, "growth_factor", self.growth_factor, minimum=1.0,
-                                        min_inclusive=False))
-        setv("backoff_factor", _as_float(o, "backoff_factor", self.backoff_factor, minimum=0.0,
-                                         min_inclusive=False, maximum=1.0, max_inclusive=False))
+        for name, low, high in (("initial_scale", 0.0, None), ("growth_factor", 1.0, None),
+                                ("backoff_factor", 0.0, 1.0)):  # bounds excluded
+            setv(name, _as_float(o, name, getattr(self, name), minimum=low, min_inclusive=False,
+                                 maximum=high, max_inclusive=False))
         if self.threads is not None:
             setv("threads", _as_int(o, "threads", self.threads, minimum=1,
                                     fix="or None for every available core"))
