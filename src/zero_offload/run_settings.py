@@ -46,10 +46,12 @@ class _Parser(argparse.ArgumentParser):
 # --------------------------------------------------------------------------------- flag types
 
 def _number(convert, ok, what: str):
-    """An argparse type: ``convert(text)`` where ``ok`` holds of it; anything else is "expected {what}"."""
-    def parse(text: str):
+    """An argparse type: ``convert(text)`` where ``ok`` holds of it; anything else is "expected {what}".
+    It also takes a number (of a --config "train" section or a checkpoint): an int, or a float
+    where ``convert`` is float; never a bool."""
+    def parse(text):
         try:
-            value = convert(text)
+            value = convert(text) if type(text) in (str, int, convert) else None
         except ValueError:
             value = None
         if value is None or not ok(value):
@@ -95,6 +97,10 @@ class RunSettings:
 
 TRAIN_KEYS = {f.name for f in dataclasses.fields(RunSettings)} | {"save_every", "sample_tokens"}
 """Keys allowed in the ``"train"`` section of a --config file."""
+
+_RUN_TYPES = {"steps": _positive_int, "batch_size": _positive_int, "seq_len": _positive_int, "seed": _nonneg_int,
+              "lr": _positive_float, "save_every": _nonneg_int, "sample_tokens": _nonneg_int}
+"""The number settings, each checked by its flag's type whichever layer set it."""
 
 _PLACEMENT_FLAGS = ("params", "optimizer", "nvme_dir", "prefetch_depth", "dtype")
 
@@ -176,6 +182,12 @@ def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack, saved: Opt
                                            if k in TRAIN_KEYS and k not in skip})
     _layer(run, run_source, file_name, train_section)
     _layer(run, run_source, "flag", {k: getattr(args, k) for k in TRAIN_KEYS if getattr(args, k, None) is not None})
+    for key, parse in _RUN_TYPES.items():
+        if run.get(key) is not None:
+            try:
+                run[key] = parse(run[key])
+            except argparse.ArgumentTypeError as e:
+                raise UsageError(f"{key} from {run_source[key]}: {e}") from None
     if run.get("hf_config"):
         if getattr(args, "preset", None) is not None or train_section.get("preset"):
             if run_source["hf_config"] == "checkpoint":
@@ -192,10 +204,6 @@ def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack, saved: Opt
 
     if settings.preset is not None and settings.preset not in PRESETS:
         raise UsageError(f"unknown model preset {settings.preset!r}; choose one of {', '.join(PRESETS)}")
-    for name in ("steps", "batch_size"):
-        value = getattr(settings, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise UsageError(f"{name} must be a positive integer, got {value!r}")
 
     # offload config: the command's placement defaults < checkpoint < file < flags. A DeepSpeed
     # file is translated whole (its absent sections have DeepSpeed's meaning, e.g. no bf16 = fp32).
