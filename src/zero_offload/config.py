@@ -49,10 +49,7 @@ class Precision(enum.StrEnum):
 # ---------------------------------------------------------------------------------------------
 
 def _fail(owner: str, name: str, value: Any, expected: str, fix: str | None = None) -> ValueError:
-    msg = f"{owner}.{name}={value!r} is invalid: expected {expected}"
-    if fix:
-        msg += f"; {fix}"
-    return ValueError(msg)
+    return ValueError(f"{owner}.{name}={value!r} is invalid: expected {expected}" + (f"; {fix}" if fix else ""))
 
 
 def _as_float(owner: str, name: str, value: Any, *, minimum: float | None = None,
