@@ -78,6 +78,24 @@ def test_bad_config_values_exit_2_with_one_line(run, tmp_path):
     assert r.returncode == 2 and "pass an existing JSON file" in r.stderr
 
 
+@pytest.mark.parametrize("train, fix", [
+    ({"save_every": "often"}, "save_every"),
+    ({"seq_len": 0}, "seq_len"),
+    ({"sample_tokens": -1}, "sample_tokens"),
+    ({"seed": 1.5}, "seed"),
+    ({"batch_size": True}, "batch_size"),
+    ({"lr": "fast"}, "lr"),
+])
+def test_bad_train_section_values_exit_2_naming_the_key(run, tmp_path, train, fix):
+    # each "train" value is checked as its flag is (it used to crash later, exit 1, or pass unnoticed)
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps({"train": train}))
+    r = run("train", "--config", str(path), "--steps", "1", "--no-progress", "--out", str(tmp_path / "ckpt"))
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and fix in lines[0] and "expected" in lines[0] and str(path) in lines[0], r.stderr
+
+
 def test_resume_without_checkpoint_names_the_fix(run, tmp_path):
     r = run("train", "--resume", "--out", str(tmp_path / "nothing"))
     assert r.returncode == 2

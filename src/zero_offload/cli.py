@@ -6,10 +6,8 @@
     zero-offload bench prefetch --depths 0,1,2,4,8 --out bench/
     zero-offload info --json
 
-Exit codes: 0 done; 1 runtime failure; 2 bad flag or config value; 130 interrupted by Ctrl-C,
-143 by SIGTERM (the run stopped after its current step and saved a whole checkpoint). Every
-failure is one line on stderr, ``zero-offload: error: <problem and fix>``; ``--debug`` adds the
-traceback (see [Note: exit codes] at ``_exit_codes``).
+Exit codes: ``EXIT_HELP`` below; every failure is one line on stderr, ``zero-offload: error:
+<problem and fix>`` (see [Note: exit codes] at ``_exit_codes``).
 
 [Note: config precedence] built-in defaults < the checkpoint's settings (``train --resume``) <
 ``--config FILE`` < flags; each layer sets only the fields it names. The command's defaults
@@ -47,27 +45,11 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .run_settings import (
-    EXIT_OK,
-    EXIT_FAILURE,
-    EXIT_USAGE,
-    EXIT_INTERRUPTED,
-    STATE_FILE,
-    UsageError,
-    Interrupted,
-    _Parser,
-    _positive_int,
-    _nonneg_int,
-    _positive_float,
-    _one_line,
-    _is_temp_swap,
-    _flag_name,
-    resolve,
-    build_model,
-    _describe_model,
-    _human_bytes,
-    _batch_generator,
-)
+from .run_settings import (EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED, STATE_FILE, UsageError,
+                           Interrupted, _Parser, _positive_int, _nonneg_int, _positive_float, _one_line,
+                           _is_temp_swap, _flag_name, resolve, build_model, _describe_model, _human_bytes,
+                           _batch_generator)
+
 
 class _StopOnSigint:
     """First Ctrl-C or SIGTERM: finish the current step, save, exit 128 + the signal (130, 143).
@@ -194,13 +176,12 @@ def _save(engine, out: Path, step: int, state: dict, keep: int = 2, *, lead: boo
         state.update(step=step, checkpoint=name)
         return
     ours = [c for c in _checkpoints(state) if c["name"] != name]
-    on_disk = _read_state(out) if (out / STATE_FILE).exists() else None
+    on_disk = _read_state(out)
     theirs = [c for c in _checkpoints(on_disk) if c not in ours]
     if any(c["name"] == name for c in theirs):  # an older run's checkpoint is about to be replaced
-        kept = [c for c in theirs if c["name"] != name]
-        _write_state(out, {**on_disk, "checkpoints": kept, "checkpoint": kept[-1]["name"] if kept else None,
-                           "step": kept[-1]["step"] if kept else 0})
-        theirs = kept
+        theirs = [c for c in theirs if c["name"] != name]
+        last = theirs[-1] if theirs else {"name": None, "step": 0}
+        _write_state(out, {**on_disk, "checkpoints": theirs, "checkpoint": last["name"], "step": last["step"]})
     _clean_run_dir(out, {c["name"] for c in ours + theirs})  # room first: nothing named is touched
     engine.save_checkpoint(str(out / name))
     ours = (ours + [{"name": name, "step": step}])[-keep:]
@@ -275,10 +256,9 @@ def cmd_train(args) -> int:
         defaults = dict(preset="tiny", hf_config=None, steps=300, batch_size=16, seq_len=None,
                         seed=0, lr=None, save_every=100, sample_tokens=200)
         previous = _read_state(out)
-        if args.resume:
-            if previous is None:
-                raise UsageError(f"--resume: no checkpoint in {out} (no {STATE_FILE}); run without "
-                                 f"--resume first, or pass the --out of an earlier run")
+        if args.resume and previous is None:
+            raise UsageError(f"--resume: no checkpoint in {out} (no {STATE_FILE}); run without "
+                             f"--resume first, or pass the --out of an earlier run")
         # Flags and --config first: a bad value is reported before anything about --out.
         cfg, spec, settings, extras = resolve(args, defaults=defaults, temp_dirs=stack,
                                               saved=previous if args.resume else None)
@@ -295,18 +275,18 @@ def cmd_train(args) -> int:
         where = f"{cfg.nvme_dir} (temporary)" if _is_temp_swap(cfg.nvme_dir) else cfg.nvme_dir
         n_params = sum(p.numel() for p in model.parameters())
         say(f"zero-offload train: {_describe_model(settings)} ({n_params / 1e6:.2f}M params), "
-              f"device {'cuda' if torch.cuda.is_available() else 'cpu'}" +
-              (f" x {world} ranks" if world > 1 else "") + f", params on {cfg.params}, "
-              f"optimizer on {cfg.optimizer}" + (f" (swap: {where})" if where else "") +
-              f", dtype {cfg.dtype}, prefetch depth {cfg.prefetch_depth}", flush=True)
+            f"device {'cuda' if torch.cuda.is_available() else 'cpu'}" +
+            (f" x {world} ranks" if world > 1 else "") + f", params on {cfg.params}, "
+            f"optimizer on {cfg.optimizer}" + (f" (swap: {where})" if where else "") +
+            f", dtype {cfg.dtype}, prefetch depth {cfg.prefetch_depth}", flush=True)
 
         meta = any(p.is_meta for p in model.parameters())
         engine = zero_offload.initialize(model, optimizer=spec, config=cfg,
                                          init=getattr(model, "init_param", None) if meta else None)
         stack.callback(engine.close)
         device = engine.device
-        _check_run_dir(out, previous, replacing=not args.resume, steps=settings.steps,
-                       every=extras.get("save_every") or 0)
+        every = extras.get("save_every") or 0
+        _check_run_dir(out, previous, replacing=not args.resume, steps=settings.steps, every=every)
         resumed = None
         if args.resume:
             resumed = _resume(engine, out, previous)
@@ -353,7 +333,6 @@ def cmd_train(args) -> int:
                     bar.update(1)
                 # every rank stops at the same step (a signal may reach them at different ones)
                 stopping = stop.requested if world == 1 else not engine.agree(not stop.requested)
-                every = extras.get("save_every") or 0
                 if every and step % every == 0 and step < settings.steps and not stopping:
                     _save(engine, out, step, state, args.keep, lead=rank == 0)
             if bar is not None:
@@ -361,7 +340,7 @@ def cmd_train(args) -> int:
             _save(engine, out, step, state, args.keep, lead=rank == 0)
         median = statistics.median(step_times) if step_times else float("nan")
         say(f"step {step}: loss {losses[-1]:.4f} (first {losses[0]:.4f}), median step "
-              f"{median * 1e3:.1f} ms, {world * tokens_per_step / median:,.0f} tokens/s", flush=True)
+            f"{median * 1e3:.1f} ms, {world * tokens_per_step / median:,.0f} tokens/s", flush=True)
         say(f"checkpoint: {out / state['checkpoint']} (continue with --resume --out {out})", flush=True)
         if stopping:
             say(f"stopped by {stop.what if stop.signum else 'a signal to another rank'}", file=sys.stderr)
@@ -369,19 +348,13 @@ def cmd_train(args) -> int:
         n_sample = extras.get("sample_tokens") or 0
         if n_sample:
             prompt = corpus.encode("\n").view(1, -1).to(device)
-            ids = generate(lambda ids: engine(ids), prompt, max_new_tokens=n_sample, seq_len=seq_len,
+            ids = generate(engine, prompt, max_new_tokens=n_sample, seq_len=seq_len,
                            temperature=0.8, top_k=40, generator=torch.Generator().manual_seed(settings.seed))
             say("sample:\n" + corpus.decode(ids[0, 1:].cpu()), flush=True)
     return EXIT_OK
 
 
 # ----------------------------------------------------------------------------------- bench
-
-def cmd_bench_prefetch(args) -> int:
-    from .bench import prefetch
-
-    return prefetch.run(args)
-
 
 _BENCH_SCRIPTS = {"adam": "CPU-Adam throughput vs torch's Adam", "io": "swap I/O engine vs dd with O_DIRECT"}
 
@@ -497,10 +470,8 @@ def gather_info(nvme_dir: str, *, measure: bool = True) -> dict:
         info["cpu_adam_error"] = _one_line(e)
     if measure:
         nbytes = 256 << 20
-        a = torch.empty(nbytes, dtype=torch.uint8)
-        b = torch.empty_like(a)
-        a.fill_(1)
-        b.fill_(0)
+        a = torch.ones(nbytes, dtype=torch.uint8)
+        b = torch.zeros_like(a)
         bw = {"cpu_copy_bytes_per_s": _bandwidth(a, b)}
         if torch.cuda.is_available():
             pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -600,29 +571,28 @@ def _add_run_flags(p: argparse.ArgumentParser, *, what: str) -> None:
     from .models import PRESETS
 
     m = p.add_argument_group("model and data")
-    m.add_argument("--preset", choices=list(PRESETS), default=None,
-                   help=f"GPT preset (default: {what})")
-    m.add_argument("--hf-config", default=None, metavar="CONFIG",
+    m.add_argument("--preset", choices=list(PRESETS), help=f"GPT preset (default: {what})")
+    m.add_argument("--hf-config", metavar="CONFIG",
                    help="a Hugging Face architecture instead: config.json path, directory or hub name "
                         "(randomly initialized; needs transformers)")
-    m.add_argument("--steps", type=_positive_int, default=None, help="training steps")
-    m.add_argument("--batch-size", type=_positive_int, default=None)
-    m.add_argument("--seq-len", type=_positive_int, default=None, help="default: the model's")
-    m.add_argument("--lr", type=_positive_float, default=None, help="learning rate (AdamW; default 1e-2)")
-    m.add_argument("--seed", type=_nonneg_int, default=None, help="model init and batch order (default 0)")
+    m.add_argument("--steps", type=_positive_int, help="training steps")
+    m.add_argument("--batch-size", type=_positive_int)
+    m.add_argument("--seq-len", type=_positive_int, help="default: the model's")
+    m.add_argument("--lr", type=_positive_float, help="learning rate (AdamW; default 1e-2)")
+    m.add_argument("--seed", type=_nonneg_int, help="model init and batch order (default 0)")
     o = p.add_argument_group("offload (flags override --config, which overrides a resumed checkpoint)")
-    o.add_argument("--config", default=None, metavar="FILE",
+    o.add_argument("--config", metavar="FILE",
                    help="JSON: OffloadConfig fields (or a DeepSpeed config), optional \"optim\" "
                         "{type, lr, ...} and \"train\" {preset, steps, ...} sections")
-    o.add_argument("--params", choices=["gpu", "cpu", "nvme", "auto"], default=None,
+    o.add_argument("--params", choices=["gpu", "cpu", "nvme", "auto"],
                    help="home tier of the params (default cpu)")
-    o.add_argument("--optimizer", choices=["cpu", "nvme", "auto"], default=None,
+    o.add_argument("--optimizer", choices=["cpu", "nvme", "auto"],
                    help="home tier of master weights and Adam moments (default nvme)")
-    o.add_argument("--nvme-dir", default=None, metavar="DIR",
+    o.add_argument("--nvme-dir", metavar="DIR",
                    help="swap directory (default: a temporary directory, removed at the end)")
-    o.add_argument("--prefetch-depth", type=_nonneg_int, default=None, metavar="N",
+    o.add_argument("--prefetch-depth", type=_nonneg_int, metavar="N",
                    help="chunks in flight ahead of use per hop (default 2)")
-    o.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+    o.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
                    help="working precision (default bf16 on CUDA, fp32 on CPU)")
 
 
@@ -671,9 +641,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--keep", type=_positive_int, default=2, metavar="N",
                    help="checkpoints kept in --out (default 2; --resume falls back to an older one when "
                         "the newest is damaged)")
-    c.add_argument("--save-every", type=_nonneg_int, default=None, metavar="N",
+    c.add_argument("--save-every", type=_nonneg_int, metavar="N",
                    help="also save every N steps (default 100; 0: only at the end)")
-    c.add_argument("--sample-tokens", type=_nonneg_int, default=None, metavar="N",
+    c.add_argument("--sample-tokens", type=_nonneg_int, metavar="N",
                    help="characters of text to generate at the end (default 200; 0: none)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_debug_flag(t)
@@ -688,13 +658,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench_prefetch.add_arguments(bp)
     _add_run_flags(bp, what="small on CPU, 1.3b on CUDA")
     _add_debug_flag(bp)
-    bp.set_defaults(func=cmd_bench_prefetch)
+    bp.set_defaults(func=bench_prefetch.run)
     for which, what in _BENCH_SCRIPTS.items():
         bsub.add_parser(which, add_help=False, help=f"{what} (own flags: bench {which} --help)")
 
     i = sub.add_parser("info", help="GPU, host and pinnable memory, swap dir (O_DIRECT), CPU-Adam path, bandwidths")
     i.add_argument("--json", action="store_true", help="machine-readable output")
-    i.add_argument("--nvme-dir", default=None, metavar="DIR", help="swap directory to check (default: the temp dir)")
+    i.add_argument("--nvme-dir", metavar="DIR", help="swap directory to check (default: the temp dir)")
     i.add_argument("--no-measure", action="store_true", help="skip the bandwidth measurements")
     i.set_defaults(func=cmd_info)
     cl = sub.add_parser("clean", help="remove swap spaces left in --nvme-dir by killed runs (dead owner, this host)",
@@ -744,12 +714,12 @@ def _describe(e: BaseException, args) -> str:
     """The one line for a failure: the message, with an OSError's path named by its flag."""
     if isinstance(e, OSError) and e.errno is not None and e.strerror:
         path = e.filename if e.filename is not None else ""
+        where = Path(os.path.abspath(os.fsdecode(path))) if path else None
         for flag in ("nvme_dir", "out"):
             value = getattr(args, flag, None)
-            where = Path(os.path.abspath(os.fsdecode(path))) if path else None
-            if value and where is not None and (where == Path(os.path.abspath(value)) or
-                                                Path(os.path.abspath(value)) in where.parents):
-                path = f"{_flag_name(flag)} {value}" + ("" if where == Path(os.path.abspath(value)) else f" ({path})")
+            root = Path(os.path.abspath(value)) if value else None
+            if root is not None and where is not None and (where == root or root in where.parents):
+                path = f"{_flag_name(flag)} {value}" + ("" if where == root else f" ({path})")
                 break
         fix = _OS_FIXES.get(e.errno, f"{e.strerror}; check the path")
         return f"{path}: {e.strerror} ({fix})" if path else f"{e.strerror} ({fix})"

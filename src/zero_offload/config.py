@@ -1,15 +1,8 @@
 """Validated configuration: where training state lives, how it moves, and the optimizer spec.
 
-Three frozen, keyword-only dataclasses:
-
-- ``OffloadConfig``: tier placement, precision, chunking, budgets, clipping/accumulation, fp16
-  loss scaling, threads and I/O tuning. Built directly, from a dict or JSON file of its own field
-  names, or from a DeepSpeed config (``zero_optimization`` sections and friends).
-- ``Adam`` / ``AdamW``: optimizer *specs* (hyperparameters only, no state) with
-  ``torch.optim.Adam`` (L2 penalty added to the gradient) and ``torch.optim.AdamW`` (decoupled
-  weight decay) semantics.
-
-``load_config(obj)`` accepts any of these forms and returns ``(OffloadConfig, Adam | None)``.
+``OffloadConfig`` and the optimizer specs ``Adam`` / ``AdamW`` (hyperparameters only, no
+state) are frozen, keyword-only dataclasses. ``load_config(obj)`` reads any accepted form (a
+config, a dict or JSON file of field names, a DeepSpeed config) into ``(OffloadConfig, Adam | None)``.
 
 Every field is checked in ``__post_init__``; a bad value raises before anything is built, with a
 message that names the field, the value and what to write instead. Unknown keys in dicts raise
@@ -32,17 +25,8 @@ import torch
 
 from .runtime.vocab import Placement, round_up
 
-__all__ = [
-    "Adam",
-    "AdamW",
-    "DeepSpeedTranslation",
-    "OffloadConfig",
-    "Placement",
-    "Precision",
-    "load_config",
-    "parse_bytes",
-    "translate_deepspeed",
-]
+__all__ = ["Adam", "AdamW", "DeepSpeedTranslation", "OffloadConfig", "Placement", "Precision", "load_config",
+           "parse_bytes", "translate_deepspeed"]
 
 Budget = Union[int, str]
 """A tier budget: bytes as an int, or "auto" (the store sizes it from free memory)."""
@@ -65,10 +49,7 @@ class Precision(enum.StrEnum):
 # ---------------------------------------------------------------------------------------------
 
 def _fail(owner: str, name: str, value: Any, expected: str, fix: str | None = None) -> ValueError:
-    msg = f"{owner}.{name}={value!r} is invalid: expected {expected}"
-    if fix:
-        msg += f"; {fix}"
-    return ValueError(msg)
+    return ValueError(f"{owner}.{name}={value!r} is invalid: expected {expected}" + (f"; {fix}" if fix else ""))
 
 
 def _as_float(owner: str, name: str, value: Any, *, minimum: float | None = None,
@@ -126,9 +107,7 @@ def parse_bytes(value: Any, *, name: str = "size") -> int:
     1024). Single letters ("8G") are refused as ambiguous. The result is a positive int
     (fractions of a byte are rounded to the nearest byte).
     """
-    if isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} is not a size: write bytes as an int or a string like '8GiB'")
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         if value <= 0:
             raise ValueError(f"{name}={value!r} must be a positive number of bytes")
         return value
@@ -375,7 +354,6 @@ class OffloadConfig:
         setv("dtype", _as_enum(o, "dtype", self.dtype, Precision))
         setv("chunk_mb", _as_float(o, "chunk_mb", self.chunk_mb, minimum=0.0, min_inclusive=False,
                                    fix="typical values are 16-256"))
-        setv("prefetch_depth", _as_int(o, "prefetch_depth", self.prefetch_depth, minimum=0))
         for name in ("gpu_budget", "cpu_budget", "nvme_budget"):
             setv(name, _as_budget(o, name, getattr(self, name)))
         if not (isinstance(self.activation_reserve, int) and self.activation_reserve == 0):  # 0: none
@@ -384,7 +362,6 @@ class OffloadConfig:
         if self.grad_clip is not None:
             setv("grad_clip", _as_float(o, "grad_clip", self.grad_clip, minimum=0.0,
                                         min_inclusive=False, fix="or None to disable clipping"))
-        setv("grad_accum", _as_int(o, "grad_accum", self.grad_accum, minimum=1))
         if isinstance(self.loss_scale, str):
             if self.loss_scale.lower() != "dynamic":
                 raise _fail(o, "loss_scale", self.loss_scale, "'dynamic' or a positive number")
@@ -392,26 +369,22 @@ class OffloadConfig:
         else:
             setv("loss_scale", _as_float(o, "loss_scale", self.loss_scale, minimum=0.0,
                                          min_inclusive=False, fix="or 'dynamic'"))
-        setv("initial_scale", _as_float(o, "initial_scale", self.initial_scale, minimum=0.0,
-                                        min_inclusive=False))
-        setv("growth_factor", _as_float(o, "growth_factor", self.growth_factor, minimum=1.0,
-                                        min_inclusive=False))
-        setv("backoff_factor", _as_float(o, "backoff_factor", self.backoff_factor, minimum=0.0,
-                                         min_inclusive=False, maximum=1.0, max_inclusive=False))
-        setv("growth_interval", _as_int(o, "growth_interval", self.growth_interval, minimum=1))
+        for name, low, high in (("initial_scale", 0.0, None), ("growth_factor", 1.0, None),
+                                ("backoff_factor", 0.0, 1.0)):  # bounds excluded
+            setv(name, _as_float(o, name, getattr(self, name), minimum=low, min_inclusive=False,
+                                 maximum=high, max_inclusive=False))
         if self.threads is not None:
             setv("threads", _as_int(o, "threads", self.threads, minimum=1,
                                     fix="or None for every available core"))
-        setv("io_threads", _as_int(o, "io_threads", self.io_threads, minimum=1))
-        setv("io_block_size", _as_int(o, "io_block_size", self.io_block_size, minimum=4096))
+        for name, minimum in (("prefetch_depth", 0), ("grad_accum", 1), ("growth_interval", 1),
+                              ("io_threads", 1), ("io_block_size", 4096), ("io_queue_depth", 1)):
+            setv(name, _as_int(o, name, getattr(self, name), minimum=minimum))
         if self.io_block_size % 4096:
             raise _fail(o, "io_block_size", self.io_block_size, "a multiple of 4096 (O_DIRECT)",
                         f"e.g. {round_up(self.io_block_size)}")
-        setv("io_queue_depth", _as_int(o, "io_queue_depth", self.io_queue_depth, minimum=1))
-        if not isinstance(self.overlap, bool):
-            raise _fail(o, "overlap", self.overlap, "True or False")
-        if not isinstance(self.bind_cores, bool):
-            raise _fail(o, "bind_cores", self.bind_cores, "True or False")
+        for name in ("overlap", "bind_cores"):
+            if not isinstance(getattr(self, name), bool):
+                raise _fail(o, name, getattr(self, name), "True or False")
         if self.grad_sync not in ("every", "final"):
             raise _fail(o, "grad_sync", self.grad_sync, "'every' or 'final'")
         if self.moments_dtype not in ("fp32", "bf16"):
@@ -450,11 +423,8 @@ class OffloadConfig:
             fh.write("\n")
 
     def replace(self, **changes) -> "OffloadConfig":
-        """A copy with some fields changed (validated like a new config)."""
-        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
-        if unknown:
-            raise _unknown_keys("OffloadConfig", unknown, [f.name for f in dataclasses.fields(self)])
-        return dataclasses.replace(self, **changes)
+        """A copy with some fields changed (validated like a new config; unknown keys raise)."""
+        return self.from_dict({**self.to_dict(), **changes})
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "OffloadConfig":
@@ -553,10 +523,11 @@ class DeepSpeedTranslation:
             warnings.warn("; ".join(parts), UserWarning, stacklevel=3)
 
 
-def _ds_section(d: Mapping, key: str, path: str) -> Mapping:
-    v = d.get(key) or {}
+def _ds_section(parent: Mapping, path: str) -> Mapping:
+    """The dict at the dotted ``path`` (its last key looked up in ``parent``); {} when absent."""
+    v = parent.get(path.rpartition(".")[2]) or {}
     if not isinstance(v, Mapping):
-        raise ValueError(f"DeepSpeed config: {path}{key} must be a dict, got {v!r}")
+        raise ValueError(f"DeepSpeed config: {path} must be a dict, got {v!r}")
     return v
 
 
@@ -621,6 +592,12 @@ def translate_deepspeed(ds: Mapping[str, Any] | str | os.PathLike) -> DeepSpeedT
                          "on the optimizer and pass it to zero_offload.initialize(lr_scheduler=...)")
     _ds_check_keys(ds, "", mapped=_DS_MAPPED_TOP, ignored=_DS_IGNORED_TOP, ignored_out=ignored)
 
+    def checked_section(parent: Mapping, path: str, *, mapped, skip=frozenset()) -> Mapping:
+        """``_ds_section`` with its keys checked: ``mapped`` ones are read, ``skip`` ones ignored."""
+        sec = _ds_section(parent, path)
+        _ds_check_keys(sec, path, mapped=mapped, ignored=skip, ignored_out=ignored)
+        return sec
+
     def mapped(section: Mapping, key: str, path: str):
         """The value, or None when absent or "auto" (Hugging Face's placeholder)."""
         v = section.get(key)
@@ -630,17 +607,13 @@ def translate_deepspeed(ds: Mapping[str, Any] | str | os.PathLike) -> DeepSpeedT
         return v
 
     # -- placement ------------------------------------------------------------------------
-    zero = _ds_section(ds, "zero_optimization", "")
-    _ds_check_keys(zero, "zero_optimization", mapped=_DS_MAPPED_ZERO, ignored=_DS_IGNORED_ZERO,
-                   ignored_out=ignored)
+    zero = checked_section(ds, "zero_optimization", mapped=_DS_MAPPED_ZERO, skip=_DS_IGNORED_ZERO)
     nvme_paths = {}
     for key, field_name, absent in (("offload_param", "params", Placement.GPU),
                                     ("offload_optimizer", "optimizer", Placement.AUTO)):
-        sec = _ds_section(zero, key, "zero_optimization.")
         path = f"zero_optimization.{key}"
         extra = {"ratio"} if key == "offload_optimizer" else set()
-        _ds_check_keys(sec, path, mapped={"device", "nvme_path"} | extra,
-                       ignored=_DS_OFFLOAD_COMMON_IGNORED, ignored_out=ignored)
+        sec = checked_section(zero, path, mapped={"device", "nvme_path"} | extra, skip=_DS_OFFLOAD_COMMON_IGNORED)
         dev = _ds_device(sec, path) if sec else None
         if key == "offload_optimizer" and dev is None and zero.get("cpu_offload"):
             dev = Placement.CPU  # legacy ZeRO-2 flag
@@ -671,14 +644,12 @@ def translate_deepspeed(ds: Mapping[str, Any] | str | os.PathLike) -> DeepSpeedT
                      "(state in host RAM within cpu_budget)")
 
     # -- precision ------------------------------------------------------------------------
-    bf16 = {**_ds_section(ds, "bfloat16", ""), **_ds_section(ds, "bf16", "")}
+    bf16 = {**_ds_section(ds, "bfloat16"), **_ds_section(ds, "bf16")}
     _ds_check_keys(bf16, "bf16", mapped={"enabled"},
                    ignored={"immediate_grad_update", "check_grad_overflow"}, ignored_out=ignored)
-    fp16 = _ds_section(ds, "fp16", "")
-    _ds_check_keys(fp16, "fp16",
-                   mapped={"enabled", "loss_scale", "initial_scale_power", "loss_scale_window",
-                           "hysteresis", "min_loss_scale"},
-                   ignored={"auto_cast", "consecutive_hysteresis"}, ignored_out=ignored)
+    fp16 = checked_section(ds, "fp16", mapped={"enabled", "loss_scale", "initial_scale_power", "loss_scale_window",
+                                       "hysteresis", "min_loss_scale"},
+                   skip={"auto_cast", "consecutive_hysteresis"})
     bf16_on, fp16_on = bool(bf16.get("enabled", False)), bool(fp16.get("enabled", False))
     if bf16_on and fp16_on:
         raise ValueError("DeepSpeed config enables both bf16 and fp16: enable one")
@@ -687,15 +658,11 @@ def translate_deepspeed(ds: Mapping[str, Any] | str | os.PathLike) -> DeepSpeedT
         ls = mapped(fp16, "loss_scale", "fp16.")
         if ls is not None:
             kw["loss_scale"] = "dynamic" if ls == 0 else ls
-        p = mapped(fp16, "initial_scale_power", "fp16.")
-        if p is not None:
-            kw["initial_scale"] = 2.0 ** _as_int("DeepSpeed fp16", "initial_scale_power", p, minimum=0)
-        else:
-            kw["initial_scale"] = 2.0 ** 16  # DeepSpeed's default power is 16, as ours
-        w = mapped(fp16, "loss_scale_window", "fp16.")
-        if w is not None:
-            kw["growth_interval"] = w
-        else:
+        power = mapped(fp16, "initial_scale_power", "fp16.")
+        power = 16 if power is None else _as_int("DeepSpeed fp16", "initial_scale_power", power, minimum=0)
+        kw["initial_scale"] = 2.0 ** power  # DeepSpeed's default power is 16, as ours
+        kw["growth_interval"] = mapped(fp16, "loss_scale_window", "fp16.")
+        if kw["growth_interval"] is None:
             kw["growth_interval"] = 1000  # DeepSpeed's default window
             notes.append("fp16.loss_scale_window absent: growth_interval=1000 (DeepSpeed's default)")
         for k in ("hysteresis", "min_loss_scale"):
@@ -714,8 +681,7 @@ def translate_deepspeed(ds: Mapping[str, Any] | str | os.PathLike) -> DeepSpeedT
         kw["grad_accum"] = accum
 
     # -- aio --------------------------------------------------------------------------------
-    aio = _ds_section(ds, "aio", "")
-    _ds_check_keys(aio, "aio", mapped=_DS_AIO_MAPPED, ignored=_DS_AIO_IGNORED, ignored_out=ignored)
+    aio = checked_section(ds, "aio", mapped=_DS_AIO_MAPPED, skip=_DS_AIO_IGNORED)
     if "thread_count" in aio and "intra_op_parallelism" in aio:
         raise ValueError("DeepSpeed aio.thread_count and aio.intra_op_parallelism both set: keep one")
     for k, ours in _DS_AIO_MAPPED.items():
@@ -727,14 +693,11 @@ def translate_deepspeed(ds: Mapping[str, Any] | str | os.PathLike) -> DeepSpeedT
 
     # -- optimizer --------------------------------------------------------------------------
     spec = None
-    opt = _ds_section(ds, "optimizer", "")
+    opt = checked_section(ds, "optimizer", mapped={"type", "params"})
     if opt:
-        _ds_check_keys(opt, "optimizer", mapped={"type", "params"}, ignored=set(), ignored_out=ignored)
         typ = str(opt.get("type", "")).lower()
-        params = dict(_ds_section(opt, "params", "optimizer."))
         valid = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "amsgrad", "bias_correction"}
-        _ds_check_keys(params, "optimizer.params", mapped=valid, ignored=_DS_OPT_IGNORED,
-                       ignored_out=ignored)
+        params = checked_section(opt, "optimizer.params", mapped=valid, skip=_DS_OPT_IGNORED)
         if typ not in ("adam", "adamw"):
             raise ValueError(f"DeepSpeed optimizer.type={opt.get('type')!r} is not supported: "
                              f"zero_offload implements 'Adam' and 'AdamW'")

@@ -86,13 +86,8 @@ class CharCorpus:
     def __len__(self) -> int:
         return self.tokens.numel()
 
-    @staticmethod
-    def encode(text: str) -> torch.Tensor:
-        return encode(text)
-
-    @staticmethod
-    def decode(ids) -> str:
-        return decode(ids)
+    encode = staticmethod(encode)
+    decode = staticmethod(decode)
 
     def split(self, name: str) -> torch.Tensor:
         """The int64 token ids of the "train" or "val" split."""

@@ -45,23 +45,24 @@ class _Parser(argparse.ArgumentParser):
 
 # --------------------------------------------------------------------------------- flag types
 
-def _number(convert, ok, what: str, name: str):
-    """An argparse type: ``convert(text)`` where ``ok`` holds of it; anything else is "expected {what}"."""
-    def parse(text: str):
+def _number(convert, ok, what: str):
+    """An argparse type: ``convert(text)`` where ``ok`` holds of it; anything else is "expected {what}".
+    It also takes a number (of a --config "train" section or a checkpoint): an int, or a float
+    where ``convert`` is float; never a bool."""
+    def parse(text):
         try:
-            value = convert(text)
+            value = convert(text) if type(text) in (str, int, convert) else None
         except ValueError:
             value = None
         if value is None or not ok(value):
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
         return value
-    parse.__name__ = parse.__qualname__ = name
     return parse
 
 
-_positive_int = _number(int, lambda v: v >= 1, "a positive integer", "_positive_int")
-_nonneg_int = _number(int, lambda v: v >= 0, "an integer >= 0", "_nonneg_int")
-_positive_float = _number(float, lambda v: math.isfinite(v) and v > 0, "a positive number", "_positive_float")
+_positive_int = _number(int, lambda v: v >= 1, "a positive integer")
+_nonneg_int = _number(int, lambda v: v >= 0, "an integer >= 0")
+_positive_float = _number(float, lambda v: math.isfinite(v) and v > 0, "a positive number")
 
 
 def _depths(text: str) -> list[int]:
@@ -96,6 +97,10 @@ class RunSettings:
 
 TRAIN_KEYS = {f.name for f in dataclasses.fields(RunSettings)} | {"save_every", "sample_tokens"}
 """Keys allowed in the ``"train"`` section of a --config file."""
+
+_RUN_TYPES = {"steps": _positive_int, "batch_size": _positive_int, "seq_len": _positive_int, "seed": _nonneg_int,
+              "lr": _positive_float, "save_every": _nonneg_int, "sample_tokens": _nonneg_int}
+"""The number settings, each checked by its flag's type whichever layer set it."""
 
 _PLACEMENT_FLAGS = ("params", "optimizer", "nvme_dir", "prefetch_depth", "dtype")
 
@@ -158,17 +163,15 @@ def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack, saved: Opt
     from . import config as zc
 
     saved = saved or {}
-    file_cfg = _read_config_file(args.config) if args.config else None
+    file_cfg = _read_config_file(args.config) if args.config else {}
     file_name = f"--config {args.config}"
-    train_section = {}
-    if file_cfg is not None:
-        train_section = file_cfg.pop("train", {}) or {}
-        if not isinstance(train_section, dict):
-            raise UsageError(f"--config {args.config}: \"train\" must be an object of flag names")
-        unknown = set(train_section) - TRAIN_KEYS
-        if unknown:
-            raise UsageError(f"--config {args.config}: unknown \"train\" key(s) {sorted(unknown)}; "
-                             f"valid keys: {', '.join(sorted(TRAIN_KEYS))}")
+    train_section = file_cfg.pop("train", {}) or {}
+    if not isinstance(train_section, dict):
+        raise UsageError(f"{file_name}: \"train\" must be an object of flag names")
+    unknown = set(train_section) - TRAIN_KEYS
+    if unknown:
+        raise UsageError(f"{file_name}: unknown \"train\" key(s) {sorted(unknown)}; "
+                         f"valid keys: {', '.join(sorted(TRAIN_KEYS))}")
 
     # settings: defaults < checkpoint < file "train" section < flags
     run, run_source = {}, {}
@@ -179,6 +182,12 @@ def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack, saved: Opt
                                            if k in TRAIN_KEYS and k not in skip})
     _layer(run, run_source, file_name, train_section)
     _layer(run, run_source, "flag", {k: getattr(args, k) for k in TRAIN_KEYS if getattr(args, k, None) is not None})
+    for key, parse in _RUN_TYPES.items():
+        if run.get(key) is not None:
+            try:
+                run[key] = parse(run[key])
+            except argparse.ArgumentTypeError as e:
+                raise UsageError(f"{key} from {run_source[key]}: {e}") from None
     if run.get("hf_config"):
         if getattr(args, "preset", None) is not None or train_section.get("preset"):
             if run_source["hf_config"] == "checkpoint":
@@ -195,10 +204,6 @@ def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack, saved: Opt
 
     if settings.preset is not None and settings.preset not in PRESETS:
         raise UsageError(f"unknown model preset {settings.preset!r}; choose one of {', '.join(PRESETS)}")
-    for name in ("steps", "batch_size"):
-        value = getattr(settings, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise UsageError(f"{name} must be a positive integer, got {value!r}")
 
     # offload config: the command's placement defaults < checkpoint < file < flags. A DeepSpeed
     # file is translated whole (its absent sections have DeepSpeed's meaning, e.g. no bf16 = fp32).
@@ -213,16 +218,15 @@ def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack, saved: Opt
     if saved.get("optim"):
         optim, optim_source = saved["optim"], "checkpoint"
     try:
-        if file_cfg is not None and "zero_optimization" in file_cfg:  # a DeepSpeed config
+        if "zero_optimization" in file_cfg:  # a DeepSpeed config
             ds_cfg, ds_spec = zc.load_config(file_cfg)
             _layer(base, base_source, file_name, ds_cfg.to_dict())
             if ds_spec is not None:
                 optim, optim_source = ds_spec.to_dict(), file_name
-        elif file_cfg is not None:
-            named = dict(file_cfg)
-            if "optim" in named:
-                optim, optim_source = named.pop("optim"), file_name
-            _layer(base, base_source, file_name, named)
+        else:
+            if "optim" in file_cfg:
+                optim, optim_source = file_cfg.pop("optim"), file_name
+            _layer(base, base_source, file_name, file_cfg)
         _layer(base, base_source, "flag", flags)
         wants_nvme = "nvme" in (str(base.get("params", "")).lower(), str(base.get("optimizer", "")).lower())
         if wants_nvme and not base.get("nvme_dir"):
@@ -247,7 +251,9 @@ def _report_overrides(saved: dict, *, settings: RunSettings, run_source: dict, c
     def who(source: str, key: str, value) -> str:
         return f"{_flag_name(key)} {value}" if source == "flag" else f"{key} {value} from {source}"
 
-    lines = []
+    def report(source: str, key: str, new, old) -> None:
+        print(f"--resume: {who(source, key, new)} overrides the checkpoint's {old}", flush=True)
+
     old_settings = saved.get("settings") or {}
     for key in _MODEL_KEYS:
         new, old = getattr(settings, key), old_settings.get(key)
@@ -259,19 +265,17 @@ def _report_overrides(saved: dict, *, settings: RunSettings, run_source: dict, c
     for key in ("steps", "batch_size", "seq_len", "seed"):
         new, old = getattr(settings, key), old_settings.get(key)
         if key in old_settings and new is not None and new != old:
-            lines.append(f"--resume: {who(run_source[key], key, new)} overrides the checkpoint's {old}")
+            report(run_source[key], key, new, old)
     new_offload = cfg.to_dict()
     for key, old in (saved.get("offload") or {}).items():
         new = new_offload.get(key)
         if base_source.get(key) not in (None, "default", "checkpoint") and new != old:
-            lines.append(f"--resume: {who(base_source[key], key, new)} overrides the checkpoint's {old}")
+            report(base_source[key], key, new, old)
     for key, new in spec.to_dict().items():
         old = (saved.get("optim") or {}).get(key)
         if old is not None and new != old:
             source = run_source["lr"] if key == "lr" and settings.lr is not None else optim_source
-            lines.append(f"--resume: {who(source, key, new)} overrides the checkpoint's {old}")
-    for line in lines:
-        print(line, flush=True)
+            report(source, key, new, old)
 
 
 # --------------------------------------------------------------------------------- models
@@ -311,11 +315,11 @@ def _describe_model(settings: RunSettings) -> str:
 # ---------------------------------------------------------------------------- engine stats
 
 def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
             return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
         n /= 1024
-    raise AssertionError("unreachable")
+    return f"{n:.1f}TiB"
 
 
 # ------------------------------------------------------------------------------------ train
