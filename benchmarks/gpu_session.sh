@@ -34,13 +34,14 @@ for what in "$@"; do
         bt=$(before_tree) && PYTHONPATH=$bt:${PYTHONPATH:-} python3 -m pytest -q -p no:cacheprovider \
           tests/test_engine_external_params_gpu.py -k parity 2>&1 | tail -15; } \
         | tee "$OUT/tests_trust_cuda.log" | grep -E "passed|failed|error|^==" ;;
-    compare*)  # before/after on the 1.31B benchmark, alternating per case (host drift hits both alike)
+    compare*)  # before/after on the 1.31B benchmark, alternating per case (host drift hits both alike);
+      # ZO_CMP_STEPS timed steps per run (default 7)
       bt=$(before_tree) || exit 1
       case $what in compare-engine) cases="engine-cpu engine-auto" ;; *) cases="offload-adamw offload-adamw-fwd" ;; esac
       for c in $cases; do for side in before after; do
         if [ $side = before ]; then script=.before/benchmarks/bench_train.py; pp=$bt:${PYTHONPATH:-}
         else script=benchmarks/bench_train.py; pp=${PYTHONPATH:-}; fi
-        PYTHONPATH=$pp python3 $script --model 1.3b --batch 8 --steps 7 --warmup 2 --cases $c --nvme-dir /tmp/zo \
+        PYTHONPATH=$pp python3 $script --model 1.3b --batch 8 --steps ${ZO_CMP_STEPS:-7} --warmup 2 --cases $c --nvme-dir /tmp/zo \
           --json-out "$OUT/cmp_${c}_${side}.json" > "/tmp/cmp_${c}_${side}.log" 2>&1
         echo "$side: $(grep -E "^\[$c\]" /tmp/cmp_${c}_${side}.log | head -1)"
       done; done ;;

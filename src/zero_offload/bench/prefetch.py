@@ -522,7 +522,7 @@ def add_arguments(p) -> None:
     """The flags of ``bench prefetch`` (the model/offload flags are the CLI's run flags)."""
     from ..run_settings import _depths, _nonneg_int, _number, _positive_float, _positive_int
 
-    confidence = _number(float, lambda v: 0.5 <= v < 1.0, "a confidence in [0.5, 1), e.g. 0.95", "_confidence")
+    confidence = _number(float, lambda v: 0.5 <= v < 1.0, "a confidence in [0.5, 1), e.g. 0.95")
     p.add_argument("--depths", type=_depths, default=list(DEFAULT_DEPTHS),
                    help="comma-separated (default 0,1,2,4,8); the baseline is added when missing")
     p.add_argument("--max-seconds", type=_positive_float, default=DEFAULT_MAX_SECONDS, metavar="S",
