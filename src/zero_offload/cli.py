@@ -160,7 +160,7 @@ def _clean_run_dir(out: Path, referenced: set) -> None:
     for entry in out.iterdir():
         if _STEP_DIR.fullmatch(entry.name) and entry.name not in referenced:
             checkpoint.remove_checkpoint(entry)
-        elif _STEP_TEMP.fullmatch(entry.name) and not checkpoint._owner_alive(entry.name):
+        elif _STEP_TEMP.fullmatch(entry.name) and not checkpoint.save_in_progress(entry.name):
             checkpoint.remove_checkpoint(entry)
 
 

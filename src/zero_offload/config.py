@@ -52,24 +52,15 @@ def _fail(owner: str, name: str, value: Any, expected: str, fix: str | None = No
     return ValueError(f"{owner}.{name}={value!r} is invalid: expected {expected}" + (f"; {fix}" if fix else ""))
 
 
-def _as_float(owner: str, name: str, value: Any, *, minimum: float | None = None,
-              min_inclusive: bool = True, maximum: float | None = None,
-              max_inclusive: bool = True, fix: str | None = None) -> float:
-    """``value`` as a finite float within the bounds, or a ValueError naming the field."""
-    bounds = []
-    if minimum is not None:
-        bounds.append(f"{'>=' if min_inclusive else '>'} {minimum}")
-    if maximum is not None:
-        bounds.append(f"{'<=' if max_inclusive else '<'} {maximum}")
+def _as_float(owner: str, name: str, value: Any, *, above: float | None = None,
+              below: float | None = None, fix: str | None = None) -> float:
+    """``value`` as a finite float strictly between the bounds, or a ValueError naming the field."""
+    bounds = [f"{op} {b}" for op, b in ((">", above), ("<", below)) if b is not None]
     expected = "a finite number" + (f" {' and '.join(bounds)}" if bounds else "")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or (above is not None and value <= above) or (below is not None and value >= below):
         raise _fail(owner, name, value, expected, fix)
-    value = float(value)
-    low = minimum is not None and (value < minimum if min_inclusive else value <= minimum)
-    high = maximum is not None and (value > maximum if max_inclusive else value >= maximum)
-    if not math.isfinite(value) or low or high:
-        raise _fail(owner, name, value, expected, fix)
-    return value
+    return float(value)
 
 
 def _as_int(owner: str, name: str, value: Any, *, minimum: int, fix: str | None = None) -> int:
@@ -352,7 +343,7 @@ class OffloadConfig:
                 f"OffloadConfig.{nvme_users[0]}='nvme' needs a swap directory: set "
                 f"nvme_dir='/path/on/nvme' (a directory on a fast local disk), or choose another placement")
         setv("dtype", _as_enum(o, "dtype", self.dtype, Precision))
-        setv("chunk_mb", _as_float(o, "chunk_mb", self.chunk_mb, minimum=0.0, min_inclusive=False,
+        setv("chunk_mb", _as_float(o, "chunk_mb", self.chunk_mb, above=0.0,
                                    fix="typical values are 16-256"))
         for name in ("gpu_budget", "cpu_budget", "nvme_budget"):
             setv(name, _as_budget(o, name, getattr(self, name)))
@@ -360,19 +351,18 @@ class OffloadConfig:
             setv("activation_reserve", _as_budget(o, "activation_reserve", self.activation_reserve,
                                                   auto="(half of gpu_budget)"))
         if self.grad_clip is not None:
-            setv("grad_clip", _as_float(o, "grad_clip", self.grad_clip, minimum=0.0,
-                                        min_inclusive=False, fix="or None to disable clipping"))
+            setv("grad_clip", _as_float(o, "grad_clip", self.grad_clip, above=0.0,
+                                        fix="or None to disable clipping"))
         if isinstance(self.loss_scale, str):
             if self.loss_scale.lower() != "dynamic":
                 raise _fail(o, "loss_scale", self.loss_scale, "'dynamic' or a positive number")
             setv("loss_scale", "dynamic")
         else:
-            setv("loss_scale", _as_float(o, "loss_scale", self.loss_scale, minimum=0.0,
-                                         min_inclusive=False, fix="or 'dynamic'"))
+            setv("loss_scale", _as_float(o, "loss_scale", self.loss_scale, above=0.0,
+                                         fix="or 'dynamic'"))
         for name, low, high in (("initial_scale", 0.0, None), ("growth_factor", 1.0, None),
                                 ("backoff_factor", 0.0, 1.0)):  # bounds excluded
-            setv(name, _as_float(o, name, getattr(self, name), minimum=low, min_inclusive=False,
-                                 maximum=high, max_inclusive=False))
+            setv(name, _as_float(o, name, getattr(self, name), above=low, below=high))
         if self.threads is not None:
             setv("threads", _as_int(o, "threads", self.threads, minimum=1,
                                     fix="or None for every available core"))

@@ -287,8 +287,7 @@ class OffloadAdam(torch.optim.Optimizer):
             if problem is not None:
                 raise ValueError(f"{name}: nvme_dir={os.fspath(nvme_dir)!r} {problem}; pass a directory "
                                  f"path as nvme_dir (it is created 0700 if missing), or move that file away")
-        self._chunk_numel = max(1, round(_as_float(name, "chunk_mb", chunk_mb, minimum=0.0,
-                                                   min_inclusive=False) * 2**20 / 4))
+        self._chunk_numel = max(1, round(_as_float(name, "chunk_mb", chunk_mb, above=0.0) * 2**20 / 4))
         self._threads = None if threads is None else _as_int(name, "threads", threads, minimum=1)
         self._overlap = _check_flag("overlap", overlap)
         self._overlap_forward = _check_flag("overlap_forward", overlap_forward)

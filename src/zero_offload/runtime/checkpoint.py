@@ -60,7 +60,7 @@ import numpy as np
 import torch
 
 __all__ = ["save_checkpoint", "load_checkpoint", "verify", "is_zero_offload_checkpoint", "replaceable",
-           "remove_checkpoint", "CheckpointError", "CheckpointCorrupt", "FORMAT_VERSION"]
+           "remove_checkpoint", "save_in_progress", "CheckpointError", "CheckpointCorrupt", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
 META = "engine.pt"
@@ -185,7 +185,7 @@ def remove_checkpoint(path) -> bool:
     return not os.path.exists(path)
 
 
-def _owner_alive(temp_name: str) -> bool:
+def save_in_progress(temp_name: str) -> bool:
     """Whether the process named in a ``.<name>.tmp-<pid>-<n>`` dir is still running (a save in
     progress elsewhere); False for our own pid (our own temp dirs are removed as they fail)."""
     try:
@@ -207,7 +207,7 @@ def _remove_stale(parent: str, name: str) -> None:
     """Temp dirs of killed saves of ``name``, and ``.old`` dirs once ``name`` is whole again;
     only those carrying the marker (or empty ones, killed before the marker was written)."""
     for stale in glob.glob(os.path.join(parent, f".{name}.tmp-*")):
-        if _owner_alive(os.path.basename(stale)):
+        if save_in_progress(os.path.basename(stale)):
             continue
         if not remove_checkpoint(stale):
             with contextlib.suppress(OSError):
