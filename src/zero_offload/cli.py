@@ -46,9 +46,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .run_settings import (EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED, STATE_FILE, UsageError,
-                           Interrupted, _Parser, _positive_int, _nonneg_int, _positive_float, _one_line,
-                           _is_temp_swap, _flag_name, resolve, build_model, _describe_model, _human_bytes,
-                           _batch_generator)
+                           Interrupted, Parser, positive_int, nonneg_int, positive_float, one_line,
+                           is_temp_swap, flag_name, resolve, build_model, describe_model, human_bytes,
+                           batch_generator)
 
 
 class _StopOnSigint:
@@ -87,7 +87,7 @@ def _saved_offload(cfg) -> dict:
     """The offload settings a resumed run starts from: the temporary swap directory (gone at exit)
     is recorded as None, so a resume makes a new one."""
     d = cfg.to_dict()
-    if _is_temp_swap(d.get("nvme_dir")):
+    if is_temp_swap(d.get("nvme_dir")):
         d["nvme_dir"] = None
     return d
 
@@ -106,7 +106,7 @@ def _read_state(out: Path) -> Optional[dict]:
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise UsageError(f"{path} is unreadable ({_one_line(e)}); pass another --out or remove it") from None
+        raise UsageError(f"{path} is unreadable ({one_line(e)}); pass another --out or remove it") from None
 
 
 def _write_state(out: Path, state: dict) -> None:
@@ -204,7 +204,7 @@ def _start_ranks(stack) -> tuple[int, int]:
         try:
             dist.init_process_group("nccl" if cuda else "gloo")
         except (RuntimeError, ValueError) as e:
-            raise UsageError(f"WORLD_SIZE={world} but the process group could not start ({_one_line(e)}); "
+            raise UsageError(f"WORLD_SIZE={world} but the process group could not start ({one_line(e)}); "
                              f"launch with `torchrun --nproc-per-node N zero-offload train ...` (it sets "
                              f"RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT)") from None
         stack.callback(dist.destroy_process_group)
@@ -221,7 +221,7 @@ def _resume(engine, out: Path, previous: dict) -> dict:
         try:
             engine.load_checkpoint(str(out / entry["name"]))
         except CheckpointCorrupt as e:  # the engine is unchanged: try the one before
-            damaged.append(f"{entry['name']}: {_one_line(e)}")
+            damaged.append(f"{entry['name']}: {one_line(e)}")
             continue
         if damaged:
             print(f"zero-offload: the newest checkpoint is damaged ({damaged[0]}); resuming from the "
@@ -272,9 +272,9 @@ def cmd_train(args) -> int:
         torch.manual_seed(settings.seed)
         model, seq_len = build_model(settings)
         corpus = CharCorpus.default()
-        where = f"{cfg.nvme_dir} (temporary)" if _is_temp_swap(cfg.nvme_dir) else cfg.nvme_dir
+        where = f"{cfg.nvme_dir} (temporary)" if is_temp_swap(cfg.nvme_dir) else cfg.nvme_dir
         n_params = sum(p.numel() for p in model.parameters())
-        say(f"zero-offload train: {_describe_model(settings)} ({n_params / 1e6:.2f}M params), "
+        say(f"zero-offload train: {describe_model(settings)} ({n_params / 1e6:.2f}M params), "
             f"device {'cuda' if torch.cuda.is_available() else 'cpu'}" +
             (f" x {world} ranks" if world > 1 else "") + f", params on {cfg.params}, "
             f"optimizer on {cfg.optimizer}" + (f" (swap: {where})" if where else "") +
@@ -313,7 +313,7 @@ def cmd_train(args) -> int:
             while step < settings.steps and not stopping:
                 # each rank its own batches (the same on a resumed run)
                 x, y = corpus.batch(batch_size=settings.batch_size, seq_len=seq_len,
-                                    generator=_batch_generator(settings.seed + 7919 * rank, step),
+                                    generator=batch_generator(settings.seed + 7919 * rank, step),
                                     device=device)
                 t0 = time.perf_counter()
                 loss = engine(x, y)
@@ -329,7 +329,7 @@ def cmd_train(args) -> int:
                     resident = engine.stats().bytes_held  # tier -> bytes the store holds now
                     bar.set_postfix_str(
                         f"loss={loss_value:.3f} tok/s={tokens_per_step / step_times[-1]:,.0f} " +
-                        " ".join(f"{t}={_human_bytes(b)}" for t, b in resident.items()), refresh=False)
+                        " ".join(f"{t}={human_bytes(b)}" for t, b in resident.items()), refresh=False)
                     bar.update(1)
                 # every rank stops at the same step (a signal may reach them at different ones)
                 stopping = stop.requested if world == 1 else not engine.agree(not stop.requested)
@@ -447,7 +447,7 @@ def gather_info(nvme_dir: str, *, measure: bool = True) -> dict:
         finally:
             space.close()
     except Exception as e:  # report, don't fail: info is a diagnostic
-        nvme["error"] = _one_line(e)
+        nvme["error"] = one_line(e)
     try:
         spaces = find_spaces(nvme_dir)
         nvme["swap_spaces"] = [{"path": f.path, "bytes": f.nbytes, "pid": f.owner.pid, "hostname": f.owner.hostname,
@@ -459,7 +459,7 @@ def gather_info(nvme_dir: str, *, measure: bool = True) -> dict:
         nvme["clean_command"] = (f"zero-offload clean --nvme-dir {shlex.quote(os.path.abspath(nvme_dir))}"
                                  if stale else None)
     except Exception as e:
-        nvme["swap_spaces_error"] = _one_line(e)
+        nvme["swap_spaces_error"] = one_line(e)
     info["nvme"] = nvme
     try:
         from .ops import cpu_adam
@@ -467,7 +467,7 @@ def gather_info(nvme_dir: str, *, measure: bool = True) -> dict:
         info["cpu_adam_isa"] = cpu_adam.isa()
     except Exception as e:
         info["cpu_adam_isa"] = None
-        info["cpu_adam_error"] = _one_line(e)
+        info["cpu_adam_error"] = one_line(e)
     if measure:
         nbytes = 256 << 20
         a = torch.ones(nbytes, dtype=torch.uint8)
@@ -493,7 +493,7 @@ def _format_info(info: dict) -> str:
                                      f"{gb(g['memory_free_bytes'])} free of {gb(g['memory_total_bytes'])}"
                                      if g else "none (the compute device is the CPU)"))
     h = info["host"]
-    memlock = "unlimited" if h["memlock_limit_bytes"] is None else _human_bytes(h["memlock_limit_bytes"])
+    memlock = "unlimited" if h["memlock_limit_bytes"] is None else human_bytes(h["memlock_limit_bytes"])
     lines.append(f"host RAM:     {gb(h['ram_available_bytes'])} available of {gb(h['ram_total_bytes'])}; "
                  f"pinnable ~{gb(h['pinnable_bytes_estimate'])}; RLIMIT_MEMLOCK {memlock}")
     lines.append(f"CPU:          {h['cpus']} cores ({h['cpus_usable']} usable), torch threads {h['torch_threads']}")
@@ -509,12 +509,12 @@ def _format_info(info: dict) -> str:
         lines.append(f"swap spaces:  cannot list: {n['swap_spaces_error']}")
     elif spaces:
         stale = [sp for sp in spaces if sp["stale"]]
-        lines.append(f"swap spaces:  {len(spaces)} ({len(stale)} stale: {_human_bytes(n['stale_bytes'])} left by "
+        lines.append(f"swap spaces:  {len(spaces)} ({len(stale)} stale: {human_bytes(n['stale_bytes'])} left by "
                      f"dead processes)" if stale else f"swap spaces:  {len(spaces)}, none stale")
         for sp in spaces:
             who = {"alive": "running", "dead": "dead: stale",
                    "unknown": "another host or PID namespace: cannot tell"}[sp["owner"]]
-            lines.append(f"  {sp['path']}  {_human_bytes(sp['bytes'])}  pid {sp['pid']} on {sp['hostname']} "
+            lines.append(f"  {sp['path']}  {human_bytes(sp['bytes'])}  pid {sp['pid']} on {sp['hostname']} "
                          f"({who}), created {sp['created']}")
         if n.get("clean_command"):
             lines.append(f"  remove the stale ones with: {n['clean_command']}")
@@ -551,7 +551,7 @@ def cmd_clean(args) -> int:
     verb = "would remove" if args.dry_run else "removed"
     freed, kept = 0, 0
     for space, reason in results:
-        what = f"{space.path} ({_human_bytes(space.nbytes)}, pid {space.owner.pid} on {space.owner.hostname}, dead)"
+        what = f"{space.path} ({human_bytes(space.nbytes)}, pid {space.owner.pid} on {space.owner.hostname}, dead)"
         if reason is None:
             freed += space.nbytes
             print(f"{verb} {what}")
@@ -559,7 +559,7 @@ def cmd_clean(args) -> int:
             kept += 1
             print(f"kept {what}: {reason}")
     others = [f for f in find_spaces(directory) if not f.stale]
-    print(f"{verb} {len(results) - kept} stale swap space(s), {_human_bytes(freed)}"
+    print(f"{verb} {len(results) - kept} stale swap space(s), {human_bytes(freed)}"
           + (f"; {kept} kept (see above)" if kept else "")
           + (f"; left alone {len(others)} of running processes or other hosts" if others else ""))
     return EXIT_FAILURE if kept else EXIT_OK
@@ -575,11 +575,11 @@ def _add_run_flags(p: argparse.ArgumentParser, *, what: str) -> None:
     m.add_argument("--hf-config", metavar="CONFIG",
                    help="a Hugging Face architecture instead: config.json path, directory or hub name "
                         "(randomly initialized; needs transformers)")
-    m.add_argument("--steps", type=_positive_int, help="training steps")
-    m.add_argument("--batch-size", type=_positive_int)
-    m.add_argument("--seq-len", type=_positive_int, help="default: the model's")
-    m.add_argument("--lr", type=_positive_float, help="learning rate (AdamW; default 1e-2)")
-    m.add_argument("--seed", type=_nonneg_int, help="model init and batch order (default 0)")
+    m.add_argument("--steps", type=positive_int, help="training steps")
+    m.add_argument("--batch-size", type=positive_int)
+    m.add_argument("--seq-len", type=positive_int, help="default: the model's")
+    m.add_argument("--lr", type=positive_float, help="learning rate (AdamW; default 1e-2)")
+    m.add_argument("--seed", type=nonneg_int, help="model init and batch order (default 0)")
     o = p.add_argument_group("offload (flags override --config, which overrides a resumed checkpoint)")
     o.add_argument("--config", metavar="FILE",
                    help="JSON: OffloadConfig fields (or a DeepSpeed config), optional \"optim\" "
@@ -590,7 +590,7 @@ def _add_run_flags(p: argparse.ArgumentParser, *, what: str) -> None:
                    help="home tier of master weights and Adam moments (default nvme)")
     o.add_argument("--nvme-dir", metavar="DIR",
                    help="swap directory (default: a temporary directory, removed at the end)")
-    o.add_argument("--prefetch-depth", type=_nonneg_int, metavar="N",
+    o.add_argument("--prefetch-depth", type=nonneg_int, metavar="N",
                    help="chunks in flight ahead of use per hop (default 2)")
     o.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
                    help="working precision (default bf16 on CUDA, fp32 on CPU)")
@@ -620,11 +620,11 @@ def _add_debug_flag(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     import zero_offload
 
-    parser = _Parser(prog="zero-offload", description="Offload training engine: train, benchmark, inspect.",
+    parser = Parser(prog="zero-offload", description="Offload training engine: train, benchmark, inspect.",
                      epilog=EXIT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"zero-offload {zero_offload.__version__}")
     parser.add_argument("--debug", action="store_true", help="print the traceback of a failure too")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser, metavar="COMMAND")
 
     t = sub.add_parser("train", help="train a GPT on the shipped text with params and optimizer offloaded",
                        description="Train (by default the tiny GPT on the shipped public-domain text, about "
@@ -638,19 +638,19 @@ def build_parser() -> argparse.ArgumentParser:
                    "its saved settings (flags and --config override them, each override reported)")
     c.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out (only "
                    "what zero_offload wrote there goes, once the new run's first checkpoint is whole)")
-    c.add_argument("--keep", type=_positive_int, default=2, metavar="N",
+    c.add_argument("--keep", type=positive_int, default=2, metavar="N",
                    help="checkpoints kept in --out (default 2; --resume falls back to an older one when "
                         "the newest is damaged)")
-    c.add_argument("--save-every", type=_nonneg_int, metavar="N",
+    c.add_argument("--save-every", type=nonneg_int, metavar="N",
                    help="also save every N steps (default 100; 0: only at the end)")
-    c.add_argument("--sample-tokens", type=_nonneg_int, metavar="N",
+    c.add_argument("--sample-tokens", type=nonneg_int, metavar="N",
                    help="characters of text to generate at the end (default 200; 0: none)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_debug_flag(t)
     t.set_defaults(func=cmd_train)
 
     b = sub.add_parser("bench", help="benchmarks: prefetch depth, CPU-Adam, NVMe I/O")
-    bsub = b.add_subparsers(dest="bench", required=True, parser_class=_Parser, metavar="BENCH")
+    bsub = b.add_subparsers(dest="bench", required=True, parser_class=Parser, metavar="BENCH")
     from .bench import prefetch as bench_prefetch
 
     bp = bsub.add_parser("prefetch", help=bench_prefetch.HELP, description=bench_prefetch.DESCRIPTION,
@@ -719,11 +719,11 @@ def _describe(e: BaseException, args) -> str:
             value = getattr(args, flag, None)
             root = Path(os.path.abspath(value)) if value else None
             if root is not None and where is not None and (where == root or root in where.parents):
-                path = f"{_flag_name(flag)} {value}" + ("" if where == root else f" ({path})")
+                path = f"{flag_name(flag)} {value}" + ("" if where == root else f" ({path})")
                 break
         fix = _OS_FIXES.get(e.errno, f"{e.strerror}; check the path")
         return f"{path}: {e.strerror} ({fix})" if path else f"{e.strerror} ({fix})"
-    return _one_line(e) or type(e).__name__
+    return one_line(e) or type(e).__name__
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

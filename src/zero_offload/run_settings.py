@@ -38,14 +38,14 @@ class Interrupted(KeyboardInterrupt):
         self.exit_code = 128 + signum
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's errors become our one-line usage errors
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
 # --------------------------------------------------------------------------------- flag types
 
-def _number(convert, ok, what: str):
+def number_type(convert, ok, what: str):
     """An argparse type: ``convert(text)`` where ``ok`` holds of it; anything else is "expected {what}".
     It also takes a number (of a --config "train" section or a checkpoint): an int, or a float
     where ``convert`` is float; never a bool."""
@@ -60,12 +60,12 @@ def _number(convert, ok, what: str):
     return parse
 
 
-_positive_int = _number(int, lambda v: v >= 1, "a positive integer")
-_nonneg_int = _number(int, lambda v: v >= 0, "an integer >= 0")
-_positive_float = _number(float, lambda v: math.isfinite(v) and v > 0, "a positive number")
+positive_int = number_type(int, lambda v: v >= 1, "a positive integer")
+nonneg_int = number_type(int, lambda v: v >= 0, "an integer >= 0")
+positive_float = number_type(float, lambda v: math.isfinite(v) and v > 0, "a positive number")
 
 
-def _depths(text: str) -> list[int]:
+def depth_list(text: str) -> list[int]:
     try:
         depths = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -98,8 +98,8 @@ class RunSettings:
 TRAIN_KEYS = {f.name for f in dataclasses.fields(RunSettings)} | {"save_every", "sample_tokens"}
 """Keys allowed in the ``"train"`` section of a --config file."""
 
-_RUN_TYPES = {"steps": _positive_int, "batch_size": _positive_int, "seq_len": _positive_int, "seed": _nonneg_int,
-              "lr": _positive_float, "save_every": _nonneg_int, "sample_tokens": _nonneg_int}
+_RUN_TYPES = {"steps": positive_int, "batch_size": positive_int, "seq_len": positive_int, "seed": nonneg_int,
+              "lr": positive_float, "save_every": nonneg_int, "sample_tokens": nonneg_int}
 """The number settings, each checked by its flag's type whichever layer set it."""
 
 _PLACEMENT_FLAGS = ("params", "optimizer", "nvme_dir", "prefetch_depth", "dtype")
@@ -123,7 +123,7 @@ def _read_config_file(path: str) -> dict:
     return obj
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
 
 
@@ -133,13 +133,13 @@ _MODEL_KEYS = ("preset", "hf_config")
 _TEMP_SWAP_PREFIX = "zero_offload_swap_"
 
 
-def _is_temp_swap(nvme_dir: Optional[str]) -> bool:
+def is_temp_swap(nvme_dir: Optional[str]) -> bool:
     """Whether ``nvme_dir`` is the temporary swap directory ``resolve`` made (removed at exit)."""
     return bool(nvme_dir) and Path(nvme_dir).parent == Path(tempfile.gettempdir()) \
         and Path(nvme_dir).name.startswith(_TEMP_SWAP_PREFIX)
 
 
-def _flag_name(key: str) -> str:
+def flag_name(key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
@@ -199,7 +199,7 @@ def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack, saved: Opt
     try:
         settings = RunSettings(**run)
     except TypeError as e:
-        raise UsageError(f"bad \"train\" settings: {_one_line(e)}") from None
+        raise UsageError(f"bad \"train\" settings: {one_line(e)}") from None
     from .models import PRESETS
 
     if settings.preset is not None and settings.preset not in PRESETS:
@@ -211,7 +211,7 @@ def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack, saved: Opt
     base, base_source = {}, {}
     _layer(base, base_source, "default", {"params": "cpu", "optimizer": "nvme", "dtype": _default_dtype()})
     saved_offload = dict(saved.get("offload") or {})
-    if _is_temp_swap(saved_offload.get("nvme_dir")):  # a state file written before _saved_offload
+    if is_temp_swap(saved_offload.get("nvme_dir")):  # a state file written before _saved_offload
         saved_offload["nvme_dir"] = None  # that run's temporary swap is gone: make a new one
     _layer(base, base_source, "checkpoint", saved_offload)
     optim, optim_source = None, "default"
@@ -235,7 +235,7 @@ def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack, saved: Opt
         # the default lr is tuned on the tiny char model: 3e-3 plateaus at ~3.3
         spec = zc.AdamW(lr=1e-2, weight_decay=0.0) if optim is None else zc.spec_from_dict(optim)
     except (ValueError, TypeError) as e:
-        raise UsageError(_one_line(e)) from None
+        raise UsageError(one_line(e)) from None
     if settings.lr is not None:
         spec = dataclasses.replace(spec, lr=settings.lr)
     if saved:
@@ -249,7 +249,7 @@ def _report_overrides(saved: dict, *, settings: RunSettings, run_source: dict, c
     """One line on stdout per setting of the resumed run that a file or flag changes; UsageError
     for a change of model (its parameters would not match the checkpoint's)."""
     def who(source: str, key: str, value) -> str:
-        return f"{_flag_name(key)} {value}" if source == "flag" else f"{key} {value} from {source}"
+        return f"{flag_name(key)} {value}" if source == "flag" else f"{key} {value} from {source}"
 
     def report(source: str, key: str, new, old) -> None:
         print(f"--resume: {who(source, key, new)} overrides the checkpoint's {old}", flush=True)
@@ -290,9 +290,9 @@ def build_model(settings: RunSettings):
         try:
             model = models.from_hf(settings.hf_config)
         except ImportError as e:
-            raise UsageError(_one_line(e)) from None
+            raise UsageError(one_line(e)) from None
         except (OSError, ValueError) as e:
-            raise UsageError(f"--hf-config {settings.hf_config}: {_one_line(e)}; pass a config.json "
+            raise UsageError(f"--hf-config {settings.hf_config}: {one_line(e)}; pass a config.json "
                              f"path or a directory holding one") from None
         if model.vocab_size < 256:
             raise UsageError(f"--hf-config vocab_size is {model.vocab_size}, smaller than the byte "
@@ -308,13 +308,13 @@ def build_model(settings: RunSettings):
     return model, seq_len
 
 
-def _describe_model(settings: RunSettings) -> str:
+def describe_model(settings: RunSettings) -> str:
     return f"hf:{settings.hf_config}" if settings.hf_config else settings.preset
 
 
 # ---------------------------------------------------------------------------- engine stats
 
-def _human_bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024:
             return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
@@ -324,6 +324,6 @@ def _human_bytes(n: float) -> str:
 
 # ------------------------------------------------------------------------------------ train
 
-def _batch_generator(seed: int, step: int) -> torch.Generator:
+def batch_generator(seed: int, step: int) -> torch.Generator:
     # one generator per step: a resumed run draws the same batches as an uninterrupted one
     return torch.Generator().manual_seed(seed * 1_000_003 + step)

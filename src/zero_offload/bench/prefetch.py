@@ -301,12 +301,12 @@ def _stall(engine) -> float:
 
 
 def _step(runner: _Runner, corpus, settings, seq_len: int, *, timed: bool) -> None:
-    from ..run_settings import _batch_generator
+    from ..run_settings import batch_generator
 
     engine = runner.engine
     cuda = engine.device.type == "cuda"
     x, y = corpus.batch(batch_size=settings.batch_size, seq_len=seq_len,
-                        generator=_batch_generator(settings.seed, runner.steps_run), device=engine.device)
+                        generator=batch_generator(settings.seed, runner.steps_run), device=engine.device)
     if cuda:
         torch.cuda.synchronize()
     stall0 = _stall(engine) if timed else 0.0
@@ -352,7 +352,7 @@ def _result(runner: _Runner, settings, seq_len: int) -> dict:
 
 
 def _print_table(results: Sequence[dict], decision: Decision) -> None:
-    from ..run_settings import _human_bytes
+    from ..run_settings import human_bytes
 
     by_depth = {c.depth: c for c in decision.comparisons}
     tiers = sorted({t for r in results for t in r["peak_bytes"]})
@@ -369,8 +369,8 @@ def _print_table(results: Sequence[dict], decision: Decision) -> None:
                      f"{st['q25'] * 1e3:.1f}-{st['q75'] * 1e3:.1f}", gain,
                      "" if c is None else c.verdict.value, f"{r['stall_s_per_step'] * 1e3:.1f}",
                      f"{r['tokens_per_s']:,.0f}"] +
-                    [_human_bytes(r["bytes_per_step"].get(h, 0)) for h in hops] +
-                    [_human_bytes(r["peak_bytes"].get(t, 0)) for t in tiers])
+                    [human_bytes(r["bytes_per_step"].get(h, 0)) for h in hops] +
+                    [human_bytes(r["peak_bytes"].get(t, 0)) for t in tiers])
     widths = [max(len(head[i]), *(len(row[i]) for row in rows)) for i in range(len(head))]
     print("  ".join(h.rjust(w) for h, w in zip(head, widths)))
     for row in rows:
@@ -381,7 +381,7 @@ def run(args) -> int:
     """``zero-offload bench prefetch``: see the module docstring."""
     import zero_offload
 
-    from ..run_settings import (EXIT_OK, UsageError, _describe_model, _human_bytes, _one_line, build_model,
+    from ..run_settings import (EXIT_OK, UsageError, describe_model, human_bytes, one_line, build_model,
                        resolve)
     from ..data import CharCorpus
 
@@ -408,10 +408,10 @@ def run(args) -> int:
         del model
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        print(f"zero-offload bench prefetch: {_describe_model(settings)}, batch {settings.batch_size} x "
+        print(f"zero-offload bench prefetch: {describe_model(settings)}, batch {settings.batch_size} x "
               f"{seq_len}, params on {cfg.params}, optimizer on {cfg.optimizer}, dtype {cfg.dtype}; "
               f"{_join(depths)} against the baseline {baseline}; one engine per depth"
-              + (" (budgets per engine: " + ", ".join(f"{k.split('_')[0]} {_human_bytes(v)}"
+              + (" (budgets per engine: " + ", ".join(f"{k.split('_')[0]} {human_bytes(v)}"
                                                       for k, v in pinned.items()) + ")" if pinned else ""),
               flush=True)
         corpus = CharCorpus.default()
@@ -478,7 +478,7 @@ def run(args) -> int:
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": {"hardware": _hardware_slug(), "host": platform.node(), "cpus": os.cpu_count(),
                     "torch": torch.__version__},
-        "model": _describe_model(settings), "batch_size": settings.batch_size, "seq_len": seq_len,
+        "model": describe_model(settings), "batch_size": settings.batch_size, "seq_len": seq_len,
         "offload": cfg.to_dict(),
         "warmup_steps": args.warmup, "min_steps": settings.steps, "block": args.block,
         "max_seconds": args.max_seconds, "measure_s": measure_s, "rounds": rounds, "looks": looks,
@@ -494,9 +494,9 @@ def run(args) -> int:
           f"Bonferroni over {len(depths) - 1}, above 0 and a gain >= {args.tolerance:.0%})", flush=True)
     try:
         plot_prefetch(results, stem.with_suffix(".png"), recommended=decision.recommended, baseline=baseline,
-                      title=f"prefetch depth: {_describe_model(settings)} on {_hardware_slug()}")
+                      title=f"prefetch depth: {describe_model(settings)} on {_hardware_slug()}")
     except ImportError as e:  # the measurements stand without the picture
-        print(f"wrote {stem}.json (no PNG: {_one_line(e)})")
+        print(f"wrote {stem}.json (no PNG: {one_line(e)})")
     else:
         print(f"wrote {stem}.json and {stem}.png")
     return EXIT_OK
@@ -520,21 +520,21 @@ are split evenly between them."""
 
 def add_arguments(p) -> None:
     """The flags of ``bench prefetch`` (the model/offload flags are the CLI's run flags)."""
-    from ..run_settings import _depths, _nonneg_int, _number, _positive_float, _positive_int
+    from ..run_settings import depth_list, nonneg_int, number_type, positive_float, positive_int
 
-    confidence = _number(float, lambda v: 0.5 <= v < 1.0, "a confidence in [0.5, 1), e.g. 0.95")
-    p.add_argument("--depths", type=_depths, default=list(DEFAULT_DEPTHS),
+    confidence = number_type(float, lambda v: 0.5 <= v < 1.0, "a confidence in [0.5, 1), e.g. 0.95")
+    p.add_argument("--depths", type=depth_list, default=list(DEFAULT_DEPTHS),
                    help="comma-separated (default 0,1,2,4,8); the baseline is added when missing")
-    p.add_argument("--max-seconds", type=_positive_float, default=DEFAULT_MAX_SECONDS, metavar="S",
+    p.add_argument("--max-seconds", type=positive_float, default=DEFAULT_MAX_SECONDS, metavar="S",
                    help=f"stop measuring after this many seconds when the depths have not separated "
                         f"(default {DEFAULT_MAX_SECONDS:g}; building the engines comes on top; a round "
                         f"started finishes)")
-    p.add_argument("--block", type=_positive_int, default=DEFAULT_BLOCK, metavar="N",
+    p.add_argument("--block", type=positive_int, default=DEFAULT_BLOCK, metavar="N",
                    help=f"timed steps per depth in each round (default {DEFAULT_BLOCK}; each block "
                         f"starts with 1 untimed settle step)")
-    p.add_argument("--warmup", type=_nonneg_int, default=2, help="untimed steps per engine after building "
+    p.add_argument("--warmup", type=nonneg_int, default=2, help="untimed steps per engine after building "
                    "it (default 2; the first records the access order)")
-    p.add_argument("--tolerance", type=_positive_float, default=0.03,
+    p.add_argument("--tolerance", type=positive_float, default=0.03,
                    help="smallest gain over the baseline worth recommending, and the margin within "
                         "which the smallest faster depth is preferred (default 0.03)")
     p.add_argument("--confidence", type=confidence, default=0.95,
