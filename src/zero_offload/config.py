@@ -52,7 +52,7 @@ def _fail(owner: str, name: str, value: Any, expected: str, fix: str | None = No
     return ValueError(f"{owner}.{name}={value!r} is invalid: expected {expected}" + (f"; {fix}" if fix else ""))
 
 
-def _as_float(owner: str, name: str, value: Any, *, above: float | None = None,
+def as_float(owner: str, name: str, value: Any, *, above: float | None = None,
               below: float | None = None, fix: str | None = None) -> float:
     """``value`` as a finite float strictly between the bounds, or a ValueError naming the field."""
     bounds = [f"{op} {b}" for op, b in ((">", above), ("<", below)) if b is not None]
@@ -63,7 +63,7 @@ def _as_float(owner: str, name: str, value: Any, *, above: float | None = None,
     return float(value)
 
 
-def _as_int(owner: str, name: str, value: Any, *, minimum: int, fix: str | None = None) -> int:
+def as_int(owner: str, name: str, value: Any, *, minimum: int, fix: str | None = None) -> int:
     """``value`` as an int >= ``minimum`` (bools and floats rejected), or a ValueError."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise _fail(owner, name, value, f"an integer >= {minimum}", fix)
@@ -120,7 +120,7 @@ def parse_bytes(value: Any, *, name: str = "size") -> int:
     return nbytes
 
 
-def _as_budget(owner: str, name: str, value: Any, auto: str = "to size it from free memory") -> Budget:
+def as_budget(owner: str, name: str, value: Any, auto: str = "to size it from free memory") -> Budget:
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
     try:
@@ -343,32 +343,32 @@ class OffloadConfig:
                 f"OffloadConfig.{nvme_users[0]}='nvme' needs a swap directory: set "
                 f"nvme_dir='/path/on/nvme' (a directory on a fast local disk), or choose another placement")
         setv("dtype", _as_enum(o, "dtype", self.dtype, Precision))
-        setv("chunk_mb", _as_float(o, "chunk_mb", self.chunk_mb, above=0.0,
+        setv("chunk_mb", as_float(o, "chunk_mb", self.chunk_mb, above=0.0,
                                    fix="typical values are 16-256"))
         for name in ("gpu_budget", "cpu_budget", "nvme_budget"):
-            setv(name, _as_budget(o, name, getattr(self, name)))
+            setv(name, as_budget(o, name, getattr(self, name)))
         if not (isinstance(self.activation_reserve, int) and self.activation_reserve == 0):  # 0: none
-            setv("activation_reserve", _as_budget(o, "activation_reserve", self.activation_reserve,
+            setv("activation_reserve", as_budget(o, "activation_reserve", self.activation_reserve,
                                                   auto="(half of gpu_budget)"))
         if self.grad_clip is not None:
-            setv("grad_clip", _as_float(o, "grad_clip", self.grad_clip, above=0.0,
+            setv("grad_clip", as_float(o, "grad_clip", self.grad_clip, above=0.0,
                                         fix="or None to disable clipping"))
         if isinstance(self.loss_scale, str):
             if self.loss_scale.lower() != "dynamic":
                 raise _fail(o, "loss_scale", self.loss_scale, "'dynamic' or a positive number")
             setv("loss_scale", "dynamic")
         else:
-            setv("loss_scale", _as_float(o, "loss_scale", self.loss_scale, above=0.0,
+            setv("loss_scale", as_float(o, "loss_scale", self.loss_scale, above=0.0,
                                          fix="or 'dynamic'"))
         for name, low, high in (("initial_scale", 0.0, None), ("growth_factor", 1.0, None),
                                 ("backoff_factor", 0.0, 1.0)):  # bounds excluded
-            setv(name, _as_float(o, name, getattr(self, name), above=low, below=high))
+            setv(name, as_float(o, name, getattr(self, name), above=low, below=high))
         if self.threads is not None:
-            setv("threads", _as_int(o, "threads", self.threads, minimum=1,
+            setv("threads", as_int(o, "threads", self.threads, minimum=1,
                                     fix="or None for every available core"))
         for name, minimum in (("prefetch_depth", 0), ("grad_accum", 1), ("growth_interval", 1),
                               ("io_threads", 1), ("io_block_size", 4096), ("io_queue_depth", 1)):
-            setv(name, _as_int(o, name, getattr(self, name), minimum=minimum))
+            setv(name, as_int(o, name, getattr(self, name), minimum=minimum))
         if self.io_block_size % 4096:
             raise _fail(o, "io_block_size", self.io_block_size, "a multiple of 4096 (O_DIRECT)",
                         f"e.g. {round_up(self.io_block_size)}")
@@ -649,7 +649,7 @@ def translate_deepspeed(ds: Mapping[str, Any] | str | os.PathLike) -> DeepSpeedT
         if ls is not None:
             kw["loss_scale"] = "dynamic" if ls == 0 else ls
         power = mapped(fp16, "initial_scale_power", "fp16.")
-        power = 16 if power is None else _as_int("DeepSpeed fp16", "initial_scale_power", power, minimum=0)
+        power = 16 if power is None else as_int("DeepSpeed fp16", "initial_scale_power", power, minimum=0)
         kw["initial_scale"] = 2.0 ** power  # DeepSpeed's default power is 16, as ours
         kw["growth_interval"] = mapped(fp16, "loss_scale_window", "fp16.")
         if kw["growth_interval"] is None:

@@ -131,7 +131,7 @@ from typing import Any, Callable, Iterable
 import psutil
 import torch
 
-from .config import _as_budget, _as_float, _as_int, parse_bytes
+from .config import as_budget, as_float, as_int, parse_bytes
 from .distributed import (all_gather, collective, is_dtensor, local, resolve_group, shard_of,
                           threads_per_rank)
 from .ops.cpu_adam import UNSUPPORTED_OPTIONS, AdamHyper
@@ -287,8 +287,8 @@ class OffloadAdam(torch.optim.Optimizer):
             if problem is not None:
                 raise ValueError(f"{name}: nvme_dir={os.fspath(nvme_dir)!r} {problem}; pass a directory "
                                  f"path as nvme_dir (it is created 0700 if missing), or move that file away")
-        self._chunk_numel = max(1, round(_as_float(name, "chunk_mb", chunk_mb, above=0.0) * 2**20 / 4))
-        self._threads = None if threads is None else _as_int(name, "threads", threads, minimum=1)
+        self._chunk_numel = max(1, round(as_float(name, "chunk_mb", chunk_mb, above=0.0) * 2**20 / 4))
+        self._threads = None if threads is None else as_int(name, "threads", threads, minimum=1)
         self._overlap = _check_flag("overlap", overlap)
         self._overlap_forward = _check_flag("overlap_forward", overlap_forward)
         params = _read_once(params)
@@ -309,9 +309,9 @@ class OffloadAdam(torch.optim.Optimizer):
             self._chunk_numel *= self._shard.world  # each rank's shard of a chunk: about chunk_mb
             if self._threads is None:
                 self._threads = threads_per_rank(cuda=True)
-        self._grad_accum = _as_int(name, "grad_accum", grad_accum, minimum=1)
-        self._depth = _as_int(name, "prefetch_depth", prefetch_depth, minimum=0)
-        self._cpu_budget = _as_budget(name, "cpu_budget", cpu_budget)
+        self._grad_accum = as_int(name, "grad_accum", grad_accum, minimum=1)
+        self._depth = as_int(name, "prefetch_depth", prefetch_depth, minimum=0)
+        self._cpu_budget = as_budget(name, "cpu_budget", cpu_budget)
         self._home = home  # Tier.GPU: state="auto" (each chunk's home is placed: ``_place``)
         self._left: dict | None = None  # state="auto": bytes each tier has left ([Note: GPU share ...])
         # Last check before params get hooks: the swap directory exists (0700) and is writable.
