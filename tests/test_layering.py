@@ -116,3 +116,35 @@ def test_public_paths_of_moved_modules_are_the_modules_themselves():
     from zero_offload.pipeline import Trace  # README's path
     from zero_offload.runtime.trace import Trace as home
     assert Trace is home
+
+
+def private_imports(root: pathlib.Path = ROOT) -> list:
+    """``module -> name`` for every private name (``_x``, not dunder) a module takes from another
+    zero_offload module: ``from .m import _x`` or ``m._x`` on an imported module. The native
+    extension ``_C`` is the one exception."""
+    files = {_module_name(p): p for p in root.rglob("*.py")}
+    out = []
+    for module, path in files.items():
+        is_package = path.name == "__init__.py"
+        tree = ast.parse(path.read_text(), str(path))
+        bound = set()  # names this file binds to another zero_offload module
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("zero_offload")):
+                base = _resolve(module, is_package, node)
+                for a in node.names:
+                    if f"{base}.{a.name}" in files:
+                        bound.add(a.asname or a.name)
+                    elif a.name.startswith("_") and not a.name.startswith("__") and a.name != "_C":
+                        out.append(f"{module} -> {base}.{a.name}")
+            elif isinstance(node, ast.Import):
+                bound.update(a.asname for a in node.names if a.asname and a.name in files)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound \
+                    and node.attr.startswith("_") and not node.attr.startswith("__"):
+                out.append(f"{module} -> {node.value.id}.{node.attr}")
+    return sorted(set(out))
+
+
+def test_no_module_takes_another_modules_private_names():
+    bad = private_imports()
+    assert not bad, "private names used across modules (make them public or keep them home): " + ", ".join(bad)
