@@ -771,11 +771,12 @@ class OffloadAdam(torch.optim.Optimizer):
         index_of = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         state = {}
         for chunk in self._chunks:
+            stepped = [(p, o, index_of[id(p)]) for p, o in self._members[chunk.cid][0]
+                       if steps.get(index_of[id(p)], 0) > 0]
+            if not stepped:  # (the same answer on every rank: ``steps`` is gathered)
+                continue
             master, exp_avg, exp_avg_sq = self._whole_state(chunk)
-            for p, o in self._members[chunk.cid][0]:
-                i = index_of[id(p)]
-                if steps.get(i, 0) == 0:
-                    continue
+            for p, o, i in stepped:
                 sl, shape = slice(o, o + local(p).numel()), local(p).shape
                 state[i] = {"step": torch.tensor(float(steps[i])),
                             "exp_avg": exp_avg[sl].clone().view(shape),
