@@ -145,11 +145,16 @@ def _check_run_dir(out: Path, previous: Optional[dict], *, replacing: bool, step
     from .runtime.checkpoint import replaceable
     for entry in sorted(out.iterdir()) if out.is_dir() else ():
         n = int(entry.name[5:]) if _STEP_DIR.fullmatch(entry.name) else 0
-        saved = n == steps or (every > 0 and 0 < n < steps and n % every == 0)
-        if saved and not replaceable(entry):
+        if (n == steps or _periodic_save(n, steps, every)) and not replaceable(entry):
             raise UsageError(f"--out {out} holds {entry.name}, which zero_offload did not write (or "
                              f"which holds files it did not write), and this run saves a checkpoint "
                              f"under that name; move it out or pass another --out")
+
+
+def _periodic_save(step: int, steps: int, every: int) -> bool:
+    """Whether step ``step`` of a ``steps``-step run saves with ``--save-every every`` (the last
+    step always saves, apart from this rule)."""
+    return every > 0 and 0 < step < steps and step % every == 0
 
 
 def _clean_run_dir(out: Path, referenced: set) -> None:
@@ -333,7 +338,7 @@ def cmd_train(args) -> int:
                     bar.update(1)
                 # every rank stops at the same step (a signal may reach them at different ones)
                 stopping = stop.requested if world == 1 else not engine.agree(not stop.requested)
-                if every and step % every == 0 and step < settings.steps and not stopping:
+                if _periodic_save(step, settings.steps, every) and not stopping:
                     _save(engine, out, step, state, args.keep, lead=rank == 0)
             if bar is not None:
                 bar.close()
