@@ -49,7 +49,7 @@ def test_installed_package_runs_bench_adam_outside_the_repo(tmp_path):
     impls = {(x["case"], x["impl"]) for x in record["results"] if x["numel"] == 2000}
     assert {("a", "zero_offload CPUAdam"), ("a", "torch Adam fused"), ("b", "zero_offload adam_step"),
             ("b", "torch composite")} <= impls
-    assert all(len(x["seconds"]) == 1 and x["median_s"] > 0 for x in record["results"])
+    assert all(len(x["seconds"]) == 1 and x["median_s"] > 0 for x in record["results"] if x["note"] is None)
     assert "| a | 0.002M | zero_offload CPUAdam |" in (work / "adam.md").read_text()
 
 
