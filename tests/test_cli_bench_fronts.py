@@ -61,8 +61,9 @@ def test_installed_package_runs_bench_io_outside_the_repo(tmp_path):
     assert r.returncode == 0, r.stderr
     record = json.loads((work / "io.json").read_text())
     assert record["hardware"] == "testbox" and record["size_bytes"] == 16 << 20
-    assert record["rows"][0]["setting"].startswith("dd bs=16M") and record["rows"][0]["write_vs_dd"] == 1.0
-    assert len(record["rows"]) == 11  # dd, 8 engine settings, SwapSpace, the chunked ring
+    assert record["rows"][0]["setting"].startswith("SwapSpace default engine") and record["rows"][0]["ceiling"]
+    # SwapSpace, 8 engine settings, the chunked ring, a ceiling per (block, in flight) of them (8), dd
+    assert len(record["rows"]) == 19
     assert all(row["write_GBps"] > 0 and row["read_GBps"] > 0 for row in record["rows"])
     assert "- Command: `zero-offload bench io --dir" in (work / "io.md").read_text()
 

@@ -361,7 +361,8 @@ def cmd_train(args) -> int:
 
 # ----------------------------------------------------------------------------------- bench
 
-_BENCH_SCRIPTS = {"adam": "CPU-Adam throughput vs torch's Adam", "io": "swap I/O engine vs dd with O_DIRECT"}
+_BENCH_SCRIPTS = {"adam": "CPU-Adam throughput vs torch's Adam and DeepSpeedCPUAdam",
+                  "io": "swap I/O engine vs the disk at the same queue depth (fio or a plain probe)"}
 
 
 def cmd_bench_script(which: str, argv: list[str]) -> int:
