@@ -28,6 +28,10 @@ def test_bench_prefetch_interleaves_until_the_budget_and_the_json_reproduces_the
     r, record, _ = bench(tmp_path, "--depths", "0,1", "--steps", "4", "--block", "2", "--max-seconds", "3")
     # the configured depth (2) is the baseline and is added to the depths
     assert "added depth 2 to --depths" in r.stdout
+    # 4 steps in blocks of 2 is 2 blocks per depth: one warning line, and the verdict says so
+    (warning,) = [line for line in r.stderr.splitlines() if "warning" in line]
+    assert warning.startswith("zero-offload bench prefetch: warning: --steps 4 with --block 2 is 2 blocks per depth")
+    assert "pass --steps 20 or more" in warning
     assert [res["depth"] for res in record["results"]] == [0, 1, 2]
     (png,) = tmp_path.glob("prefetch_*.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
@@ -45,6 +49,8 @@ def test_bench_prefetch_interleaves_until_the_budget_and_the_json_reproduces_the
         assert record["measure_s"] >= 3
     # the JSON's step times give the printed decision again
     again = decision_of_record(record)
+    assert again.blocks == n[0] // 2 and record["blocks"] == again.blocks
+    assert again.message().endswith(f"[suggestive only: the CI comes from {again.blocks} blocks per depth, fewer than 10]")
     assert again.to_dict() == record["decision"]
     assert again.message() in r.stdout.splitlines()
     assert record["recommended_depth"] == again.recommended
@@ -65,6 +71,17 @@ def test_bench_prefetch_without_matplotlib_still_decides(bench, monkeypatch, tmp
     assert len(note) == 1 and "pip install matplotlib" in note[0] and js.name in note[0]
     assert all(res["n"] == 2 for res in record["results"])  # the minimum, then the budget was over
     assert decision_of_record(record).message() in r.stdout.splitlines()
+
+
+def test_bench_prefetch_measures_ten_blocks_per_depth_by_default(bench, tmp_path):
+    # audit F12: a verdict from 3 blocks per depth; the default --steps is now 10 blocks, and the
+    # time limit does not cut below it
+    r, record, _ = bench(tmp_path, "--depths", "0,2", "--block", "1", "--max-seconds", "0.1")
+    assert all(res["n"] == 10 for res in record["results"]) and record["rounds"] == 10
+    assert record["min_steps"] == 10 and record["blocks"] == record["decision"]["blocks"] == 10
+    assert "warning" not in r.stderr and "suggestive" not in r.stdout
+    assert "= 10 blocks of 1; rule: the gain's 95% percentile-bootstrap CI, from 4000 resamples (seed 0) of each " \
+           "depth's whole blocks" in r.stdout
 
 
 def test_bench_prefetch_refuses_one_timed_step(capfd, tmp_path):

@@ -76,6 +76,15 @@ def test_false_recommendations_are_rare_under_repeated_looks():
     assert wrong / trials <= 0.05, wrong
 
 
+def test_a_verdict_from_fewer_than_ten_blocks_is_marked_suggestive():
+    samples = {0: noisy(1.0, 9, seed=7), 2: noisy(0.6, 9, seed=8)}
+    d = decide(samples, baseline=0, block=3)  # 3 blocks per depth, as the audited NVMe verdict
+    assert d.better and d.blocks == 3 and d.suggestive
+    assert d.message().endswith(" [suggestive only: the CI comes from 3 blocks per depth, fewer than 10]")
+    d = decide({0: noisy(1.0, 30, seed=7), 2: noisy(0.6, 30, seed=8)}, baseline=0, block=3)
+    assert d.better and d.blocks == 10 and not d.suggestive and "suggestive" not in d.message()
+
+
 def test_decision_is_reproducible_and_checks_its_input():
     samples = {0: noisy(0.1, 12, seed=5), 2: noisy(0.09, 12, seed=6)}
     assert decide(samples, baseline=2) == decide(samples, baseline=2)

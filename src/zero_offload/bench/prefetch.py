@@ -29,7 +29,10 @@ finish, so they never overlap another depth's timed steps. Stall per step is the
 ``1 - median(d) / median(K)`` with a percentile-bootstrap confidence interval (each depth's
 blocks of steps resampled on their own: steps of one block share the host's load of that moment,
 so whole blocks are the independent units; ``resamples`` draws from a fixed seed, so the JSON's step times give
-the same interval again). The level is Bonferroni-corrected over the m comparisons (each
+the same interval again). A percentile bootstrap over a handful of blocks is not trustworthy (3
+blocks have 10 distinct resamples), so the bench measures at least ``MIN_CI_BLOCKS`` blocks per
+depth by default (``--steps`` defaults to ``MIN_CI_BLOCKS x --block``); fewer, when asked for, get
+a one-line warning and a verdict marked suggestive. The level is Bonferroni-corrected over the m comparisons (each
 interval at ``1 - (1 - confidence) / m``). d is *faster* when the interval lies above 0 and the
 gain is at least ``tolerance``; *not faster* when the whole interval lies below ``tolerance``;
 *undecided* otherwise. The depths have *separated* when no comparison is undecided. Among the
@@ -50,6 +53,7 @@ import math
 import os
 import platform
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
@@ -60,7 +64,9 @@ import torch
 DEFAULT_DEPTHS = (0, 1, 2, 4, 8)
 DEFAULT_MAX_SECONDS = 120.0
 DEFAULT_BLOCK = 3
-DEFAULT_MIN_STEPS = 8
+MIN_CI_BLOCKS = 10
+"""Blocks per depth the bootstrap interval needs before its verdict is more than suggestive (the
+default --steps measures this many)."""
 RESAMPLES = 4000
 BOOTSTRAP_SEED = 0
 
@@ -103,6 +109,13 @@ class Decision:
     seed: int
     block: int
     """Steps per resampled block (see ``decide``)."""
+    blocks: int
+    """Blocks of the depth with the fewest: the independent units the interval comes from."""
+
+    @property
+    def suggestive(self) -> bool:
+        """Fewer than MIN_CI_BLOCKS blocks per depth: the interval is not to be trusted."""
+        return self.blocks < MIN_CI_BLOCKS
 
     @property
     def better(self) -> bool:
@@ -111,18 +124,20 @@ class Decision:
     def message(self) -> str:
         """The one line the bench prints for this decision."""
         undecided = [c.depth for c in self.comparisons if c.verdict is Verdict.UNDECIDED]
+        caveat = (f" [suggestive only: the CI comes from {self.blocks} block{'s' if self.blocks > 1 else ''} per "
+                  f"depth, fewer than {MIN_CI_BLOCKS}]" if self.suggestive else "")
         if self.better:
             c = next(c for c in self.comparisons if c.depth == self.recommended)
             line = (f"recommended prefetch depth: {self.recommended} ({c.gain:.1%} faster than depth "
                     f"{self.baseline}, {self.confidence:.0%} CI {c.low:.1%} to {c.high:.1%})")
             if undecided:
                 line += f"; {_join(undecided)} not separated from {self.baseline}"
-            return line
+            return line + caveat
         if undecided:
             why = f"{_join(undecided)} not separated from {self.baseline} in the time given"
         else:
             why = f"every other depth is slower or less than {self.tolerance:.0%} faster"
-        return f"no depth measurably better; keep {self.baseline} ({why})"
+        return f"no depth measurably better; keep {self.baseline} ({why})" + caveat
 
     def to_dict(self) -> dict:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "comparisons"}
@@ -182,7 +197,8 @@ def decide(samples: Mapping[int, Sequence[float]], *, baseline: int, tolerance: 
     return Decision(baseline=baseline, recommended=recommended,
                     separated=all(c.verdict is not Verdict.UNDECIDED for c in comparisons),
                     comparisons=tuple(comparisons), tolerance=tolerance, confidence=confidence,
-                    resamples=resamples, seed=seed, block=block)
+                    resamples=resamples, seed=seed, block=block,
+                    blocks=min(len(v) for v in samples.values()) // block)
 
 
 def decision_of_record(record: dict) -> Decision:
@@ -386,12 +402,20 @@ def run(args) -> int:
     from ..data import CharCorpus
 
     with contextlib.ExitStack() as stack:
+        default_steps = MIN_CI_BLOCKS * args.block
         defaults = dict(preset="small" if not torch.cuda.is_available() else "1.3b", hf_config=None,
-                        steps=DEFAULT_MIN_STEPS, batch_size=8, seq_len=None, seed=0, lr=None)
+                        steps=default_steps, batch_size=8, seq_len=None, seed=0, lr=None)
         cfg, spec, settings, _ = resolve(args, defaults=defaults, temp_dirs=stack)
         if settings.steps < 2:
             raise UsageError(f"--steps {settings.steps}: the comparison needs at least 2 timed steps per "
-                             f"depth; pass --steps 2 or more (default {DEFAULT_MIN_STEPS})")
+                             f"depth; pass --steps 2 or more (default {MIN_CI_BLOCKS} blocks: {default_steps})")
+        min_blocks = -(-settings.steps // args.block)
+        if min_blocks < MIN_CI_BLOCKS:
+            print(f"zero-offload bench prefetch: warning: --steps {settings.steps} with --block {args.block} is "
+                  f"{min_blocks} block{'s' if min_blocks > 1 else ''} per depth; the confidence interval resamples "
+                  f"whole blocks and needs {MIN_CI_BLOCKS} or more to be trusted, so the verdict is suggestive "
+                  f"only (pass --steps {default_steps} or more, or leave --steps at its default)",
+                  file=sys.stderr, flush=True)
         baseline = cfg.prefetch_depth
         depths = list(args.depths)
         if baseline not in depths:
@@ -434,8 +458,8 @@ def run(args) -> int:
         del state
         print(f"built {len(depths)} engines and ran {args.warmup} warm-up step(s) each in "
               f"{time.perf_counter() - t_build:.1f} s; measuring in interleaved blocks of 1 settle + "
-              f"{args.block} timed steps, at least {settings.steps} timed steps per depth, until the depths "
-              f"separate or {args.max_seconds:g} s pass", flush=True)
+              f"{args.block} timed steps, at least {settings.steps} timed steps ({min_blocks} blocks) per depth, "
+              f"until the depths separate or {args.max_seconds:g} s pass", flush=True)
 
         def verdict() -> Decision:
             return decide({r.depth: r.times for r in runners}, baseline=baseline, tolerance=args.tolerance,
@@ -480,7 +504,7 @@ def run(args) -> int:
                     "torch": torch.__version__},
         "model": describe_model(settings), "batch_size": settings.batch_size, "seq_len": seq_len,
         "offload": cfg.to_dict(),
-        "warmup_steps": args.warmup, "min_steps": settings.steps, "block": args.block,
+        "warmup_steps": args.warmup, "min_steps": settings.steps, "block": args.block, "blocks": decision.blocks,
         "max_seconds": args.max_seconds, "measure_s": measure_s, "rounds": rounds, "looks": looks,
         "tolerance": args.tolerance, "recommended_depth": decision.recommended,
         "decision": decision.to_dict(), "results": results,
@@ -489,8 +513,9 @@ def run(args) -> int:
     why = ("separated" if decision.separated else f"time budget {args.max_seconds:g} s reached")
     print(f"\n{decision.message()}", flush=True)
     print(f"({why} after {measure_s:.0f} s, {rounds} rounds, {min(r['n'] for r in results)} timed steps per "
-          f"depth; rule: {decision.confidence:.0%} bootstrap CI (blocks of {args.block} resampled) of the median gain over "
-          f"depth {baseline}, "
+          f"depth = {decision.blocks} blocks of {args.block}; rule: the gain's {decision.confidence:.0%} "
+          f"percentile-bootstrap CI, from {decision.resamples} resamples (seed {decision.seed}) of each depth's "
+          f"whole blocks, drawn for each depth on its own, of the median gain over depth {baseline}, "
           f"Bonferroni over {len(depths) - 1}, above 0 and a gain >= {args.tolerance:.0%})", flush=True)
     try:
         plot_prefetch(results, stem.with_suffix(".png"), recommended=decision.recommended, baseline=baseline,
@@ -509,10 +534,12 @@ Builds one engine per depth (same model, start and budgets) and times real train
 interleaved blocks (1 untimed settle step + --block timed steps per depth, round-robin), so that
 host drift hits every depth alike. Keeps measuring until every depth has separated from the
 baseline (the configured prefetch depth, --prefetch-depth, default 2) or --max-seconds pass;
---steps is the minimum of timed steps per depth. A depth is recommended only when the
---confidence (95%) bootstrap interval (whole blocks resampled) of its median gain over the baseline lies above 0
-(Bonferroni-corrected over the depths) and the gain is at least --tolerance; otherwise it prints "no depth measurably
-better; keep N". Prints median, interquartile range, gain with its interval, steps and stall per
+--steps is the minimum of timed steps per depth (default 10 blocks: 10 x --block; the time limit
+never cuts below it). A depth is recommended only when the --confidence (95%) percentile-bootstrap
+interval of its median gain over the baseline (4000 resamples of each depth's whole blocks) lies
+above 0 (Bonferroni-corrected over the depths) and the gain is at least --tolerance; otherwise it
+prints "no depth measurably better; keep N". With fewer than 10 blocks per depth it warns and
+marks the verdict suggestive. Prints median, interquartile range, gain with its interval, steps and stall per
 depth; writes every step time to a JSON record (and a PNG) in --out.
 Memory: all engines live at once (the number of depths x the model's homes); "auto" budgets
 are split evenly between them."""
