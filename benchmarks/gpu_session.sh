@@ -88,8 +88,10 @@ for what in "$@"; do
           --adam-sample 16777216 --cases $c > /tmp/rss_$c.log 2>&1
         echo "$c: $(grep -E "^\[$c\]" /tmp/rss_$c.log | cut -c1-160) | $(grep 'Maximum resident' /tmp/rss_$c.log)"
       done | tee "$OUT/rss.txt" ;;
-    prefetch)  # issue 13.5: where depth matters (params on NVMe) and where it does not (all in pinned RAM)
-      for cfg in "--params cpu --optimizer cpu" "--params nvme --optimizer nvme --nvme-dir /tmp/zo_pf"; do
+    prefetch)  # issue 13.5: where depth matters (params on NVMe) and where it does not (all in pinned RAM).
+      # At least 10 blocks per depth are measured (audit F12); NVMe steps take ~4 s, so its blocks are
+      # of 1 step (10 rounds x 4 depths x (1 settle + 1 timed) x 4 s ~ 320 s, inside one device command)
+      for cfg in "--params cpu --optimizer cpu" "--params nvme --optimizer nvme --nvme-dir /tmp/zo_pf --block 1"; do
         zero-offload bench prefetch --preset 350m $cfg --depths 0,1,2,4 --max-seconds ${ZO_PF_SECONDS:-100} \
           --out /tmp/zo_bench_pf 2>&1 | tail -14
       done | tee "$OUT/prefetch.txt"
@@ -116,7 +118,7 @@ for what in "$@"; do
         --md-out "$OUT/train_largest.md" --json-out "$OUT/train_largest.json" 2>&1 | grep -E '^\[|\*\*' ;;
     io)
       python3 benchmarks/bench_io.py --dir /tmp/zo_bench --size-gib 4 --repeats 3 --max-seconds 100 \
-        --out "$OUT/io" 2>&1 | tail -14 ;;
+        --out "$OUT/io" 2>&1 | tail -36 ;;
     diag)  # what slows CPU-Adam inside a step: kernel alone vs beside PCIe / GIL load; traced steps
       python3 benchmarks/lab/diag_adam_contention.py --params 1.31e9 --chunk-mb 64 --json-out "$OUT/diag_adam.json" \
         2>&1 | tee "$OUT/diag_adam.log"
@@ -125,8 +127,14 @@ for what in "$@"; do
         python3 benchmarks/bench_train.py --model 1.3b --batch 8 --steps 5 --warmup 2 \
           "${extra[@]}" --trace-dir "$OUT/trace_si$si" --md-out "$OUT/train_si$si.md" --json-out "$OUT/train_si$si.json" \
           2>&1 | tee "$OUT/train_si$si.log" | grep -E '^\[|engine-cpu\*\*' ; done ;;
-    adam)
-      python3 benchmarks/bench_cpu_adam.py --threads 16 --sizes 10M,100M --repeats 9 --no-foreach \
-        --md-out "$OUT/cpu_adam.md" --json-out "$OUT/cpu_adam.json" 2>&1 | tail -16 ;;
+    adam)  # DeepSpeedCPUAdam too when its wheels are carried in .whl/deepspeed/ (shared/wheels/README.md);
+      # its cpu_adam op JIT-builds on first use (about a minute)
+      if [ -d .whl/deepspeed ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ds_site .whl/deepspeed/*.whl \
+          && export PYTHONPATH=${PYTHONPATH:-}:/tmp/ds_site DS_ACCELERATOR=cuda TORCH_CUDA_ARCH_LIST=9.0 \
+                    TORCH_EXTENSIONS_DIR=/tmp/ds_ext
+      fi
+      python3 benchmarks/bench_cpu_adam.py --threads 16 --sizes 100M,200M --repeats 9 --no-foreach \
+        --md-out "$OUT/cpu_adam.md" --json-out "$OUT/cpu_adam.json" 2>&1 | tail -22 ;;
   esac
 done
