@@ -126,7 +126,7 @@ def _count(value, minimum: int = 0) -> bool:
 def _state_problem(state: dict) -> Optional[str]:
     """Why a state file's object cannot be resumed from (a field missing or of the wrong type)."""
     if not _count(state.get("step")):
-        return f"has no step count (\"step\": {state.get('step')!r})"
+        return f"has no step count (\"step\": {_short_json(state.get('step'))})"
     entries = state.get("checkpoints")
     if entries is None and state.get("checkpoint") is not None:  # an older zero_offload's
         entries = [{"name": state["checkpoint"], "step": state["step"]}]
@@ -206,11 +206,13 @@ finds its settings there when train_state.json is missing or damaged."""
 
 class _Resume(NamedTuple):
     """Where ``--resume`` starts: the checkpoints to try, newest first ({"name", "step"}), the
-    settings of the newest (its run state, or the state file's), and what was passed over."""
+    settings of the newest (its run state, or the state file's), what was passed over, and the
+    line to say when the settings come from a checkpoint (the state file unusable)."""
 
     candidates: list
     saved: dict
     skipped: list
+    note: Optional[str]
 
 
 def _inspect(path: Path) -> tuple[Optional[dict], Optional[str]]:
@@ -234,7 +236,7 @@ def _run_of(name: str, run_state: dict) -> Optional[str]:
     return run_state.get("run") if isinstance(run_state.get("run"), str) else None
 
 
-def _plan_resume(out: Path, sf: _StateFile, say) -> _Resume:
+def _plan_resume(out: Path, sf: _StateFile) -> _Resume:
     """The newest whole checkpoint in ``out`` and the ones before it: those the state file names
     and the step_* directories of the same run (each with its run state); without a usable state
     file, those of the run that saved last. Raises UsageError when there is none to try."""
@@ -259,6 +261,7 @@ def _plan_resume(out: Path, sf: _StateFile, say) -> _Resume:
         run = _run_of(last[0]["name"], last[0]["run_state"])
         found = [f for f in found if _run_of(f[0]["name"], f[0]["run_state"]) == run]
     found.sort(key=lambda f: f[0]["step"], reverse=True)
+    skipped.sort(key=lambda f: f[0]["step"], reverse=True)
     newest = found[0][0] if found else None
     if not sf.ours:
         raise _not_ours(sf, newest and newest["name"])
@@ -274,13 +277,12 @@ def _plan_resume(out: Path, sf: _StateFile, say) -> _Resume:
         raise UsageError(f"--resume: {sf.path} {sf.problem}, and no checkpoint in {out} holds the run's "
                          f"settings (step_* directories this zero_offload saved, whole); restore "
                          f"{STATE_FILE}, start again with --overwrite, or pass another --out")
-    if sf.state is None:
-        say(f"zero-offload: {sf.path} {sf.problem}; resuming from {out / newest['name']} (step "
-            f"{newest['step']}), the newest whole checkpoint, with the settings saved in it",
-            file=sys.stderr, flush=True)
+    note = None if sf.state is not None else (
+        f"zero-offload: {sf.path} {sf.problem}; resuming from {out / newest['name']} (step "
+        f"{newest['step']}), the newest whole checkpoint, with the settings saved in it")
     saved = newest["run_state"] if newest["run_state"].get("settings") else sf.state
     return _Resume([{"name": f[0]["name"], "step": f[0]["step"]} for f in found], saved,
-                   [why for entry, why in skipped if entry["step"] > newest["step"]])
+                   [why for entry, why in skipped if entry["step"] > newest["step"]], note)
 
 
 def _refuse_to_replace(out: Path, sf: _StateFile) -> None:
@@ -393,6 +395,8 @@ def _resume(engine, out: Path, plan: _Resume, say) -> dict:
     failing a checksum here) is named in one line with the one used. Returns the entry loaded
     ({"name", "step"})."""
     from .runtime.checkpoint import CheckpointCorrupt
+    if plan.note:
+        say(plan.note, file=sys.stderr, flush=True)
     skipped = list(plan.skipped)
     for entry in plan.candidates:
         try:
@@ -433,8 +437,9 @@ def cmd_train(args) -> int:
         defaults = dict(preset="tiny", hf_config=None, steps=300, batch_size=16, seq_len=None,
                         seed=0, lr=None, save_every=100, sample_tokens=200)
         state_file = _read_state(out)
-        plan = _plan_resume(out, state_file, say) if args.resume else None
-        # Flags and --config first: a bad value is reported before anything about --out.
+        plan = _plan_resume(out, state_file) if args.resume else None
+        # Flags and --config next (they need the settings --resume found): a bad value is
+        # reported before anything else about --out.
         cfg, spec, settings, extras = resolve(args, defaults=defaults, temp_dirs=stack,
                                               saved=plan.saved if plan else None, world=world)
         if not args.resume and not args.overwrite:
