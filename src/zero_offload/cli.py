@@ -822,13 +822,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_flags(t, what="tiny")
     c = t.add_argument_group("checkpoint")
     c.add_argument("--out", default="zero_offload_ckpt", metavar="DIR", help="checkpoint directory (default ./zero_offload_ckpt)")
-    c.add_argument("--resume", action="store_true", help="continue the checkpoint in --out up to --steps, with "
-                   "its saved settings (flags and --config override them, each override reported)")
+    c.add_argument("--resume", action="store_true", help="continue the newest whole checkpoint in --out up to "
+                   "--steps, with its saved settings (flags and --config override them, each override "
+                   "reported; on another number of ranks, grad_accum keeps the global batch where it can)")
     c.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out (only "
                    "what zero_offload wrote there goes, once the new run's first checkpoint is whole)")
     c.add_argument("--keep", type=positive_int, default=2, metavar="N",
                    help="checkpoints kept in --out (default 2; --resume falls back to an older one when "
-                        "the newest is damaged)")
+                        "the newest is missing or damaged)")
     c.add_argument("--save-every", type=nonneg_int, metavar="N",
                    help="also save every N steps (default 100; 0: only at the end)")
     c.add_argument("--sample-tokens", type=nonneg_int, metavar="N",
