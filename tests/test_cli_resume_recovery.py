@@ -165,3 +165,17 @@ def test_save_points_before_the_resume_step_are_not_checked(run, trained, tmp_pa
     r = run("--resume", "--steps", "6", "--out", str(ck))
     assert r.returncode == 2, r
     assert "holds step_0000005" in r.stderr and "training started" not in r.stdout
+
+
+def test_a_whole_checkpoint_of_the_run_newer_than_the_state_file_is_resumed(run, trained, tmp_path):
+    # killed between step_0000003's save and the state write: the state names step 2 only, but
+    # step_0000003 is whole and of the same run (its run state says so), so the run goes on from it
+    ck = copy(trained, tmp_path)
+    state = json.loads((ck / STATE).read_text())
+    (ck / STATE).write_text(json.dumps({**state, "step": 2, "checkpoint": "step_0000002",
+                                        "checkpoints": [{"name": "step_0000002", "step": 2}]}))
+    shutil.copytree(ck / "step_0000002", ck / "step_0000007")  # a copy under another name is no checkpoint of 7
+    r = run("--resume", "--steps", "4", "--out", str(ck))
+    assert r.returncode == 0, r
+    assert "resumed from step 3" in r.stdout and not r.stderr.strip(), r
+    assert names(ck) == ["step_0000003", "step_0000004", STATE]
