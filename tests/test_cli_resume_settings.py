@@ -103,3 +103,32 @@ def test_config_file_overrides_the_checkpoint_and_flags_override_the_file(run, t
     assert f"--resume: prefetch_depth 3 from --config {cfg} overrides the checkpoint's 2" in r.stdout
     assert "optimizer on nvme" in r.stdout and "prefetch depth 3" in r.stdout
     assert not any("optimizer" in line for line in overrides(r.stdout))  # the flag restores the checkpoint's
+
+
+@pytest.mark.parametrize("saved_world, world, flags, accum, line", [
+    (2, 1, (), 2, "--resume: the checkpoint's global batch 32 (2 rank(s) x batch 16 x grad_accum 1) is "
+                  "kept on 1 rank(s) by grad_accum 2: 1 x batch 16 x grad_accum 2"),
+    (1, 2, (), 1, "--resume: the global batch changes from the checkpoint's 16 (1 rank(s) x batch 16 x "
+                  "grad_accum 1) to 32 (2 rank(s) x batch 16 x grad_accum 1); to keep it, pass --batch-size 8"),
+    (2, 1, ("--batch-size", "8"), 1, "--resume: the global batch changes from the checkpoint's 32 (2 rank(s) "
+                                     "x batch 16 x grad_accum 1) to 8 (1 rank(s) x batch 8 x grad_accum 1); "
+                                     "to keep it, pass --batch-size 32"),
+    (2, 2, (), 1, None),
+])
+def test_another_world_size_keeps_the_global_batch_or_says_it_changes(capsys, saved_world, world, flags,
+                                                                      accum, line):
+    import contextlib
+
+    from zero_offload import cli
+    from zero_offload.run_settings import resolve
+
+    args = cli.build_parser().parse_args(["train", "--optimizer", "cpu", *flags])
+    saved = {"settings": {"preset": "tiny", "hf_config": None, "steps": 4, "batch_size": 16, "seq_len": 32,
+                          "seed": 0, "lr": None}, "offload": {"params": "cpu", "optimizer": "cpu", "grad_accum": 1},
+             "world": saved_world}
+    with contextlib.ExitStack() as stack:
+        cfg, _, _, _ = resolve(args, defaults=dict(preset="tiny", steps=4, batch_size=16), temp_dirs=stack,
+                               saved=saved, world=world)
+    assert cfg.grad_accum == accum
+    out = capsys.readouterr().out
+    assert [ln for ln in out.splitlines() if "global batch" in ln] == ([line] if line else [])

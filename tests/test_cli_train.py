@@ -5,6 +5,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from _cli_util import in_process
 
@@ -65,3 +66,17 @@ def test_config_file_with_flag_override(run, tmp_path):
     assert state["step"] == 3  # the flag beats the file
     assert state["settings"]["batch_size"] == 4 and state["settings"]["seq_len"] == 32
     assert state["offload"]["optimizer"] == "cpu" and state["offload"]["nvme_dir"] is None
+
+
+def test_grad_accum_makes_a_step_of_several_micro_batches(run, tmp_path):
+    # grad_accum 3 from --config: each step is 3 micro-batches and one update, so --save-every 1
+    # saves at whole windows (it saved in the middle of one: a step counted one micro-batch)
+    cfg = tmp_path / "accum.json"
+    cfg.write_text(json.dumps({"grad_accum": 3}))
+    ck = tmp_path / "ck"
+    r = run("--config", str(cfg), "--steps", "2", "--save-every", "1", "--batch-size", "2", "--seq-len", "16",
+            "--sample-tokens", "0", "--out", str(ck))
+    assert r.returncode == 0, r.stderr
+    meta = torch.load(ck / "step_0000002" / "engine.pt", weights_only=False)
+    assert meta["global_step"] == 2  # 2 updates, of 3 micro-batches each
+    assert "tokens/s" in r.stdout

@@ -157,3 +157,24 @@ def test_temp_name_with_impossible_pid_does_not_break_saves(saved):
     engine.save_checkpoint(path)
     assert (odd / "notes.txt").read_text() == "mine"
     ckpt.verify(path)
+
+
+def test_client_state_is_stored_and_read_back_without_an_engine(tmp_path):
+    engine = _engine()
+    try:
+        train_engine(engine, mlp_batches(1), mlp_loss)
+        with pytest.raises(TypeError, match="client_state must be a JSON-serializable dict"):
+            engine.save_checkpoint(tmp_path / "bad", client_state={"t": torch.zeros(1)})
+        assert not (tmp_path / "bad").exists()  # refused before anything was written
+        engine.save_checkpoint(tmp_path / "ckpt", client_state={"epoch": 3, "data": [1, "a"]})
+        engine.save_checkpoint(tmp_path / "none")
+    finally:
+        engine.close()
+    assert ckpt.read_client_state(tmp_path / "ckpt") == {"epoch": 3, "data": [1, "a"]}
+    assert ckpt.read_client_state(tmp_path / "none") is None
+    meta = tmp_path / "ckpt" / "engine.pt"
+    data = bytearray(meta.read_bytes())
+    data[-100] ^= 0xFF  # same size, other bytes
+    meta.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointCorrupt, match="engine.pt fails its checksum"):
+        ckpt.read_client_state(tmp_path / "ckpt")

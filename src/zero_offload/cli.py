@@ -40,8 +40,9 @@ import tempfile
 import threading
 import time
 import traceback
+import uuid
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -99,14 +100,84 @@ def _apply_spec(engine, spec) -> None:
         group.update(lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps, weight_decay=spec.weight_decay)
 
 
-def _read_state(out: Path) -> Optional[dict]:
+class _StateFile(NamedTuple):
+    """What ``--out``'s train_state.json holds, checked before anything uses it."""
+
+    path: Path
+    present: bool
+    state: Optional[dict]
+    """Its contents when zero_offload can use them, else None."""
+    problem: Optional[str]
+    """Why it cannot be used, after its path ("is missing", "is not JSON (...)"); None when it can."""
+    ours: bool
+    """zero_offload wrote it (its "writer" field, or the shape of an older zero_offload's): it may
+    be replaced. A file that is not (not JSON, or another program's) is never replaced."""
+
+
+_STATE_WRITER = "zero_offload train"  # the state file's proof that zero_offload wrote it
+_STEP_DIR = re.compile(r"step_\d{7}")
+_STEP_TEMP = re.compile(r"\.step_\d{7}\.(tmp|old)-\d+-\d+")
+
+
+def _count(value, minimum: int = 0) -> bool:
+    return type(value) is int and value >= minimum
+
+
+def _state_problem(state: dict) -> Optional[str]:
+    """Why a state file's object cannot be resumed from (a field missing or of the wrong type)."""
+    if not _count(state.get("step")):
+        return f"has no step count (\"step\": {_short_json(state.get('step'))})"
+    entries = state.get("checkpoints")
+    if entries is None and state.get("checkpoint") is not None:  # an older zero_offload's
+        entries = [{"name": state["checkpoint"], "step": state["step"]}]
+    if not isinstance(entries, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("name"), str) and _STEP_DIR.fullmatch(c["name"])
+            and _count(c.get("step")) for c in entries):
+        return f"has no valid list of checkpoints (\"checkpoints\": {_short_json(entries)})"
+    for key in ("settings", "offload", "optim"):
+        if not isinstance(state.get(key, {}), dict):
+            return f"has no valid \"{key}\" (an object expected, got {_short_json(state[key])})"
+    if "world" in state and not _count(state["world"], 1):
+        return f"has no valid world size (\"world\": {_short_json(state['world'])})"
+    return None
+
+
+def _short_json(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _read_state(out: Path) -> _StateFile:
     path = out / STATE_FILE
     if not path.exists():
-        return None
+        return _StateFile(path, False, None, "is missing", True)
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UsageError(f"{path} is unreadable ({one_line(e)}); pass another --out or remove it") from None
+        state = json.loads(path.read_text())
+    except UnicodeDecodeError:
+        return _StateFile(path, True, None, "is not JSON (not UTF-8 text)", False)
+    except json.JSONDecodeError as e:
+        return _StateFile(path, True, None, f"is not JSON ({e.msg} at line {e.lineno})", False)
+    except OSError as e:
+        raise UsageError(f"{path} is unreadable ({e.strerror}); fix its permissions or pass another "
+                         f"--out") from None
+    if not isinstance(state, dict):
+        return _StateFile(path, True, None, f"holds a JSON {type(state).__name__}, not an object", False)
+    problem = _state_problem(state)
+    if "writer" in state:
+        if state["writer"] != _STATE_WRITER:
+            return _StateFile(path, True, None, f"has \"writer\": {_short_json(state['writer'])}, not "
+                                                f"{json.dumps(_STATE_WRITER)}", False)
+    elif problem is not None:  # nothing shows an older zero_offload wrote it
+        return _StateFile(path, True, None, f"has no \"writer\": {json.dumps(_STATE_WRITER)} field", False)
+    return _StateFile(path, True, None if problem else state, problem, True)
+
+
+def _not_ours(sf: _StateFile, newest: Optional[str] = None) -> UsageError:
+    """A state file nothing shows zero_offload wrote: never used, never replaced."""
+    then = (f" (--resume then continues from {newest}, the newest whole checkpoint there, which "
+            f"holds its settings)" if newest else "")
+    return UsageError(f"{sf.path} {sf.problem}: not a state file zero_offload wrote, so it is left "
+                      f"alone; move it out of --out{then}, or pass another --out")
 
 
 def _write_state(out: Path, state: dict) -> None:
@@ -116,11 +187,6 @@ def _write_state(out: Path, state: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, out / STATE_FILE)  # atomic: the state always names a whole checkpoint
-
-
-_STATE_WRITER = "zero_offload train"  # the state file's proof that zero_offload wrote it
-_STEP_DIR = re.compile(r"step_\d{7}")
-_STEP_TEMP = re.compile(r"\.step_\d{7}\.(tmp|old)-\d+-\d+")
 
 
 def _checkpoints(state: Optional[dict]) -> list:
@@ -133,19 +199,125 @@ def _checkpoints(state: Optional[dict]) -> list:
     return [{"name": state["checkpoint"], "step": state["step"]}] if state.get("checkpoint") else []
 
 
-def _check_run_dir(out: Path, previous: Optional[dict], *, replacing: bool, steps: int, every: int) -> None:
+_RUN_STATE_KEYS = ("writer", "run", "settings", "offload", "optim", "world", "step")
+"""What each checkpoint the command saves holds of the state file (``client_state``): a resume
+finds its settings there when train_state.json is missing or damaged."""
+
+
+class _Resume(NamedTuple):
+    """Where ``--resume`` starts: the checkpoints to try, newest first ({"name", "step"}), the
+    settings of the newest (its run state, or the state file's), what was passed over, and the
+    line to say when the settings come from a checkpoint (the state file unusable)."""
+
+    candidates: list
+    saved: dict
+    skipped: list
+    note: Optional[str]
+
+
+def _inspect(path: Path) -> tuple[Optional[dict], Optional[str]]:
+    """(the run state stored in checkpoint ``path`` or {}, None) when its files pass the cheap
+    check (sizes, engine.pt's checksum); (None, why not) otherwise."""
+    from .runtime.checkpoint import CheckpointError, read_client_state
+    if not path.exists() and not any(path.parent.glob(f".{path.name}.old-*")):
+        return None, f"{path.name} is missing"
+    try:
+        return read_client_state(path) or {}, None
+    except CheckpointError as e:
+        return None, f"{path.name}: {one_line(e)}"
+
+
+def _run_of(name: str, run_state: dict) -> Optional[str]:
+    """The run id of a checkpoint this command saved under its own name, else None (a copy under
+    another name, another program's client state)."""
+    if run_state.get("writer") != _STATE_WRITER or run_state.get("step") != int(name[5:]) \
+            or not isinstance(run_state.get("settings"), dict):
+        return None
+    return run_state.get("run") if isinstance(run_state.get("run"), str) else None
+
+
+def _plan_resume(out: Path, sf: _StateFile) -> _Resume:
+    """The newest whole checkpoint in ``out`` and the ones before it: those the state file names
+    and the step_* directories of the same run (each with its run state); without a usable state
+    file, those of the run that saved last. Raises UsageError when there is none to try."""
+    on_disk = sorted(e.name for e in out.iterdir() if _STEP_DIR.fullmatch(e.name)) if out.is_dir() else []
+    if sf.state is not None:
+        named = {c["name"]: c["step"] for c in _checkpoints(sf.state)}
+        run = sf.state.get("run")
+    else:
+        named, run = {}, None
+    from .runtime.checkpoint import is_zero_offload_checkpoint
+    found, skipped = [], []
+    for name in sorted(set(on_disk) | set(named)):
+        run_state, why = _inspect(out / name)
+        of_run = _run_of(name, run_state or {})
+        entry = {"name": name, "step": named.get(name, int(name[5:])), "run_state": run_state}
+        if name in named or (of_run is not None and (sf.state is None or of_run == run)):
+            (found if why is None else skipped).append((entry, why))
+        elif why is not None and sf.state is None and is_zero_offload_checkpoint(out / name):
+            skipped.append((entry, why))  # a damaged one of ours, of which run cannot be told
+    if sf.state is None and found:  # the run of the newest save; its run state says which
+        last = max(found, key=lambda f: (f[0]["run_state"].get("saved_at", 0), f[0]["step"]))
+        run = _run_of(last[0]["name"], last[0]["run_state"])
+        found = [f for f in found if _run_of(f[0]["name"], f[0]["run_state"]) == run]
+    found.sort(key=lambda f: f[0]["step"], reverse=True)
+    skipped.sort(key=lambda f: f[0]["step"], reverse=True)
+    newest = found[0][0] if found else None
+    if not sf.ours:
+        raise _not_ours(sf, newest and newest["name"])
+    if newest is None:
+        if sf.state is not None:  # the state names checkpoints, none of them is whole
+            from .runtime.checkpoint import CheckpointCorrupt
+            raise CheckpointCorrupt(f"no whole checkpoint in {out}: " + ("; ".join(why for _, why in skipped)
+                                    or f"{STATE_FILE} names none") + " (no earlier one to fall back "
+                                    f"to); start again with --overwrite")
+        if not sf.present and not on_disk:
+            raise UsageError(f"--resume: no checkpoint in {out} (no {STATE_FILE}); run without "
+                             f"--resume first, or pass the --out of an earlier run")
+        raise UsageError(f"--resume: {sf.path} {sf.problem}, and no checkpoint in {out} holds the run's "
+                         f"settings (step_* directories this zero_offload saved, whole); restore "
+                         f"{STATE_FILE}, start again with --overwrite, or pass another --out")
+    note = None if sf.state is not None else (
+        f"zero-offload: {sf.path} {sf.problem}; resuming from {out / newest['name']} (step "
+        f"{newest['step']}), the newest whole checkpoint, with the settings saved in it")
+    saved = newest["run_state"] if newest["run_state"].get("settings") else sf.state
+    return _Resume([{"name": f[0]["name"], "step": f[0]["step"]} for f in found], saved,
+                   [why for entry, why in skipped if entry["step"] > newest["step"]], note)
+
+
+def _refuse_to_replace(out: Path, sf: _StateFile) -> None:
+    """A new run without --overwrite: --out must hold no run of zero_offload's (its first save
+    removes the checkpoints of an older one), and no state file of someone else's."""
+    if not sf.ours:
+        raise _not_ours(sf)
+    if sf.present:
+        what = f"a checkpoint (step {sf.state['step']})" if sf.state else f"a run ({sf.path} {sf.problem})"
+    else:
+        from .runtime.checkpoint import is_zero_offload_checkpoint
+        ours = sorted(e.name for e in out.iterdir() if _STEP_DIR.fullmatch(e.name)
+                      and is_zero_offload_checkpoint(e)) if out.is_dir() else []
+        if not ours:
+            return
+        what = f"checkpoints ({', '.join(ours[-2:])}; no {STATE_FILE})"
+    raise UsageError(f"{out} already holds {what}; pass --resume to continue it, --overwrite to "
+                     f"replace it, or another --out")
+
+
+def _check_run_dir(out: Path, sf: _StateFile, *, replacing: bool, start: int, steps: int, every: int) -> None:
     """--out may hold the user's files; zero_offload replaces only a state file it wrote (one of
     an older zero_offload, without the writer field, can still be resumed)."""
-    if replacing and previous is not None and previous.get("writer") != _STATE_WRITER:
-        raise UsageError(f"{out / STATE_FILE} was not written by this zero_offload (no "
+    if replacing and not sf.ours:
+        raise _not_ours(sf)
+    if replacing and sf.state is not None and sf.state.get("writer") != _STATE_WRITER:
+        raise UsageError(f"{sf.path} was not written by this zero_offload (no "
                          f"\"writer\": \"{_STATE_WRITER}\"); remove it yourself or pass another --out")
-    # Checkpoints are saved as out/step_NNNNNNN at the save points: one there that
+    # Checkpoints are saved as out/step_NNNNNNN at the save points after ``start``: one there that
     # save_checkpoint would refuse (not ours, or holding a file of someone's) is named now, not
     # after the steps ran.
     from .runtime.checkpoint import replaceable
     for entry in sorted(out.iterdir()) if out.is_dir() else ():
         n = int(entry.name[5:]) if _STEP_DIR.fullmatch(entry.name) else 0
-        if (n == steps or _periodic_save(n, steps, every)) and not replaceable(entry):
+        if n > start and (n == steps or _periodic_save(n, steps, every)) and not replaceable(entry):
             raise UsageError(f"--out {out} holds {entry.name}, which zero_offload did not write (or "
                              f"which holds files it did not write), and this run saves a checkpoint "
                              f"under that name; move it out or pass another --out")
@@ -176,19 +348,21 @@ def _save(engine, out: Path, step: int, state: dict, keep: int = 2, *, lead: boo
     only once this run's first one is whole. With several ranks only rank 0 (``lead``) touches
     files; the others take part in the engine's collective save."""
     name = f"step_{step:07d}"
+    run_state = {**{k: state[k] for k in _RUN_STATE_KEYS if k in state}, "writer": _STATE_WRITER,
+                 "step": step, "saved_at": time.time()}
     if not lead:
-        engine.save_checkpoint(str(out / name))
+        engine.save_checkpoint(str(out / name), client_state=run_state)
         state.update(step=step, checkpoint=name)
         return
     ours = [c for c in _checkpoints(state) if c["name"] != name]
-    on_disk = _read_state(out)
+    on_disk = _read_state(out).state
     theirs = [c for c in _checkpoints(on_disk) if c not in ours]
     if any(c["name"] == name for c in theirs):  # an older run's checkpoint is about to be replaced
         theirs = [c for c in theirs if c["name"] != name]
         last = theirs[-1] if theirs else {"name": None, "step": 0}
         _write_state(out, {**on_disk, "checkpoints": theirs, "checkpoint": last["name"], "step": last["step"]})
     _clean_run_dir(out, {c["name"] for c in ours + theirs})  # room first: nothing named is touched
-    engine.save_checkpoint(str(out / name))
+    engine.save_checkpoint(str(out / name), client_state=run_state)
     ours = (ours + [{"name": name, "step": step}])[-keep:]
     state.update(writer=_STATE_WRITER, step=step, checkpoint=name, checkpoints=ours)
     _write_state(out, state)
@@ -216,24 +390,26 @@ def _start_ranks(stack) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _resume(engine, out: Path, previous: dict) -> dict:
-    """Load the newest whole checkpoint the state file names; a damaged one is skipped with one
-    line saying so. Returns the entry loaded ({"name", "step"})."""
+def _resume(engine, out: Path, plan: _Resume, say) -> dict:
+    """Load the newest whole checkpoint of ``plan``; one passed over (missing, incomplete, or
+    failing a checksum here) is named in one line with the one used. Returns the entry loaded
+    ({"name", "step"})."""
     from .runtime.checkpoint import CheckpointCorrupt
-    candidates = _checkpoints(previous)[::-1]
-    damaged = []
-    for entry in candidates:
+    if plan.note:
+        say(plan.note, file=sys.stderr, flush=True)
+    skipped = list(plan.skipped)
+    for entry in plan.candidates:
         try:
             engine.load_checkpoint(str(out / entry["name"]))
         except CheckpointCorrupt as e:  # the engine is unchanged: try the one before
-            damaged.append(f"{entry['name']}: {one_line(e)}")
+            skipped.append(f"{entry['name']}: {one_line(e)}")
             continue
-        if damaged:
-            print(f"zero-offload: the newest checkpoint is damaged ({damaged[0]}); resuming from the "
-                  f"previous whole one, {out / entry['name']} (step {entry['step']})",
-                  file=sys.stderr, flush=True)
+        if skipped:
+            say(f"zero-offload: the newest checkpoint cannot be resumed ({'; '.join(skipped)}); resuming "
+                f"from the previous whole one, {out / entry['name']} (step {entry['step']})",
+                file=sys.stderr, flush=True)
         return entry
-    raise CheckpointCorrupt(f"no whole checkpoint in {out}: " + "; ".join(damaged) +
+    raise CheckpointCorrupt(f"no whole checkpoint in {out}: " + "; ".join(skipped) +
                             " (no earlier one to fall back to); start again with --overwrite")
 
 
@@ -260,17 +436,15 @@ def cmd_train(args) -> int:
         say = print if rank == 0 else (lambda *a, **k: None)
         defaults = dict(preset="tiny", hf_config=None, steps=300, batch_size=16, seq_len=None,
                         seed=0, lr=None, save_every=100, sample_tokens=200)
-        previous = _read_state(out)
-        if args.resume and previous is None:
-            raise UsageError(f"--resume: no checkpoint in {out} (no {STATE_FILE}); run without "
-                             f"--resume first, or pass the --out of an earlier run")
-        # Flags and --config first: a bad value is reported before anything about --out.
+        state_file = _read_state(out)
+        plan = _plan_resume(out, state_file) if args.resume else None
+        # Flags and --config next (they need the settings --resume found): a bad value is
+        # reported before anything else about --out.
         cfg, spec, settings, extras = resolve(args, defaults=defaults, temp_dirs=stack,
-                                              saved=previous if args.resume else None)
-        if not args.resume and previous is not None and not args.overwrite:
-            raise UsageError(f"{out} already holds a checkpoint (step {previous.get('step')}); pass "
-                             f"--resume to continue it, --overwrite to replace it, or another --out")
-        start = previous["step"] if args.resume else 0
+                                              saved=plan.saved if plan else None, world=world)
+        if not args.resume and not args.overwrite:
+            _refuse_to_replace(out, state_file)
+        start = plan.candidates[0]["step"] if plan else 0
         if start >= settings.steps:
             raise UsageError(f"--resume: the checkpoint is at step {start} already; pass --steps "
                              f"larger than {start}")
@@ -291,22 +465,28 @@ def cmd_train(args) -> int:
         stack.callback(engine.close)
         device = engine.device
         every = extras.get("save_every") or 0
-        _check_run_dir(out, previous, replacing=not args.resume, steps=settings.steps, every=every)
+        check = dict(replacing=not args.resume, steps=settings.steps, every=every)
+        _check_run_dir(out, state_file, start=start, **check)
         resumed = None
         if args.resume:
-            resumed = _resume(engine, out, previous)
+            resumed = _resume(engine, out, plan, say)
             _apply_spec(engine, spec)  # the checkpoint's hyperparameters, or the overrides reported above
-            start = resumed["step"]
+            if resumed["step"] < start:  # fell back: the save points from there on are checked too
+                start = resumed["step"]
+                _check_run_dir(out, state_file, start=start, **check)
             say(f"resumed from step {start} ({out / resumed['name']})", flush=True)
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
-        state = {"writer": _STATE_WRITER, "settings": dataclasses.asdict(settings),
-                 "offload": _saved_offload(cfg), "optim": spec.to_dict(), "step": start,
+        run = plan.saved.get("run") if plan else None
+        state = {"writer": _STATE_WRITER, "run": run if isinstance(run, str) else uuid.uuid4().hex,
+                 "settings": dataclasses.asdict(settings), "offload": _saved_offload(cfg),
+                 "optim": spec.to_dict(), "world": world, "step": start,
                  "checkpoint": resumed["name"] if resumed else None,
-                 "checkpoints": [c for c in _checkpoints(previous) if c["step"] <= start] if resumed else []}
+                 "checkpoints": [c for c in plan.candidates[::-1] if c["step"] <= start] if resumed else []}
         state["settings"].update(seq_len=seq_len, **extras)
 
-        tokens_per_step = settings.batch_size * seq_len
+        accum = cfg.grad_accum  # micro-batches per step, each rank: the global batch is world x batch x accum
+        tokens_per_step = settings.batch_size * seq_len * accum
         losses, step_times = [], []
         bar = None if args.no_progress or rank else _tqdm()(
             total=settings.steps, initial=start, desc="train", unit="step", file=sys.stderr,
@@ -316,15 +496,18 @@ def cmd_train(args) -> int:
         with _StopOnSigint() as stop:
             stopping = False
             while step < settings.steps and not stopping:
-                # each rank its own batches (the same on a resumed run)
-                x, y = corpus.batch(batch_size=settings.batch_size, seq_len=seq_len,
-                                    generator=batch_generator(settings.seed + 7919 * rank, step),
-                                    device=device)
                 t0 = time.perf_counter()
-                loss = engine(x, y)
-                engine.backward(loss)
-                engine.step()
-                loss_value = float(loss.detach().float().item())
+                loss_value = 0.0
+                for micro in range(accum):
+                    # each micro-batch of each rank its own batch (the same on a resumed run, and
+                    # where world x accum is the same, the same global batch whatever the split)
+                    x, y = corpus.batch(batch_size=settings.batch_size, seq_len=seq_len,
+                                        generator=batch_generator(settings.seed + 7919 * (rank * accum + micro), step),
+                                        device=device)
+                    loss = engine(x, y)
+                    engine.backward(loss / accum)  # the mean over the window, as one big batch
+                    engine.step()  # the update: at the window's last micro-batch
+                    loss_value += float(loss.detach().float().item()) / accum
                 step_times.append(time.perf_counter() - t0)
                 losses.append(loss_value)
                 step += 1
@@ -640,13 +823,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_flags(t, what="tiny")
     c = t.add_argument_group("checkpoint")
     c.add_argument("--out", default="zero_offload_ckpt", metavar="DIR", help="checkpoint directory (default ./zero_offload_ckpt)")
-    c.add_argument("--resume", action="store_true", help="continue the checkpoint in --out up to --steps, with "
-                   "its saved settings (flags and --config override them, each override reported)")
+    c.add_argument("--resume", action="store_true", help="continue the newest whole checkpoint in --out up to "
+                   "--steps, with its saved settings (flags and --config override them, each override "
+                   "reported; on another number of ranks, grad_accum keeps the global batch where it can)")
     c.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out (only "
                    "what zero_offload wrote there goes, once the new run's first checkpoint is whole)")
     c.add_argument("--keep", type=positive_int, default=2, metavar="N",
                    help="checkpoints kept in --out (default 2; --resume falls back to an older one when "
-                        "the newest is damaged)")
+                        "the newest is missing or damaged)")
     c.add_argument("--save-every", type=nonneg_int, metavar="N",
                    help="also save every N steps (default 100; 0: only at the end)")
     c.add_argument("--sample-tokens", type=nonneg_int, metavar="N",

@@ -1685,14 +1685,16 @@ class Engine:
 
     # ---- checkpoints ------------------------------------------------------------------------
 
-    def save_checkpoint(self, path) -> None:
+    def save_checkpoint(self, path, *, client_state: Optional[dict] = None) -> None:
         """Write the whole training state to directory ``path`` atomically, with a manifest of
         every file's size and CRC-32 (see checkpoint.py). A full disk raises one
         ``CheckpointError`` naming the file and the free space; the previous checkpoint at
-        ``path`` stays whole."""
+        ``path`` stays whole. ``client_state``: a JSON-serializable dict of your own (progress,
+        settings) stored with it; ``zero_offload.runtime.checkpoint.read_client_state(path)``
+        returns it without loading the checkpoint."""
         from .runtime.checkpoint import save_checkpoint
         self._require_idle("save_checkpoint")
-        save_checkpoint(self, path)
+        save_checkpoint(self, path, client_state=client_state)
 
     def load_checkpoint(self, path) -> None:
         """Restore the state written by ``save_checkpoint`` (the model must be the same

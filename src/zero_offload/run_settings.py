@@ -151,14 +151,16 @@ def _layer(merged: dict, source: dict, name: str, values: dict) -> None:
         source[key] = name
 
 
-def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack, saved: Optional[dict] = None):
+def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack, saved: Optional[dict] = None,
+            world: int = 1):
     """Flags + --config file (+ the settings of the checkpoint being resumed) -> (OffloadConfig,
     optimizer spec, RunSettings, extra train keys).
 
-    ``saved`` is the resumed run's state (``{"settings", "offload", "optim"}``, each optional);
-    every value that a file or flag changes against it is reported in one line on stdout, and a
-    change of model (preset, hf_config) is refused. Raises UsageError for any bad value
-    (config.py's messages name the field and the fix).
+    ``saved`` is the resumed run's state (``{"settings", "offload", "optim", "world"}``, each
+    optional); every value that a file or flag changes against it is reported in one line on
+    stdout, and a change of model (preset, hf_config) is refused. Resumed on another number of
+    ranks (``world``), the run keeps its global batch where it can ([Note: global batch]). Raises
+    UsageError for any bad value (config.py's messages name the field and the fix).
     """
     from . import config as zc
 
@@ -241,7 +243,39 @@ def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack, saved: Opt
     if saved:
         _report_overrides(saved, settings=settings, run_source=run_source, cfg=cfg,
                           base_source=base_source, spec=spec, optim_source=optim_source)
+        chosen = run_source["batch_size"] not in ("default", "checkpoint") or \
+            base_source.get("grad_accum") not in (None, "default", "checkpoint")
+        cfg = _keep_global_batch(saved, cfg, batch=settings.batch_size, world=world, chosen=chosen)
     return cfg, spec, settings, extras
+
+
+def _keep_global_batch(saved: dict, cfg, *, batch: int, world: int, chosen: bool):
+    """[Note: global batch] A step of ``train`` trains on world x batch x grad_accum sequences.
+    Resumed on another number of ranks, the checkpoint's global batch is kept by the gradient
+    accumulation where it divides evenly (2 ranks x 16 x 1 -> 1 x 16 x 2; the micro-batches are
+    then the very batches the ranks drew), unless a file or flag set --batch-size or grad_accum;
+    either way one line on stdout says what the global batch is. Returns the config to run."""
+    old_world = saved.get("world")
+    old_batch = (saved.get("settings") or {}).get("batch_size")
+    old_accum = (saved.get("offload") or {}).get("grad_accum", 1)
+    if not all(type(v) is int and v >= 1 for v in (old_world, old_batch, old_accum)) or old_world == world:
+        return cfg  # the same world, or a state file that does not say (written before it did)
+    old = old_world * old_batch * old_accum
+    was = f"{old} ({old_world} rank(s) x batch {old_batch} x grad_accum {old_accum})"
+    if not chosen and old % (world * batch) == 0:
+        accum = old // (world * batch)
+        print(f"--resume: the checkpoint's global batch {was} is kept on {world} rank(s) by "
+              f"grad_accum {accum}: {world} x batch {batch} x grad_accum {accum}", flush=True)
+        return cfg.replace(grad_accum=accum)
+    new = world * batch * cfg.grad_accum
+    if new != old:
+        keep = (f"--batch-size {old // world // cfg.grad_accum}" if old % (world * cfg.grad_accum) == 0
+                else f"a --batch-size and grad_accum (--config) whose product is {old // world}"
+                if old % world == 0 else f"a number of ranks that divides {old}")
+        print(f"--resume: the global batch changes from the checkpoint's {was} to {new} ({world} "
+              f"rank(s) x batch {batch} x grad_accum {cfg.grad_accum}); to keep it, pass {keep}",
+              flush=True)
+    return cfg
 
 
 def _report_overrides(saved: dict, *, settings: RunSettings, run_source: dict, cfg, base_source: dict,

@@ -7,7 +7,9 @@ Layout of a checkpoint directory::
                        directories carrying it are ever removed by zero_offload)
     engine.pt          meta: format version, counters (global step, skipped steps), the slot
                        table (name, shape, per-slot optimizer step), loss scaler, lr scheduler,
-                       hyperparameters, RNG states (torch CPU and CUDA, python, numpy), config
+                       hyperparameters, RNG states (torch CPU and CUDA, python, numpy), config,
+                       and the caller's ``client_state`` (JSON data, read by
+                       ``read_client_state`` without loading the checkpoint)
     chunk_00000.pt     per saved chunk: {"master", "exp_avg", "exp_avg_sq"} fp32 flat tensors
     ...                (trainable) or {"frozen"} in the working dtype, plus the chunk's slot table
     manifest.json      written last: every other file's size and CRC-32 (computed while the
@@ -59,7 +61,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-__all__ = ["save_checkpoint", "load_checkpoint", "verify", "is_zero_offload_checkpoint", "replaceable",
+__all__ = ["save_checkpoint", "load_checkpoint", "verify", "read_client_state", "is_zero_offload_checkpoint", "replaceable",
            "remove_checkpoint", "save_in_progress", "CheckpointError", "CheckpointCorrupt", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
@@ -288,15 +290,26 @@ class _ChunkStates:
             pass
 
 
-def save_checkpoint(engine, path) -> None:
+def save_checkpoint(engine, path, *, client_state: Optional[dict] = None) -> None:
     """See the module docstring and [Note: atomic save]. With several ranks every rank calls it:
     each chunk's state is gathered whole and rank 0 writes it (one chunk in memory at a time),
-    so the checkpoint is the one a single process writes and loads at any world size."""
+    so the checkpoint is the one a single process writes and loads at any world size.
+    ``client_state`` (a JSON-serializable dict: the caller's own progress and settings) is stored
+    with it; ``read_client_state`` returns it (rank 0's)."""
+    if client_state is not None:
+        try:
+            client_state = json.loads(json.dumps(client_state))  # a copy of plain data, or refused now
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"save_checkpoint: client_state must be a JSON-serializable dict ({e}); "
+                            f"pass plain numbers, strings, lists and dicts") from None
+        if not isinstance(client_state, dict):
+            raise TypeError(f"save_checkpoint: client_state must be a dict, got "
+                            f"{type(client_state).__name__}")
     states = _ChunkStates(engine)
     error = None
     try:
         if engine.shard.rank == 0:
-            _write_checkpoint(engine, path, states)
+            _write_checkpoint(engine, path, states, client_state)
     except BaseException as e:  # noqa: BLE001 - raised below, once every rank agrees
         error = e
     if engine.shard.world > 1:
@@ -308,7 +321,7 @@ def save_checkpoint(engine, path) -> None:
         raise error
 
 
-def _write_checkpoint(engine, path, states: _ChunkStates) -> None:
+def _write_checkpoint(engine, path, states: _ChunkStates, client_state: Optional[dict]) -> None:
     path = os.path.abspath(os.fspath(path))
     parent, name = os.path.split(path)
     os.makedirs(parent, exist_ok=True)
@@ -360,6 +373,7 @@ def _write_checkpoint(engine, path, states: _ChunkStates) -> None:
             "buffers": {n: b.detach().to("cpu", copy=True) for n, b in _buffers(engine.module).items()},
             "config": engine.config.to_dict(),
             "spec": engine.spec.to_dict(),
+            "client_state": client_state,
         }
         writing = META
         files[META] = _save(meta, os.path.join(tmp, META))
@@ -474,14 +488,19 @@ def _check_files(path: str, files: dict, *, checksums: bool) -> Optional[bytes]:
     meta_bytes = None
     if checksums:
         for fname, rec in files.items():
-            file = os.path.join(path, fname)
-            crc, data = _crc_file(file, keep=fname == META)
-            if crc != rec["crc32"]:
-                raise _damaged(file, f"fails its checksum (CRC-32 {crc:08x}, the manifest says "
-                                     f"{rec['crc32']:08x}: its bytes changed after the save)")
+            data = _checked_bytes(os.path.join(path, fname), rec, keep=fname == META)
             if data is not None:
                 meta_bytes = data
     return meta_bytes
+
+
+def _checked_bytes(file: str, rec: dict, *, keep: bool) -> Optional[bytes]:
+    """Check ``file``'s CRC-32 against its manifest record; returns its bytes if ``keep``."""
+    crc, data = _crc_file(file, keep=keep)
+    if crc != rec["crc32"]:
+        raise _damaged(file, f"fails its checksum (CRC-32 {crc:08x}, the manifest says "
+                             f"{rec['crc32']:08x}: its bytes changed after the save)")
+    return data
 
 
 def _verified(path, *, checksums: bool) -> tuple[str, Optional[dict], Optional[bytes]]:
@@ -505,6 +524,22 @@ def verify(path, *, checksums: bool = True) -> str:
     file, ``CheckpointError`` when ``path`` is no checkpoint. Checkpoints written before manifests
     existed pass with a warning (nothing to check them against)."""
     return _verified(path, checksums=checksums)[0]
+
+
+def read_client_state(path) -> Optional[dict]:
+    """The ``client_state`` that ``save_checkpoint`` stored in checkpoint ``path``, without loading
+    the checkpoint into an engine (None: none was passed, or an older zero_offload wrote it).
+    Checks first what it reads: every file's size against the manifest and engine.pt's CRC-32 (the
+    other files' checksums are checked by ``load_checkpoint``). Raises as ``verify`` does."""
+    resolved, files, _ = _verified(path, checksums=False)
+    meta_file = os.path.join(resolved, META)
+    data = None if files is None else _checked_bytes(meta_file, files[META], keep=True)
+    meta = _load_file(meta_file, data, weights_only=False)
+    if not isinstance(meta, dict):
+        raise _damaged(meta_file, "is not a zero_offload engine.pt (not a dict)")
+    _check_format(resolved, meta.get("format_version"))
+    client_state = meta.get("client_state")
+    return client_state if isinstance(client_state, dict) else None
 
 
 def _load_file(file: str, data: Optional[bytes] = None, **kw):
