@@ -232,7 +232,8 @@ def _ddp(model, device, world):
         return model, {"wrapper": "none (one rank)"}
     from torch.nn.parallel import DistributedDataParallel as DDP
     kw = {"device_ids": [device.index]} if device.type == "cuda" else {}
-    return DDP(model, **kw), {"wrapper": "DistributedDataParallel", "ddp_kwargs": {k: str(v) for k, v in kw.items()}}
+    info = {"wrapper": "DistributedDataParallel", "ddp_kwargs": {k: str(v) for k, v in kw.items()}}
+    return DDP(model, **kw), info
 
 
 def build_ddp(args, cfg, device, world, sd, bf16_params=False):
@@ -284,7 +285,8 @@ def build_offload_adamw(args, cfg, device, world, sd):
 
     def extra():
         s = opt.stats
-        return {"offload_adamw_stats": _jsonable(dataclasses.asdict(s) if dataclasses.is_dataclass(s) else vars(s))}
+        return {"offload_adamw_stats": _jsonable(dataclasses.asdict(s) if dataclasses.is_dataclass(s)
+                                                 else vars(s))}
     return Runner(step=_torch_loop(wrapped, opt, device, autocast=True), finish=opt.synchronize,
                   close=opt.close, on_timed=opt.reset_stats, extra=extra,
                   config={**info, "params_dtype": "fp32", "autocast": "bf16",
@@ -464,7 +466,8 @@ def versions(device) -> dict:
         try:
             out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                  capture_output=True, text=True, timeout=20)
-            v["driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+            lines = out.stdout.strip().splitlines() if out.returncode == 0 else []
+            v["driver"] = lines[0] if lines else None
         except (OSError, subprocess.SubprocessError):
             v["driver"] = None
     cpu = platform.machine()
@@ -543,8 +546,9 @@ def run(args, row: dict, sampler: MemSampler) -> dict:
         return row
     omp = os.environ.get("OMP_NUM_THREADS")
     if omp != str(args.threads):
-        raise CaseError(f"OMP_NUM_THREADS={omp} but --threads {args.threads}: every case must run T threads "
-                        f"per rank; launch through benchmarks/fair/run.py or export OMP_NUM_THREADS={args.threads}")
+        raise CaseError(f"OMP_NUM_THREADS={omp} but --threads {args.threads}: every case must run T "
+                        f"threads per rank; launch through benchmarks/fair/run.py or export "
+                        f"OMP_NUM_THREADS={args.threads}")
     torch.set_num_threads(args.threads)
     cfg = preset(args.model, seq_len=args.seq) if args.seq != preset(args.model).seq_len else preset(args.model)
     if args.device == "cuda":
@@ -589,7 +593,8 @@ def run(args, row: dict, sampler: MemSampler) -> dict:
     steps, reason = args.steps, None
     est = max(warm_times[-1:] or [0.0])
     if est > LONG_STEP_S and steps > args.min_steps:
-        steps, reason = args.min_steps, f"warm-up step {est:.1f} s > {LONG_STEP_S:.0f} s: {args.min_steps} timed steps"
+        steps = args.min_steps
+        reason = f"warm-up step {est:.1f} s > {LONG_STEP_S:.0f} s: {steps} timed steps"
     if args.time_budget > 0 and est > 0:
         room = args.time_budget - (time.time() - _T0) - max(10.0, 3 * est)
         fit = int(room // est)
@@ -658,8 +663,8 @@ def main(argv=None) -> int:
     code = 0
     try:
         if rank < 0 or "WORLD_SIZE" not in os.environ:
-            raise CaseError("case.py runs under torchrun (for every N, 1 included): "
-                            "torchrun --standalone --nproc-per-node N benchmarks/fair/case.py ... (run.py does)")
+            raise CaseError("case.py runs under torchrun (for every N, 1 included): torchrun "
+                            "--standalone --nproc-per-node N benchmarks/fair/case.py ... (run.py does)")
         row = run(args, row, sampler)
     except BaseException as e:  # noqa: BLE001 - every failure becomes a one-line row
         if isinstance(e, SystemExit) and not e.code:

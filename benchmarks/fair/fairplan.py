@@ -2,7 +2,8 @@
 imports it without torch).
 
 A plan is a list of items ``case[:knob=value,...]@N``: one case at N GPUs (ranks), run in its
-own process group by ``run.py``. Named plans are in ``PLANS``; items are separated by spaces or ';'. Knobs are case.py flags without
+own process group by ``run.py``. Named plans are in ``PLANS``; items are separated by spaces or
+';'. Knobs are case.py flags without
 the leading dashes (``fsdp2:fsdp-reshard=1@4``, ``ds-zero3:ds-prefetch-bucket=5e7@4``), or their
 short aliases in ``KNOB_ALIASES`` (``reshard``, ``prefetch``, ``reduce``, ``ratio``, ``sub-group``).
 """
@@ -18,6 +19,9 @@ class CaseInfo:
     recipe: str
     short: str
     """The recipe in a few words (the summary's column)."""
+    compute: str = "bf16"
+    """What the matmuls see: "autocast" (fp32 params cast per op) or "bf16" (bf16 params): the
+    step-0 losses of one compute kind agree (same weights, same data)."""
     gpu_only: bool = False
     max_world: int | None = None
     knobs: tuple = ()
@@ -29,39 +33,49 @@ class CaseInfo:
 
 
 TORCH_AUTOCAST = "fp32 params + bf16 autocast, AdamW fp32 state"
+BF16_MASTER = "bf16 work + fp32 master"
+DS3_KNOBS = ("ds-prefetch-bucket", "ds-reduce-bucket", "ds-sub-group")
 CASES: dict[str, CaseInfo] = {
-    "ddp": CaseInfo(TORCH_AUTOCAST + " on the GPU, fused (no offload: the ceiling)",
-                    short="fp32 + autocast", startup_s=20, step_s={1: 0.17, 2: 0.18, 4: 0.19}),
-    "ddp-bf16": CaseInfo("bf16 params, no fp32 master, AdamW state bf16 on the GPU, fused (no offload: "
-                         "the ceiling of the engine's own bf16-params recipe)",
-                         short="bf16 params", startup_s=20, step_s={1: 0.15, 2: 0.16, 4: 0.17}),
-    "engine": CaseInfo("bf16 working params (no autocast), fp32 master + moments on the CPU; "
-                       "zero_offload engine params=cpu optimizer=cpu",
-                       short="bf16 work + fp32 master", startup_s=35, step_s={1: 0.35, 2: 0.40, 4: 0.45}),
-    "engine-auto": CaseInfo("bf16 working params (no autocast), fp32 master + moments on the CPU; "
-                            "zero_offload engine params=auto optimizer=auto",
-                            short="bf16 work + fp32 master", startup_s=35, step_s={1: 0.35, 2: 0.40, 4: 0.45}),
-    "offload-adamw": CaseInfo(TORCH_AUTOCAST + " on the CPU (zero_offload OffloadAdamW, "
-                              "overlap_forward=True)", short="fp32 + autocast", startup_s=25, step_s={1: 0.40, 2: 0.45, 4: 0.5}),
-    "torchao": CaseInfo(TORCH_AUTOCAST + " on the CPU (torchao CPUOffloadOptimizer, AdamW fused, "
-                        "offload_gradients=True)", short="fp32 + autocast", gpu_only=True, max_world=1,
-                        startup_s=25, step_s={1: 0.5}),
-    "fsdp2": CaseInfo("bf16 compute params (MixedPrecisionPolicy param bf16, reduce fp32), fp32 "
-                      "sharded params + AdamW state on the CPU (CPUOffloadPolicy pin_memory, "
-                      "torch.optim.AdamW fused)", short="bf16 compute + fp32 master", gpu_only=True, knobs=("fsdp-reshard",),
-                      startup_s=30, step_s={1: 2.2, 2: 0.8, 4: 0.8}),
-    "ds-zero2": CaseInfo("DeepSpeed bf16 params, fp32 master + moments on the CPU (ZeRO-2 + "
-                         "offload_optimizer cpu, DeepSpeedCPUAdam)", short="bf16 work + fp32 master", gpu_only=True,
-                         startup_s=45, step_s={1: 1.0, 2: 0.9, 4: 0.9}),
-    "ds-zero3": CaseInfo("DeepSpeed bf16 params, fp32 master + moments on the CPU (ZeRO-3, "
-                         "offload_param + offload_optimizer cpu, DeepSpeedCPUAdam)", short="bf16 work + fp32 master", gpu_only=True,
-                         knobs=("ds-prefetch-bucket", "ds-reduce-bucket", "ds-sub-group"),
-                         startup_s=50, step_s={1: 1.1, 2: 1.2, 4: 1.3}),
-    "ds-zero3-ratio": CaseInfo("DeepSpeed bf16 params on the GPU, fp32 master + moments: the "
-                               "ds-ratio share on the CPU (DeepSpeedCPUAdam), the rest on the GPU "
-                               "(ZeRO-3, offload_optimizer cpu with ratio)", short="bf16 work + fp32 master", gpu_only=True,
-                               knobs=("ds-ratio", "ds-prefetch-bucket", "ds-reduce-bucket", "ds-sub-group"),
-                               startup_s=50, step_s={1: 0.9, 2: 0.9, 4: 0.9}),
+    "ddp": CaseInfo(
+        TORCH_AUTOCAST + " on the GPU, fused (no offload: the ceiling)",
+        short="fp32 + autocast", compute="autocast", startup_s=20, step_s={1: 0.17, 2: 0.18, 4: 0.19}),
+    "ddp-bf16": CaseInfo(
+        "bf16 params, no fp32 master, AdamW state bf16 on the GPU, fused (no offload: the ceiling of "
+        "the engine's own bf16-params recipe)",
+        short="bf16 params", startup_s=20, step_s={1: 0.15, 2: 0.16, 4: 0.17}),
+    "engine": CaseInfo(
+        "bf16 working params (no autocast), fp32 master + moments on the CPU; zero_offload engine "
+        "params=cpu optimizer=cpu",
+        short=BF16_MASTER, startup_s=35, step_s={1: 0.35, 2: 0.40, 4: 0.45}),
+    "engine-auto": CaseInfo(
+        "bf16 working params (no autocast), fp32 master + moments on the CPU; zero_offload engine "
+        "params=auto optimizer=auto",
+        short=BF16_MASTER, startup_s=35, step_s={1: 0.35, 2: 0.40, 4: 0.45}),
+    "offload-adamw": CaseInfo(
+        TORCH_AUTOCAST + " on the CPU (zero_offload OffloadAdamW, overlap_forward=True)",
+        short="fp32 + autocast", compute="autocast", startup_s=25, step_s={1: 0.40, 2: 0.45, 4: 0.5}),
+    "torchao": CaseInfo(
+        TORCH_AUTOCAST + " on the CPU (torchao CPUOffloadOptimizer, AdamW fused, offload_gradients=True)",
+        short="fp32 + autocast", compute="autocast", gpu_only=True, max_world=1,
+        startup_s=25, step_s={1: 0.5}),
+    "fsdp2": CaseInfo(
+        "bf16 compute params (MixedPrecisionPolicy param bf16, reduce fp32), fp32 sharded params + "
+        "AdamW state on the CPU (CPUOffloadPolicy pin_memory, torch.optim.AdamW fused)",
+        short="bf16 compute + fp32 master", gpu_only=True, knobs=("fsdp-reshard",),
+        startup_s=30, step_s={1: 2.2, 2: 0.8, 4: 0.8}),
+    "ds-zero2": CaseInfo(
+        "DeepSpeed bf16 params, fp32 master + moments on the CPU (ZeRO-2 + offload_optimizer cpu, "
+        "DeepSpeedCPUAdam)",
+        short=BF16_MASTER, gpu_only=True, startup_s=45, step_s={1: 1.0, 2: 0.9, 4: 0.9}),
+    "ds-zero3": CaseInfo(
+        "DeepSpeed bf16 params, fp32 master + moments on the CPU (ZeRO-3, offload_param + "
+        "offload_optimizer cpu, DeepSpeedCPUAdam)",
+        short=BF16_MASTER, gpu_only=True, knobs=DS3_KNOBS, startup_s=50, step_s={1: 1.1, 2: 1.2, 4: 1.3}),
+    "ds-zero3-ratio": CaseInfo(
+        "DeepSpeed bf16 params on the GPU, fp32 master + moments: the ds-ratio share on the CPU "
+        "(DeepSpeedCPUAdam), the rest on the GPU (ZeRO-3, offload_optimizer cpu with ratio)",
+        short=BF16_MASTER, gpu_only=True, knobs=("ds-ratio",) + DS3_KNOBS,
+        startup_s=50, step_s={1: 0.9, 2: 0.9, 4: 0.9}),
 }
 
 KNOB_ALIASES = {"reshard": "fsdp-reshard", "prefetch": "ds-prefetch-bucket",
@@ -100,7 +114,8 @@ class Item:
     @property
     def slug(self) -> str:
         """The label as a file name piece."""
-        return "".join(c if c.isalnum() or c in "-_." else "_" for c in self.label).strip("_") + f"_n{self.world}"
+        name = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.label).strip("_")
+        return f"{name}_n{self.world}"
 
     def case_args(self) -> list:
         out = []

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import random
@@ -79,18 +80,30 @@ class NodeMemory(threading.Thread):
 
 
 def git_commit() -> str:
+    """ZO_FAIR_COMMIT, else the checkout's commit (+dirty), else a hash of the source files (a
+    device machine's copy of the tree has no .git)."""
     if os.environ.get("ZO_FAIR_COMMIT"):
         return os.environ["ZO_FAIR_COMMIT"]
     try:
         head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short=12", "HEAD"], capture_output=True,
                               text=True, timeout=10)
-        if head.returncode != 0:
-            return "unknown (no git checkout; set ZO_FAIR_COMMIT)"
-        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return head.stdout.strip() + ("+dirty" if dirty else "")
+        if head.returncode == 0:
+            dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            return head.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return "unknown (git failed; set ZO_FAIR_COMMIT)"
+        pass
+    h = hashlib.sha256()
+    for top in ("src", "csrc", os.path.join("benchmarks", "fair")):
+        for root, dirs, files in sorted(os.walk(os.path.join(REPO, top))):
+            dirs.sort()
+            for name in sorted(files):
+                if name.endswith((".py", ".cpp", ".h", ".sh")):
+                    path = os.path.join(root, name)
+                    h.update(os.path.relpath(path, REPO).encode())
+                    with open(path, "rb") as f:
+                        h.update(f.read())
+    return f"no git; source tree sha256 {h.hexdigest()[:16]}"
 
 
 def gpu_count() -> int:
@@ -119,19 +132,50 @@ def last_error_line(lines: list) -> str:
     return (lines[-1].strip() if lines else "no output")[:400]
 
 
-def kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the case's process group (torchrun and its ranks: started by us, in their own
-    session), then SIGKILL whatever is left after 15 s."""
-    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
+def descendants(pid: int) -> list:
+    """Every live process below ``pid`` (torchrun's workers: each in its own session, so a
+    signal to torchrun's process group does not reach them)."""
+    children: dict = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
             continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _signal_all(pids: list, sig) -> None:
+    for p in pids:
+        for kill in (lambda: os.killpg(os.getpgid(p), sig), lambda: os.kill(p, sig)):
+            try:
+                kill()
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def kill_case(proc: subprocess.Popen) -> None:
+    """End a case that overran: SIGTERM to torchrun and every process below it (found before any
+    signal, by pid: all started by this driver), then SIGKILL whatever is left after 15 s."""
+    pids = [proc.pid] + descendants(proc.pid)
+    _signal_all(pids, signal.SIGTERM)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        pass
+    _signal_all([p for p in pids if os.path.exists(f"/proc/{p}")], signal.SIGKILL)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 class Driver:
@@ -164,7 +208,8 @@ class Driver:
                "--out", a.init] + (["--init-std", str(a.init_std)] if a.init_std else [])
         log = os.path.join(self.log_dir, "make_init.log")
         with open(log, "w") as f:
-            r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=max(30.0, min(900.0, self.left())))
+            r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
+                               timeout=max(30.0, min(900.0, self.left())))
         if r.returncode != 0 or not os.path.isfile(a.init):
             raise RuntimeError(f"make_init.py failed ({last_error_line(tail(log))}); see {log}")
         print(tail(log, 1)[0] if tail(log, 1) else "[make_init] done", flush=True)
@@ -199,8 +244,9 @@ class Driver:
                 "world": item.world, "knobs": dict(item.knobs), "model": a.model, "batch_per_rank": a.batch,
                 "seq": a.seq, "checkpointing": a.checkpointing, "device": a.device,
                 "threads": threads_for(item.world, self.cores, a.threads_per_rank),
-                "threads_policy": f"{a.threads_per_rank} (cores {self.cores} // N)" if a.threads_per_rank == "auto"
-                else a.threads_per_rank, "recipe": CASES[item.case].recipe, "zero_offload_commit": self.commit}
+                "threads_policy": (f"auto: cores {self.cores} // N" if a.threads_per_rank == "auto"
+                                   else a.threads_per_rank),
+                "recipe": CASES[item.case].recipe, "zero_offload_commit": self.commit}
 
     def run_item(self, item, order: int, params: int) -> dict:
         a = self.args
@@ -255,8 +301,11 @@ class Driver:
                 code = proc.wait(timeout)
                 timed_out = False
             except subprocess.TimeoutExpired:
-                kill_group(proc)
+                kill_case(proc)
                 code, timed_out = proc.returncode, True
+            except BaseException:  # the driver itself is stopped (SIGTERM, ^C): the case goes too
+                kill_case(proc)
+                raise
         elapsed = time.monotonic() - t0
         low = self.mem.low
         self.ratios.append(elapsed / max(1.0, row["expected_s"]))
@@ -277,7 +326,8 @@ class Driver:
         if case_row is not None:
             row.update(case_row)
         if timed_out:
-            row["error"] = f"timeout: killed after {elapsed:.0f} s (--case-timeout {a.case_timeout:.0f} s / deadline)"
+            row["error"] = (f"timeout: killed after {elapsed:.0f} s (--case-timeout {a.case_timeout:.0f} s "
+                            f"or the deadline)")
         elif code != 0 and not row.get("error"):
             first = min(rank_errors, key=lambda e: e.get("failed_unix", 0), default=None)
             row["error"] = (f"rank {first['rank']}: {first['error']}" if first else
@@ -305,13 +355,21 @@ class Driver:
               + (f"; deadline {a.deadline:.0f} s" if a.deadline else ""), flush=True)
         if a.dry_run:
             for i in order:
-                print(f"  {i.label}@{i.world}: expected {expected_seconds(i, params=params, warmup=a.warmup, steps=a.steps, cuda=a.device == 'cuda'):.0f} s")
+                guess = expected_seconds(i, params=params, warmup=a.warmup, steps=a.steps,
+                                         cuda=a.device == "cuda")
+                print(f"  {i.label}@{i.world}: expected {guess:.0f} s")
             return 0
         self.mem.start()
         self.ensure_init()
         failed = []
         for n, item in enumerate(order):
-            row = self.run_item(item, n, params)
+            try:
+                row = self.run_item(item, n, params)
+            except KeyboardInterrupt as e:  # SIGTERM / ^C: this case's row says so, then stop
+                row = {**self.base_row(item, n), "error": f"driver stopped ({e or 'interrupt'}) in this case"}
+                self.record(row)
+                print(f"[fair {n + 1}/{len(order)}] {item.label}@{item.world}: {row['error']}", flush=True)
+                raise
             self.record(row)
             status = (f"error: {row['error']}" if row.get("error") else f"not run: {row['not_run']}"
                       if row.get("not_run") else f"skipped: {row['skipped']}" if row.get("skipped") else
@@ -341,21 +399,26 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--checkpointing", action="store_true")
-    ap.add_argument("--threads-per-rank", default="auto", help="'auto' (cores // N) or an integer, for every case")
-    ap.add_argument("--cores", type=int, default=None, help="cores of the node (default: this process's affinity)")
+    ap.add_argument("--threads-per-rank", default="auto",
+                    help="'auto' (cores // N) or an integer, for every case")
+    ap.add_argument("--cores", type=int, default=None,
+                    help="cores of the node (default: this process's affinity)")
     ap.add_argument("--seed", type=int, default=0, help="shuffle seed")
     ap.add_argument("--data-seed", type=int, default=1234)
     ap.add_argument("--deadline", type=float, default=0.0, help="wall seconds for the whole driver (0: none)")
     ap.add_argument("--case-timeout", type=float, default=300.0)
-    ap.add_argument("--init", default=None, help="init state dict (default /dev/shm/zo_fair_init_<model>_s<seq>.pt; "
-                                                 "written by make_init.py when missing)")
+    ap.add_argument("--init", default=None,
+                    help="init state dict (default /dev/shm/zo_fair_init_<model>_s<seq>.pt; written by "
+                         "make_init.py when missing)")
     ap.add_argument("--init-std", type=float, default=None, help="make_init.py --init-std (tests)")
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if shutil.which("nvidia-smi") else "cpu")
+    ap.add_argument("--device", choices=("cuda", "cpu"),
+                    default="cuda" if shutil.which("nvidia-smi") else "cpu")
     ap.add_argument("--nvme-dir", default=None, help="engine-auto: a per-case swap directory under it")
     ap.add_argument("--log-dir", default=None, help="per-case logs and case JSONs (default OUT/logs)")
     ap.add_argument("--log-tar", default=None, help="rewrite this .tar.gz of the log dir after every case")
     ap.add_argument("--mem-period", type=float, default=0.05, help="PSS / MemAvailable sampling period, s")
-    ap.add_argument("--settle", type=float, default=1.0, help="seconds between cases before MemAvailable is read")
+    ap.add_argument("--settle", type=float, default=1.0,
+                    help="seconds between cases before MemAvailable is read")
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--dry-run", action="store_true", help="print the shuffled order and estimates only")
     args = ap.parse_args(argv)
@@ -367,10 +430,17 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"run.py: {e}", file=sys.stderr)
         return 2
+    def stop(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+    signal.signal(signal.SIGTERM, stop)
     try:
         return Driver(args).run()
     except (RuntimeError, OSError) as e:
         print(f"run.py: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as e:
+        print(f"run.py: stopped by {e or 'interrupt'}; the rows so far are in {args.out}/rows.jsonl",
+              file=sys.stderr)
         return 1
 
 

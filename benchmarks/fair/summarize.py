@@ -53,7 +53,8 @@ def _notes(r: dict) -> str:
     if r.get("protocol_ok") is False:
         out.append("below protocol (warm-up >= 3, timed >= 20 / >= 5 for steps > 10 s)")
     if "fsdp2_fused_took_effect" in r:
-        out.append(f"fused {'on' if r['fsdp2_fused_took_effect'] else 'OFF: ' + str(r.get('fsdp2_fused_error'))}")
+        fused = "on" if r["fsdp2_fused_took_effect"] else f"OFF: {r.get('fsdp2_fused_error')}"
+        out.append(f"fused AdamW {fused}")
     if "ds_subgroups_cpu_of_total" in r:
         c, t = r["ds_subgroups_cpu_of_total"]
         out.append(f"{c} of {t} sub-groups on the CPU")
@@ -74,7 +75,7 @@ def table(rows: list, world: int) -> list:
     ref = {name: ok[name]["tokens_per_s"] for name in ("ddp", "engine") if name in ok}
     lines = [f"## N = {world}", "",
              "| case | recipe | s/step median [p25-p75] | wall s/step | tokens/s | TFLOPS/GPU | "
-             + " | ".join(f"vs {k}" for k in ref) + (" | " if ref else "")
+             + " | ".join(f"tok/s vs {k}" for k in ref) + (" | " if ref else "")
              + "step-0 loss | GPU peak GiB alloc/res | PSS/rank GiB | MemAvail drop GiB | B/param | "
              "threads torch / engine | notes |",
              "|" + "---|" * (13 + len(ref))]
@@ -84,7 +85,9 @@ def table(rows: list, world: int) -> list:
         if not _ok(r):
             lines.append("| " + " | ".join([r["label"], short] + [""] * (10 + len(ref)) + [_status(r)]) + " |")
             continue
-        gpu = max(r.get("gpu_peak_alloc_per_rank_gib") or [0]), max(r.get("gpu_peak_reserved_per_rank_gib") or [0])
+        gpu = (max(r.get("gpu_peak_alloc_per_rank_gib") or [0]),
+               max(r.get("gpu_peak_reserved_per_rank_gib") or [0]))
+        drop = r.get("driver_memavail_drop_gib", r.get("memavail_drop_gib"))
         pss = r.get("pss_peak_per_rank_gib") or []
         vs = [f"{r['tokens_per_s'] / v:.2f}x" for v in ref.values()]
         lines.append(
@@ -92,14 +95,17 @@ def table(rows: list, world: int) -> list:
             f"{r['wall_mean_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['model_tflops_per_gpu']:.1f} | "
             + "".join(f"{v} | " for v in vs)
             + f"{r['step0_loss']:.4f} | {gpu[0]:.1f} / {gpu[1]:.1f} | "
-            f"{max(pss) if pss else 0:.1f} (max of {len(pss)}) | {_f(r.get('driver_memavail_drop_gib', r.get('memavail_drop_gib')), '.1f')} | "
-            f"{_f(r.get('host_bytes_per_param'), '.1f')} | {_threads(r)} | {_notes(r)} |")
-    losses = {}
+            f"{max(pss) if pss else 0:.1f} (max of {len(pss)}) | {_f(drop, '.1f')} | "
+            f"{_f(r.get('driver_host_bytes_per_param', r.get('host_bytes_per_param')), '.1f')} | "
+            f"{_threads(r)} | {_notes(r)} |")
+    losses: dict = {}
     for r in ok.values():
-        losses.setdefault(CASES[r["case"]].short if r.get("case") in CASES else "?", []).append(r["step0_loss"])
+        kind = CASES[r["case"]].compute if r.get("case") in CASES else "?"
+        losses.setdefault(kind, []).append(r["step0_loss"])
     if losses:
-        lines += ["", "Step-0 loss spread by recipe (same weights and data: equal within rounding): "
-                  + "; ".join(f"{k}: {max(v) - min(v):.2e} over {len(v)} rows" for k, v in losses.items())]
+        lines += ["", "Step-0 loss spread (same weights and data in every case: equal up to rounding "
+                  "within one compute kind): " + "; ".join(
+                      f"{k}: {min(v):.4f}-{max(v):.4f} over {len(v)} rows" for k, v in losses.items())]
     return lines
 
 
@@ -111,20 +117,23 @@ def markdown(rows: list) -> str:
     for run_id, rs in runs.items():
         first = next((r for r in rs if r.get("versions")), rs[0])
         v = first.get("versions") or {}
+
+        def version(mod):
+            return next((x["versions"][mod] for x in rs if (x.get("versions") or {}).get(mod)), "-")
+        order = ", ".join(f"{r['label']}@{r['world']}" for r in sorted(rs, key=lambda r: r.get("order", 0)))
         out += [f"Run `{run_id}`: {v.get('gpu', first.get('device', '?'))}, driver {v.get('driver', '-')}, "
                 f"{v.get('cpu', '?')} ({v.get('cores', '?')} cores), torch {v.get('torch', '?')} CUDA "
-                f"{v.get('cuda', '-')}, deepspeed {next((x['versions'].get('deepspeed') for x in rs if (x.get('versions') or {}).get('deepspeed')), '-')}, "
-                f"torchao {next((x['versions'].get('torchao') for x in rs if (x.get('versions') or {}).get('torchao')), '-')}, "
-                f"zero_offload {v.get('zero_offload_commit', '?')}.", "",
+                f"{v.get('cuda', '-')}, deepspeed {version('deepspeed')}, torchao {version('torchao')}, "
+                f"zero_offload {first.get('zero_offload_commit', v.get('zero_offload_commit', '?'))}.", "",
                 f"Model {first.get('model', '?')} ({_f(first.get('params'), ',', '?')} params), "
-                f"{first.get('batch_per_rank', '?')} x {first.get('seq', '?')} tokens per rank, "
-                f"checkpointing {'on' if first.get('checkpointing') else 'off'}; one process per (case, N), in "
-                f"shuffled order: " + ", ".join(f"{r['label']}@{r['world']}" for r in sorted(rs, key=lambda r: r.get("order", 0)))
-                + ". s/step: median of the timed steps [IQR]; wall s/step: total wall time over the timed "
-                "steps, ending after the engine's own finish, / steps; tokens/s global from the median; "
-                "PSS: peak per rank from process start; MemAvail drop: node MemAvailable before the launch "
-                "minus its minimum during the case; B/param = that drop / params; threads: torch's per rank "
-                "/ what the engine or optimizer was given. Ratios compare rows of this run only.", ""]
+                f"{first.get('batch_per_rank', '?')} x {first.get('seq', '?')} tokens per rank, checkpointing "
+                f"{'on' if first.get('checkpointing') else 'off'}; one process group per (case, N), in "
+                f"shuffled order: {order}. s/step: median of the timed steps [IQR]; wall s/step: total wall "
+                "time over the timed steps, ending after the engine's own finish, / steps; tokens/s "
+                "global, from the median; PSS: peak per rank from process start; MemAvail drop: the node's "
+                "MemAvailable before the launch minus its minimum during the case; B/param: that drop / "
+                "params; threads: torch's per rank / what the engine or optimizer was given. Ratios "
+                "compare rows of this run only.", ""]
         for world in sorted({r["world"] for r in rs}):
             out += table([r for r in rs if r["world"] == world], world) + [""]
     out += ["Recipes:", ""] + [f"- `{k}`: {c.recipe}" for k, c in CASES.items()] + [""]
