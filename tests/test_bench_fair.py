@@ -109,11 +109,22 @@ def test_failure_timeout_and_deadline_each_leave_one_clear_row(tmp_path):
     # past --deadline: not started, a "not run" row, and exit 0 (nothing failed)
     r, rows, _ = _driver(tmp_path, "--plan", "ddp@1 engine@1", "--deadline", "2", name="late")
     assert r.returncode == 0, r.stderr
-    assert [row["not_run"].split(" ")[0] for row in rows] == ["deadline", "deadline"]
+    assert [row["not_run"][:8] for row in rows] == ["deadline", "deadline"]
     # a plan naming an unknown case: one line, exit 2, nothing run
     r, rows, _ = _driver(tmp_path, "--plan", "ddp@1 nosuch@2", name="typo")
     assert r.returncode == 2 and rows == []
     assert r.stderr.strip().count("\n") == 0 and "unknown case 'nosuch'" in r.stderr
+
+
+def test_plan_order_is_priority_under_a_deadline(tmp_path):
+    # about 12 s expected per CPU case: a 35 s deadline (27 s after the driver's reserve) takes
+    # the plan's first two items and leaves the third, whatever the shuffle
+    r = subprocess.run([sys.executable, str(FAIR / "run.py"), "--plan", "offload-adamw@1 ddp@1 engine@1",
+                        "--out", str(tmp_path), "--device", "cpu", "--model", MODEL, "--dry-run",
+                        "--deadline", "35", "--seed", "5"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    order, _, dropped = r.stdout.splitlines()[0].partition("not run")
+    assert "offload-adamw@1" in order and "ddp@1" in order and "engine@1" in dropped
 
 
 @pytest.mark.parametrize("text, labels", [

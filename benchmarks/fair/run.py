@@ -347,20 +347,43 @@ class Driver:
         if a.device == "cuda":  # the estimates scale with the model; torch's import is paid here only
             from zero_offload.models import preset
             params = preset(a.model, seq_len=a.seq).num_params()
-        rng = random.Random(a.seed)
-        order = list(items)
-        rng.shuffle(order)
+        cuda = a.device == "cuda"
+
+        def cost(item) -> float:  # 0 for what will not launch (skipped, too few GPUs)
+            info = CASES[item.case]
+            if (info.gpu_only and not cuda) or (info.max_world and item.world > info.max_world) or \
+                    (cuda and item.world > self.gpus):
+                return 0.0
+            return expected_seconds(item, params=params, warmup=a.warmup, steps=a.steps, cuda=cuda)
+        if not a.dry_run:
+            self.mem.start()
+            self.ensure_init()
+        # [Note: plan order is priority] When the plan's expected total exceeds what is left of the
+        # deadline, its last items are not run (rows say so); the rest run in shuffled order.
+        chosen, dropped, total = [], [], 0.0
+        budget = self.left() - RESERVE_S
+        for item in items:
+            c = cost(item) * 1.1 + a.settle
+            if total + c > budget:
+                dropped.append(item)
+            else:
+                chosen.append(item)
+                total += c
+        order = list(chosen)
+        random.Random(a.seed).shuffle(order)
         print(f"[fair] run {self.run_id}: {len(order)} cases in this order: "
               + ", ".join(f"{i.label}@{i.world}" for i in order)
-              + (f"; deadline {a.deadline:.0f} s" if a.deadline else ""), flush=True)
+              + (f"; deadline {a.deadline:.0f} s, expected {total:.0f} s" if a.deadline else "")
+              + (f"; not run (the plan's last items, past the deadline): "
+                 + " ".join(f"{i.label}@{i.world}" for i in dropped) if dropped else ""), flush=True)
         if a.dry_run:
             for i in order:
-                guess = expected_seconds(i, params=params, warmup=a.warmup, steps=a.steps,
-                                         cuda=a.device == "cuda")
-                print(f"  {i.label}@{i.world}: expected {guess:.0f} s")
+                print(f"  {i.label}@{i.world}: expected {cost(i):.0f} s")
             return 0
-        self.mem.start()
-        self.ensure_init()
+        for k, item in enumerate(dropped):
+            self.record({**self.base_row(item, len(order) + k), "expected_s": round(cost(item), 1),
+                         "not_run": f"deadline: the plan's items are in priority order and this one's "
+                                    f"{cost(item):.0f} s did not fit after the items before it"})
         failed = []
         for n, item in enumerate(order):
             try:

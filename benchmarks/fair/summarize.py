@@ -109,6 +109,12 @@ def table(rows: list, world: int) -> list:
     return lines
 
 
+def _plan_text(rows: list) -> str:
+    """The plan items of ``rows`` (``case:knob=v,...@N``, the knobs by their flag names)."""
+    return " ".join(f"{r['case']}" + (":" + ",".join(f"{k}={v}" for k, v in r["knobs"].items())
+                                      if r.get("knobs") else "") + f"@{r['world']}" for r in rows)
+
+
 def markdown(rows: list) -> str:
     out = ["# Fair training benchmark (benchmarks/fair)", ""]
     runs: dict = {}
@@ -136,6 +142,9 @@ def markdown(rows: list) -> str:
                 "compare rows of this run only.", ""]
         for world in sorted({r["world"] for r in rs}):
             out += table([r for r in rs if r["world"] == world], world) + [""]
+    again = [r for r in rows if r.get("not_run", "").startswith("deadline")]
+    if again:
+        out += [f"Not run for the deadline; to run them: `--plan \"{_plan_text(again)}\"`", ""]
     out += ["Recipes:", ""] + [f"- `{k}`: {c.recipe}" for k, c in CASES.items()] + [""]
     return "\n".join(out)
 
