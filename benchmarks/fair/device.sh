@@ -12,8 +12,10 @@
 # summary.md, logs.tar.gz (every case's log and JSON), device.log.
 # Knobs (env): FAIR_BUDGET total seconds for this script (default 540; the call is killed at
 # 600), FAIR_SMOKE=0 skips the smoke of setup-tests-*, FAIR_ARGS extra run.py arguments
-# (e.g. "--steps 30 --seed 7"), FAIR_SEED shuffle seed (default: the clock), ZO_FAIR_COMMIT the
-# commit to record (the device copy has no .git).
+# (e.g. "--steps 30"), FAIR_SEED shuffle seed (default: the clock), ZO_FAIR_COMMIT the commit to
+# record (default: a hash of the source tree; the device copy has no .git), FAIR_INIT the init
+# file's path, FAIR_SKIP_INSTALL=1 keeps the zero_offload already installed (a warm machine whose
+# csrc/ did not change).
 set -u -o pipefail
 START=$SECONDS
 BUDGET=${FAIR_BUDGET:-540}
@@ -37,12 +39,17 @@ for a in ${FAIR_ARGS:-}; do
 done
 need_kib=$(( 6 * 1024 * 1024 ))  # the 1.31B init file is 5.3 GB; /dev/shm of a container may be small
 shm_kib=$(df -k --output=avail /dev/shm 2>/dev/null | tail -1 | tr -d ' ')
-if [ "${shm_kib:-0}" -gt $(( 2 * need_kib )) ]; then INIT=/dev/shm/zo_fair_init_${model}_s${seq}.pt
+if [ -n "${FAIR_INIT:-}" ]; then INIT=$FAIR_INIT
+elif [ "${shm_kib:-0}" -gt $(( 2 * need_kib )) ]; then INIT=/dev/shm/zo_fair_init_${model}_s${seq}.pt
 else INIT=/tmp/zo_fair_init_${model}_s${seq}.pt; fi
-if [ -d .whl ]; then
+wheels=$(ls .whl/deepspeed/*.whl .whl/torchao/*.whl 2>/dev/null)
+if [ -n "$wheels" ]; then
+  # shellcheck disable=SC2086
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/deepspeed/*.whl .whl/torchao/*.whl >> "$OUT/setup.log" 2>&1 \
+    $wheels >> "$OUT/setup.log" 2>&1 \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || say "wheel install failed (see setup.log)"
+else
+  say "no .whl/deepspeed or .whl/torchao carried: the ds-* and torchao rows will say so"
 fi
 # in the background while the package builds: DeepSpeed's JIT op (not inside a timed case) and
 # the init weights
@@ -54,11 +61,11 @@ ds_pid=$!
 ( [ -f "$INIT" ] || PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} timeout 300 python3 benchmarks/fair/make_init.py \
     --model "$model" --seq "$seq" --out "$INIT" ) > /tmp/make_init.log 2>&1 &
 init_pid=$!
-if ! timeout 300 python3 -m pip install --no-build-isolation --no-deps -e . > /tmp/zo_build.log 2>&1; then
+if [ "${FAIR_SKIP_INSTALL:-0}" = 1 ]; then say "FAIR_SKIP_INSTALL=1: zero_offload as installed"
+elif ! timeout 300 python3 -m pip install --no-build-isolation --no-deps -e . > /tmp/zo_build.log 2>&1; then
   tail -20 /tmp/zo_build.log >> "$OUT/setup.log"
   say "pip install -e . failed: $(tail -1 /tmp/zo_build.log) (setup.log)"; exit 1
-fi
-say "zero_offload built"
+else say "zero_offload built"; fi
 wait $init_pid; cat /tmp/make_init.log | tee -a "$OUT/setup.log"
 wait $ds_pid; cat /tmp/ds_build.status | tee -a "$OUT/setup.log"
 say "setup done"
@@ -77,7 +84,7 @@ esac
 seed=${FAIR_SEED:-$(date +%s)}
 say "plan $plan, shuffle seed $seed, deadline $(( $(left) - 15 )) s"
 python3 benchmarks/fair/run.py --plan "$plan" --out "$OUT" --init "$INIT" --seed "$seed" \
-  --deadline $(( $(left) - 15 )) --log-dir /tmp/fair_logs --log-tar "$OUT/logs.tar.gz" ${FAIR_ARGS:-}
+  --deadline $(( $(left) - 15 )) --log-dir "/tmp/fair_logs_$(date +%s)" --log-tar "$OUT/logs.tar.gz" ${FAIR_ARGS:-}
 rc=$?
 say "run.py exit $rc"
 exit $rc
