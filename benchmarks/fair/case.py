@@ -1,0 +1,698 @@
+"""One training case of the fair harness, in its own process group (issue 22).
+
+Launched by ``run.py`` as ``torchrun --standalone --nproc-per-node N benchmarks/fair/case.py
+--case NAME ...`` for every N, 1 included; rank 0 writes one JSON row to ``--json-out`` (on a
+failure: a row whose "error" is one line, and a non-zero exit; a failing rank other than 0 writes
+its row to ``<json-out>.rank<r>``). Every case shares, by construction:
+
+- threads: ``torch.set_num_threads(T)`` and ``OMP_NUM_THREADS == T`` (checked), and our
+  engine / optimizer given ``threads=T`` (DeepSpeedCPUAdam's OpenMP loop and torch's CPU AdamW
+  read the same T);
+- weights: the fp32 state dict of ``--init`` (``make_init.py``: ``GPT`` built after
+  ``torch.manual_seed(0)``), memory-mapped and copied into whatever the case trains;
+- data: the batch of step i on rank r comes from a generator seeded by (``--data-seed``, r, i)
+  alone (the same at every N and in every case); inputs and next-token targets;
+- AdamW lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight decay 0.1, no clipping; ``--batch``
+  sequences of ``--seq`` tokens per rank; ``--checkpointing`` applied to every case (the
+  model's own per-block ``torch.utils.checkpoint``);
+- timing: ``--warmup`` steps, then ``--steps`` timed steps, each between two device syncs, and
+  the wall time from one sync before the first timed step to the end of the last one *and* the
+  engine's own finish (``synchronize()``), so no work spills past the clock.
+
+Cases and their recipes (the row's "recipe" says it; fairplan.CASES is the table):
+
+- ``ddp``: torch DDP (plain model at N=1), fp32 params, bf16 autocast, ``torch.optim.AdamW(
+  fused=True)`` on the GPU: the no-offload ceiling of the autocast recipe.
+- ``ddp-bf16``: the same with bf16 params and no fp32 master (AdamW state in bf16): the
+  no-offload ceiling of the engine's own recipe (bf16 working params) -- the difference named.
+- ``engine``: ``zero_offload.initialize``, params="cpu", optimizer="cpu", dtype bf16 (bf16
+  working params, no autocast; fp32 master and moments on the CPU).
+- ``engine-auto``: the same with params="auto", optimizer="auto" (NVMe spill under --nvme-dir).
+- ``offload-adamw``: DDP (plain model at N=1) + ``zero_offload.OffloadAdamW(overlap_forward=
+  True)``, fp32 params + bf16 autocast (ddp's and torchao's recipe).
+- ``torchao``: ``torchao.optim.CPUOffloadOptimizer(AdamW, fused=True, offload_gradients=True)``,
+  fp32 params + autocast; one GPU only.
+- ``fsdp2``: ``fully_shard`` per block and the root with ``CPUOffloadPolicy(pin_memory=True)``,
+  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, ``reshard_after_forward`` from
+  ``--fsdp-reshard``; ``torch.optim.AdamW(fused=True)`` on the CPU shards (the row records
+  whether fused took effect). No autocast: the policy casts the params.
+- ``ds-zero2``: DeepSpeed ZeRO-2 + ``offload_optimizer`` cpu (pin_memory), overlap_comm,
+  contiguous_gradients, bf16, 5e8 buckets (DeepSpeed's ZeRO-Offload tutorial).
+- ``ds-zero3``: ZeRO-3 with ``offload_param`` and ``offload_optimizer`` cpu (pin_memory), bf16,
+  overlap_comm, contiguous_gradients; buckets ``--ds-prefetch-bucket`` / ``--ds-reduce-bucket``
+  (default the HF "auto" values 0.9 h^2 / h^2), persistence 10 h, sub_group_size 1e9.
+- ``ds-zero3-ratio``: ZeRO-3, params on the GPU, ``offload_optimizer`` cpu with ``ratio``
+  ``--ds-ratio`` (the share of the optimizer's sub-groups on the CPU; the rest updates on the
+  GPU). The split is per sub-group, so ``sub_group_size`` defaults to 1e8 here (with one
+  sub-group per rank no split exists); the row records the split DeepSpeed made.
+
+Memory: a thread started before ``import torch`` samples this process's PSS
+(/proc/self/smaps_rollup) every ``--mem-period`` s; rank 0 also samples the node's MemAvailable
+(/proc/meminfo). GPU peaks are torch's allocator peaks from after the build to the end.
+
+On a CPU (``--device cpu``, gloo) ddp, ddp-bf16, engine, engine-auto and offload-adamw run with a
+small preset; the GPU-only cases write a "needs CUDA" row and exit 0.
+"""
+import json
+import os
+import sys
+import threading
+import time
+
+_T0 = time.time()  # process start, for --time-budget
+
+
+def _read_pss_kib() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    return 0
+
+
+def mem_available_kib() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1])
+    return 0
+
+
+class MemSampler(threading.Thread):
+    """This process's peak PSS (from its start, and since ``mark()``) and, with ``node=True``, the
+    node's lowest MemAvailable, every ``period`` s."""
+
+    def __init__(self, period: float = 0.05):
+        super().__init__(daemon=True, name="fair-mem-sampler")
+        self.period = period
+        self.node = False
+        self.pss_peak = self.pss_peak_since_mark = _read_pss_kib()
+        self.avail_start = self.avail_min = mem_available_kib()
+        self.samples = 0
+        self.read_s = 0.0
+        self._stop = threading.Event()
+
+    def run(self):
+        while not self._stop.wait(self.period):
+            self.sample()
+
+    def sample(self):
+        t0 = time.thread_time()
+        pss = _read_pss_kib()
+        self.pss_peak = max(self.pss_peak, pss)
+        self.pss_peak_since_mark = max(self.pss_peak_since_mark, pss)
+        if self.node:
+            self.avail_min = min(self.avail_min, mem_available_kib())
+        self.samples += 1
+        self.read_s += time.thread_time() - t0  # the sampler's own CPU time
+
+    def mark(self):
+        self.pss_peak_since_mark = _read_pss_kib()
+
+    def stop(self):
+        self._stop.set()
+        self.sample()
+
+
+if __name__ == "__main__":  # first thing: the sampler sees the whole process, torch's import included
+    _SAMPLER = MemSampler(float(os.environ.get("FAIR_MEM_PERIOD", "0.05")))
+    _SAMPLER.start()
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import datetime  # noqa: E402
+import hashlib  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import traceback  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fairplan import CASES  # noqa: E402
+
+GiB = float(2 ** 30)
+LR, BETAS, EPS, WD = 1e-4, (0.9, 0.999), 1e-8, 0.1
+LONG_STEP_S = 10.0  # a warm-up step longer than this: 5 timed steps are the protocol's minimum
+
+
+class CaseError(Exception):
+    """A known reason the case cannot run (one line, naming the fix)."""
+
+
+# ------------------------------------------------------------------------------------ data
+
+def batch_for(step: int, rank: int, *, batch: int, seq: int, vocab: int, seed: int):
+    """Step ``step``'s batch on rank ``rank``: (inputs, next-token targets), int64 [batch, seq],
+    from a generator seeded by (seed, rank, step) alone: the same in every case and at every N."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + rank * 100_003 + step)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def load_init(path: str, cfg) -> dict:
+    """The state dict of ``make_init.py`` (memory-mapped), checked against the model's shape."""
+    if not os.path.isfile(path):
+        raise CaseError(f"--init {path} does not exist; write it with benchmarks/fair/make_init.py "
+                        f"--model <preset> --out {path} (run.py does)")
+    blob = torch.load(path, mmap=True, weights_only=True)
+    if not isinstance(blob, dict) or blob.get("format") != "zo-fair-init-1":
+        raise CaseError(f"--init {path} is not a make_init.py file; rewrite it with "
+                        f"benchmarks/fair/make_init.py")
+    want = dataclasses.asdict(cfg)
+    got = blob["config"]
+    diff = [k for k in ("vocab_size", "n_layer", "n_head", "d_model", "seq_len", "mlp_ratio", "bias",
+                        "tie_embeddings") if got.get(k) != want.get(k)]
+    if diff:
+        raise CaseError(f"--init {path} holds a model with other {', '.join(diff)} than --model/--seq "
+                        f"ask; write one for this model with make_init.py")
+    return blob["state_dict"]
+
+
+def file_fingerprint(path: str) -> str:
+    """size + sha256 of the first and last MiB: tells two init files apart, cheaply."""
+    h = hashlib.sha256()
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return f"{size}:{h.hexdigest()[:16]}"
+
+
+# ------------------------------------------------------------------------------------ cases
+
+@dataclasses.dataclass
+class Runner:
+    """A built case: ``step(x, y)`` runs one training step and returns the loss (detached);
+    ``finish()`` waits for the engine's own outstanding work; ``close()`` releases it."""
+
+    step: Callable
+    config: dict
+    finish: Callable = lambda: None
+    close: Callable = lambda: None
+    threads: dict = dataclasses.field(default_factory=dict)
+    on_timed: Callable = lambda: None  # called once, before the first timed step (reset stats)
+    extra: Callable = lambda: {}  # after the timed steps: case-specific facts for the row
+
+
+def _load_module(model, sd) -> int:
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise CaseError(f"the init state dict does not match the model (missing {missing[:3]}, "
+                        f"unexpected {unexpected[:3]}); rewrite it with make_init.py")
+    return len(sd)
+
+
+def _torch_model(args, cfg, device, sd, dtype=None):
+    from zero_offload.models import GPT
+    model = GPT(cfg, device="meta", dtype=dtype)
+    model.to_empty(device=device)
+    _load_module(model, sd)
+    model.set_activation_checkpointing(args.checkpointing)
+    return model
+
+
+def _torch_loop(model, opt, device, *, autocast: bool):
+    def step(x, y):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step
+
+
+def _ddp(model, device, world):
+    if world == 1:
+        return model, {"wrapper": "none (one rank)"}
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    kw = {"device_ids": [device.index]} if device.type == "cuda" else {}
+    info = {"wrapper": "DistributedDataParallel", "ddp_kwargs": {k: str(v) for k, v in kw.items()}}
+    return DDP(model, **kw), info
+
+
+def build_ddp(args, cfg, device, world, sd, bf16_params=False):
+    model = _torch_model(args, cfg, device, sd, dtype=torch.bfloat16 if bf16_params else None)
+    wrapped, info = _ddp(model, device, world)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
+    return Runner(step=_torch_loop(wrapped, opt, device, autocast=not bf16_params),
+                  config={**info, "params_dtype": "bf16" if bf16_params else "fp32",
+                          "autocast": "off" if bf16_params else "bf16",
+                          "optimizer": f"torch.optim.AdamW(fused={opt.defaults.get('fused')}) on {device.type}",
+                          "optimizer_defaults": _jsonable(opt.defaults)},
+                  threads={"optimizer": f"torch intra-op ({torch.get_num_threads()})"
+                           if device.type == "cpu" else "n/a (GPU optimizer)"})
+
+
+def build_engine(args, cfg, device, world, sd, auto=False):
+    import zero_offload as zo
+    from zero_offload.models import GPT
+    model = GPT(cfg, device="meta")  # initialize fills the tiers chunk by chunk from --init
+    model.set_activation_checkpointing(args.checkpointing)
+    ocfg = zo.OffloadConfig(params="auto" if auto else "cpu", optimizer="auto" if auto else "cpu",
+                            dtype="bf16", threads=args.threads,
+                            nvme_dir=args.nvme_dir if auto and args.nvme_dir else None)
+    engine = zo.initialize(model, optimizer=zo.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD),
+                           config=ocfg, device=device, init=lambda name, t: t.copy_(sd[name]))
+
+    def step(x, y):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    def extra():
+        st = engine.stats()
+        return {"engine_stats": _jsonable(st.as_dict()),
+                "engine_held_gib": {str(k): v / GiB for k, v in st.bytes_held.items()}}
+    return Runner(step=step, finish=engine.synchronize, close=engine.close, on_timed=engine.reset_stats,
+                  extra=extra, config={"offload_config": _jsonable(engine.config.to_dict()),
+                                       "optimizer": "zero_offload.AdamW (native CPU-Adam)"},
+                  threads={"engine_cpu_adam": engine.config.threads})
+
+
+def build_offload_adamw(args, cfg, device, world, sd):
+    import zero_offload as zo
+    model = _torch_model(args, cfg, device, sd)
+    wrapped, info = _ddp(model, device, world)
+    kw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, threads=args.threads, overlap_forward=True)
+    opt = zo.OffloadAdamW(model.parameters(), **kw)
+
+    def extra():
+        s = opt.stats
+        return {"offload_adamw_stats": _jsonable(dataclasses.asdict(s) if dataclasses.is_dataclass(s)
+                                                 else vars(s))}
+    return Runner(step=_torch_loop(wrapped, opt, device, autocast=True), finish=opt.synchronize,
+                  close=opt.close, on_timed=opt.reset_stats, extra=extra,
+                  config={**info, "params_dtype": "fp32", "autocast": "bf16",
+                          "optimizer": "zero_offload.OffloadAdamW", "optimizer_kwargs": _jsonable(kw)},
+                  threads={"offload_adamw_cpu_adam": args.threads})
+
+
+def build_torchao(args, cfg, device, world, sd):
+    import torchao
+    from torchao.optim import CPUOffloadOptimizer
+    model = _torch_model(args, cfg, device, sd)
+    kw = dict(offload_gradients=True, fused=True, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, **kw)
+    return Runner(step=_torch_loop(model, opt, device, autocast=True),
+                  config={"params_dtype": "fp32", "autocast": "bf16", "torchao": torchao.__version__,
+                          "optimizer": "torchao.optim.CPUOffloadOptimizer(torch.optim.AdamW)",
+                          "optimizer_kwargs": _jsonable(kw)},
+                  threads={"optimizer": f"torch intra-op ({torch.get_num_threads()})"})
+
+
+def build_fsdp2(args, cfg, device, world, sd):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    reshard = bool(int(args.fsdp_reshard))
+    model = _torch_model(args, cfg, device, sd)
+    mesh = init_device_mesh("cuda", (world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    off = CPUOffloadPolicy(pin_memory=True)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=reshard)
+    state = {"fused": True, "fused_error": None}
+
+    def make_opt(fused):
+        return torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=fused)
+    try:
+        opt = make_opt(True)
+    except (RuntimeError, ValueError) as e:  # recorded: the row says fused did not take effect
+        state.update(fused=False, fused_error=_one_line(e))
+        opt = make_opt(None)
+    first = [True]
+
+    def step(x, y):
+        nonlocal opt
+        loss = model(x, y)
+        loss.backward()
+        if first[0] and state["fused"]:
+            first[0] = False
+            try:
+                opt.step()
+            except (RuntimeError, ValueError) as e:  # fused refused at its first step: no state yet
+                state.update(fused=False, fused_error=_one_line(e))
+                opt = make_opt(None)
+                opt.step()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def extra():
+        return {"fsdp2_fused_took_effect": state["fused"], "fsdp2_fused_error": state["fused_error"],
+                "optimizer_defaults": _jsonable(opt.defaults)}
+    return Runner(step=step, extra=extra,
+                  config={"fully_shard": "per block + root", "reshard_after_forward": reshard,
+                          "mp_policy": repr(mp), "offload_policy": repr(off), "autocast": "off",
+                          "optimizer": "torch.optim.AdamW(fused=True) on the CPU shards"},
+                  threads={"optimizer": f"torch intra-op ({torch.get_num_threads()})"})
+
+
+def ds_config(args, cfg, world, case) -> dict:
+    """The DeepSpeed config of a ds-* case (keys checked against deepspeed 0.19.8's
+    runtime/zero/config.py and offload_config.py)."""
+    h = cfg.d_model
+    zero: dict[str, Any] = {"overlap_comm": True, "contiguous_gradients": True}
+    if case == "ds-zero2":
+        zero.update(stage=2, reduce_bucket_size=int(5e8), allgather_bucket_size=int(5e8),
+                    reduce_scatter=True, offload_optimizer={"device": "cpu", "pin_memory": True})
+    else:
+        sub_default = 1e8 if case == "ds-zero3-ratio" else 1e9
+        zero.update(stage=3,
+                    reduce_bucket_size=int(float(args.ds_reduce_bucket)) if args.ds_reduce_bucket else h * h,
+                    stage3_prefetch_bucket_size=(int(float(args.ds_prefetch_bucket)) if args.ds_prefetch_bucket
+                                                 else int(0.9 * h * h)),
+                    stage3_param_persistence_threshold=10 * h,
+                    sub_group_size=int(float(args.ds_sub_group)) if args.ds_sub_group else int(sub_default),
+                    offload_optimizer={"device": "cpu", "pin_memory": True})
+        if case == "ds-zero3":
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+        else:
+            ratio = float(args.ds_ratio)
+            if not 0.0 <= ratio <= 1.0:
+                raise CaseError(f"--ds-ratio {args.ds_ratio}: DeepSpeed's offload_optimizer.ratio is the "
+                                f"share on the CPU, in [0, 1]")
+            zero["offload_optimizer"]["ratio"] = ratio
+    return {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+            "gradient_clipping": 0.0, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False,
+            "bf16": {"enabled": True}, "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
+                                                      "weight_decay": WD}}}
+
+
+def build_deepspeed(args, cfg, device, world, sd, case):
+    import deepspeed
+    from zero_offload.models import GPT
+    conf = ds_config(args, cfg, world, case)
+    rank = dist.get_rank()
+    if conf["zero_optimization"]["stage"] == 3:
+        with deepspeed.zero.Init(config_dict_or_path=conf):
+            model = GPT(cfg)
+        # the tied LM head reads wte.weight outside wte's forward (wheels/README.md)
+        deepspeed.zero.register_external_parameter(model, model.wte.weight)
+        n = 0
+        for name, p in model.named_parameters():
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                if rank == 0:
+                    p.data.copy_(sd[name])
+            n += 1
+    else:
+        model = _torch_model(args, cfg, device, sd)
+    model.set_activation_checkpointing(args.checkpointing)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
+
+    def step(x, y):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    def extra():
+        out = {"deepspeed": deepspeed.__version__,
+               "ds_optimizer": type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__}
+        split = getattr(engine.optimizer, "subgroup_to_device", None)
+        if isinstance(split, dict):
+            on_cpu = sum(1 for d in split.values() if d == "cpu")
+            out["ds_subgroups_cpu_of_total"] = [on_cpu, len(split)]
+        return out
+    return Runner(step=step, extra=extra, config={"deepspeed_config": conf},
+                  threads={"ds_cpu_adam": f"OpenMP, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"})
+
+
+BUILDERS = {
+    "ddp": build_ddp,
+    "ddp-bf16": lambda *a: build_ddp(*a, bf16_params=True),
+    "engine": build_engine,
+    "engine-auto": lambda *a: build_engine(*a, auto=True),
+    "offload-adamw": build_offload_adamw,
+    "torchao": build_torchao,
+    "fsdp2": build_fsdp2,
+    "ds-zero2": lambda *a: build_deepspeed(*a, case="ds-zero2"),
+    "ds-zero3": lambda *a: build_deepspeed(*a, case="ds-zero3"),
+    "ds-zero3-ratio": lambda *a: build_deepspeed(*a, case="ds-zero3-ratio"),
+}
+assert set(BUILDERS) == set(CASES), "fairplan.CASES and case.BUILDERS must name the same cases"
+
+
+# ------------------------------------------------------------------------------------ facts
+
+def _one_line(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:400]
+
+
+def _jsonable(x):
+    return json.loads(json.dumps(x, default=str))
+
+
+def versions(device) -> dict:
+    v = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+         "zero_offload_commit": os.environ.get("ZO_FAIR_COMMIT", "unknown")}
+    import zero_offload
+    v["zero_offload"] = f"{zero_offload.__version__} at {os.path.dirname(zero_offload.__file__)}"
+    for mod in ("deepspeed", "torchao"):
+        if mod in sys.modules:
+            v[mod] = getattr(sys.modules[mod], "__version__", "?")
+    if device.type == "cuda":
+        v["gpu"] = torch.cuda.get_device_name(device)
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20)
+            lines = out.stdout.strip().splitlines() if out.returncode == 0 else []
+            v["driver"] = lines[0] if lines else None
+        except (OSError, subprocess.SubprocessError):
+            v["driver"] = None
+    cpu = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    v["cpu"] = cpu
+    v["cores"] = os.cpu_count()
+    v["mem_total_gib"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
+    return v
+
+
+def quantiles(times: list) -> dict:
+    s = sorted(times)
+    if len(s) >= 2:
+        q = statistics.quantiles(s, n=4, method="inclusive")
+        p25, p75 = q[0], q[2]
+    else:
+        p25 = p75 = s[0]
+    return {"median_s": statistics.median(s), "p25_s": p25, "p75_s": p75, "min_s": s[0], "max_s": s[-1]}
+
+
+# ------------------------------------------------------------------------------------ main
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--case", required=True, choices=sorted(CASES))
+    ap.add_argument("--model", default="1.3b", help="zero_offload.models preset")
+    ap.add_argument("--batch", type=int, default=8, help="sequences per rank")
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--min-steps", type=int, default=5,
+                    help="timed steps never cut below this (long steps, --time-budget)")
+    ap.add_argument("--threads", type=int, required=True, help="CPU threads per rank (= OMP_NUM_THREADS)")
+    ap.add_argument("--init", required=True, help="make_init.py's state dict file")
+    ap.add_argument("--json-out", required=True)
+    ap.add_argument("--checkpointing", action="store_true")
+    ap.add_argument("--nvme-dir", default=None)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--data-seed", type=int, default=1234)
+    ap.add_argument("--time-budget", type=float, default=0.0,
+                    help="seconds from process start this case may take (0: no limit): fewer timed "
+                         "steps (not below --min-steps) when the warm-up says they would not fit")
+    ap.add_argument("--collective-timeout", type=float, default=600.0)
+    ap.add_argument("--ds-prefetch-bucket", default=None)
+    ap.add_argument("--ds-reduce-bucket", default=None)
+    ap.add_argument("--ds-sub-group", default=None)
+    ap.add_argument("--ds-ratio", default="0.5")
+    ap.add_argument("--fsdp-reshard", default="0", choices=("0", "1"))
+    return ap.parse_args(argv)
+
+
+def write_json(path: str, row: dict) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(row, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def run(args, row: dict, sampler: MemSampler) -> dict:
+    from zero_offload.models import preset
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    info = CASES[args.case]
+    row.update(case=args.case, world=world, recipe=info.recipe, model=args.model, batch_per_rank=args.batch,
+               seq=args.seq, checkpointing=args.checkpointing, device=args.device)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise CaseError("--device cuda but torch sees no GPU; use --device cpu (CPU cases only)")
+    if info.gpu_only and args.device != "cuda":
+        row["skipped"] = f"needs CUDA: {args.case} runs on GPUs only (run it on the GPU machine)"
+        return row
+    if info.max_world and world > info.max_world:
+        row["skipped"] = f"{args.case} runs on at most {info.max_world} GPU(s)"
+        return row
+    omp = os.environ.get("OMP_NUM_THREADS")
+    if omp != str(args.threads):
+        raise CaseError(f"OMP_NUM_THREADS={omp} but --threads {args.threads}: every case must run T "
+                        f"threads per rank; launch through benchmarks/fair/run.py or export "
+                        f"OMP_NUM_THREADS={args.threads}")
+    torch.set_num_threads(args.threads)
+    cfg = preset(args.model, seq_len=args.seq) if args.seq != preset(args.model).seq_len else preset(args.model)
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=args.collective_timeout))
+    params = cfg.num_params()
+    row.update(params=params, threads=args.threads, omp_num_threads=omp,
+               torch_threads_at_start=torch.get_num_threads(), init_file=os.path.abspath(args.init),
+               init_fingerprint=file_fingerprint(args.init), data_seed=args.data_seed)
+    batches = [batch_for(i, rank, batch=args.batch, seq=args.seq, vocab=cfg.vocab_size, seed=args.data_seed)
+               for i in range(args.warmup + args.steps)]
+    batches = [(x.to(device), y.to(device)) for x, y in batches]
+
+    t_build = time.perf_counter()
+    sd = load_init(args.init, cfg)
+    runner = BUILDERS[args.case](args, cfg, device, world, sd)
+    del sd  # unmaps the init file once the case holds its own copy
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        row["gpu_peak_init_alloc_gib_rank0"] = torch.cuda.max_memory_allocated(device) / GiB
+        torch.cuda.reset_peak_memory_stats(device)
+    row["init_s"] = time.perf_counter() - t_build
+    row["config"] = runner.config
+    row["threads_reported"] = {"torch_after_build": torch.get_num_threads(), **runner.threads}
+    sampler.mark()
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    losses, warm_times = [], []
+    for i in range(args.warmup):
+        sync()
+        t0 = time.perf_counter()
+        losses.append(runner.step(*batches[i]))
+        sync()
+        warm_times.append(time.perf_counter() - t0)
+    steps, reason = args.steps, None
+    est = max(warm_times[-1:] or [0.0])
+    if est > LONG_STEP_S and steps > args.min_steps:
+        steps = args.min_steps
+        reason = f"warm-up step {est:.1f} s > {LONG_STEP_S:.0f} s: {steps} timed steps"
+    if args.time_budget > 0 and est > 0:
+        room = args.time_budget - (time.time() - _T0) - max(10.0, 3 * est)
+        fit = int(room // est)
+        if fit < steps:
+            steps = max(args.min_steps, fit)
+            reason = f"--time-budget {args.time_budget:.0f} s: {steps} of {args.steps} timed steps fit"
+    runner.on_timed()
+    times = []
+    sync()
+    t_all = time.perf_counter()
+    for i in range(args.warmup, args.warmup + steps):
+        sync()
+        t0 = time.perf_counter()
+        losses.append(runner.step(*batches[i]))
+        sync()
+        times.append(time.perf_counter() - t0)
+    runner.finish()  # the engine's own outstanding work is inside the total wall time
+    sync()
+    total = time.perf_counter() - t_all
+    sampler.stop()
+    losses = [float(x) for x in losses]
+
+    q = quantiles(times)
+    tokens = world * args.batch * args.seq
+    gpu = ([torch.cuda.max_memory_allocated(device) / GiB, torch.cuda.max_memory_reserved(device) / GiB]
+           if device.type == "cuda" else [0.0, 0.0])
+    mine = {"pid": os.getpid(), "pss_peak_gib": sampler.pss_peak * 1024 / GiB,
+            "pss_peak_train_gib": sampler.pss_peak_since_mark * 1024 / GiB, "gpu": gpu, "losses": losses,
+            "torch_threads": torch.get_num_threads()}
+    ranks = [None] * world
+    dist.all_gather_object(ranks, mine)
+    row.update(runner.extra())
+    row.update(
+        warmup=args.warmup, steps=steps, steps_requested=args.steps, steps_reason=reason,
+        warmup_times=warm_times, step_times=times, **q,
+        total_wall_s=total, wall_mean_s=total / steps,
+        tokens_per_s=tokens / q["median_s"], tokens_per_s_wall=tokens / (total / steps),
+        model_tflops_per_gpu=cfg.flops_per_token(args.seq) * tokens / q["median_s"] / world / 1e12,
+        step0_loss=losses[0], step0_loss_rank_mean=sum(r["losses"][0] for r in ranks) / world,
+        losses=losses, pids=[r["pid"] for r in ranks],
+        torch_threads_per_rank=[r["torch_threads"] for r in ranks],
+        pss_peak_per_rank_gib=[r["pss_peak_gib"] for r in ranks],
+        pss_peak_train_per_rank_gib=[r["pss_peak_train_gib"] for r in ranks],
+        pss_sampler={"period_s": sampler.period, "samples": sampler.samples,
+                     "mean_cpu_ms": 1e3 * sampler.read_s / max(1, sampler.samples)},
+        memavail_start_gib=sampler.avail_start * 1024 / GiB, memavail_min_gib=sampler.avail_min * 1024 / GiB,
+        gpu_peak_alloc_per_rank_gib=[r["gpu"][0] for r in ranks],
+        gpu_peak_reserved_per_rank_gib=[r["gpu"][1] for r in ranks],
+        protocol_ok=args.warmup >= 3 and (steps >= 20 or (est > LONG_STEP_S and steps >= 5)),
+    )
+    row["memavail_drop_gib"] = row["memavail_start_gib"] - row["memavail_min_gib"]
+    row["host_bytes_per_param"] = row["memavail_drop_gib"] * GiB / params
+    row["versions"] = versions(device)
+    runner.close()
+    return row
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "-1"))
+    sampler = globals().get("_SAMPLER") or MemSampler()
+    if not sampler.is_alive() and sampler.samples == 0:
+        sampler.start()
+    sampler.node = rank == 0
+    row: dict = {"case": args.case, "rank": rank, "error": None, "started_unix": _T0}
+    code = 0
+    try:
+        if rank < 0 or "WORLD_SIZE" not in os.environ:
+            raise CaseError("case.py runs under torchrun (for every N, 1 included): torchrun "
+                            "--standalone --nproc-per-node N benchmarks/fair/case.py ... (run.py does)")
+        row = run(args, row, sampler)
+    except BaseException as e:  # noqa: BLE001 - every failure becomes a one-line row
+        if isinstance(e, SystemExit) and not e.code:
+            raise
+        row["error"] = _one_line(e)
+        row["failed_unix"] = time.time()
+        if not isinstance(e, CaseError):
+            traceback.print_exc()
+        print(f"[fair case {args.case} rank {rank}] error: {row['error']}", file=sys.stderr, flush=True)
+        code = 1
+    row["wall_s"] = time.time() - _T0
+    if rank == 0:
+        write_json(args.json_out, row)
+    elif code:
+        write_json(f"{args.json_out}.rank{rank}", row)
+    if code:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # no teardown that could hang on a broken communicator
+    if rank == 0:
+        print(f"[fair case {args.case} x{row.get('world')}] " + (
+            f"skipped: {row['skipped']}" if row.get("skipped") else
+            f"{row['median_s']:.3f} s/step [{row['p25_s']:.3f}-{row['p75_s']:.3f}], "
+            f"{row['tokens_per_s']:,.0f} tok/s, loss0 {row['step0_loss']:.4f}"), flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# ONE device call of the fair training harness (issue 22): set up a bare GPU machine, then run
+# one phase's plan through benchmarks/fair/run.py inside the call's time limit.
+#
+#   bash benchmarks/fair/device.sh setup-tests-n1   # kind nvidia-h100-x1 (or any): smoke + plan n1
+#   bash benchmarks/fair/device.sh n2n4             # kind nvidia-h100-x4: plans n2 and n4
+#   bash benchmarks/fair/device.sh n4               # any plan name of fairplan.PLANS, or items
+#
+# Carry `.whl` (a copy of ../shared/wheels: deepspeed/ and torchao/; see its README) for the
+# DeepSpeed and torchao cases; without it those rows say "No module named ...".
+# Results under $OUT (at most 8 files come back): machine.txt, setup.log, rows.jsonl,
+# summary.md, logs.tar.gz (every case's log and JSON), device.log.
+# Knobs (env): FAIR_BUDGET total seconds for this script (default 540; the call is killed at
+# 600), FAIR_SMOKE=0 skips the smoke of setup-tests-*, FAIR_ARGS extra run.py arguments
+# (e.g. "--steps 30"), FAIR_SEED shuffle seed (default: the clock), ZO_FAIR_COMMIT the commit to
+# record (default: a hash of the source tree; the device copy has no .git), FAIR_INIT the init
+# file's path, FAIR_SKIP_INSTALL=1 keeps the zero_offload already installed (a warm machine whose
+# csrc/ did not change).
+set -u -o pipefail
+START=$SECONDS
+BUDGET=${FAIR_BUDGET:-540}
+OUT=${OUT:-/tmp/zo_fair_out}; mkdir -p "$OUT"
+exec > >(tee -a "$OUT/device.log") 2>&1
+PHASE=${1:-setup-tests-n1}
+export PYTHONUNBUFFERED=1 DS_ACCELERATOR=cuda TORCH_CUDA_ARCH_LIST=9.0 TORCH_EXTENSIONS_DIR=/tmp/ds_ext
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+say() { echo "[device.sh $((SECONDS - START))s] $*"; }
+
+{ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
+  lscpu | grep -E 'Model name|^CPU\(s\)|NUMA node\(s\)'; free -g | head -2; df -h /dev/shm /tmp | tail -2
+  python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+} > "$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
+
+# -- setup: the package, the carried wheels, DeepSpeed's CPU-Adam op, the init weights ---------
+model=1.3b; seq=1024  # as run.py will be told (FAIR_ARGS may change them)
+for a in ${FAIR_ARGS:-}; do
+  [ "${prev:-}" = --model ] && model=$a; [ "${prev:-}" = --seq ] && seq=$a; prev=$a
+done
+need_kib=$(( 6 * 1024 * 1024 ))  # the 1.31B init file is 5.3 GB; /dev/shm of a container may be small
+shm_kib=$(df -k --output=avail /dev/shm 2>/dev/null | tail -1 | tr -d ' ')
+if [ -n "${FAIR_INIT:-}" ]; then INIT=$FAIR_INIT
+elif [ "${shm_kib:-0}" -gt $(( 2 * need_kib )) ]; then INIT=/dev/shm/zo_fair_init_${model}_s${seq}.pt
+else INIT=/tmp/zo_fair_init_${model}_s${seq}.pt; fi
+wheels=$(ls .whl/deepspeed/*.whl .whl/torchao/*.whl 2>/dev/null)
+if [ -n "$wheels" ]; then
+  # shellcheck disable=SC2086
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    $wheels >> "$OUT/setup.log" 2>&1 \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || say "wheel install failed (see setup.log)"
+else
+  say "no .whl/deepspeed or .whl/torchao carried: the ds-* and torchao rows will say so"
+fi
+# in the background while the package builds: DeepSpeed's JIT op (not inside a timed case) and
+# the init weights
+( if python3 -c "import deepspeed" >/dev/null 2>&1; then
+    timeout 300 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
+      > /tmp/ds_build.log 2>&1 && echo "cpu_adam op built" || { echo "cpu_adam op build FAILED:"; tail -5 /tmp/ds_build.log; }
+  else echo "deepspeed not importable: ds-* rows will say so"; fi ) > /tmp/ds_build.status 2>&1 &
+ds_pid=$!
+( [ -f "$INIT" ] || PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} timeout 300 python3 benchmarks/fair/make_init.py \
+    --model "$model" --seq "$seq" --out "$INIT" ) > /tmp/make_init.log 2>&1 &
+init_pid=$!
+if [ "${FAIR_SKIP_INSTALL:-0}" = 1 ]; then say "FAIR_SKIP_INSTALL=1: zero_offload as installed"
+elif ! timeout 300 python3 -m pip install --no-build-isolation --no-deps -e . > /tmp/zo_build.log 2>&1; then
+  tail -20 /tmp/zo_build.log >> "$OUT/setup.log"
+  say "pip install -e . failed: $(tail -1 /tmp/zo_build.log) (setup.log)"; exit 1
+else say "zero_offload built"; fi
+wait $init_pid; cat /tmp/make_init.log | tee -a "$OUT/setup.log"
+wait $ds_pid; cat /tmp/ds_build.status | tee -a "$OUT/setup.log"
+say "setup done"
+
+left() { echo $(( BUDGET - (SECONDS - START) )); }
+case $PHASE in
+  setup-tests-*) plan=${PHASE#setup-tests-}
+    if [ "${FAIR_SMOKE:-1}" != 0 ]; then  # the harness's GPU path on a tiny model, outside $OUT's rows
+      say "smoke: tiny ddp + engine on the GPU"
+      timeout 90 python3 benchmarks/fair/run.py --plan "ddp@1 engine@1" --model tiny --seq 128 --batch 4 \
+        --warmup 1 --steps 3 --out /tmp/fair_smoke --init /tmp/fair_smoke_init.pt --deadline 80 \
+        2>&1 | grep -E '^\[fair' || say "smoke FAILED (see /tmp/fair_smoke)"
+    fi ;;
+  *) plan=$PHASE ;;
+esac
+seed=${FAIR_SEED:-$(date +%s)}
+say "plan $plan, shuffle seed $seed, deadline $(( $(left) - 15 )) s"
+python3 benchmarks/fair/run.py --plan "$plan" --out "$OUT" --init "$INIT" --seed "$seed" \
+  --deadline $(( $(left) - 15 )) --log-dir "/tmp/fair_logs_$(date +%s)" --log-tar "$OUT/logs.tar.gz" ${FAIR_ARGS:-}
+rc=$?
+say "run.py exit $rc"
+exit $rc

@@ -1,0 +1,191 @@
+"""What the fair harness can run, and what a plan says (standard library only: the driver
+imports it without torch).
+
+A plan is a list of items ``case[:knob=value,...]@N``: one case at N GPUs (ranks), run in its
+own process group by ``run.py``. Named plans are in ``PLANS``; items are separated by spaces or
+';'. Knobs are case.py flags without
+the leading dashes (``fsdp2:fsdp-reshard=1@4``, ``ds-zero3:ds-prefetch-bucket=5e7@4``), or their
+short aliases in ``KNOB_ALIASES`` (``reshard``, ``prefetch``, ``reduce``, ``ratio``, ``sub-group``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseInfo:
+    """One case: its recipe (what the row's "recipe" column says) and where it runs."""
+
+    recipe: str
+    short: str
+    """The recipe in a few words (the summary's column)."""
+    compute: str = "bf16"
+    """What the matmuls see: "autocast" (fp32 params cast per op) or "bf16" (bf16 params): the
+    step-0 losses of one compute kind agree (same weights, same data)."""
+    gpu_only: bool = False
+    max_world: int | None = None
+    knobs: tuple = ()
+    startup_s: float = 25.0
+    """Process start to the first step at 1.31B on the GPU machine (import, init, weights)."""
+    step_s: dict = dataclasses.field(default_factory=dict)
+    """Expected s/step at 1.31B, batch 8x1024 per rank, by N (from BASELINES.md and the s4-s6
+    records, rounded up): the driver's deadline check."""
+
+
+TORCH_AUTOCAST = "fp32 params + bf16 autocast, AdamW fp32 state"
+BF16_MASTER = "bf16 work + fp32 master"
+DS3_KNOBS = ("ds-prefetch-bucket", "ds-reduce-bucket", "ds-sub-group")
+CASES: dict[str, CaseInfo] = {
+    "ddp": CaseInfo(
+        TORCH_AUTOCAST + " on the GPU, fused (no offload: the ceiling)",
+        short="fp32 + autocast", compute="autocast", startup_s=20, step_s={1: 0.17, 2: 0.18, 4: 0.19}),
+    "ddp-bf16": CaseInfo(
+        "bf16 params, no fp32 master, AdamW state bf16 on the GPU, fused (no offload: the ceiling of "
+        "the engine's own bf16-params recipe)",
+        short="bf16 params", startup_s=20, step_s={1: 0.15, 2: 0.16, 4: 0.17}),
+    "engine": CaseInfo(
+        "bf16 working params (no autocast), fp32 master + moments on the CPU; zero_offload engine "
+        "params=cpu optimizer=cpu",
+        short=BF16_MASTER, startup_s=35, step_s={1: 0.35, 2: 0.40, 4: 0.45}),
+    "engine-auto": CaseInfo(
+        "bf16 working params (no autocast), fp32 master + moments on the CPU; zero_offload engine "
+        "params=auto optimizer=auto",
+        short=BF16_MASTER, startup_s=35, step_s={1: 0.35, 2: 0.40, 4: 0.45}),
+    "offload-adamw": CaseInfo(
+        TORCH_AUTOCAST + " on the CPU (zero_offload OffloadAdamW, overlap_forward=True)",
+        short="fp32 + autocast", compute="autocast", startup_s=25, step_s={1: 0.40, 2: 0.45, 4: 0.5}),
+    "torchao": CaseInfo(
+        TORCH_AUTOCAST + " on the CPU (torchao CPUOffloadOptimizer, AdamW fused, offload_gradients=True)",
+        short="fp32 + autocast", compute="autocast", gpu_only=True, max_world=1,
+        startup_s=25, step_s={1: 0.5}),
+    "fsdp2": CaseInfo(
+        "bf16 compute params (MixedPrecisionPolicy param bf16, reduce fp32), fp32 sharded params + "
+        "AdamW state on the CPU (CPUOffloadPolicy pin_memory, torch.optim.AdamW fused)",
+        short="bf16 compute + fp32 master", gpu_only=True, knobs=("fsdp-reshard",),
+        startup_s=30, step_s={1: 2.2, 2: 0.8, 4: 0.8}),
+    "ds-zero2": CaseInfo(
+        "DeepSpeed bf16 params, fp32 master + moments on the CPU (ZeRO-2 + offload_optimizer cpu, "
+        "DeepSpeedCPUAdam)",
+        short=BF16_MASTER, gpu_only=True, startup_s=45, step_s={1: 1.0, 2: 0.9, 4: 0.9}),
+    "ds-zero3": CaseInfo(
+        "DeepSpeed bf16 params, fp32 master + moments on the CPU (ZeRO-3, offload_param + "
+        "offload_optimizer cpu, DeepSpeedCPUAdam)",
+        short=BF16_MASTER, gpu_only=True, knobs=DS3_KNOBS, startup_s=50, step_s={1: 1.1, 2: 1.2, 4: 1.3}),
+    "ds-zero3-ratio": CaseInfo(
+        "DeepSpeed bf16 params on the GPU, fp32 master + moments: the ds-ratio share on the CPU "
+        "(DeepSpeedCPUAdam), the rest on the GPU (ZeRO-3, offload_optimizer cpu with ratio)",
+        short=BF16_MASTER, gpu_only=True, knobs=("ds-ratio",) + DS3_KNOBS,
+        startup_s=50, step_s={1: 0.9, 2: 0.9, 4: 0.9}),
+}
+
+KNOB_ALIASES = {"reshard": "fsdp-reshard", "prefetch": "ds-prefetch-bucket",
+                "reduce": "ds-reduce-bucket", "ratio": "ds-ratio", "sub-group": "ds-sub-group"}
+
+# [Note: plan order is priority] (run.py): when a plan's expected time exceeds the deadline, its
+# last items are the ones not run; the rest run in shuffled order. Each plan keeps the engine and
+# the ddp ceiling of every N first: ratios compare rows of one run only.
+_N1 = ("engine ddp torchao ds-zero3 fsdp2:reshard=0 ds-zero2 offload-adamw ddp-bf16 engine-auto").split()
+_N2 = "engine ddp ds-zero3 fsdp2:reshard=0 ds-zero2 offload-adamw engine-auto".split()
+_N4 = ("engine ddp ds-zero3 fsdp2:reshard=0 ds-zero2 offload-adamw engine-auto ds-zero3:prefetch=5e7,reduce=5e8 "
+       "fsdp2:reshard=1 ds-zero3-ratio:ratio=0.5").split()
+_N4A = "engine ddp ds-zero3 fsdp2:reshard=0 ds-zero2 offload-adamw".split()
+_N4B = ("engine ddp ds-zero3:prefetch=5e7,reduce=5e8 fsdp2:reshard=1 ds-zero3-ratio:ratio=0.5 "
+        "engine-auto").split()
+PLANS: dict[str, list[str]] = {
+    "n1": [f"{c}@1" for c in _N1],
+    "n2": [f"{c}@2" for c in _N2],
+    "n4": [f"{c}@4" for c in _N4],
+    # the issue's 2- and 4-GPU plan, by priority; about 15 min of cases: one 10-minute call runs
+    # its first part (the rows name the rest), or split it: n2, n4a, n4b (each call its own
+    # engine and ddp rows, so each call's ratios stand alone)
+    "n2n4": [f"{c}@{n}" for c in ("engine", "ddp", "ds-zero3", "fsdp2:reshard=0", "ds-zero2") for n in (4, 2)]
+            + [f"{c}@4" for c in _N4[5:]] + [f"{c}@2" for c in _N2[5:]],
+    "n4a": [f"{c}@4" for c in _N4A],
+    "n4b": [f"{c}@4" for c in _N4B],
+    # what runs on a CPU (tests, smoke): no GPU-only case
+    "cpu": ["ddp@1", "ddp-bf16@1", "engine@1", "engine-auto@1", "offload-adamw@1", "ddp@2", "engine@2"],
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One (case, knobs, N) of a plan."""
+
+    case: str
+    world: int
+    knobs: tuple = ()  # ((flag, value), ...) in the order given
+
+    @property
+    def label(self) -> str:
+        """The case with its knobs, e.g. ``ds-zero3[prefetch=5e7,reduce=5e8]``."""
+        if not self.knobs:
+            return self.case
+        short = {v: k for k, v in KNOB_ALIASES.items()}
+        return f"{self.case}[" + ",".join(f"{short.get(k, k)}={v}" for k, v in self.knobs) + "]"
+
+    @property
+    def slug(self) -> str:
+        """The label as a file name piece."""
+        name = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.label).strip("_")
+        return f"{name}_n{self.world}"
+
+    def case_args(self) -> list:
+        out = []
+        for k, v in self.knobs:
+            out += [f"--{k}", str(v)]
+        return out
+
+
+def parse_item(text: str) -> Item:
+    """``case[:knob=value,...]@N`` -> Item; ValueError (one line, naming the fix) otherwise."""
+    body, at, n = text.strip().rpartition("@")
+    if not at or not n.isdigit() or int(n) < 1:
+        raise ValueError(f"plan item {text!r}: write case[:knob=value,...]@N with N >= 1, e.g. ddp@2")
+    name, _, knob_text = body.partition(":")
+    if name not in CASES:
+        raise ValueError(f"plan item {text!r}: unknown case {name!r}; choose from {', '.join(CASES)}")
+    info = CASES[name]
+    knobs = []
+    for kv in filter(None, knob_text.split(",")):
+        k, eq, v = kv.partition("=")
+        k = KNOB_ALIASES.get(k.strip(), k.strip())
+        if not eq or not v.strip():
+            raise ValueError(f"plan item {text!r}: knob {kv!r} needs a value (knob=value)")
+        if k not in info.knobs:
+            raise ValueError(f"plan item {text!r}: case {name} takes no knob {k!r}; its knobs: "
+                             f"{', '.join(info.knobs) or 'none'}")
+        knobs.append((k, v.strip()))
+    return Item(case=name, world=int(n), knobs=tuple(knobs))
+
+
+def parse_plan(text: str) -> list:
+    """A named plan (``PLANS``; several joined by '+'), or items separated by spaces or ';'
+    (a knob list uses ',')."""
+    names = text.split("+")
+    if all(n in PLANS for n in names):
+        return [parse_item(i) for n in names for i in PLANS[n]]
+    items = [parse_item(t) for t in text.replace(";", " ").split()]
+    if not items:
+        raise ValueError(f"--plan {text!r} names no case; use a plan from {', '.join(PLANS)} or items "
+                         f"like 'ddp@1 engine@1'")
+    return items
+
+
+def threads_for(world: int, cores: int, policy: str = "auto") -> int:
+    """Per-rank CPU threads for every case at ``world`` ranks: ``auto`` = floor(cores / world),
+    or a fixed integer."""
+    if policy == "auto":
+        return max(1, cores // world)
+    if not policy.isdigit() or int(policy) < 1:
+        raise ValueError(f"--threads-per-rank {policy!r}: use 'auto' (cores // N) or an integer >= 1")
+    return int(policy)
+
+
+def expected_seconds(item: Item, *, params: int, warmup: int, steps: int, cuda: bool) -> float:
+    """The driver's estimate of one case's wall time (process start to exit)."""
+    info = CASES[item.case]
+    scale = params / 1.314e9
+    if not cuda:  # tiny CPU presets: a few seconds of imports and init
+        return 8.0 + item.world * 2.0 + (warmup + steps) * 0.05 * max(1.0, scale * 1000)
+    step = info.step_s.get(item.world) or max(info.step_s.values())
+    return info.startup_s * max(1.0, scale) + (warmup + steps) * step * max(scale, 0.02)

@@ -1,0 +1,142 @@
+"""benchmarks/fair (issue 22's training harness) on the CPU: one process group per case, the same
+threads, weights and data for every case, rows with the fields the summary needs, and the
+driver's failure rows (a case that fails, a case past its timeout, a case past the deadline).
+
+The init file is written with a large init_std so the step-0 loss depends on the weights: the
+check that every case starts from the same weights could fail (a second init differs by far more
+than the tolerance, asserted below)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+FAIR = Path(__file__).resolve().parents[1] / "benchmarks" / "fair"
+sys.path.insert(0, str(FAIR))
+
+from case import batch_for  # noqa: E402
+from make_init import main as make_init  # noqa: E402
+
+from zero_offload.models import GPT, preset  # noqa: E402
+
+MODEL, SEQ, BATCH, STD = "tiny", 32, 2, 0.5
+REQUIRED = ("run_id", "order", "label", "case", "world", "recipe", "threads", "omp_num_threads",
+            "torch_threads_per_rank", "threads_reported", "pids", "init_fingerprint", "step0_loss",
+            "step0_loss_rank_mean", "median_s", "p25_s", "p75_s", "min_s", "max_s", "total_wall_s",
+            "wall_mean_s", "step_times", "tokens_per_s", "model_tflops_per_gpu", "pss_peak_per_rank_gib",
+            "memavail_start_gib", "memavail_min_gib", "memavail_drop_gib", "host_bytes_per_param",
+            "driver_memavail_drop_gib", "gpu_peak_alloc_per_rank_gib", "gpu_peak_reserved_per_rank_gib",
+            "params", "versions", "config", "error")
+
+
+def _driver(tmp_path, *args, name="out"):
+    out = tmp_path / name
+    cmd = [sys.executable, str(FAIR / "run.py"), "--out", str(out), "--model", MODEL, "--seq", str(SEQ),
+           "--batch", str(BATCH), "--warmup", "1", "--steps", "2", "--device", "cpu", "--settle", "0",
+           "--init", str(tmp_path / "init.pt"), "--init-std", str(STD), *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    rows = []
+    if (out / "rows.jsonl").exists():
+        rows = [json.loads(ln) for ln in (out / "rows.jsonl").read_text().splitlines() if ln.strip()]
+    return r, rows, out
+
+
+def _reference_losses(seed: int) -> dict:
+    """Step 0's loss on rank 0 from GPT(seed) as make_init.py builds it, in each recipe: fp32
+    params under bf16 autocast (ddp, offload-adamw) and bf16 params (the engine's working copy)."""
+    torch.manual_seed(seed)
+    model = GPT(preset(MODEL, seq_len=SEQ, init_std=STD))
+    x, y = batch_for(0, 0, batch=BATCH, seq=SEQ, vocab=model.config.vocab_size, seed=1234)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = float(model(x, y))
+        bf16 = float(model.to(torch.bfloat16)(x, y))
+    return {"ddp": autocast, "offload-adamw": autocast, "engine": bf16}
+
+
+def test_cases_share_threads_weights_data_in_own_processes(tmp_path):
+    make_init(["--model", MODEL, "--seq", str(SEQ), "--init-std", str(STD), "--out", str(tmp_path / "init.pt")])
+    r, rows, out = _driver(tmp_path, "--plan", "ddp@1 engine@1 offload-adamw@1", "--seed", "3")
+    assert r.returncode == 0, r.stderr[-2000:] + r.stdout[-2000:]
+    assert sorted((row["label"], row["world"]) for row in rows) == [
+        ("ddp", 1), ("engine", 1), ("offload-adamw", 1)]
+    assert [row["order"] for row in rows] == [0, 1, 2]
+    for row in rows:
+        missing = [k for k in REQUIRED if k not in row]
+        assert not missing, f"{row['label']}@{row['world']} lacks {missing}"
+        assert row["error"] is None
+    # one process group per case: no pid twice
+    pids = [p for row in rows for p in row["pids"]]
+    assert len(pids) == len(set(pids)) == 3
+    # the same threads for every case (this machine's cores // N), every knob agreeing
+    for row in rows:
+        t = len(os.sched_getaffinity(0)) // row["world"]
+        assert row["threads"] == t and row["omp_num_threads"] == str(t)
+        assert row["torch_threads_per_rank"] == [t] * row["world"]
+        engine_threads = {k: v for k, v in row["threads_reported"].items() if isinstance(v, int)}
+        assert set(engine_threads.values()) == {t}, row["threads_reported"]
+    assert len({row["init_fingerprint"] for row in rows}) == 1
+    # same weights and data: every step-0 loss is its recipe's reference, computed here from the
+    # same seed; a model from another seed is far outside that tolerance
+    ref, other = _reference_losses(0), _reference_losses(1)
+    for row in rows:
+        want = ref[row["case"]]
+        assert abs(other[row["case"]] - want) > 10 * 1e-3 * want
+        assert abs(row["step0_loss"] - want) < 1e-3 * want, (row["label"], row["step0_loss"], want)
+    summary = (out / "summary.md").read_text()
+    assert "## N = 1" in summary and "| engine |" in summary and "| offload-adamw |" in summary
+
+
+def test_failure_timeout_and_deadline_each_leave_one_clear_row(tmp_path):
+    # a case that fails (an init file of another shape): an error row naming the fix, exit 1
+    make_init(["--model", MODEL, "--seq", "64", "--out", str(tmp_path / "init.pt")])
+    r, rows, _ = _driver(tmp_path, "--plan", "ddp@1", name="bad")
+    assert r.returncode == 1
+    [row] = rows
+    assert "seq_len" in row["error"] and "make_init.py" in row["error"] and "\n" not in row["error"]
+    assert "ddp@1" in r.stdout
+    # past --case-timeout: the case's process group is killed, the row says so (the driver
+    # writes the missing init file first)
+    os.unlink(tmp_path / "init.pt")
+    r, rows, _ = _driver(tmp_path, "--plan", "engine@1", "--case-timeout", "1", name="slow")
+    assert r.returncode == 1
+    assert (tmp_path / "init.pt").is_file()
+    [row] = rows
+    assert row["error"].startswith("timeout: killed after")
+    # past --deadline: not started, a "not run" row, and exit 0 (nothing failed)
+    r, rows, _ = _driver(tmp_path, "--plan", "ddp@1 engine@1", "--deadline", "2", name="late")
+    assert r.returncode == 0, r.stderr
+    assert [row["not_run"][:8] for row in rows] == ["deadline", "deadline"]
+    # a plan naming an unknown case: one line, exit 2, nothing run
+    r, rows, _ = _driver(tmp_path, "--plan", "ddp@1 nosuch@2", name="typo")
+    assert r.returncode == 2 and rows == []
+    assert r.stderr.strip().count("\n") == 0 and "unknown case 'nosuch'" in r.stderr
+
+
+def test_plan_order_is_priority_under_a_deadline(tmp_path):
+    # about 12 s expected per CPU case: a 35 s deadline (27 s after the driver's reserve) takes
+    # the plan's first two items and leaves the third, whatever the shuffle
+    r = subprocess.run([sys.executable, str(FAIR / "run.py"), "--plan", "offload-adamw@1 ddp@1 engine@1",
+                        "--out", str(tmp_path), "--device", "cpu", "--model", MODEL, "--dry-run",
+                        "--deadline", "35", "--seed", "5"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    order, _, dropped = r.stdout.splitlines()[0].partition("not run")
+    assert "offload-adamw@1" in order and "ddp@1" in order and "engine@1" in dropped
+
+
+@pytest.mark.parametrize("text, labels", [
+    ("n4", None),
+    ("ds-zero3:prefetch=5e7,reduce=5e8@4; fsdp2:reshard=1@2",
+     [("ds-zero3[prefetch=5e7,reduce=5e8]", 4), ("fsdp2[reshard=1]", 2)]),
+])
+def test_plans_parse(text, labels):
+    from fairplan import parse_plan
+    items = parse_plan(text)
+    if labels is not None:
+        assert [(i.label, i.world) for i in items] == labels
+        assert items[0].case_args() == ["--ds-prefetch-bucket", "5e7", "--ds-reduce-bucket", "5e8"]
+    else:
+        assert {i.world for i in items} == {4} and len(items) == len({i.label for i in items})
