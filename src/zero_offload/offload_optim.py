@@ -134,7 +134,7 @@ import torch
 from .config import as_budget, as_float, as_int, parse_bytes
 from .distributed import (all_gather, collective, is_dtensor, local, resolve_group, shard_of,
                           threads_per_rank)
-from .ops.cpu_adam import UNSUPPORTED_OPTIONS, AdamHyper
+from .ops.cpu_adam import IMPLEMENTATION_OPTIONS, UNSUPPORTED_OPTIONS, AdamHyper
 from .runtime.chunk_group import ChunkGroup, ChunkPhase, GroupChunk, GroupSlot
 from .runtime.pipeline import PipelinePayloads
 from .runtime.store import ChunkStore, Handle, Hop, PayloadSpec, StoreConfig, Tier
@@ -348,8 +348,8 @@ class OffloadAdam(torch.optim.Optimizer):
         else:
             self._nvme_need = sum(self._state_nbytes(run) for g in groups for run in self._pack(g))
         defaults = dict(lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay,
-                        amsgrad=False, maximize=False, foreach=None, capturable=False,
-                        differentiable=False, fused=None, decoupled_weight_decay=self._adamw)
+                        amsgrad=False, maximize=False, capturable=False, differentiable=False,
+                        decoupled_weight_decay=self._adamw, **IMPLEMENTATION_OPTIONS)
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------------------------------
@@ -361,7 +361,7 @@ class OffloadAdam(torch.optim.Optimizer):
             raise RuntimeError(f"{type(self).__name__} is closed")
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        param_group = dict(param_group)
+        param_group = dict(param_group, **IMPLEMENTATION_OPTIONS)  # [Note: groups record fused=True]
         params = param_group.get("params")
         if isinstance(params, torch.Tensor):
             param_group["params"] = [params]
@@ -755,8 +755,9 @@ class OffloadAdam(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim.AdamW``'s format: ``state[i] = {"step", "exp_avg", "exp_avg_sq"}`` (fp32 CPU
         tensors shaped like the param) for every param stepped at least once, plus ``"master"``
-        (fp32) for bf16/fp16 params; ``param_groups`` with torch's keys. Waits for the updates
-        in flight (``synchronize``)."""
+        (fp32) for bf16/fp16 params; ``param_groups`` with torch's keys (``fused=True``: a
+        ``torch.optim.AdamW`` loading it runs fused, as ours does; [Note: groups record
+        fused=True] in ops/cpu_adam.py). Waits for the updates in flight (``synchronize``)."""
         self._check_open()
         if any(s.landed or s.hooks for s in self._slots):
             raise RuntimeError(f"{type(self).__name__}.state_dict() in the middle of a step: call step() first")
@@ -810,7 +811,8 @@ class OffloadAdam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this class or of ``torch.optim.Adam``/``AdamW`` (any device or
         dtype). Hyperparameters of the groups are taken from it, as torch does. Without a
-        ``"master"`` entry, the master of a low-precision param is its current value."""
+        ``"master"`` entry, the master of a low-precision param is its current value. torch's
+        implementation options (``foreach``, ``fused``) stay ours (``IMPLEMENTATION_OPTIONS``)."""
         self._check_open()
         name = type(self).__name__
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
@@ -855,7 +857,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._sync_all()
         for g, sg in zip(self.param_groups, saved_groups):
             for k, v in sg.items():
-                if k != "params":
+                if k != "params" and k not in IMPLEMENTATION_OPTIONS:
                     g[k] = v
         for chunk in self._chunks:
             with self._group.hold(chunk, _STATE, fresh=True) as (master, exp_avg, exp_avg_sq):
