@@ -10,6 +10,7 @@ host memory holds each optimizer byte once, whatever N is.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import glob
 import os
@@ -17,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Shard", "bind_to_cores", "collective", "is_dtensor", "local", "rank_cores", "resolve_group",
-           "threads_per_rank"]
+__all__ = ["Shard", "bind_to_cores", "collective", "is_dtensor", "local", "rank_cores",
+           "resolve_group", "start_default_group", "threads_per_rank"]
 
 
 def is_dtensor(t) -> bool:
@@ -68,6 +69,64 @@ def resolve_group(process_group, owner: str):
         raise TypeError(f"{owner}: process_group must be 'auto', None or a torch.distributed "
                         f"ProcessGroup, got {type(process_group).__name__}")
     return process_group
+
+
+_LAUNCH_VARS = ("RANK", "MASTER_ADDR", "MASTER_PORT")
+"""What ``init_process_group``'s ``env://`` rendezvous reads beside ``WORLD_SIZE`` (torchrun sets
+them all)."""
+
+
+def start_default_group(owner: str, device: torch.device, *, alone: str) -> "str | None":
+    """Under a launcher (``WORLD_SIZE`` > 1 in the environment) with no default process group yet,
+    start it from the environment, as ``deepspeed.initialize`` does: NCCL when ``device`` is a
+    GPU (made the current device first), gloo on the CPU; it is destroyed at exit. Returns the
+    backend started, or None when there was nothing to start (one process, or a group exists).
+    An incomplete environment is refused before anything changes: without it each process would
+    train alone, silently. ``alone``: how the caller trains this process alone (the message's
+    last way out)."""
+    world = os.environ.get("WORLD_SIZE", "1") or "1"
+    if not world.strip().isdigit():
+        raise ValueError(f"{owner}: WORLD_SIZE={world!r} is not a number of processes; launch with "
+                         f"`torchrun --nproc-per-node N` (it sets WORLD_SIZE), or unset it")
+    world = int(world)
+    if world <= 1:
+        return None
+    import torch.distributed as dist
+    if not dist.is_available():
+        raise RuntimeError(f"{owner}: WORLD_SIZE={world} but this torch build has no "
+                           f"torch.distributed; install a build with it, or {alone}")
+    if dist.is_initialized():
+        return None
+    missing = [v for v in _LAUNCH_VARS if not os.environ.get(v)]
+    if missing:
+        raise ValueError(f"{owner}: WORLD_SIZE={world} but {', '.join(missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} not set, so this process cannot join "
+                         f"the other ranks; launch with `torchrun --nproc-per-node N` (it sets RANK, "
+                         f"LOCAL_RANK, MASTER_ADDR and MASTER_PORT), call "
+                         f"torch.distributed.init_process_group() first, or {alone}")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    try:
+        dist.init_process_group(backend)
+    except (RuntimeError, ValueError) as e:  # (DistNetworkError and DistStoreError included)
+        raise RuntimeError(
+            f"{owner}: WORLD_SIZE={world} but the default process group ({backend}) did not start "
+            f"from the environment ({type(e).__name__}: {' '.join(str(e).split())[:300]}); check "
+            f"MASTER_ADDR={os.environ['MASTER_ADDR']} and MASTER_PORT={os.environ['MASTER_PORT']} "
+            f"and that every rank starts, or call torch.distributed.init_process_group() "
+            f"yourself") from None
+    atexit.register(_destroy_if_current, dist.group.WORLD)
+    return backend
+
+
+def _destroy_if_current(group) -> None:
+    """At exit: destroy the default group ``start_default_group`` started, unless it is gone or
+    replaced (the caller's own to destroy then)."""
+    import torch.distributed as dist
+    with contextlib.suppress(Exception):  # exiting: nothing to report to
+        if dist.is_initialized() and dist.group.WORLD is group:
+            dist.destroy_process_group()
 
 
 def shard_of(group) -> Shard:
