@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Shard", "bind_to_cores", "collective", "is_dtensor", "local", "rank_cores",
-           "resolve_group", "start_default_group", "threads_per_rank"]
+__all__ = ["Shard", "bind_to_cores", "check_ranks_agree", "collective", "is_dtensor", "local",
+           "rank_cores", "resolve_group", "start_default_group", "threads_per_rank"]
 
 
 def is_dtensor(t) -> bool:
@@ -127,6 +127,44 @@ def _destroy_if_current(group) -> None:
     with contextlib.suppress(Exception):  # exiting: nothing to report to
         if dist.is_initialized() and dist.group.WORLD is group:
             dist.destroy_process_group()
+
+
+def check_ranks_agree(owner: str, settings: dict, group, *, device: "torch.device | None" = None) -> None:
+    """Every rank of ``group`` passes its ``settings`` (name -> a plain picklable value, the same
+    names on every rank); where any value differs between the ranks, raise on every rank one
+    ``ValueError`` naming the first such setting, each value and the ranks holding it (instead of
+    a collective that mismatches or times out later). A collective: every rank calls it.
+    ``device``: the CUDA device the group's NCCL collectives use (the object all-gather runs on
+    the current device)."""
+    import torch.distributed as dist
+    gathered = [None] * dist.get_world_size(group)
+    on_device = (torch.cuda.device(device) if device is not None and device.type == "cuda"
+                 else contextlib.nullcontext())
+    with on_device, collective(owner, "the comparison of the ranks' settings", group):
+        dist.all_gather_object(gathered, settings, group=group)
+    for name in settings:
+        values = [g.get(name, "(not given)") for g in gathered]
+        if len({repr(v) for v in values}) > 1:  # (by repr: a nan equals itself)
+            raise ValueError(f"{owner}: ranks disagree on {name}: {_who_has(values)}; pass the same "
+                             f"settings on every rank")
+
+
+def _who_has(values: list, limit: int = 200) -> str:
+    """``"rank 0 has 64.0, rank 1 has 32.0"`` (ranks holding one value together); for long
+    sequences (a model's parameters), the first entry where they differ."""
+    shown = [repr(v) for v in values]
+    if max(map(len, shown)) > limit and all(isinstance(v, (list, tuple)) for v in values):
+        i = next(i for i in range(max(map(len, values)))
+                 if len({repr(v[i]) if i < len(v) else None for v in values}) > 1)
+        head = f"entry {i}: "
+        shown = [repr(v[i]) if i < len(v) else f"no such entry ({len(v)} in all)" for v in values]
+    else:
+        head = ""
+    ranks: dict = {}
+    for r, text in enumerate(shown):
+        ranks.setdefault(text if len(text) <= limit else text[:limit - 3] + "...", []).append(r)
+    return head + ", ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} "
+                            f"{'have' if len(rs) > 1 else 'has'} {text}" for text, rs in ranks.items())
 
 
 def shard_of(group) -> Shard:

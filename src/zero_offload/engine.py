@@ -154,11 +154,11 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .config import Adam, OffloadConfig, load_config
+from .config import PER_RANK_FIELDS, Adam, OffloadConfig, load_config
 from .mixed_precision import LossScaler, cast_inputs
-from .distributed import (Shard, all_gather, all_reduce, available_cores, bind_to_cores, collective,
-                          rank_cores, reduce_scatter_mean, resolve_group, shard_of, start_default_group,
-                          threads_per_rank)
+from .distributed import (Shard, all_gather, all_reduce, available_cores, bind_to_cores, check_ranks_agree,
+                          collective, rank_cores, reduce_scatter_mean, resolve_group, shard_of,
+                          start_default_group, threads_per_rank)
 from .initial_values import InitialValues, set_values
 from .runtime.chunk_group import ChunkGroup, GroupChunk, GroupSlot
 from .runtime.partition import ChunkLayout, ParamSlot, Partition, partition_parameters
@@ -492,7 +492,9 @@ def initialize(model: nn.Module, *, optimizer: Optional[Adam] = None,
             the default group when ``torch.distributed`` is initialized with several ranks; under
             a launcher (``torchrun``: ``WORLD_SIZE`` > 1) without one, it is started from the
             environment (NCCL on GPUs, gloo on the CPU; one line on rank 0 says so). None trains
-            on this process alone, or a ProcessGroup.
+            on this process alone, or a ProcessGroup. Every rank must pass the same settings
+            (config fields but ``PER_RANK_FIELDS``, optimizer, param groups, model): they are
+            compared here, and a difference raises on every rank, naming it.
         init: for a model on the meta device, ``init(name, tensor)`` fills an empty CPU tensor
             for each distinct parameter (first name in ``named_parameters()`` order), in that
             order, e.g. ``GPT.init_param``; None: each module's ``reset_parameters()``.
@@ -547,6 +549,9 @@ class Engine:
                              "trains parameters. Unfreeze some, or run inference without the engine")
         self._group_overrides, self._slot_group = _resolve_groups(param_groups, model, self.partition,
                                                                   spec)
+        if self._pg is not None:  # before anything is allocated: a difference raises on every rank
+            check_ranks_agree("zero_offload.initialize", self._rank_settings(), self._pg,
+                              device=self._comm_device)
         self._values = InitialValues(model, self.partition, init=init, weights=weights)
         self._values.check()  # before anything is allocated
         nvme_dir = cfg.nvme_dir
@@ -613,6 +618,22 @@ class Engine:
         self._guard_all()
 
     # ---- construction -----------------------------------------------------------------------
+
+    def _rank_settings(self) -> dict:
+        """What every rank of the group must pass alike (``check_ranks_agree``): the config but
+        its per-rank fields (paths, budgets, threads, I/O tuning), the optimizer, the param groups,
+        the device type and the model's parameters. Any of them differing makes the ranks'
+        chunks, collectives or updates differ ([Note: data parallel])."""
+        out: dict[str, Any] = {f"OffloadConfig.{k}": v for k, v in self.config.to_dict().items()
+                               if k not in PER_RANK_FIELDS}
+        out["the optimizer"] = self.spec.to_dict()
+        out["the device type"] = self.device.type
+        out["param_groups' hyperparameters"] = self._group_overrides
+        out["param_groups' parameters"] = [(self.partition.slots[i].name, g)
+                                           for i, g in sorted(self._slot_group.items())]
+        out["the model's parameters (name, shape, trainable)"] = [
+            (s.name, tuple(s.shape), s.trainable) for s in self.partition.slots]
+        return out
 
     def _build(self, lr_scheduler) -> None:
         cfg = self.config

@@ -132,8 +132,8 @@ import psutil
 import torch
 
 from .config import as_budget, as_float, as_int, parse_bytes
-from .distributed import (all_gather, collective, is_dtensor, local, resolve_group, shard_of,
-                          threads_per_rank)
+from .distributed import (all_gather, check_ranks_agree, collective, is_dtensor, local, resolve_group,
+                          shard_of, threads_per_rank)
 from .ops.cpu_adam import IMPLEMENTATION_OPTIONS, UNSUPPORTED_OPTIONS, AdamHyper
 from .runtime.chunk_group import ChunkGroup, ChunkPhase, GroupChunk, GroupSlot
 from .runtime.pipeline import PipelinePayloads
@@ -312,6 +312,9 @@ class OffloadAdam(torch.optim.Optimizer):
         self._grad_accum = as_int(name, "grad_accum", grad_accum, minimum=1)
         self._depth = as_int(name, "prefetch_depth", prefetch_depth, minimum=0)
         self._cpu_budget = as_budget(name, "cpu_budget", cpu_budget)
+        if self._pg is not None:  # before anything changes: a difference raises on every rank
+            check_ranks_agree(name, self._rank_settings(params, groups, h, chunk_mb, state),
+                              self._pg, device=next((t.device for g in groups for t in g), None))
         self._home = home  # Tier.GPU: state="auto" (each chunk's home is placed: ``_place``)
         self._left: dict | None = None  # state="auto": bytes each tier has left ([Note: GPU share ...])
         # Last check before params get hooks: the swap directory exists (0700) and is writable.
@@ -354,6 +357,21 @@ class OffloadAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------
     # building
+
+    def _rank_settings(self, params, groups, h: AdamHyper, chunk_mb, state) -> dict:
+        """What every rank must pass alike (``check_ranks_agree``; [Note: data parallel]): the
+        chunks (``chunk_mb``, the params' groups, shapes and dtypes) decide the collectives, the
+        rest the updates. Not compared: paths, budgets, threads, ``prefetch_depth`` (this rank's
+        own) and ``overlap`` (off with several ranks)."""
+        return {"the optimizer": type(self).__name__, "chunk_mb": float(chunk_mb),
+                "state": state.lower(), "moments_dtype": self._moments, "grad_accum": self._grad_accum,
+                "overlap_forward": self._overlap_forward,
+                "lr, betas, eps, weight_decay": (h.lr, h.beta1, h.beta2, h.eps, h.weight_decay),
+                "the param groups' options": [{k: v for k, v in g.items() if k != "params"}
+                                              for g in ([] if isinstance(params, torch.Tensor) else params)
+                                              if isinstance(g, dict)],
+                "the params (group, shape, dtype, requires_grad)": [
+                    (i, tuple(t.shape), t.dtype, t.requires_grad) for i, g in enumerate(groups) for t in g]}
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (as torch); its params get chunks (and hooks) at once."""
