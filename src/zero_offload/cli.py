@@ -202,8 +202,7 @@ def _start_ranks(stack) -> tuple[int, int]:
     device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available()
               else torch.device("cpu"))
     try:
-        started = start_default_group("train", device, alone="unset WORLD_SIZE to train "
-                                      "in one process")
+        started = start_default_group("train", device, fix="unset WORLD_SIZE to train in one process")
     except (RuntimeError, ValueError) as e:
         raise UsageError(one_line(e)) from None
     import torch.distributed as dist

@@ -76,14 +76,13 @@ _LAUNCH_VARS = ("RANK", "MASTER_ADDR", "MASTER_PORT")
 them all)."""
 
 
-def start_default_group(owner: str, device: torch.device, *, alone: str) -> "str | None":
+def start_default_group(owner: str, device: torch.device, *, fix: str) -> "str | None":
     """Under a launcher (``WORLD_SIZE`` > 1 in the environment) with no default process group yet,
     start it from the environment, as ``deepspeed.initialize`` does: NCCL when ``device`` is a
     GPU (made the current device first), gloo on the CPU; it is destroyed at exit. Returns the
     backend started, or None when there was nothing to start (one process, or a group exists).
     An incomplete environment is refused before anything changes: without it each process would
-    train alone, silently. ``alone``: how the caller trains this process alone (the message's
-    last way out)."""
+    train alone, silently. ``fix``: the caller's other ways out (the messages' last words)."""
     world = os.environ.get("WORLD_SIZE", "1") or "1"
     if not world.strip().isdigit():
         raise ValueError(f"{owner}: WORLD_SIZE={world!r} is not a number of processes; launch with "
@@ -94,7 +93,8 @@ def start_default_group(owner: str, device: torch.device, *, alone: str) -> "str
     import torch.distributed as dist
     if not dist.is_available():
         raise RuntimeError(f"{owner}: WORLD_SIZE={world} but this torch build has no "
-                           f"torch.distributed; install a build with it, or {alone}")
+                           f"torch.distributed; install a build with it, or unset WORLD_SIZE to train "
+                           f"in one process")
     if dist.is_initialized():
         return None
     missing = [v for v in _LAUNCH_VARS if not os.environ.get(v)]
@@ -102,8 +102,7 @@ def start_default_group(owner: str, device: torch.device, *, alone: str) -> "str
         raise ValueError(f"{owner}: WORLD_SIZE={world} but {', '.join(missing)} "
                          f"{'is' if len(missing) == 1 else 'are'} not set, so this process cannot join "
                          f"the other ranks; launch with `torchrun --nproc-per-node N` (it sets RANK, "
-                         f"LOCAL_RANK, MASTER_ADDR and MASTER_PORT), call "
-                         f"torch.distributed.init_process_group() first, or {alone}")
+                         f"LOCAL_RANK, MASTER_ADDR and MASTER_PORT), or {fix}")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -114,8 +113,7 @@ def start_default_group(owner: str, device: torch.device, *, alone: str) -> "str
             f"{owner}: WORLD_SIZE={world} but the default process group ({backend}) did not start "
             f"from the environment ({type(e).__name__}: {' '.join(str(e).split())[:300]}); check "
             f"MASTER_ADDR={os.environ['MASTER_ADDR']} and MASTER_PORT={os.environ['MASTER_PORT']} "
-            f"and that every rank starts, or call torch.distributed.init_process_group() "
-            f"yourself") from None
+            f"and that every rank starts, or {fix}") from None
     atexit.register(_destroy_if_current, dist.group.WORLD)
     return backend
 

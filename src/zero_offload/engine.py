@@ -522,7 +522,8 @@ class Engine:
         self.module = model
         if process_group == "auto":  # under a launcher without a group: start it
             _announce(start_default_group("zero_offload.initialize", _rank_device(device, ranked=True),
-                                          alone="pass process_group=None to train this process alone"))
+                                          fix="call torch.distributed.init_process_group() first, or "
+                                              "pass process_group=None to train this process alone"))
         self._pg = resolve_group(process_group, "initialize")
         self.shard: Shard = shard_of(self._pg)
         """This rank's place in the data-parallel group (rank 0 of 1 without one)."""
