@@ -17,7 +17,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank, world, port, out_dir, args, timeout_s, backend="gloo"):
+def _rank_main(fn, rank, world, port, out_dir, args, timeout_s, backend="gloo", init_group=True):
     import torch
     import torch.distributed as dist
 
@@ -27,8 +27,9 @@ def _rank_main(fn, rank, world, port, out_dir, args, timeout_s, backend="gloo"):
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        if init_group:
+            dist.init_process_group(backend, rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
         result["value"] = fn(rank, world, *args)
     except BaseException as e:  # noqa: BLE001 - reported to the test
         try:
@@ -45,14 +46,17 @@ def _rank_main(fn, rank, world, port, out_dir, args, timeout_s, backend="gloo"):
         pass
 
 
-def run_ranks(fn, world, tmp_path, *args, timeout_s=60, collective_timeout_s=30, backend="gloo"):
+def run_ranks(fn, world, tmp_path, *args, timeout_s=60, collective_timeout_s=30, backend="gloo",
+              init_group=True):
     """``fn(rank, world, *args)`` on ``world`` processes; returns a list of result dicts.
-    ``backend="nccl"``: rank r drives GPU r."""
+    ``backend="nccl"``: rank r drives GPU r. ``init_group=False``: the launcher's environment
+    only (as torchrun sets it), no process group."""
     os.makedirs(tmp_path, exist_ok=True)
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, str(tmp_path), args,
-                                                   collective_timeout_s, backend)) for r in range(world)]
+                                                   collective_timeout_s, backend, init_group))
+             for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:

@@ -170,3 +170,50 @@ def test_a_dead_rank_makes_the_other_raise_one_clear_error(tmp_path):
     assert "rank 0 of 2: the all-gather of the updated params failed" in err, err
     assert "another rank has probably died" in err and "restart from the last checkpoint" in err
     assert CFG.vocab_size == 64  # the shared test config is untouched by the ranks
+
+
+def _linear(out_features=8):
+    torch.manual_seed(0)
+    return torch.nn.Linear(8, out_features)
+
+
+# case -> (the params and options on rank r, the line every rank raises)
+SETTINGS_CASES = {
+    "chunk_mb": (lambda r: ([*_linear().parameters()], dict(chunk_mb=(0.01, 0.02)[r])),
+                 "OffloadAdamW: ranks disagree on chunk_mb: rank 0 has 0.01, rank 1 has 0.02"),
+    "lr": (lambda r: ([*_linear().parameters()], dict(lr=(1e-3, 3e-3)[r])),
+           "OffloadAdamW: ranks disagree on lr, betas, eps, weight_decay: rank 0 has (0.001, 0.9, "
+           "0.999, 1e-08, 0.01), rank 1 has (0.003, 0.9, 0.999, 1e-08, 0.01)"),
+    "overlap_forward": (lambda r: ([*_linear().parameters()], dict(overlap_forward=bool(r))),
+                        "OffloadAdamW: ranks disagree on overlap_forward: rank 0 has False, rank 1 has True"),
+    "group": (lambda r: ([{"params": [*_linear().parameters()], "weight_decay": (0.1, 0.0)[r]}], {}),
+              "OffloadAdamW: ranks disagree on the param groups' options: rank 0 has "
+              "[{'weight_decay': 0.1}], rank 1 has [{'weight_decay': 0.0}]"),
+    "params": (lambda r: ([*_linear((8, 4)[r]).parameters()], {}),
+               "OffloadAdamW: ranks disagree on the params (group, shape, dtype, requires_grad): rank 0 "
+               "has [(0, (8, 8), torch.float32, True), (0, (8,), torch.float32, True)], rank 1 has "
+               "[(0, (4, 8), torch.float32, True), (0, (4,), torch.float32, True)]"),
+}
+
+
+def _settings_rank(rank, world):
+    from zero_offload import OffloadAdamW
+
+    said = {}
+    for case, (args, _) in SETTINGS_CASES.items():
+        params, kw = args(rank)
+        try:
+            OffloadAdamW(params, threads=1, **kw)
+        except ValueError as e:
+            said[case] = str(e)
+        else:
+            said[case] = "no error"
+    return said
+
+
+def test_ranks_with_different_settings_raise_one_line_naming_them_on_every_rank(tmp_path):
+    """Chunks, hyperparameters and params are compared at construction (not a mismatched
+    all-gather at the first step); threads, paths and budgets are each rank's own."""
+    said = values(run_ranks(_settings_rank, WORLD, tmp_path, timeout_s=120, collective_timeout_s=20))
+    for case, (_, line) in SETTINGS_CASES.items():
+        assert [s[case] for s in said] == [f"{line}; pass the same settings on every rank"] * WORLD, case

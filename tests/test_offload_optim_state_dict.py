@@ -11,9 +11,10 @@ OPTS = dict(chunk_mb=0.02, threads=1)
 
 
 def test_format_matches_torch():
+    """torch's fused AdamW: ours is fused too (one kernel per chunk), and its dict says so."""
     model, reference = make_model(), make_model()
     opt = OffloadAdamW(model.parameters(), **HP, **OPTS)
-    ref = torch.optim.AdamW(reference.parameters(), **HP)
+    ref = torch.optim.AdamW(reference.parameters(), **HP, fused=True)
     data = batches(3)
     train(model, opt, data)
     train(reference, ref, data)
@@ -53,6 +54,36 @@ def test_resume_across_implementations(direction):
     for o in (opt1, opt2):
         if isinstance(o, OffloadAdamW):
             o.close()
+
+
+def test_a_fused_torch_adamw_that_loads_ours_stays_fused_and_round_trips():
+    """torch's load_state_dict takes every option from the dict: ours says fused=True (it was
+    None, which turned a fused AdamW's off, silently). A dict loaded into ours (fused or not)
+    leaves ours fused: those options describe the implementation, not the run."""
+    data = batches(6)
+    first, second, third = make_model(), make_model(), make_model()
+    opt1 = OffloadAdamW(first.parameters(), **HP, **OPTS)
+    train(first, opt1, data[:2])
+    second.load_state_dict(first.state_dict())
+    opt2 = torch.optim.AdamW(second.parameters(), lr=1.0, fused=True)
+    opt2.load_state_dict(opt1.state_dict())
+    assert [g["fused"] for g in opt2.param_groups] == [True] and opt2.param_groups[0]["lr"] == HP["lr"]
+    train(first, opt1, data[2:4])
+    train(second, opt2, data[2:4])
+    assert max_rel_diff(second, first) < 1e-5
+    third.load_state_dict(second.state_dict())
+    opt3 = OffloadAdamW(third.parameters(), lr=1.0, **OPTS)
+    opt3.load_state_dict(opt2.state_dict())  # back: torch's fused dict into ours
+    assert opt3.param_groups[0]["fused"] is True and opt3.param_groups[0]["lr"] == HP["lr"]
+    plain = torch.optim.AdamW(make_model().parameters(), **HP)  # fused=None: ours stays fused
+    opt1.load_state_dict(plain.state_dict())
+    assert opt1.param_groups[0]["fused"] is True
+    opt1.load_state_dict(opt3.state_dict())
+    train(first, opt1, data[4:])
+    train(third, opt3, data[4:])
+    assert max_rel_diff(third, first) < 1e-5
+    opt1.close()
+    opt3.close()
 
 
 def test_round_trip_bf16_keeps_master():

@@ -372,20 +372,17 @@ def _save(engine, out: Path, step: int, state: dict, keep: int = 2, *, lead: boo
 def _start_ranks(stack) -> tuple[int, int]:
     """(rank, world size): under torchrun (WORLD_SIZE > 1) the default process group is set up
     here (NCCL with CUDA, each rank on GPU LOCAL_RANK; gloo on the CPU) and torn down at exit."""
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world == 1:
-        return 0, 1
+    from .distributed import start_default_group
+    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available()
+              else torch.device("cpu"))
+    try:
+        started = start_default_group("train", device, fix="unset WORLD_SIZE to train in one process")
+    except (RuntimeError, ValueError) as e:
+        raise UsageError(one_line(e)) from None
     import torch.distributed as dist
-    if not dist.is_initialized():
-        cuda = torch.cuda.is_available()
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        try:
-            dist.init_process_group("nccl" if cuda else "gloo")
-        except (RuntimeError, ValueError) as e:
-            raise UsageError(f"WORLD_SIZE={world} but the process group could not start ({one_line(e)}); "
-                             f"launch with `torchrun --nproc-per-node N zero-offload train ...` (it sets "
-                             f"RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT)") from None
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    if started:
         stack.callback(dist.destroy_process_group)
     return dist.get_rank(), dist.get_world_size()
 

@@ -436,6 +436,13 @@ class OffloadConfig:
         return t.config
 
 
+PER_RANK_FIELDS = frozenset({"nvme_dir", "gpu_budget", "cpu_budget", "nvme_budget", "activation_reserve",
+                             "threads", "io_threads", "io_block_size", "io_queue_depth", "bind_cores"})
+"""``OffloadConfig`` fields each rank may set for itself: its swap directory, its budgets (where
+its own shards live), its threads and I/O tuning. They change neither the collectives nor the
+results; every other field must be the same on every rank (``initialize`` compares them)."""
+
+
 def _read_json(path: str | os.PathLike) -> Any:
     try:
         with open(path) as fh:

@@ -10,6 +10,7 @@ host memory holds each optimizer byte once, whatever N is.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import glob
 import os
@@ -17,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Shard", "bind_to_cores", "collective", "is_dtensor", "local", "rank_cores", "resolve_group",
-           "threads_per_rank"]
+__all__ = ["Shard", "bind_to_cores", "check_ranks_agree", "collective", "is_dtensor", "local",
+           "rank_cores", "resolve_group", "start_default_group", "threads_per_rank"]
 
 
 def is_dtensor(t) -> bool:
@@ -68,6 +69,100 @@ def resolve_group(process_group, owner: str):
         raise TypeError(f"{owner}: process_group must be 'auto', None or a torch.distributed "
                         f"ProcessGroup, got {type(process_group).__name__}")
     return process_group
+
+
+_LAUNCH_VARS = ("RANK", "MASTER_ADDR", "MASTER_PORT")
+"""What ``init_process_group``'s ``env://`` rendezvous reads beside ``WORLD_SIZE`` (torchrun sets
+them all)."""
+
+
+def start_default_group(owner: str, device: torch.device, *, fix: str) -> "str | None":
+    """Under a launcher (``WORLD_SIZE`` > 1 in the environment) with no default process group yet,
+    start it from the environment, as ``deepspeed.initialize`` does: NCCL when ``device`` is a
+    GPU (made the current device first), gloo on the CPU; it is destroyed at exit. Returns the
+    backend started, or None when there was nothing to start (one process, or a group exists).
+    An incomplete environment is refused before anything changes: without it each process would
+    train alone, silently. ``fix``: the caller's other ways out (the messages' last words)."""
+    world = os.environ.get("WORLD_SIZE", "1") or "1"
+    if not world.strip().isdigit():
+        raise ValueError(f"{owner}: WORLD_SIZE={world!r} is not a number of processes; launch with "
+                         f"`torchrun --nproc-per-node N` (it sets WORLD_SIZE), or unset it")
+    world = int(world)
+    if world <= 1:
+        return None
+    import torch.distributed as dist
+    if not dist.is_available():
+        raise RuntimeError(f"{owner}: WORLD_SIZE={world} but this torch build has no "
+                           f"torch.distributed; install a build with it, or unset WORLD_SIZE to train "
+                           f"in one process")
+    if dist.is_initialized():
+        return None
+    missing = [v for v in _LAUNCH_VARS if not os.environ.get(v)]
+    if missing:
+        raise ValueError(f"{owner}: WORLD_SIZE={world} but {', '.join(missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} not set, so this process cannot join "
+                         f"the other ranks; launch with `torchrun --nproc-per-node N` (it sets RANK, "
+                         f"LOCAL_RANK, MASTER_ADDR and MASTER_PORT), or {fix}")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    try:
+        dist.init_process_group(backend)
+    except (RuntimeError, ValueError) as e:  # (DistNetworkError and DistStoreError included)
+        raise RuntimeError(
+            f"{owner}: WORLD_SIZE={world} but the default process group ({backend}) did not start "
+            f"from the environment ({type(e).__name__}: {' '.join(str(e).split())[:300]}); check "
+            f"MASTER_ADDR={os.environ['MASTER_ADDR']} and MASTER_PORT={os.environ['MASTER_PORT']} "
+            f"and that every rank starts, or {fix}") from None
+    atexit.register(_destroy_if_current, dist.group.WORLD)
+    return backend
+
+
+def _destroy_if_current(group) -> None:
+    """At exit: destroy the default group ``start_default_group`` started, unless it is gone or
+    replaced (the caller's own to destroy then)."""
+    import torch.distributed as dist
+    with contextlib.suppress(Exception):  # exiting: nothing to report to
+        if dist.is_initialized() and dist.group.WORLD is group:
+            dist.destroy_process_group()
+
+
+def check_ranks_agree(owner: str, settings: dict, group, *, device: "torch.device | None" = None) -> None:
+    """Every rank of ``group`` passes its ``settings`` (name -> a plain picklable value, the same
+    names on every rank); where any value differs between the ranks, raise on every rank one
+    ``ValueError`` naming the first such setting, each value and the ranks holding it (instead of
+    a collective that mismatches or times out later). A collective: every rank calls it.
+    ``device``: the CUDA device the group's NCCL collectives use (the object all-gather runs on
+    the current device)."""
+    import torch.distributed as dist
+    gathered = [None] * dist.get_world_size(group)
+    on_device = (torch.cuda.device(device) if device is not None and device.type == "cuda"
+                 else contextlib.nullcontext())
+    with on_device, collective(owner, "the comparison of the ranks' settings", group):
+        dist.all_gather_object(gathered, settings, group=group)
+    for name in settings:
+        values = [g.get(name, "(not given)") for g in gathered]
+        if len({repr(v) for v in values}) > 1:  # (by repr: a nan equals itself)
+            raise ValueError(f"{owner}: ranks disagree on {name}: {_who_has(values)}; pass the same "
+                             f"settings on every rank")
+
+
+def _who_has(values: list, limit: int = 200) -> str:
+    """``"rank 0 has 64.0, rank 1 has 32.0"`` (ranks holding one value together); for long
+    sequences (a model's parameters), the first entry where they differ."""
+    shown = [repr(v) for v in values]
+    if max(map(len, shown)) > limit and all(isinstance(v, (list, tuple)) for v in values):
+        i = next(i for i in range(max(map(len, values)))
+                 if len({repr(v[i]) if i < len(v) else None for v in values}) > 1)
+        head = f"entry {i}: "
+        shown = [repr(v[i]) if i < len(v) else f"no such entry ({len(v)} in all)" for v in values]
+    else:
+        head = ""
+    ranks: dict = {}
+    for r, text in enumerate(shown):
+        ranks.setdefault(text if len(text) <= limit else text[:limit - 3] + "...", []).append(r)
+    return head + ", ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} "
+                            f"{'have' if len(rs) > 1 else 'has'} {text}" for text, rs in ranks.items())
 
 
 def shard_of(group) -> Shard:

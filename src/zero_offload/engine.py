@@ -141,6 +141,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 import warnings
@@ -153,10 +154,11 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .config import Adam, OffloadConfig, load_config
+from .config import PER_RANK_FIELDS, Adam, OffloadConfig, load_config
 from .mixed_precision import LossScaler, cast_inputs
-from .distributed import (Shard, all_gather, all_reduce, available_cores, bind_to_cores, collective,
-                          rank_cores, reduce_scatter_mean, resolve_group, shard_of, threads_per_rank)
+from .distributed import (Shard, all_gather, all_reduce, available_cores, bind_to_cores, check_ranks_agree,
+                          collective, rank_cores, reduce_scatter_mean, resolve_group, shard_of,
+                          start_default_group, threads_per_rank)
 from .initial_values import InitialValues, set_values
 from .runtime.chunk_group import ChunkGroup, GroupChunk, GroupSlot
 from .runtime.partition import ChunkLayout, ParamSlot, Partition, partition_parameters
@@ -487,8 +489,12 @@ def initialize(model: nn.Module, *, optimizer: Optional[Adam] = None,
             ``param_groups`` are group 0 followed by these, in order, so an lr scheduler can
             drive each (e.g. ``LambdaLR`` with one function per group).
         process_group: data parallelism (see [Note: data parallel]): "auto" (default) takes
-            the default group when ``torch.distributed`` is initialized with several ranks
-            (``torchrun``), None trains on this process alone, or a ProcessGroup.
+            the default group when ``torch.distributed`` is initialized with several ranks; under
+            a launcher (``torchrun``: ``WORLD_SIZE`` > 1) without one, it is started from the
+            environment (NCCL on GPUs, gloo on the CPU; one line on rank 0 says so). None trains
+            on this process alone, or a ProcessGroup. Every rank must pass the same settings
+            (config fields but ``PER_RANK_FIELDS``, optimizer, param groups, model): they are
+            compared here, and a difference raises on every rank, naming it.
         init: for a model on the meta device, ``init(name, tensor)`` fills an empty CPU tensor
             for each distinct parameter (first name in ``named_parameters()`` order), in that
             order, e.g. ``GPT.init_param``; None: each module's ``reset_parameters()``.
@@ -514,12 +520,14 @@ class Engine:
         self.config: OffloadConfig = cfg
         self.spec: Adam = spec
         self.module = model
+        if process_group == "auto":  # under a launcher without a group: start it
+            _announce(start_default_group("zero_offload.initialize", _rank_device(device, ranked=True),
+                                          fix="call torch.distributed.init_process_group() first, or "
+                                              "pass process_group=None to train this process alone"))
         self._pg = resolve_group(process_group, "initialize")
         self.shard: Shard = shard_of(self._pg)
         """This rank's place in the data-parallel group (rank 0 of 1 without one)."""
-        if device is None and self._pg is not None and torch.cuda.is_available():
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
-        self.device = _resolve_device(device)
+        self.device = _rank_device(device, ranked=self._pg is not None)
         self._comm_device = torch.device("cpu")  # where the group's collectives take tensors
         if self._pg is not None:
             import torch.distributed as dist
@@ -542,6 +550,9 @@ class Engine:
                              "trains parameters. Unfreeze some, or run inference without the engine")
         self._group_overrides, self._slot_group = _resolve_groups(param_groups, model, self.partition,
                                                                   spec)
+        if self._pg is not None:  # before anything is allocated: a difference raises on every rank
+            check_ranks_agree("zero_offload.initialize", self._rank_settings(), self._pg,
+                              device=self._comm_device)
         self._values = InitialValues(model, self.partition, init=init, weights=weights)
         self._values.check()  # before anything is allocated
         nvme_dir = cfg.nvme_dir
@@ -608,6 +619,22 @@ class Engine:
         self._guard_all()
 
     # ---- construction -----------------------------------------------------------------------
+
+    def _rank_settings(self) -> dict:
+        """What every rank of the group must pass alike (``check_ranks_agree``): the config but
+        its per-rank fields (paths, budgets, threads, I/O tuning), the optimizer, the param groups,
+        the device type and the model's parameters. Any of them differing makes the ranks'
+        chunks, collectives or updates differ ([Note: data parallel])."""
+        out: dict[str, Any] = {f"OffloadConfig.{k}": v for k, v in self.config.to_dict().items()
+                               if k not in PER_RANK_FIELDS}
+        out["the optimizer"] = self.spec.to_dict()
+        out["the device type"] = self.device.type
+        out["param_groups' hyperparameters"] = self._group_overrides
+        out["param_groups' parameters"] = [(self.partition.slots[i].name, g)
+                                           for i, g in sorted(self._slot_group.items())]
+        out["the model's parameters (name, shape, trainable)"] = [
+            (s.name, tuple(s.shape), s.trainable) for s in self.partition.slots]
+        return out
 
     def _build(self, lr_scheduler) -> None:
         cfg = self.config
@@ -1941,6 +1968,26 @@ def _check_replicas(partition: Partition, plan: PlacementPlan, gpu_budget: int, 
             f"({plan.need[Tier.GPU] / 2**30:.2f} GiB): {need / 2**30:.2f} GiB > gpu_budget "
             f"{gpu_budget / 2**30:.2f} GiB. Use params='auto' or 'cpu' (each GPU then holds 1/{shard.world} "
             f"of the params and gathers a chunk while it is used), or raise gpu_budget")
+
+
+def _rank_device(device, *, ranked: bool) -> torch.device:
+    """The compute device: ``device``; by default CUDA when available (with several ranks GPU
+    ``LOCAL_RANK``, as torchrun numbers them), else the CPU."""
+    if device is None and ranked and torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return _resolve_device(device)
+
+
+def _announce(backend: "str | None") -> None:
+    """One line on rank 0 when ``initialize`` started the default process group."""
+    if backend is None:
+        return
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        print(f"zero_offload.initialize: WORLD_SIZE={dist.get_world_size()} and no process group: "
+              f"started the default one from the environment ({backend}); call "
+              f"torch.distributed.init_process_group() before initialize to set it up yourself",
+              file=sys.stderr, flush=True)
 
 
 def _resolve_device(device) -> torch.device:

@@ -132,9 +132,9 @@ import psutil
 import torch
 
 from .config import as_budget, as_float, as_int, parse_bytes
-from .distributed import (all_gather, collective, is_dtensor, local, resolve_group, shard_of,
-                          threads_per_rank)
-from .ops.cpu_adam import UNSUPPORTED_OPTIONS, AdamHyper
+from .distributed import (all_gather, check_ranks_agree, collective, is_dtensor, local, resolve_group,
+                          shard_of, threads_per_rank)
+from .ops.cpu_adam import IMPLEMENTATION_OPTIONS, UNSUPPORTED_OPTIONS, AdamHyper
 from .runtime.chunk_group import ChunkGroup, ChunkPhase, GroupChunk, GroupSlot
 from .runtime.pipeline import PipelinePayloads
 from .runtime.store import ChunkStore, Handle, Hop, PayloadSpec, StoreConfig, Tier
@@ -312,6 +312,9 @@ class OffloadAdam(torch.optim.Optimizer):
         self._grad_accum = as_int(name, "grad_accum", grad_accum, minimum=1)
         self._depth = as_int(name, "prefetch_depth", prefetch_depth, minimum=0)
         self._cpu_budget = as_budget(name, "cpu_budget", cpu_budget)
+        if self._pg is not None:  # before anything changes: a difference raises on every rank
+            check_ranks_agree(name, self._rank_settings(params, groups, h, chunk_mb, state),
+                              self._pg, device=next((t.device for g in groups for t in g), None))
         self._home = home  # Tier.GPU: state="auto" (each chunk's home is placed: ``_place``)
         self._left: dict | None = None  # state="auto": bytes each tier has left ([Note: GPU share ...])
         # Last check before params get hooks: the swap directory exists (0700) and is writable.
@@ -348,12 +351,27 @@ class OffloadAdam(torch.optim.Optimizer):
         else:
             self._nvme_need = sum(self._state_nbytes(run) for g in groups for run in self._pack(g))
         defaults = dict(lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay,
-                        amsgrad=False, maximize=False, foreach=None, capturable=False,
-                        differentiable=False, fused=None, decoupled_weight_decay=self._adamw)
+                        amsgrad=False, maximize=False, capturable=False, differentiable=False,
+                        decoupled_weight_decay=self._adamw, **IMPLEMENTATION_OPTIONS)
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------------------------------
     # building
+
+    def _rank_settings(self, params, groups, h: AdamHyper, chunk_mb, state) -> dict:
+        """What every rank must pass alike (``check_ranks_agree``; [Note: data parallel]): the
+        chunks (``chunk_mb``, the params' groups, shapes and dtypes) decide the collectives, the
+        rest the updates. Not compared: paths, budgets, threads, ``prefetch_depth`` (this rank's
+        own) and ``overlap`` (off with several ranks)."""
+        return {"the optimizer": type(self).__name__, "chunk_mb": float(chunk_mb),
+                "state": state.lower(), "moments_dtype": self._moments, "grad_accum": self._grad_accum,
+                "overlap_forward": self._overlap_forward,
+                "lr, betas, eps, weight_decay": (h.lr, h.beta1, h.beta2, h.eps, h.weight_decay),
+                "the param groups' options": [{k: v for k, v in g.items() if k != "params"}
+                                              for g in ([] if isinstance(params, torch.Tensor) else params)
+                                              if isinstance(g, dict)],
+                "the params (group, shape, dtype, requires_grad)": [
+                    (i, tuple(t.shape), t.dtype, t.requires_grad) for i, g in enumerate(groups) for t in g]}
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (as torch); its params get chunks (and hooks) at once."""
@@ -361,7 +379,7 @@ class OffloadAdam(torch.optim.Optimizer):
             raise RuntimeError(f"{type(self).__name__} is closed")
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        param_group = dict(param_group)
+        param_group = dict(param_group, **IMPLEMENTATION_OPTIONS)  # [Note: groups record fused=True]
         params = param_group.get("params")
         if isinstance(params, torch.Tensor):
             param_group["params"] = [params]
@@ -755,8 +773,9 @@ class OffloadAdam(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim.AdamW``'s format: ``state[i] = {"step", "exp_avg", "exp_avg_sq"}`` (fp32 CPU
         tensors shaped like the param) for every param stepped at least once, plus ``"master"``
-        (fp32) for bf16/fp16 params; ``param_groups`` with torch's keys. Waits for the updates
-        in flight (``synchronize``)."""
+        (fp32) for bf16/fp16 params; ``param_groups`` with torch's keys (``fused=True``: a
+        ``torch.optim.AdamW`` loading it runs fused, as ours does; [Note: groups record
+        fused=True] in ops/cpu_adam.py). Waits for the updates in flight (``synchronize``)."""
         self._check_open()
         if any(s.landed or s.hooks for s in self._slots):
             raise RuntimeError(f"{type(self).__name__}.state_dict() in the middle of a step: call step() first")
@@ -810,7 +829,8 @@ class OffloadAdam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this class or of ``torch.optim.Adam``/``AdamW`` (any device or
         dtype). Hyperparameters of the groups are taken from it, as torch does. Without a
-        ``"master"`` entry, the master of a low-precision param is its current value."""
+        ``"master"`` entry, the master of a low-precision param is its current value. torch's
+        implementation options (``foreach``, ``fused``) stay ours (``IMPLEMENTATION_OPTIONS``)."""
         self._check_open()
         name = type(self).__name__
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
@@ -855,7 +875,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._sync_all()
         for g, sg in zip(self.param_groups, saved_groups):
             for k, v in sg.items():
-                if k != "params":
+                if k != "params" and k not in IMPLEMENTATION_OPTIONS:
                     g[k] = v
         for chunk in self._chunks:
             with self._group.hold(chunk, _STATE, fresh=True) as (master, exp_avg, exp_avg_sq):

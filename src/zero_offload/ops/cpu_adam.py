@@ -455,6 +455,10 @@ def _grad_kernel(kernel, grad, threads, empty, **scalars):
 UNSUPPORTED_OPTIONS = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
 """torch.optim.Adam options the CPU kernel does not implement (with torch's defaults)."""
 
+IMPLEMENTATION_OPTIONS = {"foreach": None, "fused": True}
+"""torch's implementation options as this package's optimizers' param groups record them, whatever
+the caller or a loaded state dict says; see [Note: groups record fused=True]."""
+
 
 def _check_supported(options: dict) -> None:
     for key, off in UNSUPPORTED_OPTIONS.items():
@@ -509,9 +513,8 @@ class CPUAdam(Optimizer):
         # Adam/AdamW that loads this optimizer's state dict continues bit for bit (torch takes
         # these options from the loaded groups; fused=None would switch it to its foreach path).
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        maximize=maximize, foreach=None, capturable=capturable,
-                        differentiable=differentiable, fused=True,
-                        decoupled_weight_decay=decoupled_weight_decay)
+                        maximize=maximize, capturable=capturable, differentiable=differentiable,
+                        decoupled_weight_decay=decoupled_weight_decay, **IMPLEMENTATION_OPTIONS)
         _group_hyper(defaults)
         self.threads = _check_threads(threads)
         super().__init__(params, defaults)
@@ -533,7 +536,7 @@ class CPUAdam(Optimizer):
         for group in self.param_groups:
             for key, default in {**UNSUPPORTED_OPTIONS, "decoupled_weight_decay": False}.items():
                 group.setdefault(key, default)
-            group["foreach"], group["fused"] = None, True  # [Note: groups record fused=True]
+            group.update(IMPLEMENTATION_OPTIONS)  # [Note: groups record fused=True]
             for p in group["params"]:
                 p_state = self.state.get(p)
                 if p_state and not torch.is_tensor(p_state.get("step")):
