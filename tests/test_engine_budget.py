@@ -40,9 +40,9 @@ def test_gpu_budget_holds_for_state_many_times_larger(tmp_path):
 def _disk(monkeypatch, *, total, free):
     """The swap directory's file system reports ``total`` and ``free`` bytes (statvfs mocked)."""
     import collections
-    from zero_offload.runtime import swap_io
+    import shutil
     usage = collections.namedtuple("usage", "total used free")
-    monkeypatch.setattr(swap_io.shutil, "disk_usage", lambda path: usage(total, total - free, free))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(total, total - free, free))
 
 
 def test_auto_nvme_budget_rule(monkeypatch, tmp_path):

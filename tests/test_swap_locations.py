@@ -7,13 +7,13 @@ this pid with another start time is a dead owner); test_cli_run_dir kills a real
 import dataclasses
 import errno
 import os
+import shutil
 import tempfile
 
 import psutil
 import pytest
 
 import zero_offload as zo
-from zero_offload.runtime import swap_io
 from zero_offload.runtime.placement import FitError
 from zero_offload.swap_io import (OWNER_FILE, SWAP_FILE, TEMP_DIR_PREFIX, OwnerState, SpaceOwner, SwapSpace,
                                   find_all_spaces, remove_dead_spaces, temp_swap_dir)
@@ -146,9 +146,9 @@ def test_short_disk_names_our_spaces(tmp_path, temp_location, monkeypatch):
     (swap / "rank0").mkdir(parents=True)
     dead = _fake_space(swap / "rank0", "zero_offload-1-dead", **DEAD)
     live = _fake_space(temp_location, "zero_offload-2-live")  # the default location, same disk
-    usage = swap_io.shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(swap_io.shutil, "disk_usage", lambda path: usage._replace(free=8192))
-    monkeypatch.setattr(swap_io.psutil, "disk_usage", lambda path: usage._replace(free=8192))
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=8192))
+    monkeypatch.setattr(psutil, "disk_usage", lambda path: usage._replace(free=8192))
     pid = os.getpid()
     with pytest.raises(FitError) as e:
         zo.initialize(mlp(), optimizer=zo.AdamW(), device=DEVICE,
