@@ -164,3 +164,15 @@ def test_short_disk_names_our_spaces(tmp_path, temp_location, monkeypatch):
     assert "needs 1048576 bytes" in str(e.value) and "has 8192 bytes free" in str(e.value)
     assert f"{dead} (4.2KiB, pid {pid} dead)" in str(e.value)
     assert dead.exists() and live.exists()  # reported, not removed
+
+
+def test_initialize_removes_dead_spaces_before_measuring_the_disk(tmp_path):
+    """The engine clears its swap directory of dead runs' spaces first (their bytes count as free
+    for the "auto" budget), even when its plan puts nothing on NVMe."""
+    dead = _fake_space(tmp_path, "zero_offload-1-dead", **DEAD)
+    engine = zo.initialize(mlp(), optimizer=zo.AdamW(), device=DEVICE,
+                           config=config(optimizer="cpu", nvme_dir=str(tmp_path)))
+    try:
+        assert not dead.exists()
+    finally:
+        engine.close()

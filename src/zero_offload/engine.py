@@ -545,11 +545,12 @@ class Engine:
         self._values.check()  # before anything is allocated
         nvme_dir = cfg.nvme_dir
         if nvme_dir is not None:
-            from .runtime.swap_io import prepare_swap_dir
+            from .runtime.swap_io import free_stale_spaces, prepare_swap_dir
             prepare_swap_dir(nvme_dir, name="OffloadConfig.nvme_dir")  # created 0700 if missing
             if self._pg is not None:  # each rank its own swap files
                 nvme_dir = prepare_swap_dir(os.path.join(nvme_dir, f"rank{self.shard.rank}"),
                                             name="OffloadConfig.nvme_dir")
+            free_stale_spaces(nvme_dir)  # dead runs' spaces: before the free space is measured
         store_budgets = {Tier.GPU: cfg.gpu_budget, Tier.CPU: cfg.cpu_budget,
                          Tier.NVME: cfg.nvme_budget if nvme_dir is not None else 0}
         self.store = ChunkStore(StoreConfig(device=self.device, budgets=store_budgets,

@@ -762,6 +762,19 @@ def _location_of(directory: str) -> str:
     return directory
 
 
+def free_stale_spaces(directory, *, stacklevel: int = 2) -> list[FoundSpace]:
+    """``remove_stale_spaces(directory)`` as a swap space's start does it: returns the spaces
+    removed; a RuntimeWarning names each one it had to keep, and why."""
+    removed = []
+    for space, kept in remove_stale_spaces(directory):
+        if kept is None:
+            removed.append(space)
+        else:
+            warnings.warn(f"stale swap space {space.path} (pid {space.owner.pid}, dead) was kept: {kept}",
+                          RuntimeWarning, stacklevel=stacklevel)
+    return removed
+
+
 def swap_dir_problem(directory) -> str | None:
     """Why ``directory`` can never hold swap spaces, as a phrase ("is a regular file, not a
     directory"), or None. Only looks: creates nothing (a missing directory is no problem)."""
@@ -876,10 +889,7 @@ class SwapSpace:
         if not isinstance(remove_stale, bool):
             raise TypeError(f"remove_stale must be True or False, got {remove_stale!r}")
         if remove_stale:
-            for space, kept in remove_stale_spaces(directory):
-                if kept is not None:
-                    warnings.warn(f"stale swap space {space.path} (pid {space.owner.pid}, dead) was kept: "
-                                  f"{kept}", RuntimeWarning, stacklevel=2)
+            free_stale_spaces(directory, stacklevel=3)  # the warning points at SwapSpace's caller
         free = psutil.disk_usage(directory).free
         if free < capacity:
             raise OSError(errno.ENOSPC, f"swap space needs {capacity} bytes but the file system of "
