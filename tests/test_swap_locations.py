@@ -101,6 +101,15 @@ def test_find_and_remove_over_a_whole_location(tmp_path):
                                                    p["kept_temp"].name])
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
+def test_another_users_temp_dir_is_left_alone(tmp_path):
+    theirs = _temp_dir(tmp_path, "theirs", **DEAD)
+    space = _fake_space(theirs, "zero_offload-1-theirs", **DEAD)
+    os.chown(theirs, 65534, 65534)
+    assert find_all_spaces(tmp_path) == [] and remove_dead_spaces(tmp_path) == []
+    assert sorted(os.listdir(space)) == [OWNER_FILE, SWAP_FILE]
+
+
 @pytest.fixture
 def cli(capfd):
     return lambda *argv: in_process(capfd, *argv)

@@ -594,7 +594,8 @@ def remove_stale_spaces(directory, *, dry_run: bool = False) -> list[tuple[Found
 # gone: only its owner file and empty ``rank<r>`` subdirectories go with it, and it is kept if
 # anything else is left. ``rank<r>`` subdirectories of a directory the user named are left alone
 # (empty; the next run reuses them). A ``zero_offload_swap_*`` directory without an owner file
-# (made before owner files, or being set up) is searched for spaces but never removed.
+# (made before owner files, or being set up) is searched for spaces but never removed; one of
+# another user is not even searched.
 
 TEMP_DIR_PREFIX = "zero_offload_swap_"
 """Name prefix of a run's temporary swap directory (``temp_swap_dir``), in the default location."""
@@ -628,7 +629,16 @@ def _subdirs(directory: str, match) -> list[str]:
 
 
 def _temp_dirs(directory: str) -> list[str]:
-    return _subdirs(directory, lambda name: name.startswith(TEMP_DIR_PREFIX))
+    """The temporary swap directories in ``directory`` that this user owns (another user's, 0700
+    in a shared $TMPDIR, can be neither read nor judged)."""
+    uid = os.geteuid()
+
+    def ours(path: str) -> bool:
+        try:
+            return os.lstat(path).st_uid == uid
+        except OSError:
+            return False
+    return [d for d in _subdirs(directory, lambda name: name.startswith(TEMP_DIR_PREFIX)) if ours(d)]
 
 
 def _with_ranks(directory: str) -> list[str]:
@@ -670,7 +680,7 @@ def remove_dead_spaces(directory=None, *, dry_run: bool = False) -> list[tuple[F
             for rank in _subdirs(temp, _RANK_DIR.fullmatch):
                 with contextlib.suppress(OSError):
                     os.rmdir(rank)  # empty but for spaces removed above
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):
                 os.unlink(os.path.join(temp, OWNER_FILE))
             with contextlib.suppress(OSError):
                 os.rmdir(temp)
