@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from .runtime.vocab import human_bytes  # noqa: F401  (the CLI and the benchmark take it from here)
+from .runtime.vocab import human_bytes
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
