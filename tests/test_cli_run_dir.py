@@ -1,16 +1,21 @@
 """zero-offload train's --out: --overwrite removes only what zero_offload wrote, and only once the
 new run's first checkpoint is whole; --keep checkpoints are kept; --resume falls back past a
-damaged one; orphans of killed saves are cleaned, the user's files never. The command runs
-in-process (_cli_util), but for the run killed with SIGKILL."""
+damaged one; orphans of killed saves are cleaned, the user's files never; the swap space of a run killed with
+SIGKILL is removed by the next run. The command runs in-process (_cli_util), but for the run
+killed with SIGKILL."""
 import json
+import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 import zero_offload.runtime.checkpoint as ckpt
+from zero_offload.run_settings import human_bytes
+from zero_offload.swap_io import TEMP_DIR_PREFIX, find_all_spaces
 from _cli_util import in_process
 
 
@@ -23,7 +28,11 @@ def names(d):
     return sorted(p.name for p in d.iterdir())
 
 
-def test_overwrite_keeps_user_files_and_old_checkpoint_until_first_save(run, tmp_path):
+def test_overwrite_keeps_user_files_and_old_checkpoint_until_first_save(run, tmp_path, monkeypatch):
+    tmp = tmp_path / "tmp"  # the default temporary location, where the killed run swaps
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     ck = tmp_path / "ck"
     ck.mkdir()
     (ck / "notes.txt").write_text("mine")
@@ -49,9 +58,15 @@ def test_overwrite_keeps_user_files_and_old_checkpoint_until_first_save(run, tmp
             p.kill()
     assert names(ck) == ["notes.txt", "step_0000002", "step_0000099", "train_state.json"]
     ckpt.verify(old)
+    [left] = find_all_spaces()  # kill -9 left its swap space, in its temporary swap directory
+    assert left.stale and os.path.dirname(left.path).startswith(str(tmp / TEMP_DIR_PREFIX))
     r = run("--resume", "--steps", "3", "--out", str(ck))
     assert r.returncode == 0, r.stderr
     assert "resumed from step 2" in r.stdout
+    # the next run's start removed it and said so
+    assert (f"removed 1 swap space(s) of dead runs ({human_bytes(left.nbytes)}) in {tmp} and 1 of their "
+            f"temporary swap directories") in r.stdout
+    assert find_all_spaces() == [] and not [n for n in os.listdir(tmp) if n.startswith(TEMP_DIR_PREFIX)]
 
     r = run("--overwrite", "--steps", "1", "--save-every", "0", "--out", str(ck))
     assert r.returncode == 0, r.stderr

@@ -4,7 +4,7 @@ optimizer state on NVMe, host memory stays within its budget too."""
 import zero_offload as zo
 from zero_offload.runtime.placement import window_bytes
 from _engine_util import (DEVICE, Reference, assert_losses_close, assert_params_close, config,
-                          gpt_batches, gpt_loss, micro_gpt, mlp, train_engine)
+                          gpt_batches, gpt_loss, micro_gpt, mlp, mlp_batches, mlp_loss, train_engine)
 
 
 def test_gpu_budget_holds_for_state_many_times_larger(tmp_path):
@@ -37,14 +37,33 @@ def test_gpu_budget_holds_for_state_many_times_larger(tmp_path):
         engine.close()
 
 
-def test_auto_nvme_budget_is_the_free_space_with_no_hidden_cap(tmp_path, monkeypatch):
-    """nvme_budget="auto" plans against the disk's free space less the reserve, even above the
-    64 GiB the store caps its own "auto" at (the engine then sizes the swap files to the plan)."""
+def _disk(monkeypatch, *, total, free):
+    """The swap directory's file system reports ``total`` and ``free`` bytes (statvfs mocked)."""
     import collections
+    import shutil
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(total, total - free, free))
+
+
+def test_auto_nvme_budget_rule(monkeypatch, tmp_path):
+    """Free space less a small reserve (at most 4 GiB, 5% of what is free): never a share of the
+    disk's total (a 3.8 TB disk with 300 GB free got 0), and no cap."""
+    from zero_offload.runtime.swap_io import auto_nvme_budget
+    for total, free, budget in [(3_800 * 10**9, 300 * 10**9, 300 * 10**9 - (4 << 30)),  # big, busy disk
+                                (1 << 50, 1 << 48, (1 << 48) - (4 << 30)),  # no 64 GiB cap
+                                (100 << 30, 10 << 30, (10 << 30) - (10 << 30) // 20),  # small free: 5%
+                                (100 << 30, 0, 0)]:
+        _disk(monkeypatch, total=total, free=free)
+        assert auto_nvme_budget(tmp_path) == budget
+
+
+def test_auto_nvme_budget_plans_against_free_space_and_preallocates_the_plan(tmp_path, monkeypatch):
+    """initialize plans against the "auto" budget (uncapped, not a share of the total) and the swap
+    file is preallocated to exactly what the plan needs; an int budget too."""
     import zero_offload.engine as eng
     from zero_offload.runtime.store import Tier
-    usage = collections.namedtuple("usage", "total used free")
-    monkeypatch.setattr(eng.shutil, "disk_usage", lambda path: usage(1 << 41, 0, 1 << 41))  # 2 TiB free
+    from zero_offload.runtime.swap_io import SWAP_FILE
+    _disk(monkeypatch, total=3_800 * 10**9, free=300 * 10**9)
     seen = {}
     plan = eng.plan_placement
 
@@ -53,10 +72,16 @@ def test_auto_nvme_budget_is_the_free_space_with_no_hidden_cap(tmp_path, monkeyp
         return plan(partition, cfg, budgets, **kw)
 
     monkeypatch.setattr(eng, "plan_placement", spy)
-    engine = zo.initialize(mlp(), optimizer=zo.AdamW(), device=DEVICE,
-                           config=config(optimizer="nvme", nvme_dir=str(tmp_path / "swap"), nvme_budget="auto"))
-    try:
-        assert seen[Tier.NVME] == int((1 << 41) * 0.9)  # free - 10% reserve, not 64 GiB
-        assert engine.store.budgets[Tier.NVME] == engine.plan.need[Tier.NVME] + (4 << 20)
-    finally:
-        engine.close()
+    for budget in ("auto", "1GiB"):
+        swap = tmp_path / budget
+        engine = zo.initialize(mlp(), optimizer=zo.AdamW(), device=DEVICE,
+                               config=config(optimizer="nvme", nvme_dir=str(swap), nvme_budget=budget))
+        try:
+            assert seen[Tier.NVME] == (300 * 10**9 - (4 << 30) if budget == "auto" else 1 << 30)
+            need = engine.plan.need[Tier.NVME]
+            assert need > 0 and engine.store.budgets[Tier.NVME] == need
+            train_engine(engine, mlp_batches(1), mlp_loss)
+            [space] = [d for d in swap.iterdir()]
+            assert (space / SWAP_FILE).stat().st_size == need  # exactly the plan, no slack
+        finally:
+            engine.close()

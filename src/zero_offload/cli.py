@@ -36,7 +36,6 @@ import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -49,7 +48,7 @@ import torch
 from .run_settings import (EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED, STATE_FILE, UsageError,
                            Interrupted, Parser, positive_int, nonneg_int, positive_float, one_line,
                            is_temp_swap, flag_name, resolve, build_model, describe_model, human_bytes,
-                           batch_generator)
+                           batch_generator, remove_dead_runs_spaces)
 
 
 class _StopOnSigint:
@@ -448,6 +447,8 @@ def cmd_train(args) -> int:
         torch.manual_seed(settings.seed)
         model, seq_len = build_model(settings)
         corpus = CharCorpus.default()
+        if rank == 0:  # before the engine measures the free space
+            remove_dead_runs_spaces(cfg.nvme_dir, say)
         where = f"{cfg.nvme_dir} (temporary)" if is_temp_swap(cfg.nvme_dir) else cfg.nvme_dir
         n_params = sum(p.numel() for p in model.parameters())
         say(f"zero-offload train: {describe_model(settings)} ({n_params / 1e6:.2f}M params), "
@@ -609,7 +610,7 @@ def gather_info(nvme_dir: str, *, measure: bool = True) -> dict:
     }
     nvme: dict[str, Any] = {"directory": os.path.abspath(nvme_dir)}
     try:
-        from .runtime.swap_io import SwapSpace, find_spaces, swap_dir_problem
+        from .runtime.swap_io import SwapSpace, swap_dir_problem
 
         probe_dir = Path(nvme_dir)
         existing = probe_dir
@@ -635,15 +636,16 @@ def gather_info(nvme_dir: str, *, measure: bool = True) -> dict:
     except Exception as e:  # report, don't fail: info is a diagnostic
         nvme["error"] = one_line(e)
     try:
-        spaces = find_spaces(nvme_dir)
+        from .runtime.swap_io import find_all_spaces
+
+        spaces = find_all_spaces(nvme_dir)  # with rank<r>/ and temporary swap dirs
         nvme["swap_spaces"] = [{"path": f.path, "bytes": f.nbytes, "pid": f.owner.pid, "hostname": f.owner.hostname,
                                 "owner": f.state.value, "stale": f.stale,
                                 "created": datetime.datetime.fromtimestamp(f.owner.created).isoformat(timespec="seconds")}
                                for f in spaces]
         stale = [f for f in spaces if f.stale]
         nvme["stale_bytes"] = sum(f.nbytes for f in stale)
-        nvme["clean_command"] = (f"zero-offload clean --nvme-dir {shlex.quote(os.path.abspath(nvme_dir))}"
-                                 if stale else None)
+        nvme["clean_command"] = _clean_command(nvme_dir) if stale else None
     except Exception as e:
         nvme["swap_spaces_error"] = one_line(e)
     info["nvme"] = nvme
@@ -718,34 +720,51 @@ def _format_info(info: dict) -> str:
 
 
 def cmd_info(args) -> int:
-    info = gather_info(args.nvme_dir or tempfile.gettempdir(), measure=not args.no_measure)
+    from .runtime.swap_io import default_swap_location
+
+    info = gather_info(args.nvme_dir or default_swap_location(), measure=not args.no_measure)
     print(json.dumps(info, indent=1) if args.json else _format_info(info))
     return EXIT_OK
 
 
-def cmd_clean(args) -> int:
-    """Remove the stale swap spaces in --nvme-dir (see swap_io [Note: owner file])."""
-    from .runtime.swap_io import find_spaces, remove_stale_spaces, swap_dir_problem
+def _clean_command(directory) -> str:
+    """The ``zero-offload clean`` line that removes the dead runs' swap spaces of ``directory``."""
+    from .runtime.swap_io import default_swap_location
 
-    directory = os.path.abspath(args.nvme_dir)
+    directory = os.path.abspath(directory)
+    if directory == os.path.abspath(default_swap_location()):
+        return "zero-offload clean"
+    return f"zero-offload clean --nvme-dir {shlex.quote(directory)}"
+
+
+def cmd_clean(args) -> int:
+    """Remove the dead runs' swap spaces in --nvme-dir (default: the temporary location), with
+    its rank<r>/ and temporary swap directories (see swap_io [Note: swap locations])."""
+    from .runtime.swap_io import default_swap_location, find_all_spaces, remove_dead_spaces, swap_dir_problem
+
+    directory = os.path.abspath(args.nvme_dir or default_swap_location())
     problem = swap_dir_problem(directory)
     if problem is not None:
         raise UsageError(f"--nvme-dir {directory} {problem}; pass the swap directory your runs used")
     if not os.path.isdir(directory):
         raise UsageError(f"--nvme-dir {directory} does not exist; pass the swap directory your runs used")
-    results = remove_stale_spaces(directory, dry_run=args.dry_run)
+    results = remove_dead_spaces(directory, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
-    freed, kept = 0, 0
+    freed, kept, spaces, temps = 0, 0, 0, 0
     for space, reason in results:
-        what = f"{space.path} ({human_bytes(space.nbytes)}, pid {space.owner.pid} on {space.owner.hostname}, dead)"
+        kind = "temporary swap directory, " if space.temp_dir else f"{human_bytes(space.nbytes)}, "
+        what = f"{space.path} ({kind}pid {space.owner.pid} on {space.owner.hostname}, dead)"
         if reason is None:
             freed += space.nbytes
+            temps += space.temp_dir
+            spaces += not space.temp_dir
             print(f"{verb} {what}")
         else:
             kept += 1
             print(f"kept {what}: {reason}")
-    others = [f for f in find_spaces(directory) if not f.stale]
-    print(f"{verb} {len(results) - kept} stale swap space(s), {human_bytes(freed)}"
+    others = [f for f in find_all_spaces(directory) if not f.stale]
+    print(f"{verb} {spaces} stale swap space(s), {human_bytes(freed)}"
+          + (f", and {temps} temporary swap director{'y' if temps == 1 else 'ies'}" if temps else "")
           + (f"; {kept} kept (see above)" if kept else "")
           + (f"; left alone {len(others)} of running processes or other hosts" if others else ""))
     return EXIT_FAILURE if kept else EXIT_OK
@@ -854,12 +873,16 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--nvme-dir", metavar="DIR", help="swap directory to check (default: the temp dir)")
     i.add_argument("--no-measure", action="store_true", help="skip the bandwidth measurements")
     i.set_defaults(func=cmd_info)
-    cl = sub.add_parser("clean", help="remove swap spaces left in --nvme-dir by killed runs (dead owner, this host)",
+    cl = sub.add_parser("clean", help="remove swap spaces left by killed runs (dead owner, this host)",
                         description="Removes the swap spaces (zero_offload-* directories with an owner file) "
-                                    "whose process died on this host without removing them. Nothing else "
-                                    "is touched: not the spaces of running processes or other hosts, not "
-                                    "files zero_offload did not write.")
-    cl.add_argument("--nvme-dir", required=True, metavar="DIR", help="the swap directory to clean")
+                                    "whose process died on this host without removing them, in --nvme-dir, "
+                                    "its rank<r>/ subdirectories and the temporary swap directories "
+                                    "(zero_offload_swap_*) there, and those temporary directories once "
+                                    "empty. Nothing else is touched: not the spaces of running processes "
+                                    "or other hosts, not files zero_offload did not write.")
+    cl.add_argument("--nvme-dir", metavar="DIR",
+                    help="the swap directory to clean (default: the temp dir, where runs without "
+                         "--nvme-dir swap)")
     cl.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     cl.set_defaults(func=cmd_clean)
     return parser

@@ -267,8 +267,8 @@ class OffloadConfig:
     """Bytes of pinned host memory for chunks: int, size string or "auto" (available RAM minus a
     reserve)."""
     nvme_budget: Budget = "auto"
-    """Bytes of swap files under ``nvme_dir``: int, size string or "auto" (free disk space minus a
-    reserve)."""
+    """Most bytes of swap files under ``nvme_dir``: int, size string or "auto" (free disk space
+    less min(4 GiB, 5% of it)). The swap file is preallocated to what the placement needs."""
     grad_clip: float | None = None
     """Max global L2 norm of the gradients (as ``torch.nn.utils.clip_grad_norm_``), > 0; None
     disables clipping."""

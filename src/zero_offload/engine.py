@@ -140,7 +140,6 @@ import linecache
 import math
 import os
 import re
-import shutil
 import sys
 import threading
 import time
@@ -557,11 +556,12 @@ class Engine:
         self._values.check()  # before anything is allocated
         nvme_dir = cfg.nvme_dir
         if nvme_dir is not None:
-            from .runtime.swap_io import prepare_swap_dir
+            from .runtime.swap_io import free_stale_spaces, prepare_swap_dir
             prepare_swap_dir(nvme_dir, name="OffloadConfig.nvme_dir")  # created 0700 if missing
             if self._pg is not None:  # each rank its own swap files
                 nvme_dir = prepare_swap_dir(os.path.join(nvme_dir, f"rank{self.shard.rank}"),
                                             name="OffloadConfig.nvme_dir")
+            free_stale_spaces(nvme_dir)  # dead runs' spaces: before the free space is measured
         store_budgets = {Tier.GPU: cfg.gpu_budget, Tier.CPU: cfg.cpu_budget,
                          Tier.NVME: cfg.nvme_budget if nvme_dir is not None else 0}
         self.store = ChunkStore(StoreConfig(device=self.device, budgets=store_budgets,
@@ -571,11 +571,10 @@ class Engine:
         try:
             local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)) if self._pg else 1
             if nvme_dir is not None and cfg.nvme_budget == "auto":
-                # Free space less the reserve, with no cap: the store caps an "auto" NVMe budget
-                # (its swap files are preallocated to it); the engine sizes them to the plan below.
-                du = shutil.disk_usage(nvme_dir)
-                free = max(0, int(du.free - self.store.config.auto_reserve_fraction * du.total))
-                self.store.set_budget(Tier.NVME, free // local_ranks)
+                # Free space less a small reserve, with no cap (the store caps its own "auto": its
+                # swap file is preallocated to the budget); the swap file is sized to the plan below.
+                from .runtime.swap_io import auto_nvme_budget
+                self.store.set_budget(Tier.NVME, auto_nvme_budget(nvme_dir) // local_ranks)
             for tier, value in store_budgets.items():  # "auto": this rank's share of the node's
                 if value == "auto" and local_ranks > 1 and tier is not Tier.NVME \
                         and not (tier is Tier.GPU and self.device.type == "cuda"):
@@ -596,9 +595,10 @@ class Engine:
             if self._pg is not None and cfg.params == "gpu":
                 _check_replicas(self.partition, self.plan, self.store.budgets[Tier.GPU], self.dtype,
                                 self.shard)
-            if cfg.nvme_dir is not None and cfg.nvme_budget == "auto":
-                # Swap files are preallocated to the NVMe budget: take what the plan needs.
-                self.store.set_budget(Tier.NVME, self.plan.need[Tier.NVME] + (4 << 20))
+            if nvme_dir is not None:
+                # The swap file is preallocated to the NVMe budget: exactly what the plan needs
+                # (each payload's slot rounded up to 4096, as the plan counts it).
+                self.store.set_budget(Tier.NVME, self.plan.need[Tier.NVME])
             self._build(lr_scheduler)
         except BaseException:
             if getattr(self, "group", None) is not None:

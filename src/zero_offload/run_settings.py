@@ -11,11 +11,12 @@ import dataclasses
 import json
 import math
 import signal
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 import torch
+
+from .runtime.vocab import human_bytes
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -130,13 +131,35 @@ def one_line(e: BaseException) -> str:
 _MODEL_KEYS = ("preset", "hf_config")
 """Settings a resumed run cannot change: they decide which parameters exist."""
 
-_TEMP_SWAP_PREFIX = "zero_offload_swap_"
-
-
 def is_temp_swap(nvme_dir: Optional[str]) -> bool:
     """Whether ``nvme_dir`` is the temporary swap directory ``resolve`` made (removed at exit)."""
-    return bool(nvme_dir) and Path(nvme_dir).parent == Path(tempfile.gettempdir()) \
-        and Path(nvme_dir).name.startswith(_TEMP_SWAP_PREFIX)
+    from .runtime.swap_io import TEMP_DIR_PREFIX, default_swap_location
+    return bool(nvme_dir) and Path(nvme_dir).parent == Path(default_swap_location()) \
+        and Path(nvme_dir).name.startswith(TEMP_DIR_PREFIX)
+
+
+def remove_dead_runs_spaces(nvme_dir: Optional[str], say) -> None:
+    """At a run's start: remove the swap spaces (and temporary swap directories) that dead runs
+    left in the swap location of ``nvme_dir`` (the default temporary one for a temporary swap
+    directory; nothing without one) and ``say`` so in one line with the bytes freed; see swap_io
+    [Note: swap locations]. Never fails the run: what it cannot remove is named in that line."""
+    if not nvme_dir:
+        return
+    from .runtime.swap_io import default_swap_location, remove_dead_spaces
+
+    directory = default_swap_location() if is_temp_swap(nvme_dir) else nvme_dir
+    try:
+        results = remove_dead_spaces(directory)
+    except OSError as e:  # e.g. an unreadable directory: the run reports its own problem with it
+        say(f"could not look for dead runs' swap spaces in {directory}: {one_line(e)}", flush=True)
+        return
+    spaces = [f for f, reason in results if reason is None and not f.temp_dir]
+    temps = [f for f, reason in results if reason is None and f.temp_dir]
+    kept = [(f, reason) for f, reason in results if reason is not None]
+    if spaces or temps or kept:
+        say(f"removed {len(spaces)} swap space(s) of dead runs ({human_bytes(sum(f.nbytes for f in spaces))}) "
+            f"in {directory}" + (f" and {len(temps)} of their temporary swap directories" if temps else "")
+            + (f"; kept {len(kept)}, e.g. {kept[0][0].path}: {kept[0][1]}" if kept else ""), flush=True)
 
 
 def flag_name(key: str) -> str:
@@ -232,7 +255,8 @@ def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack, saved: Opt
         _layer(base, base_source, "flag", flags)
         wants_nvme = "nvme" in (str(base.get("params", "")).lower(), str(base.get("optimizer", "")).lower())
         if wants_nvme and not base.get("nvme_dir"):
-            base["nvme_dir"] = temp_dirs.enter_context(tempfile.TemporaryDirectory(prefix=_TEMP_SWAP_PREFIX))
+            from .runtime.swap_io import temp_swap_dir  # with an owner file: [Note: swap locations]
+            base["nvme_dir"] = temp_dirs.enter_context(temp_swap_dir())
         cfg, _ = zc.load_config(base)
         # the default lr is tuned on the tiny char model: 3e-3 plateaus at ~3.3
         spec = zc.AdamW(lr=1e-2, weight_decay=0.0) if optim is None else zc.spec_from_dict(optim)
@@ -347,14 +371,6 @@ def describe_model(settings: RunSettings) -> str:
 
 
 # ---------------------------------------------------------------------------- engine stats
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    return f"{n:.1f}TiB"
-
 
 # ------------------------------------------------------------------------------------ train
 

@@ -271,9 +271,7 @@ def _hardware_slug() -> str:
 
 def _shared_budgets(cfg, n: int):
     """``cfg`` with each "auto" budget pinned to 1/n of what is free now (see [Note: one engine
-    per depth]), the same way the store resolves "auto" (free minus its reserve share)."""
-    import shutil
-
+    per depth]), the same way the store resolves "auto" (free minus its reserve)."""
     import psutil
     from zero_offload import StoreConfig
 
@@ -290,10 +288,10 @@ def _shared_budgets(cfg, n: int):
         else:
             pinned["gpu_budget"] = host
     if cfg.nvme_budget == "auto" and cfg.nvme_dir:
-        # As initialize does: a missing swap directory is created (0700) before it is measured.
-        from ..runtime.swap_io import prepare_swap_dir
-        du = shutil.disk_usage(prepare_swap_dir(cfg.nvme_dir, name="--nvme-dir"))
-        pinned["nvme_budget"] = min(64 << 30, max(0, int(du.free - reserve * du.total))) // n
+        # As initialize does: a missing swap directory is created (0700) before it is measured;
+        # each engine's swap file is then sized to its plan, not to this budget.
+        from ..runtime.swap_io import auto_nvme_budget, prepare_swap_dir
+        pinned["nvme_budget"] = auto_nvme_budget(prepare_swap_dir(cfg.nvme_dir, name="--nvme-dir")) // n
     return dataclasses.replace(cfg, **pinned), pinned
 
 
@@ -398,7 +396,7 @@ def run(args) -> int:
     import zero_offload
 
     from ..run_settings import (EXIT_OK, UsageError, describe_model, human_bytes, one_line, build_model,
-                       resolve)
+                       remove_dead_runs_spaces, resolve)
     from ..data import CharCorpus
 
     with contextlib.ExitStack() as stack:
@@ -425,6 +423,7 @@ def run(args) -> int:
         if len(depths) < 2:
             raise UsageError(f"--depths {','.join(map(str, depths))}: nothing to compare the baseline {baseline} with; "
                              f"pass two or more depths, e.g. --depths 0,1,2,4")
+        remove_dead_runs_spaces(cfg.nvme_dir, print)  # before the free space is measured
         cfg, pinned = _shared_budgets(cfg, len(depths))
         torch.manual_seed(settings.seed)
         model, seq_len = build_model(settings)

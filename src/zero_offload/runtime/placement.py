@@ -30,6 +30,8 @@ of (prefetch_depth + 1) chunks of what is read ahead.
 """
 from __future__ import annotations
 
+import contextlib
+import shutil
 from dataclasses import dataclass
 
 import torch
@@ -214,9 +216,15 @@ def _check_fits(partition, config, budgets, need, *, gpu_window, gpu_extra, stag
             f"bytes. Raise cpu_budget, or place optimizer state (optimizer='nvme') or params "
             f"(params='nvme') on NVMe with nvme_dir set, or lower chunk_mb / prefetch_depth")
     if need[Tier.NVME] > budgets[Tier.NVME]:
+        from .swap_io import NVME_AUTO_RESERVE, disk_holders
+        free, holders = "", ""
+        if config.nvme_dir is not None:
+            with contextlib.suppress(OSError):
+                free = f"; {shutil.disk_usage(config.nvme_dir).free} bytes are free there"
+            holders = disk_holders(config.nvme_dir)
         raise FitError(
             f"the NVMe directory {config.nvme_dir!r} is too small: the state placed there needs "
             f"{need[Tier.NVME]} bytes ({need[Tier.NVME] / 2**30:.2f} GiB) but its budget is "
             f"{budgets[Tier.NVME]} bytes (nvme_budget={config.nvme_budget!r}; 'auto' = free space "
-            f"minus a reserve). Free space there, point nvme_dir at a larger disk, raise "
-            f"nvme_budget, or keep more state in host memory (optimizer='cpu' or 'auto')")
+            f"less a reserve of at most {NVME_AUTO_RESERVE >> 30} GiB){free}{holders}. Free space there, point nvme_dir at a "
+            f"larger disk, raise nvme_budget, or keep more state in host memory (optimizer='cpu' or 'auto')")

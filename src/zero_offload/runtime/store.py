@@ -39,7 +39,6 @@ import contextlib
 import enum
 import functools
 import os
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -165,8 +164,11 @@ class StoreConfig:
 
     budgets: "Mapping[Tier | str, int | str]" = field(default_factory=dict)
     """Byte budget per tier, or "auto" (GPU: free CUDA memory, CPU: psutil available memory,
-    NVMe: free disk space; each minus ``auto_reserve_fraction`` of the total). Tiers left out
-    are "auto". NVMe "auto" is capped at 64 GiB because the swap files are preallocated."""
+    each minus ``auto_reserve_fraction`` of the total; NVMe: ``swap_io.auto_nvme_budget``, free
+    disk space less a small reserve). Tiers left out are "auto". The swap file is preallocated
+    to the NVMe budget when the first NVMe copy is made, so a store used directly caps NVMe
+    "auto" at 64 GiB; set the budget (``set_budget``) to what you need before that, as the
+    engine does."""
 
     nvme_dir: "str | os.PathLike | None" = None
     """Directory for the NVMe tier's swap files; None = no NVMe tier (a payload homed on NVMe
@@ -193,7 +195,8 @@ class StoreConfig:
     payloads, caches). 0 = start empty and grow by exact-size slabs on first use."""
 
     auto_reserve_fraction: float = 0.1
-    """Share of each tier's total capacity that an "auto" budget leaves alone."""
+    """Share of the GPU's and host memory's total capacity that an "auto" budget leaves alone
+    (not NVMe's: see ``budgets``)."""
 
     def __post_init__(self):
         device = self.device
@@ -271,8 +274,8 @@ def _resolve_budgets(config: StoreConfig) -> dict[Tier, int]:
         elif config.nvme_dir is None:
             out[tier] = 0
         else:
-            du = shutil.disk_usage(config.nvme_dir)
-            out[tier] = min(_NVME_AUTO_CAP, max(0, int(du.free - reserve * du.total)))
+            from .swap_io import auto_nvme_budget
+            out[tier] = min(_NVME_AUTO_CAP, auto_nvme_budget(config.nvme_dir))
     return out
 
 

@@ -4,7 +4,10 @@ directory holding a preallocated file, with a slot allocator, blocking-handle an
 
 Swap directories: ``prepare_swap_dir`` checks (and creates 0700) a directory meant to hold swap
 spaces; ``find_spaces`` / ``remove_stale_spaces`` find the spaces other processes left there and
-remove those whose owner died (see [Note: owner file]).
+remove those whose owner died (see [Note: owner file]); ``find_all_spaces`` /
+``remove_dead_spaces`` do so for a whole swap location (see [Note: swap locations]);
+``temp_swap_dir`` makes a run's temporary swap directory; ``auto_nvme_budget`` sizes an "auto"
+NVMe budget and ``disk_holders`` names our spaces on a disk that is short of space.
 """
 from __future__ import annotations
 
@@ -17,6 +20,9 @@ import errno
 import json
 import mmap
 import os
+import re
+import shlex
+import shutil
 import socket
 import stat
 import tempfile
@@ -28,7 +34,7 @@ import weakref
 import psutil
 import torch
 
-from .vocab import ALIGNMENT, round_up
+from .vocab import ALIGNMENT, human_bytes, round_up
 
 
 def _check_int(name: str, value, *, minimum: int) -> int:
@@ -495,9 +501,19 @@ class SpaceOwner:
         return OwnerState.ALIVE
 
 
+def _write_owner(directory: str) -> None:
+    """Write this process's owner file into ``directory`` (new: O_EXCL)."""
+    fd = os.open(os.path.join(directory, OWNER_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, SpaceOwner.of_this_process().to_json().encode())
+    finally:
+        os.close(fd)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FoundSpace:
-    """A swap space found in a swap directory (``find_spaces``)."""
+    """A swap space found in a swap directory (``find_spaces``), or a run's temporary swap
+    directory (``temp_dir``; only ``remove_dead_spaces`` reports those)."""
 
     path: str
     """Its private subdirectory."""
@@ -505,6 +521,8 @@ class FoundSpace:
     state: OwnerState
     nbytes: int
     """Bytes of the files in it."""
+    temp_dir: bool = False
+    """A run's temporary swap directory (``temp_swap_dir``) rather than a space."""
 
     @property
     def stale(self) -> bool:
@@ -564,6 +582,207 @@ def remove_stale_spaces(directory, *, dry_run: bool = False) -> list[tuple[Found
         else:
             results.append((space, None))
     return results
+
+
+# [Note: swap locations] A swap location is a directory runs are given (``--nvme-dir``,
+# ``OffloadConfig.nvme_dir``) or, without one, the default temporary location
+# (tempfile.gettempdir(), i.e. $TMPDIR). Spaces of one location live in: the directory itself;
+# its ``rank<r>`` subdirectories (the engine's, one per rank under torchrun); and its temporary
+# swap directories ``zero_offload_swap_*`` (a run given no swap directory makes one:
+# ``temp_swap_dir``) and their ``rank<r>`` subdirectories. A temporary swap directory holds an
+# owner file like a space's, so one whose owner died is ours to remove once the spaces in it are
+# gone: only its owner file and empty ``rank<r>`` subdirectories go with it, and it is kept if
+# anything else is left. ``rank<r>`` subdirectories of a directory the user named are left alone
+# (empty; the next run reuses them). A ``zero_offload_swap_*`` directory without an owner file
+# (made before owner files, or being set up) is searched for spaces but never removed; one of
+# another user is not even searched.
+
+TEMP_DIR_PREFIX = "zero_offload_swap_"
+"""Name prefix of a run's temporary swap directory (``temp_swap_dir``), in the default location."""
+_RANK_DIR = re.compile(r"rank[0-9]+")
+
+
+def default_swap_location() -> str:
+    """Where runs given no swap directory put their temporary swap directories: $TMPDIR."""
+    return tempfile.gettempdir()
+
+
+@contextlib.contextmanager
+def temp_swap_dir():
+    """A new temporary swap directory ``$TMPDIR/zero_offload_swap_*`` (0700) with an owner file,
+    removed with everything in it on exit. If the process is killed instead, ``remove_dead_spaces``
+    (``zero-offload clean``, the next run's start) removes it; see [Note: swap locations]."""
+    path = tempfile.mkdtemp(prefix=TEMP_DIR_PREFIX, dir=default_swap_location())
+    try:
+        _write_owner(path)
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)  # clean-up never raises over the cause
+
+
+def _subdirs(directory: str, match) -> list[str]:
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return []
+    return sorted(e.path for e in entries if match(e.name) and e.is_dir(follow_symlinks=False))
+
+
+def _temp_dirs(directory: str) -> list[str]:
+    """The temporary swap directories in ``directory`` that this user owns (another user's, 0700
+    in a shared $TMPDIR, can be neither read nor judged)."""
+    uid = os.geteuid()
+
+    def ours(path: str) -> bool:
+        try:
+            return os.lstat(path).st_uid == uid
+        except OSError:
+            return False
+    return [d for d in _subdirs(directory, lambda name: name.startswith(TEMP_DIR_PREFIX)) if ours(d)]
+
+
+def _with_ranks(directory: str) -> list[str]:
+    return [directory] + _subdirs(directory, _RANK_DIR.fullmatch)
+
+
+def find_all_spaces(directory=None) -> list[FoundSpace]:
+    """Every swap space of a swap location (default: the default temporary location), alive or
+    not, sorted by path: in ``directory``, its ``rank<r>`` subdirectories and its temporary swap
+    directories (see [Note: swap locations]). Creates nothing."""
+    directory = os.path.abspath(os.fspath(default_swap_location() if directory is None else directory))
+    roots = _with_ranks(directory) + [d for t in _temp_dirs(directory) for d in _with_ranks(t)]
+    return sorted((f for root in roots for f in find_spaces(root)), key=lambda f: f.path)
+
+
+def remove_dead_spaces(directory=None, *, dry_run: bool = False) -> list[tuple[FoundSpace, str | None]]:
+    """``remove_stale_spaces`` over a whole swap location (default: the default temporary
+    location), then the temporary swap directories whose owner died (see [Note: swap
+    locations]). Returns what ``remove_stale_spaces`` does, plus one entry (``temp_dir`` True)
+    per dead temporary swap directory: None where it was removed (or would be), else why kept."""
+    directory = os.path.abspath(os.fspath(default_swap_location() if directory is None else directory))
+    results = [r for root in _with_ranks(directory) for r in remove_stale_spaces(root, dry_run=dry_run)]
+    for temp in _temp_dirs(directory):
+        removed = []
+        for root in _with_ranks(temp):
+            done = remove_stale_spaces(root, dry_run=dry_run)
+            results += done
+            removed += [space.path for space, kept in done if kept is None]
+        owner = SpaceOwner.read(os.path.join(temp, OWNER_FILE))
+        if owner is None or owner.state() is not OwnerState.DEAD:
+            continue
+        left = _left_in_temp_dir(temp, set(removed))
+        found = FoundSpace(path=temp, owner=owner, state=OwnerState.DEAD, nbytes=0, temp_dir=True)
+        if left:
+            results.append((found, f"it holds what zero_offload did not write "
+                                   f"({', '.join(left[:3])}{', ...' if len(left) > 3 else ''}); remove it by hand"))
+            continue
+        if not dry_run:
+            for rank in _subdirs(temp, _RANK_DIR.fullmatch):
+                with contextlib.suppress(OSError):
+                    os.rmdir(rank)  # empty but for spaces removed above
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(temp, OWNER_FILE))
+            with contextlib.suppress(OSError):
+                os.rmdir(temp)
+            if os.path.lexists(temp):
+                results.append((found, "removing it failed; remove it by hand"))
+                continue
+        results.append((found, None))
+    return results
+
+
+def _left_in_temp_dir(temp: str, removed: set) -> list[str]:
+    """What the temporary swap directory ``temp`` holds beside its owner file, its ``rank<r>``
+    subdirectories and the spaces in ``removed``: paths relative to ``temp``."""
+    ranks = _subdirs(temp, _RANK_DIR.fullmatch)
+    left = []
+    for root in [temp, *ranks]:
+        try:
+            names = os.listdir(root)
+        except FileNotFoundError:
+            continue
+        for name in names:
+            path = os.path.join(root, name)
+            if path in removed or path in ranks or (root == temp and name == OWNER_FILE):
+                continue
+            left.append(os.path.relpath(path, temp))
+    return sorted(left)
+
+
+def auto_nvme_budget(directory) -> int:
+    """Bytes an "auto" NVMe budget gives swap files in ``directory``: its file system's free
+    space less a reserve of ``NVME_AUTO_RESERVE`` or 5% of the free space, whichever is smaller
+    (the disk's size plays no part: a big disk with little free space still gets most of it)."""
+    free = shutil.disk_usage(directory).free
+    return max(0, free - min(NVME_AUTO_RESERVE, free // 20))
+
+
+NVME_AUTO_RESERVE = 4 << 30
+"""Most free disk space an "auto" NVMe budget leaves to others (logs, checkpoints)."""
+
+
+def disk_holders(directory, *, limit: int = 5) -> str:
+    """"; zero_offload swap spaces on this disk: ..." naming our spaces on the file system of
+    ``directory`` (in its swap location and in the default temporary one) by path, size, owner
+    pid and whether it runs, then the command that removes the dead ones; "" when there are none.
+    For the messages of a disk short of space."""
+    directory = os.path.abspath(os.fspath(directory))
+    try:
+        dev = os.stat(directory).st_dev
+    except OSError:
+        return ""
+    found, seen = [], set()
+    for location in (_location_of(directory), os.path.abspath(default_swap_location())):
+        for f in find_all_spaces(location):
+            with contextlib.suppress(OSError):
+                if f.path not in seen and os.stat(f.path).st_dev == dev:
+                    seen.add(f.path)
+                    found.append(f)
+    if not found:
+        return ""
+    found.sort(key=lambda f: -f.nbytes)
+    state = {OwnerState.ALIVE: "running", OwnerState.DEAD: "dead",
+             OwnerState.UNKNOWN: "another host: cannot tell"}
+    listed = ", ".join(f"{f.path} ({human_bytes(f.nbytes)}, pid {f.owner.pid} {state[f.state]})"
+                       for f in found[:limit])
+    more = f" and {len(found) - limit} more" if len(found) > limit else ""
+    dead = [f for f in found if f.stale]
+    fix = ""
+    if dead:
+        where = sorted({clean_location(f.path) for f in dead}, key=lambda w: w or "")
+        cmds = " and ".join("zero-offload clean" + (f" --nvme-dir {shlex.quote(w)}" if w else "") for w in where)
+        fix = f"; {human_bytes(sum(f.nbytes for f in dead))} of them are dead runs': free it with {cmds}"
+    return f"; zero_offload swap spaces on this disk: {listed}{more}{fix}"
+
+
+def clean_location(space_path: str) -> str | None:
+    """The swap location whose ``zero-offload clean`` removes the space at ``space_path``: the
+    directory to pass as --nvme-dir, or None for the default temporary location."""
+    location = _location_of(os.path.dirname(os.path.abspath(space_path)))
+    return None if location == os.path.abspath(default_swap_location()) else location
+
+
+def _location_of(directory: str) -> str:
+    """The swap location ``directory`` belongs to: itself, or the one above a ``rank<r>``
+    subdirectory and a temporary swap directory (see [Note: swap locations])."""
+    if _RANK_DIR.fullmatch(os.path.basename(directory)):
+        directory = os.path.dirname(directory)
+    if os.path.basename(directory).startswith(TEMP_DIR_PREFIX):
+        directory = os.path.dirname(directory)
+    return directory
+
+
+def free_stale_spaces(directory, *, stacklevel: int = 2) -> list[FoundSpace]:
+    """``remove_stale_spaces(directory)`` as a swap space's start does it: returns the spaces
+    removed; a RuntimeWarning names each one it had to keep, and why."""
+    removed = []
+    for space, kept in remove_stale_spaces(directory):
+        if kept is None:
+            removed.append(space)
+        else:
+            warnings.warn(f"stale swap space {space.path} (pid {space.owner.pid}, dead) was kept: {kept}",
+                          RuntimeWarning, stacklevel=stacklevel)
+    return removed
 
 
 def swap_dir_problem(directory) -> str | None:
@@ -680,15 +899,12 @@ class SwapSpace:
         if not isinstance(remove_stale, bool):
             raise TypeError(f"remove_stale must be True or False, got {remove_stale!r}")
         if remove_stale:
-            for space, kept in remove_stale_spaces(directory):
-                if kept is not None:
-                    warnings.warn(f"stale swap space {space.path} (pid {space.owner.pid}, dead) was kept: "
-                                  f"{kept}", RuntimeWarning, stacklevel=2)
+            free_stale_spaces(directory, stacklevel=3)  # the warning points at SwapSpace's caller
         free = psutil.disk_usage(directory).free
         if free < capacity:
             raise OSError(errno.ENOSPC, f"swap space needs {capacity} bytes but the file system of "
                                         f"{directory!r} has {free} bytes free; lower capacity_bytes or "
-                                        f"pick another directory", directory)
+                                        f"pick another directory{disk_holders(directory)}", directory)
 
         try:
             private = tempfile.mkdtemp(prefix=f"{SPACE_PREFIX}{os.getpid()}-", dir=directory)  # 0700
@@ -697,12 +913,7 @@ class SwapSpace:
         path = os.path.join(private, SWAP_FILE)
         fd = None
         try:
-            owner = os.open(os.path.join(private, OWNER_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                            0o600)
-            try:  # before the swap file exists: see [Note: owner file]
-                os.write(owner, SpaceOwner.of_this_process().to_json().encode())
-            finally:
-                os.close(owner)
+            _write_owner(private)  # before the swap file exists: see [Note: owner file]
             # [Note: preallocation] fallocate through a buffered fd: glibc's emulation on file
             # systems without fallocate writes single bytes, which O_DIRECT would refuse.
             try:
@@ -712,8 +923,10 @@ class SwapSpace:
             try:
                 os.posix_fallocate(prealloc, 0, capacity)
             except OSError as e:
+                holders = disk_holders(directory) if e.errno == errno.ENOSPC else ""
                 raise type(e)(e.errno, f"cannot preallocate {capacity} bytes for the swap file {path!r}: "
-                                       f"{e.strerror}; lower capacity_bytes or free space", path) from None
+                                       f"{e.strerror}; lower capacity_bytes or free space{holders}",
+                              path) from None
             finally:
                 os.close(prealloc)
             fd = None if mode is IoMode.BUFFERED else _probe_direct(path)

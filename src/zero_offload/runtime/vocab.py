@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["ALIGNMENT", "Placement", "round_up"]
+__all__ = ["ALIGNMENT", "Placement", "human_bytes", "round_up"]
 
 ALIGNMENT = 4096
 """O_DIRECT rule used everywhere here: buffer addresses, file offsets and sizes are multiples."""
@@ -15,6 +15,15 @@ ALIGNMENT = 4096
 def round_up(nbytes: int, multiple: int = ALIGNMENT) -> int:
     """Smallest multiple of ``multiple`` that is >= ``nbytes``."""
     return -(-nbytes // multiple) * multiple
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes for people: "512B", "1.5GiB" (binary units, one decimal)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}TiB"
 
 
 class Placement(enum.StrEnum):
