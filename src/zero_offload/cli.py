@@ -43,8 +43,11 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import torch
-
+# [Note: torch after parsing] Importing torch takes 3-30 s (CUDA libraries, a cold page cache);
+# a usage error must not wait for it. So this module, run_settings, presets and the parsers of
+# the benchmarks import no torch at module level: the commands import it when they run, and the
+# failure mapping (_exit_codes) imports the torch-side error types only for a failure that is not
+# a usage error. tests/test_cli_errors.py checks that a usage error leaves torch unimported.
 from .run_settings import (EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED, STATE_FILE, UsageError,
                            Interrupted, Parser, positive_int, nonneg_int, positive_float, one_line,
                            is_temp_swap, flag_name, resolve, build_model, describe_model, human_bytes,
@@ -201,6 +204,7 @@ def _start_ranks(stack) -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world == 1:
         return 0, 1
+    import torch
     import torch.distributed as dist
     if not dist.is_initialized():
         cuda = torch.cuda.is_available()
@@ -247,6 +251,8 @@ def _tqdm():
 
 
 def cmd_train(args) -> int:
+    import torch
+
     import zero_offload
     from .data import CharCorpus
     from .models import generate
@@ -383,6 +389,8 @@ def cmd_bench_script(which: str, argv: list[str]) -> int:
 
 def _bandwidth(src: torch.Tensor, dst: torch.Tensor, *, repeat: int = 3) -> float:
     """Best-of-``repeat`` bytes per second of dst.copy_(src)."""
+    import torch
+
     cuda = src.is_cuda or dst.is_cuda
     best = float("inf")
     for _ in range(repeat):
@@ -401,6 +409,7 @@ def gather_info(nvme_dir: str, *, measure: bool = True) -> dict:
     import resource
 
     import psutil
+    import torch
 
     import zero_offload
 
@@ -573,7 +582,7 @@ def cmd_clean(args) -> int:
 # ---------------------------------------------------------------------------------- parser
 
 def _add_run_flags(p: argparse.ArgumentParser, *, what: str) -> None:
-    from .models import PRESETS
+    from .presets import PRESETS
 
     m = p.add_argument_group("model and data")
     m.add_argument("--preset", choices=list(PRESETS), help=f"GPT preset (default: {what})")
@@ -683,17 +692,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _exit_codes() -> tuple:
+def _exit_codes():
     """[Note: exit codes] The one mapping from what a command raised to its exit code, first match
     wins: a bad flag or config value exits 2, a failure while running exits 1. Every failure is
-    one line on stderr; ``--debug`` prints the traceback before it."""
+    one line on stderr; ``--debug`` prints the traceback before it. Yields (types, code) in
+    order; the torch-side error types are imported only past the usage errors ([Note: torch after
+    parsing])."""
+    yield UsageError, EXIT_USAGE              # flags, --config, --resume/--out misuse
     from .runtime.checkpoint import CheckpointError
     from .runtime.pipeline import PipelineError
     from .runtime.placement import FitError
     from .runtime.store import BudgetError, StoreError
 
-    return (
-        (UsageError, EXIT_USAGE),             # flags, --config, --resume/--out misuse
+    yield from (
         (FitError, EXIT_FAILURE),             # budgets cannot hold the model (a ValueError: before it)
         (CheckpointError, EXIT_FAILURE),      # missing, corrupted or mismatched checkpoint
         (BudgetError, EXIT_FAILURE),          # a tier ran out of its budget while running

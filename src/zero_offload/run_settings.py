@@ -1,7 +1,8 @@
 """Run settings shared by ``zero-offload train`` and ``zero-offload bench prefetch``: exit codes,
 flag parsers, the precedence of defaults / checkpoint / --config / flags (``resolve``, see
 [Note: config precedence] in cli.py), and the model a run builds. The CLI and the benchmark both
-import it, so neither imports the other.
+import it, so neither imports the other. No torch at import: the parser's flag types live here
+(cli.py [Note: torch after parsing]).
 """
 from __future__ import annotations
 
@@ -14,8 +15,6 @@ import signal
 import tempfile
 from pathlib import Path
 from typing import Optional
-
-import torch
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -106,6 +105,8 @@ _PLACEMENT_FLAGS = ("params", "optimizer", "nvme_dir", "prefetch_depth", "dtype"
 
 
 def _default_dtype() -> str:
+    import torch
+
     # bf16 is the GPU recipe of BASELINES.md; on a CPU, fp32 matmuls are the fast path.
     return "bf16" if torch.cuda.is_available() else "fp32"
 
@@ -200,7 +201,7 @@ def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack, saved: Opt
         settings = RunSettings(**run)
     except TypeError as e:
         raise UsageError(f"bad \"train\" settings: {one_line(e)}") from None
-    from .models import PRESETS
+    from .presets import PRESETS
 
     if settings.preset is not None and settings.preset not in PRESETS:
         raise UsageError(f"unknown model preset {settings.preset!r}; choose one of {', '.join(PRESETS)}")
@@ -325,5 +326,7 @@ def human_bytes(n: float) -> str:
 # ------------------------------------------------------------------------------------ train
 
 def batch_generator(seed: int, step: int) -> torch.Generator:
+    import torch
+
     # one generator per step: a resumed run draws the same batches as an uninterrupted one
     return torch.Generator().manual_seed(seed * 1_000_003 + step)
