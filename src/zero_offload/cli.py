@@ -56,13 +56,15 @@ from .run_settings import (EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED, 
 
 class _StopOnSigint:
     """First Ctrl-C or SIGTERM: finish the current step, save, exit 128 + the signal (130, 143).
-    Second: stop at once (the engine's checkpoints are atomic, so the last one stays whole)."""
+    Second: stop at once (the engine's checkpoints are atomic, so the last one stays whole).
+    ``quiet``: say nothing on the first (ranks other than 0: rank 0 speaks for all)."""
 
     _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self):
+    def __init__(self, *, quiet: bool = False):
         self.requested = False
         self.signum: Optional[int] = None
+        self.quiet = quiet
         self._previous: dict = {}
 
     @property
@@ -73,9 +75,10 @@ class _StopOnSigint:
         if self.requested:
             raise Interrupted(signum)
         self.requested, self.signum = True, signum
-        print(f"\nzero-offload: {self.what}: stopping after this step and saving a checkpoint "
-              f"(Ctrl-C or SIGTERM again stops at once; the last checkpoint stays whole)",
-              file=sys.stderr, flush=True)
+        if not self.quiet:
+            print(f"\nzero-offload: {self.what}: stopping after this step and saving a checkpoint "
+                  f"(Ctrl-C or SIGTERM again stops at once; the last checkpoint stays whole)",
+                  file=sys.stderr, flush=True)
 
     def __enter__(self):
         self._previous = {s: signal.signal(s, self._handler) for s in self._SIGNALS}
@@ -220,9 +223,9 @@ def _start_ranks(stack) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _resume(engine, out: Path, previous: dict) -> dict:
+def _resume(engine, out: Path, previous: dict, say=print) -> dict:
     """Load the newest whole checkpoint the state file names; a damaged one is skipped with one
-    line saying so. Returns the entry loaded ({"name", "step"})."""
+    line saying so (through ``say``: rank 0's). Returns the entry loaded ({"name", "step"})."""
     from .runtime.checkpoint import CheckpointCorrupt
     candidates = _checkpoints(previous)[::-1]
     damaged = []
@@ -233,9 +236,9 @@ def _resume(engine, out: Path, previous: dict) -> dict:
             damaged.append(f"{entry['name']}: {one_line(e)}")
             continue
         if damaged:
-            print(f"zero-offload: the newest checkpoint is damaged ({damaged[0]}); resuming from the "
-                  f"previous whole one, {out / entry['name']} (step {entry['step']})",
-                  file=sys.stderr, flush=True)
+            say(f"zero-offload: the newest checkpoint is damaged ({damaged[0]}); resuming from the "
+                f"previous whole one, {out / entry['name']} (step {entry['step']})",
+                file=sys.stderr, flush=True)
         return entry
     raise CheckpointCorrupt(f"no whole checkpoint in {out}: " + "; ".join(damaged) +
                             " (no earlier one to fall back to); start again with --overwrite")
@@ -248,6 +251,41 @@ def _tqdm():
         raise UsageError("the progress bar needs tqdm: `pip install tqdm` (or `pip install "
                          "zero_offload[cli]`), or pass --no-progress") from None
     return tqdm
+
+
+_BAR_WINDOW = 20
+"""The progress bar's tokens/s is the median of this many last steps (the final line: all)."""
+
+
+def _bar_postfix(bar, engine, loss: float, tokens_per_s: float) -> None:
+    resident = engine.stats().bytes_held  # tier -> bytes the store holds now
+    bar.set_postfix_str(f"loss={loss:.3f} tokens/s={tokens_per_s:,.0f} " +
+                        " ".join(f"{t}={human_bytes(b)}" for t, b in resident.items()), refresh=False)
+
+
+def _gather(value, world: int) -> list:
+    """``value`` of every rank, in rank order (a collective: every rank calls it)."""
+    if world == 1:
+        return [value]
+    import torch.distributed as dist
+
+    values = [None] * world
+    dist.all_gather_object(values, value)
+    return values
+
+
+def _swap_where(dirs: list) -> Optional[str]:
+    """Where the run swaps, for the banner: ``dirs`` is every rank's nvme_dir (None: no swap).
+    With several ranks the engine swaps into nvme_dir/rank<r>: one shared --nvme-dir is named
+    once as DIR/rank{0..N-1}; temporary ones (one per rank) are each named."""
+    if dirs[0] is None:
+        return None
+    temp = " (temporary)" if is_temp_swap(dirs[0]) else ""
+    if len(dirs) == 1:
+        return dirs[0] + temp
+    if len(set(dirs)) == 1:
+        return os.path.join(dirs[0], f"rank{{0..{len(dirs) - 1}}}") + temp
+    return ", ".join(os.path.join(d, f"rank{r}") for r, d in enumerate(dirs)) + temp
 
 
 def cmd_train(args) -> int:
@@ -272,7 +310,7 @@ def cmd_train(args) -> int:
                              f"--resume first, or pass the --out of an earlier run")
         # Flags and --config first: a bad value is reported before anything about --out.
         cfg, spec, settings, extras = resolve(args, defaults=defaults, temp_dirs=stack,
-                                              saved=previous if args.resume else None)
+                                              saved=previous if args.resume else None, report=say)
         if not args.resume and previous is not None and not args.overwrite:
             raise UsageError(f"{out} already holds a checkpoint (step {previous.get('step')}); pass "
                              f"--resume to continue it, --overwrite to replace it, or another --out")
@@ -283,7 +321,7 @@ def cmd_train(args) -> int:
         torch.manual_seed(settings.seed)
         model, seq_len = build_model(settings)
         corpus = CharCorpus.default()
-        where = f"{cfg.nvme_dir} (temporary)" if is_temp_swap(cfg.nvme_dir) else cfg.nvme_dir
+        where = _swap_where(_gather(cfg.nvme_dir, world))
         n_params = sum(p.numel() for p in model.parameters())
         say(f"zero-offload train: {describe_model(settings)} ({n_params / 1e6:.2f}M params), "
             f"device {'cuda' if torch.cuda.is_available() else 'cpu'}" +
@@ -300,7 +338,7 @@ def cmd_train(args) -> int:
         _check_run_dir(out, previous, replacing=not args.resume, steps=settings.steps, every=every)
         resumed = None
         if args.resume:
-            resumed = _resume(engine, out, previous)
+            resumed = _resume(engine, out, previous, say)
             _apply_spec(engine, spec)  # the checkpoint's hyperparameters, or the overrides reported above
             start = resumed["step"]
             say(f"resumed from step {start} ({out / resumed['name']})", flush=True)
@@ -313,13 +351,19 @@ def cmd_train(args) -> int:
         state["settings"].update(seq_len=seq_len, **extras)
 
         tokens_per_step = settings.batch_size * seq_len
+
+        def tokens_per_s(times: list) -> float:
+            """Tokens per second of all ranks together (each trains its own batches), from the
+            median of ``times``: the progress bar's figure and the final line's."""
+            return world * tokens_per_step / statistics.median(times) if times else float("nan")
+
         losses, step_times = [], []
         bar = None if args.no_progress or rank else _tqdm()(
             total=settings.steps, initial=start, desc="train", unit="step", file=sys.stderr,
             dynamic_ncols=True, mininterval=0.5)
         step = start
-        say("training started", flush=True)
-        with _StopOnSigint() as stop:
+        with _StopOnSigint(quiet=rank != 0) as stop:
+            say("training started", flush=True)  # from here a signal stops after a step and saves
             stopping = False
             while step < settings.steps and not stopping:
                 # each rank its own batches (the same on a resumed run)
@@ -337,25 +381,26 @@ def cmd_train(args) -> int:
                 if not math.isfinite(loss_value):
                     raise RuntimeError(f"loss is {loss_value} at step {step}; lower --lr (now {spec.lr})")
                 if bar is not None:
-                    resident = engine.stats().bytes_held  # tier -> bytes the store holds now
-                    bar.set_postfix_str(
-                        f"loss={loss_value:.3f} tok/s={tokens_per_step / step_times[-1]:,.0f} " +
-                        " ".join(f"{t}={human_bytes(b)}" for t, b in resident.items()), refresh=False)
+                    _bar_postfix(bar, engine, loss_value, tokens_per_s(step_times[-_BAR_WINDOW:]))
                     bar.update(1)
                 # every rank stops at the same step (a signal may reach them at different ones)
                 stopping = stop.requested if world == 1 else not engine.agree(not stop.requested)
                 if _periodic_save(step, settings.steps, every) and not stopping:
                     _save(engine, out, step, state, args.keep, lead=rank == 0)
-            if bar is not None:
+            if bar is not None:  # it ends on the whole run's figure, the one of the line below
+                _bar_postfix(bar, engine, losses[-1], tokens_per_s(step_times))
                 bar.close()
             _save(engine, out, step, state, args.keep, lead=rank == 0)
         median = statistics.median(step_times) if step_times else float("nan")
         say(f"step {step}: loss {losses[-1]:.4f} (first {losses[0]:.4f}), median step "
-            f"{median * 1e3:.1f} ms, {world * tokens_per_step / median:,.0f} tokens/s", flush=True)
-        say(f"checkpoint: {out / state['checkpoint']} (continue with --resume --out {out})", flush=True)
-        if stopping:
-            say(f"stopped by {stop.what if stop.signum else 'a signal to another rank'}", file=sys.stderr)
+            f"{median * 1e3:.1f} ms, {tokens_per_s(step_times):,.0f} tokens/s"
+            + (f" (all {world} ranks)" if world > 1 else ""), flush=True)
+        if stopping:  # one line (rank 0's), whichever rank the signal reached
+            what = stop.what if stop.signum else "a signal to another rank"
+            say(f"zero-offload: stopped by {what} at step {step}; checkpoint saved at "
+                f"{out / state['checkpoint']}; resume with --resume --out {out}", file=sys.stderr, flush=True)
             return 128 + (stop.signum or signal.SIGTERM)
+        say(f"checkpoint: {out / state['checkpoint']} (continue with --resume --out {out})", flush=True)
         n_sample = extras.get("sample_tokens") or 0
         if n_sample:
             prompt = corpus.encode("\n").view(1, -1).to(device)

@@ -152,13 +152,15 @@ def _layer(merged: dict, source: dict, name: str, values: dict) -> None:
         source[key] = name
 
 
-def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack, saved: Optional[dict] = None):
+def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack, saved: Optional[dict] = None,
+            report=print):
     """Flags + --config file (+ the settings of the checkpoint being resumed) -> (OffloadConfig,
     optimizer spec, RunSettings, extra train keys).
 
     ``saved`` is the resumed run's state (``{"settings", "offload", "optim"}``, each optional);
-    every value that a file or flag changes against it is reported in one line on stdout, and a
-    change of model (preset, hf_config) is refused. Raises UsageError for any bad value
+    every value that a file or flag changes against it is reported in one line on stdout (through
+    ``report``, a ``print``; with several ranks only rank 0's prints), and a change of model
+    (preset, hf_config) is refused. Raises UsageError for any bad value
     (config.py's messages name the field and the fix).
     """
     from . import config as zc
@@ -241,19 +243,19 @@ def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack, saved: Opt
         spec = dataclasses.replace(spec, lr=settings.lr)
     if saved:
         _report_overrides(saved, settings=settings, run_source=run_source, cfg=cfg,
-                          base_source=base_source, spec=spec, optim_source=optim_source)
+                          base_source=base_source, spec=spec, optim_source=optim_source, say=report)
     return cfg, spec, settings, extras
 
 
 def _report_overrides(saved: dict, *, settings: RunSettings, run_source: dict, cfg, base_source: dict,
-                      spec, optim_source: str) -> None:
+                      spec, optim_source: str, say=print) -> None:
     """One line on stdout per setting of the resumed run that a file or flag changes; UsageError
     for a change of model (its parameters would not match the checkpoint's)."""
     def who(source: str, key: str, value) -> str:
         return f"{flag_name(key)} {value}" if source == "flag" else f"{key} {value} from {source}"
 
     def report(source: str, key: str, new, old) -> None:
-        print(f"--resume: {who(source, key, new)} overrides the checkpoint's {old}", flush=True)
+        say(f"--resume: {who(source, key, new)} overrides the checkpoint's {old}", flush=True)
 
     old_settings = saved.get("settings") or {}
     for key in _MODEL_KEYS:
