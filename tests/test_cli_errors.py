@@ -29,6 +29,26 @@ def test_subprocess_exit_code():
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "positive integer" in r.stderr
 
 
+@pytest.mark.parametrize("argv, code", [
+    (["train", "--bogus"], 2),
+    (["train", "--steps", "-1"], 2),
+    (["train", "--preset", "70b"], 2),
+    (["bench", "prefetch", "--depths", "1,x"], 2),
+    (["train", "--help"], 0),
+])
+def test_usage_errors_answer_before_torch_is_imported(argv, code):
+    # torch takes 3-30 s to import: the real entry point answers a usage error (and --help)
+    # without it (cli.py [Note: torch after parsing]); -X importtime lists every module imported
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "zero_offload", *argv],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == code, r.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "zero_offload.cli" in imported  # the parse did happen here
+    assert not {m for m in imported if m.split(".")[0] in ("torch", "numpy")}, sorted(imported)
+    errors = [line for line in r.stderr.splitlines() if not line.startswith("import time:")]
+    assert len(errors) == (code != 0) and all(line.startswith("zero-offload: error:") for line in errors)
+
+
 @pytest.mark.parametrize("argv, fix", [
     (["train", "--steps", "0"], "expected a positive integer"),
     (["train", "--steps", "ten"], "expected a positive integer"),

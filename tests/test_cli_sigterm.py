@@ -32,6 +32,8 @@ def test_sigterm_saves_and_exits_143_then_resumes(tmp_path):
     state = json.loads((ck / "train_state.json").read_text())
     assert 0 < state["step"] < 100000
     assert (ck / state["checkpoint"] / "engine.pt").is_file()
+    assert (f"zero-offload: stopped by SIGTERM at step {state['step']}; checkpoint saved at "
+            f"{ck / state['checkpoint']}; resume with --resume --out {ck}") in err
     r = subprocess.run([sys.executable, "-m", "zero_offload", "train", "--no-progress", "--resume",
                         "--steps", str(state["step"] + 1), "--out", str(ck)],
                        capture_output=True, text=True, timeout=300)

@@ -1,11 +1,15 @@
 """`zero-offload train` under torchrun (2 CPU processes, gloo): one report from rank 0, every
 rank training its own batches on the shared engine, checkpoints written once and resumed by two
-ranks, and by one process with the same global batch."""
+ranks, and by one process with the same global batch; a signal to torchrun stops every rank, which all
+save, and rank 0 says so in one line."""
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -15,13 +19,17 @@ from zero_offload.runtime.checkpoint import verify
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="torchrun test on Linux")
 
+ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+
+
+def _command(*args):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "zero_offload", "train", "--preset", "tiny", "--batch-size", "2", "--seq-len", "32",
+            "--sample-tokens", "0", *args]
+
 
 def _torchrun(tmp_path, *args, timeout=240):
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "zero_offload", "train", "--preset", "tiny", "--batch-size", "2", "--seq-len", "32",
-           "--no-progress", "--sample-tokens", "0", "--optimizer", "cpu", *args]
-    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(_command(*args), cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
 def _state(path):
@@ -32,10 +40,15 @@ def _state(path):
 
 def test_train_runs_on_two_ranks_and_resumes(tmp_path, capfd):
     out = tmp_path / "run"
-    r = _torchrun(tmp_path, "--steps", "4", "--save-every", "2", "--out", str(out))
+    r = _torchrun(tmp_path, "--optimizer", "cpu", "--steps", "4", "--save-every", "2", "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("training started") == 1  # rank 0 reports, rank 1 is quiet
     assert "x 2 ranks" in r.stdout
+    # the progress bar (rank 0's, on stderr) ends on the final line's figure: both count the
+    # tokens of all ranks, from the median step time
+    final = re.search(r"([\d,]+) tokens/s \(all 2 ranks\)", r.stdout)
+    bar = re.findall(r"tokens/s=([\d,]+)", r.stderr)
+    assert final and bar and bar[-1] == final.group(1), (r.stdout, r.stderr[-2000:])
     assert verify(out / "step_0000004")
     one = tmp_path / "one"
     shutil.copytree(out, one)
@@ -50,9 +63,16 @@ def test_train_runs_on_two_ranks_and_resumes(tmp_path, capfd):
         "1 rank(s) by grad_accum 2: 1 x batch 2 x grad_accum 2"]
     state = json.loads((one / "train_state.json").read_text())
     assert state["world"] == 1 and state["offload"]["grad_accum"] == 2 and state["settings"]["batch_size"] == 2
-    r = _torchrun(tmp_path, "--steps", "6", "--resume", "--out", str(out))
+    # resumed with the optimizer state moved to one swap directory: each rank swaps into its own
+    # rank<r> under it, which the banner names; each setting changed is reported once
+    swap = tmp_path / "swap"
+    r = _torchrun(tmp_path, "--steps", "6", "--resume", "--optimizer", "nvme", "--nvme-dir", str(swap),
+                  "--no-progress", "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "resumed from step 4" in r.stdout
+    assert r.stdout.count("resumed from step 4") == 1
+    assert f"swap: {swap}/rank{{0..1}}" in r.stdout
+    overrides = [line for line in r.stdout.splitlines() if "overrides the checkpoint's" in line]
+    assert len(overrides) == len(set(overrides)) == 3, r.stdout  # --steps, --optimizer, --nvme-dir
     assert verify(out / "step_0000006")
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("step_")) == ["step_0000004", "step_0000006"]
     two_ranks, one_process = _state(out / "step_0000006"), _state(one / "step_0000006")
@@ -61,3 +81,35 @@ def test_train_runs_on_two_ranks_and_resumes(tmp_path, capfd):
     # eps (measured: master 1.5e-5 at most); on the rank-0 batch alone they differ by 2e-2
     for key, value in two_ranks.items():
         torch.testing.assert_close(one_process[key], value, rtol=1e-3, atol=1e-4, msg=lambda m: f"{key}: {m}")
+
+
+def test_sigterm_to_torchrun_stops_and_saves_every_rank(tmp_path):
+    out = tmp_path / "run"
+    p = subprocess.Popen(_command("--steps", "100000", "--save-every", "1", "--no-progress", "--out", str(out)),
+                         cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        banner = p.stdout.readline()
+        # both ranks are past their signal handlers once the first checkpoint (collective) is named
+        deadline = time.monotonic() + 240
+        while not (out / "train_state.json").exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        p.send_signal(signal.SIGTERM)  # torchrun forwards it to both ranks
+        rest, err = p.communicate(timeout=240)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode != 0, err[-3000:]  # a stopped run did not finish its --steps
+    # the default swap: a temporary directory per rank, each named, each gone at exit
+    dirs = re.search(r"swap: (\S+)/rank0, (\S+)/rank1 \(temporary\)", banner)
+    assert dirs, banner
+    assert not os.path.exists(dirs.group(1)) and not os.path.exists(dirs.group(2))
+    # rank 0 speaks for both: the notice once, then one line naming the checkpoint both saved
+    assert err.count("SIGTERM: stopping after this step") == 1, err[-3000:]
+    stopped = re.findall(r"zero-offload: stopped by SIGTERM at step (\d+); checkpoint saved at (\S+); "
+                         r"resume with --resume --out (\S+)", err)
+    assert len(stopped) == 1, err[-3000:]
+    step, saved, resume_out = stopped[0]
+    assert saved == str(out / f"step_{int(step):07d}") and resume_out == str(out)
+    assert verify(saved)
+    # no traceback of zero-offload's: torchrun's own (it re-raises the signal it got) is the only one
+    assert err.count("Traceback") == err.count("SignalException: Process"), err[-3000:]

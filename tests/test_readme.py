@@ -1,4 +1,5 @@
-"""Every ```python snippet of README.md runs as written (CPU, in a fresh directory)."""
+"""Every ```python snippet of README.md and docs/engine.md runs as written (CPU, in a fresh
+directory)."""
 import os
 import re
 import subprocess
@@ -8,13 +9,15 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-SNIPPETS = [textwrap.dedent(s) for s in  # (a snippet inside a list item is indented)
-            re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)]
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = [README, ROOT / "docs" / "engine.md"]
+SNIPPETS = [textwrap.dedent(s) for doc in DOCS for s in  # (a snippet inside a list item is indented)
+            re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)]
 
 
 def test_readme_has_snippets():
-    assert len(SNIPPETS) >= 5
+    assert len(SNIPPETS) >= 6
 
 
 @pytest.mark.parametrize("index", range(len(SNIPPETS)))
@@ -22,4 +25,4 @@ def test_snippet_runs_as_written(index, tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
     r = subprocess.run([sys.executable, "-c", SNIPPETS[index]], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, f"README snippet {index} failed:\n{SNIPPETS[index]}\n{r.stderr[-3000:]}"
+    assert r.returncode == 0, f"snippet {index} (README.md, then docs/engine.md) failed:\n{SNIPPETS[index]}\n{r.stderr[-3000:]}"

@@ -43,8 +43,11 @@ import uuid
 from pathlib import Path
 from typing import Any, NamedTuple, Optional, Sequence
 
-import torch
-
+# [Note: torch after parsing] Importing torch takes 3-30 s (CUDA libraries, a cold page cache);
+# a usage error must not wait for it. So this module, run_settings, presets and the parsers of
+# the benchmarks import no torch at module level: the commands import it when they run, and the
+# failure mapping (_exit_codes) imports the torch-side error types only for a failure that is not
+# a usage error. tests/test_cli_errors.py checks that a usage error leaves torch unimported.
 from .run_settings import (EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED, STATE_FILE, UsageError,
                            Interrupted, Parser, positive_int, nonneg_int, positive_float, one_line,
                            is_temp_swap, flag_name, resolve, build_model, describe_model, human_bytes,
@@ -53,13 +56,15 @@ from .run_settings import (EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED, 
 
 class _StopOnSigint:
     """First Ctrl-C or SIGTERM: finish the current step, save, exit 128 + the signal (130, 143).
-    Second: stop at once (the engine's checkpoints are atomic, so the last one stays whole)."""
+    Second: stop at once (the engine's checkpoints are atomic, so the last one stays whole).
+    ``quiet``: say nothing on the first (ranks other than 0: rank 0 speaks for all)."""
 
     _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self):
+    def __init__(self, *, quiet: bool = False):
         self.requested = False
         self.signum: Optional[int] = None
+        self.quiet = quiet
         self._previous: dict = {}
 
     @property
@@ -70,9 +75,10 @@ class _StopOnSigint:
         if self.requested:
             raise Interrupted(signum)
         self.requested, self.signum = True, signum
-        print(f"\nzero-offload: {self.what}: stopping after this step and saving a checkpoint "
-              f"(Ctrl-C or SIGTERM again stops at once; the last checkpoint stays whole)",
-              file=sys.stderr, flush=True)
+        if not self.quiet:
+            print(f"\nzero-offload: {self.what}: stopping after this step and saving a checkpoint "
+                  f"(Ctrl-C or SIGTERM again stops at once; the last checkpoint stays whole)",
+                  file=sys.stderr, flush=True)
 
     def __enter__(self):
         self._previous = {s: signal.signal(s, self._handler) for s in self._SIGNALS}
@@ -371,6 +377,10 @@ def _save(engine, out: Path, step: int, state: dict, keep: int = 2, *, lead: boo
 def _start_ranks(stack) -> tuple[int, int]:
     """(rank, world size): under torchrun (WORLD_SIZE > 1) the default process group is set up
     here (NCCL with CUDA, each rank on GPU LOCAL_RANK; gloo on the CPU) and torn down at exit."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world == 1:
+        return 0, 1
+    import torch
     from .distributed import start_default_group
     device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available()
               else torch.device("cpu"))
@@ -418,7 +428,44 @@ def _tqdm():
     return tqdm
 
 
+_BAR_WINDOW = 20
+"""The progress bar's tokens/s is the median of this many last steps (the final line: all)."""
+
+
+def _bar_postfix(bar, engine, loss: float, tokens_per_s: float) -> None:
+    resident = engine.stats().bytes_held  # tier -> bytes the store holds now
+    bar.set_postfix_str(f"loss={loss:.3f} tokens/s={tokens_per_s:,.0f} " +
+                        " ".join(f"{t}={human_bytes(b)}" for t, b in resident.items()), refresh=False)
+
+
+def _gather(value, world: int) -> list:
+    """``value`` of every rank, in rank order (a collective: every rank calls it)."""
+    if world == 1:
+        return [value]
+    import torch.distributed as dist
+
+    values = [None] * world
+    dist.all_gather_object(values, value)
+    return values
+
+
+def _swap_where(dirs: list) -> Optional[str]:
+    """Where the run swaps, for the banner: ``dirs`` is every rank's nvme_dir (None: no swap).
+    With several ranks the engine swaps into nvme_dir/rank<r>: one shared --nvme-dir is named
+    once as DIR/rank{0..N-1}; temporary ones (one per rank) are each named."""
+    if dirs[0] is None:
+        return None
+    temp = " (temporary)" if is_temp_swap(dirs[0]) else ""
+    if len(dirs) == 1:
+        return dirs[0] + temp
+    if len(set(dirs)) == 1:
+        return os.path.join(dirs[0], f"rank{{0..{len(dirs) - 1}}}") + temp
+    return ", ".join(os.path.join(d, f"rank{r}") for r, d in enumerate(dirs)) + temp
+
+
 def cmd_train(args) -> int:
+    import torch
+
     import zero_offload
     from .data import CharCorpus
     from .models import generate
@@ -437,7 +484,7 @@ def cmd_train(args) -> int:
         # Flags and --config next (they need the settings --resume found): a bad value is
         # reported before anything else about --out.
         cfg, spec, settings, extras = resolve(args, defaults=defaults, temp_dirs=stack,
-                                              saved=plan.saved if plan else None, world=world)
+                                              saved=plan.saved if plan else None, world=world, report=say)
         if not args.resume and not args.overwrite:
             _refuse_to_replace(out, state_file)
         start = plan.candidates[0]["step"] if plan else 0
@@ -449,7 +496,7 @@ def cmd_train(args) -> int:
         corpus = CharCorpus.default()
         if rank == 0:  # before the engine measures the free space
             remove_dead_runs_spaces(cfg.nvme_dir, say)
-        where = f"{cfg.nvme_dir} (temporary)" if is_temp_swap(cfg.nvme_dir) else cfg.nvme_dir
+        where = _swap_where(_gather(cfg.nvme_dir, world))
         n_params = sum(p.numel() for p in model.parameters())
         say(f"zero-offload train: {describe_model(settings)} ({n_params / 1e6:.2f}M params), "
             f"device {'cuda' if torch.cuda.is_available() else 'cpu'}" +
@@ -485,13 +532,19 @@ def cmd_train(args) -> int:
 
         accum = cfg.grad_accum  # micro-batches per step, each rank: the global batch is world x batch x accum
         tokens_per_step = settings.batch_size * seq_len * accum
+
+        def tokens_per_s(times: list) -> float:
+            """Tokens per second of all ranks together (each trains its own batches), from the
+            median of ``times``: the progress bar's figure and the final line's."""
+            return world * tokens_per_step / statistics.median(times) if times else float("nan")
+
         losses, step_times = [], []
         bar = None if args.no_progress or rank else _tqdm()(
             total=settings.steps, initial=start, desc="train", unit="step", file=sys.stderr,
             dynamic_ncols=True, mininterval=0.5)
         step = start
-        say("training started", flush=True)
-        with _StopOnSigint() as stop:
+        with _StopOnSigint(quiet=rank != 0) as stop:
+            say("training started", flush=True)  # from here a signal stops after a step and saves
             stopping = False
             while step < settings.steps and not stopping:
                 t0 = time.perf_counter()
@@ -512,25 +565,26 @@ def cmd_train(args) -> int:
                 if not math.isfinite(loss_value):
                     raise RuntimeError(f"loss is {loss_value} at step {step}; lower --lr (now {spec.lr})")
                 if bar is not None:
-                    resident = engine.stats().bytes_held  # tier -> bytes the store holds now
-                    bar.set_postfix_str(
-                        f"loss={loss_value:.3f} tok/s={tokens_per_step / step_times[-1]:,.0f} " +
-                        " ".join(f"{t}={human_bytes(b)}" for t, b in resident.items()), refresh=False)
+                    _bar_postfix(bar, engine, loss_value, tokens_per_s(step_times[-_BAR_WINDOW:]))
                     bar.update(1)
                 # every rank stops at the same step (a signal may reach them at different ones)
                 stopping = stop.requested if world == 1 else not engine.agree(not stop.requested)
                 if _periodic_save(step, settings.steps, every) and not stopping:
                     _save(engine, out, step, state, args.keep, lead=rank == 0)
-            if bar is not None:
+            if bar is not None:  # it ends on the whole run's figure, the one of the line below
+                _bar_postfix(bar, engine, losses[-1], tokens_per_s(step_times))
                 bar.close()
             _save(engine, out, step, state, args.keep, lead=rank == 0)
         median = statistics.median(step_times) if step_times else float("nan")
         say(f"step {step}: loss {losses[-1]:.4f} (first {losses[0]:.4f}), median step "
-            f"{median * 1e3:.1f} ms, {world * tokens_per_step / median:,.0f} tokens/s", flush=True)
-        say(f"checkpoint: {out / state['checkpoint']} (continue with --resume --out {out})", flush=True)
-        if stopping:
-            say(f"stopped by {stop.what if stop.signum else 'a signal to another rank'}", file=sys.stderr)
+            f"{median * 1e3:.1f} ms, {tokens_per_s(step_times):,.0f} tokens/s"
+            + (f" (all {world} ranks)" if world > 1 else ""), flush=True)
+        if stopping:  # one line (rank 0's), whichever rank the signal reached
+            what = stop.what if stop.signum else "a signal to another rank"
+            say(f"zero-offload: stopped by {what} at step {step}; checkpoint saved at "
+                f"{out / state['checkpoint']}; resume with --resume --out {out}", file=sys.stderr, flush=True)
             return 128 + (stop.signum or signal.SIGTERM)
+        say(f"checkpoint: {out / state['checkpoint']} (continue with --resume --out {out})", flush=True)
         n_sample = extras.get("sample_tokens") or 0
         if n_sample:
             prompt = corpus.encode("\n").view(1, -1).to(device)
@@ -565,6 +619,8 @@ def cmd_bench_script(which: str, argv: list[str]) -> int:
 
 def _bandwidth(src: torch.Tensor, dst: torch.Tensor, *, repeat: int = 3) -> float:
     """Best-of-``repeat`` bytes per second of dst.copy_(src)."""
+    import torch
+
     cuda = src.is_cuda or dst.is_cuda
     best = float("inf")
     for _ in range(repeat):
@@ -583,6 +639,7 @@ def gather_info(nvme_dir: str, *, measure: bool = True) -> dict:
     import resource
 
     import psutil
+    import torch
 
     import zero_offload
 
@@ -773,7 +830,7 @@ def cmd_clean(args) -> int:
 # ---------------------------------------------------------------------------------- parser
 
 def _add_run_flags(p: argparse.ArgumentParser, *, what: str) -> None:
-    from .models import PRESETS
+    from .presets import PRESETS
 
     m = p.add_argument_group("model and data")
     m.add_argument("--preset", choices=list(PRESETS), help=f"GPT preset (default: {what})")
@@ -888,17 +945,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _exit_codes() -> tuple:
+def _exit_codes():
     """[Note: exit codes] The one mapping from what a command raised to its exit code, first match
     wins: a bad flag or config value exits 2, a failure while running exits 1. Every failure is
-    one line on stderr; ``--debug`` prints the traceback before it."""
+    one line on stderr; ``--debug`` prints the traceback before it. Yields (types, code) in
+    order; the torch-side error types are imported only past the usage errors ([Note: torch after
+    parsing])."""
+    yield UsageError, EXIT_USAGE              # flags, --config, --resume/--out misuse
     from .runtime.checkpoint import CheckpointError
     from .runtime.pipeline import PipelineError
     from .runtime.placement import FitError
     from .runtime.store import BudgetError, StoreError
 
-    return (
-        (UsageError, EXIT_USAGE),             # flags, --config, --resume/--out misuse
+    yield from (
         (FitError, EXIT_FAILURE),             # budgets cannot hold the model (a ValueError: before it)
         (CheckpointError, EXIT_FAILURE),      # missing, corrupted or mismatched checkpoint
         (BudgetError, EXIT_FAILURE),          # a tier ran out of its budget while running

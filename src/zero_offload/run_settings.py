@@ -1,7 +1,8 @@
 """Run settings shared by ``zero-offload train`` and ``zero-offload bench prefetch``: exit codes,
 flag parsers, the precedence of defaults / checkpoint / --config / flags (``resolve``, see
 [Note: config precedence] in cli.py), and the model a run builds. The CLI and the benchmark both
-import it, so neither imports the other.
+import it, so neither imports the other. No torch at import: the parser's flag types live here
+(cli.py [Note: torch after parsing]).
 """
 from __future__ import annotations
 
@@ -13,8 +14,6 @@ import math
 import signal
 from pathlib import Path
 from typing import Optional
-
-import torch
 
 from .runtime.vocab import human_bytes
 
@@ -107,6 +106,8 @@ _PLACEMENT_FLAGS = ("params", "optimizer", "nvme_dir", "prefetch_depth", "dtype"
 
 
 def _default_dtype() -> str:
+    import torch
+
     # bf16 is the GPU recipe of BASELINES.md; on a CPU, fp32 matmuls are the fast path.
     return "bf16" if torch.cuda.is_available() else "fp32"
 
@@ -175,15 +176,16 @@ def _layer(merged: dict, source: dict, name: str, values: dict) -> None:
 
 
 def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack, saved: Optional[dict] = None,
-            world: int = 1):
+            world: int = 1, report=print):
     """Flags + --config file (+ the settings of the checkpoint being resumed) -> (OffloadConfig,
     optimizer spec, RunSettings, extra train keys).
 
     ``saved`` is the resumed run's state (``{"settings", "offload", "optim", "world"}``, each
     optional); every value that a file or flag changes against it is reported in one line on
-    stdout, and a change of model (preset, hf_config) is refused. Resumed on another number of
-    ranks (``world``), the run keeps its global batch where it can ([Note: global batch]). Raises
-    UsageError for any bad value (config.py's messages name the field and the fix).
+    stdout (through ``report``, a ``print``; with several ranks only rank 0's prints), and a change
+    of model (preset, hf_config) is refused. Resumed on another number of ranks (``world``), the
+    run keeps its global batch where it can ([Note: global batch]). Raises UsageError for any bad
+    value (config.py's messages name the field and the fix).
     """
     from . import config as zc
 
@@ -225,7 +227,7 @@ def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack, saved: Opt
         settings = RunSettings(**run)
     except TypeError as e:
         raise UsageError(f"bad \"train\" settings: {one_line(e)}") from None
-    from .models import PRESETS
+    from .presets import PRESETS
 
     if settings.preset is not None and settings.preset not in PRESETS:
         raise UsageError(f"unknown model preset {settings.preset!r}; choose one of {', '.join(PRESETS)}")
@@ -266,14 +268,14 @@ def resolve(args, *, defaults: dict, temp_dirs: contextlib.ExitStack, saved: Opt
         spec = dataclasses.replace(spec, lr=settings.lr)
     if saved:
         _report_overrides(saved, settings=settings, run_source=run_source, cfg=cfg,
-                          base_source=base_source, spec=spec, optim_source=optim_source)
+                          base_source=base_source, spec=spec, optim_source=optim_source, say=report)
         chosen = run_source["batch_size"] not in ("default", "checkpoint") or \
             base_source.get("grad_accum") not in (None, "default", "checkpoint")
-        cfg = _keep_global_batch(saved, cfg, batch=settings.batch_size, world=world, chosen=chosen)
+        cfg = _keep_global_batch(saved, cfg, batch=settings.batch_size, world=world, chosen=chosen, say=report)
     return cfg, spec, settings, extras
 
 
-def _keep_global_batch(saved: dict, cfg, *, batch: int, world: int, chosen: bool):
+def _keep_global_batch(saved: dict, cfg, *, batch: int, world: int, chosen: bool, say=print):
     """[Note: global batch] A step of ``train`` trains on world x batch x grad_accum sequences.
     Resumed on another number of ranks, the checkpoint's global batch is kept by the gradient
     accumulation where it divides evenly (2 ranks x 16 x 1 -> 1 x 16 x 2; the micro-batches are
@@ -288,7 +290,7 @@ def _keep_global_batch(saved: dict, cfg, *, batch: int, world: int, chosen: bool
     was = f"{old} ({old_world} rank(s) x batch {old_batch} x grad_accum {old_accum})"
     if not chosen and old % (world * batch) == 0:
         accum = old // (world * batch)
-        print(f"--resume: the checkpoint's global batch {was} is kept on {world} rank(s) by "
+        say(f"--resume: the checkpoint's global batch {was} is kept on {world} rank(s) by "
               f"grad_accum {accum}: {world} x batch {batch} x grad_accum {accum}", flush=True)
         return cfg.replace(grad_accum=accum)
     new = world * batch * cfg.grad_accum
@@ -296,21 +298,21 @@ def _keep_global_batch(saved: dict, cfg, *, batch: int, world: int, chosen: bool
         keep = (f"--batch-size {old // world // cfg.grad_accum}" if old % (world * cfg.grad_accum) == 0
                 else f"a --batch-size and grad_accum (--config) whose product is {old // world}"
                 if old % world == 0 else f"a number of ranks that divides {old}")
-        print(f"--resume: the global batch changes from the checkpoint's {was} to {new} ({world} "
+        say(f"--resume: the global batch changes from the checkpoint's {was} to {new} ({world} "
               f"rank(s) x batch {batch} x grad_accum {cfg.grad_accum}); to keep it, pass {keep}",
               flush=True)
     return cfg
 
 
 def _report_overrides(saved: dict, *, settings: RunSettings, run_source: dict, cfg, base_source: dict,
-                      spec, optim_source: str) -> None:
+                      spec, optim_source: str, say=print) -> None:
     """One line on stdout per setting of the resumed run that a file or flag changes; UsageError
     for a change of model (its parameters would not match the checkpoint's)."""
     def who(source: str, key: str, value) -> str:
         return f"{flag_name(key)} {value}" if source == "flag" else f"{key} {value} from {source}"
 
     def report(source: str, key: str, new, old) -> None:
-        print(f"--resume: {who(source, key, new)} overrides the checkpoint's {old}", flush=True)
+        say(f"--resume: {who(source, key, new)} overrides the checkpoint's {old}", flush=True)
 
     old_settings = saved.get("settings") or {}
     for key in _MODEL_KEYS:
@@ -375,5 +377,7 @@ def describe_model(settings: RunSettings) -> str:
 # ------------------------------------------------------------------------------------ train
 
 def batch_generator(seed: int, step: int) -> torch.Generator:
+    import torch
+
     # one generator per step: a resumed run draws the same batches as an uninterrupted one
     return torch.Generator().manual_seed(seed * 1_000_003 + step)

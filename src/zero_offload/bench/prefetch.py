@@ -58,8 +58,8 @@ import time
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-import numpy as np
-import torch
+# numpy and torch are imported where used: the CLI builds this command's parser (HELP,
+# add_arguments) before it imports torch (cli.py [Note: torch after parsing]).
 
 DEFAULT_DEPTHS = (0, 1, 2, 4, 8)
 DEFAULT_MAX_SECONDS = 120.0
@@ -166,6 +166,8 @@ def decide(samples: Mapping[int, Sequence[float]], *, baseline: int, tolerance: 
     if not (0.0 < confidence < 1.0) or tolerance < 0 or resamples < 100:
         raise ValueError(f"need 0 < confidence < 1, tolerance >= 0 and resamples >= 100; got "
                          f"{confidence}, {tolerance}, {resamples}")
+    import numpy as np
+
     others = sorted(d for d in samples if d != baseline)
     alpha = (1.0 - confidence) / max(len(others), 1)
     rng = np.random.default_rng(seed)
@@ -265,6 +267,8 @@ def plot_prefetch(results: Sequence[dict], path, *, title: str = "", recommended
 # -------------------------------------------------------------------------------- measuring
 
 def _hardware_slug() -> str:
+    import torch
+
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu{os.cpu_count()}"
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
@@ -273,6 +277,8 @@ def _shared_budgets(cfg, n: int):
     """``cfg`` with each "auto" budget pinned to 1/n of what is free now (see [Note: one engine
     per depth]), the same way the store resolves "auto" (free minus its reserve)."""
     import psutil
+    import torch
+
     from zero_offload import StoreConfig
 
     reserve = StoreConfig.__dataclass_fields__["auto_reserve_fraction"].default
@@ -315,6 +321,8 @@ def _stall(engine) -> float:
 
 
 def _step(runner: _Runner, corpus, settings, seq_len: int, *, timed: bool) -> None:
+    import torch
+
     from ..run_settings import batch_generator
 
     engine = runner.engine
@@ -341,6 +349,8 @@ def _step(runner: _Runner, corpus, settings, seq_len: int, *, timed: bool) -> No
 
 
 def _result(runner: _Runner, settings, seq_len: int) -> dict:
+    import numpy as np
+
     stats = runner.engine.stats()
     n_all = max(stats.steps - runner.steps_at_reset, 1)  # timed and settle steps since reset_stats
     t = np.asarray(runner.times)
@@ -393,6 +403,9 @@ def _print_table(results: Sequence[dict], decision: Decision) -> None:
 
 def run(args) -> int:
     """``zero-offload bench prefetch``: see the module docstring."""
+    import numpy as np
+    import torch
+
     import zero_offload
 
     from ..run_settings import (EXIT_OK, UsageError, describe_model, human_bytes, one_line, build_model,
