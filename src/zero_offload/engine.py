@@ -863,7 +863,7 @@ class Engine:
         gathers, self._gathers = self._gathers, {}
         try:
             for _, work in gathers.values():
-                if work is not None:
+                if work is not None and self._failed is None:  # (failed: they may never end)
                     with self._collective("the all-gather of a params chunk"):
                         work.wait()
         finally:  # every pin let go, also after a failed wait ([Note: failed engine])
