@@ -246,6 +246,24 @@ def _tqdm():
     return tqdm
 
 
+def _engine_exit(engine):
+    """``train``'s exit for its engine (an ``ExitStack.push`` callback). Finished: close, writing
+    the trained values back. A failure (or Ctrl-C / SIGTERM) in flight: close without writing
+    back (it runs collectives, and after one rank failed the others are elsewhere: a hang, or the
+    wrong chunks gathered), and a close error is noted on that failure, never raised over it: the
+    failure is the one line the command prints."""
+    def exit_(exc_type, exc, tb):
+        if exc is None:
+            engine.close()
+            return False
+        try:
+            engine.close(write_back=False)
+        except Exception as e:  # noqa: BLE001 - noted on the failure being reported
+            exc.add_note(f"engine.close failed too: {type(e).__name__}: {e}")
+        return False
+    return exit_
+
+
 def cmd_train(args) -> int:
     import zero_offload
     from .data import CharCorpus
@@ -288,7 +306,7 @@ def cmd_train(args) -> int:
         meta = any(p.is_meta for p in model.parameters())
         engine = zero_offload.initialize(model, optimizer=spec, config=cfg,
                                          init=getattr(model, "init_param", None) if meta else None)
-        stack.callback(engine.close)
+        stack.push(_engine_exit(engine))
         device = engine.device
         every = extras.get("save_every") or 0
         _check_run_dir(out, previous, replacing=not args.resume, steps=settings.steps, every=every)

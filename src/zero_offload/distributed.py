@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -165,6 +166,7 @@ def collective(owner: str, what: str, group):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         peer = f"rank {1 - rank}, the other rank," if world == 2 else "another rank"
         text = str(e).splitlines()[0] if str(e) else ""
+        text = re.sub(r"^\[[^\]]*\]\s*", "", text)  # gloo's "[.../pair.cc:553] " source location
         if len(text) > 160:
             text = text[:157] + "..."
         raise PeerFailure(

@@ -123,13 +123,14 @@ device buffer and reduce-scatters once, at the last micro-batch.
 [Note: failed engine] With several ranks, an exception that escapes forward, backward or step on
 one rank (a collective that failed because a peer died, raised or timed out; or this rank's own
 error, after which its collectives no longer pair with the other ranks') leaves the ranks' states
-apart for good. The engine is then *failed* (``_fail``): every later call raises naming the first
-error, and ``close`` writes nothing back (that would run collectives against ranks that are
-elsewhere: a hang, or the wrong chunk gathered) but frees everything, leaves the parameters as
-placeholders and warns in one line what was lost and what to do. The cause is what the caller
-saw: clean-up after it (pins of a failed all-gather or reduce-scatter released where they were
-taken, ``_reset_holds``, ``close``) never raises over it. One process alone recovers from an
-exception in forward/backward (``_reset_holds``), unless that clean-up itself fails.
+apart for good. The engine is then *failed* (``_fail``; also after any failed collective): every
+later call raises naming the first error, it starts no collective, and ``close`` writes nothing
+back (that would run collectives against ranks that are elsewhere: a hang, or the wrong chunk
+gathered) but frees everything, leaves the parameters as placeholders and warns in one line what
+was lost and what to do. The cause is what the caller saw: clean-up after it (pins of a failed
+all-gather or reduce-scatter released where they were taken, ``_reset_holds``, ``close``) never
+raises over it. One process alone recovers from an exception in forward/backward
+(``_reset_holds``), unless that clean-up itself fails.
 
 [Note: collectives ahead] With NCCL the collectives overlap compute. When a chunk is
 materialized, the all-gather of the next chunk of the recorded order (``Prefetcher.peek``: this
@@ -799,7 +800,9 @@ class Engine:
     @contextlib.contextmanager
     def _collective(self, what: str):
         """Collectives of this engine: a failure is one ``PeerFailure`` (distributed.py) and
-        fails the engine ([Note: failed engine])."""
+        fails the engine ([Note: failed engine]). A failed engine starts none: it raises why."""
+        if self._failed is not None:
+            self._check_open()
         try:
             with collective("engine", what, self._pg):
                 yield
