@@ -1849,7 +1849,7 @@ class Engine:
         if written:  # the values are back: plain parameters again
             for s, cls in zip(self.partition.slots, self._classes):
                 s.param.__class__ = cls
-        else:  # placeholders that raise on use, naming the param (none points into freed chunks)
+        elif write_back:  # placeholders that raise on use, naming the param (none points into freed chunks)
             for s in self.partition.slots:
                 s.param.data = self._placeholders[s.index]
                 s.param.__class__ = self._guards[s.index]
