@@ -167,9 +167,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .config import Adam, OffloadConfig, load_config
 from .mixed_precision import LossScaler, cast_inputs
-from .distributed import (PeerFailure, Shard, all_gather, all_reduce, available_cores, bind_to_cores,
-                          collective, rank_cores, reduce_scatter_mean, resolve_group, shard_of,
-                          threads_per_rank)
+from .distributed import (Shard, all_gather, all_reduce, available_cores, bind_to_cores, collective,
+                          rank_cores, reduce_scatter_mean, resolve_group, shard_of, threads_per_rank)
 from .initial_values import InitialValues, set_values
 from .runtime.chunk_group import ChunkGroup, GroupChunk, GroupSlot
 from .runtime.partition import ChunkLayout, ParamSlot, Partition, partition_parameters
@@ -882,7 +881,8 @@ class Engine:
         out = shard if full.dtype is shard.dtype else torch.empty(shard.numel(), dtype=full.dtype,
                                                                   device=full.device)
         stream = self._comm_stream
-        on_comm = functools.partial(torch.cuda.stream, stream) if stream is not None else contextlib.nullcontext
+        on_comm = (functools.partial(torch.cuda.stream, stream) if stream is not None
+                   else contextlib.nullcontext)
         try:
             with self._collective("the reduce-scatter of a chunk's grads"):
                 work = reduce_scatter_mean(out, full, self._pg, async_op=stream is not None)
@@ -1759,7 +1759,6 @@ class Engine:
         """Whether every rank says ``ok`` (an all-reduce; ``ok`` itself without a group)."""
         if self._pg is None:
             return ok
-        self._check_open()
         with self._collective("the all-reduce of a vote"):
             return bool(all_reduce(torch.tensor([int(ok)], device=self._comm_device), self._pg, "min").item())
 
