@@ -1,5 +1,6 @@
 """SIGTERM during zero-offload train is handled like Ctrl-C: stop after the current step, save a
-whole checkpoint, exit 143 (128 + 15); --resume continues it. A second signal stops at once."""
+whole checkpoint, exit 143 (128 + 15); --resume continues it. A second signal stops at once. One
+that comes while the command is stopping on an error leaves that error's line last."""
 import json
 import signal
 import subprocess
@@ -55,3 +56,31 @@ def test_second_sigterm_stops_at_once(tmp_path):
             p.kill()
     assert p.returncode == 143, err
     assert "Traceback" not in err
+
+
+def test_sigterm_while_stopping_on_an_error_keeps_the_error_line(capfd, monkeypatch, tmp_path):
+    """torchrun sends SIGTERM to every rank once one fails, often while the rank that saw the
+    failure is unwinding (closing its engine): its last line stays the error, not "interrupted"."""
+    import os
+
+    from zero_offload.engine import Engine
+    from _cli_util import in_process
+
+    real_step, real_close = Engine.step, Engine.close
+
+    def failing_step(self):
+        if self.global_step == 1:
+            raise RuntimeError("engine: rank 0 of 2: the step failed (simulated)")
+        return real_step(self)
+
+    def close_with_sigterm(self, **kw):
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered while the failure unwinds
+        return real_close(self, **kw)
+
+    monkeypatch.setattr(Engine, "step", failing_step)
+    monkeypatch.setattr(Engine, "close", close_with_sigterm)
+    r = in_process(capfd, "train", "--no-progress", "--steps", "4", "--sample-tokens", "0",
+                   "--batch-size", "2", "--seq-len", "32", "--out", tmp_path / "ck")
+    assert r.returncode == 1, r
+    assert r.stderr.strip().splitlines()[-1] == \
+        "zero-offload: error: engine: rank 0 of 2: the step failed (simulated)", r.stderr

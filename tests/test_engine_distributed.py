@@ -158,7 +158,7 @@ def _dies_rank(rank, world):
 
 def test_a_dead_rank_makes_the_other_raise_one_clear_error(tmp_path):
     err = error_after_a_rank_dies(_dies_rank, WORLD, tmp_path)
-    assert "engine: rank 0 of 2:" in err and "another rank has probably died" in err, err
+    assert "engine: rank 0 of 2:" in err and "rank 1, the other rank, has probably died" in err, err
 
 
 def _counting_rank(rank, world, kw, steps, accum):

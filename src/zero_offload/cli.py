@@ -57,7 +57,10 @@ from .run_settings import (EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED, 
 class _StopOnSigint:
     """First Ctrl-C or SIGTERM: finish the current step, save, exit 128 + the signal (130, 143).
     Second: stop at once (the engine's checkpoints are atomic, so the last one stays whole).
-    ``quiet``: say nothing on the first (ranks other than 0: rank 0 speaks for all)."""
+    ``quiet``: say nothing on the first (ranks other than 0: rank 0 speaks for all).
+    Left on an error, it keeps the signals until ``main`` returns (which restores them): the
+    command is stopping already, and a signal then (torchrun stops every rank once one fails)
+    must not print "interrupted" over the error's one line; a second one stops at once."""
 
     _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -84,9 +87,15 @@ class _StopOnSigint:
         self._previous = {s: signal.signal(s, self._handler) for s in self._SIGNALS}
         return self
 
-    def __exit__(self, *exc):
+    def _while_failing(self, signum, frame):
+        if self.requested:
+            raise Interrupted(signum)
+        self.requested, self.signum = True, signum
+
+    def __exit__(self, exc_type, exc, tb):
+        failing = exc_type is not None and not issubclass(exc_type, KeyboardInterrupt)
         for s, previous in self._previous.items():
-            signal.signal(s, previous)
+            signal.signal(s, self._while_failing if failing else previous)
 
 
 def _saved_offload(cfg) -> dict:
@@ -463,6 +472,24 @@ def _swap_where(dirs: list) -> Optional[str]:
     return ", ".join(os.path.join(d, f"rank{r}") for r, d in enumerate(dirs)) + temp
 
 
+def _engine_exit(engine):
+    """``train``'s exit for its engine (an ``ExitStack.push`` callback). Finished: close, writing
+    the trained values back. A failure (or Ctrl-C / SIGTERM) in flight: close without writing
+    back (it runs collectives, and after one rank failed the others are elsewhere: a hang, or the
+    wrong chunks gathered), and a close error is noted on that failure, never raised over it: the
+    failure is the one line the command prints."""
+    def exit_(exc_type, exc, tb):
+        if exc is None:
+            engine.close()
+            return False
+        try:
+            engine.close(write_back=False)
+        except Exception as e:  # noqa: BLE001 - noted on the failure being reported
+            exc.add_note(f"engine.close failed too: {type(e).__name__}: {e}")
+        return False
+    return exit_
+
+
 def cmd_train(args) -> int:
     import torch
 
@@ -507,7 +534,7 @@ def cmd_train(args) -> int:
         meta = any(p.is_meta for p in model.parameters())
         engine = zero_offload.initialize(model, optimizer=spec, config=cfg,
                                          init=getattr(model, "init_param", None) if meta else None)
-        stack.callback(engine.close)
+        stack.push(_engine_exit(engine))
         device = engine.device
         every = extras.get("save_every") or 0
         check = dict(replacing=not args.resume, steps=settings.steps, every=every)
@@ -999,7 +1026,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = None
-    restore_sigterm = False
+    restore_signals = False
 
     def on_sigterm(signum, frame):
         raise Interrupted(signum)
@@ -1011,9 +1038,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return int(e.code or 0)
         if threading.current_thread() is threading.main_thread():
             # SIGTERM unwinds like Ctrl-C (engine closed, temporary swap removed); `train` stops
-            # after its current step instead (_StopOnSigint)
+            # after its current step instead (_StopOnSigint, which may leave both set: restored here)
+            previous_sigint = signal.getsignal(signal.SIGINT)
             previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
-            restore_sigterm = True
+            restore_signals = True
         if args.command == "bench" and args.bench in _BENCH_SCRIPTS:
             return cmd_bench_script(args.bench, rest)
         if rest:
@@ -1035,8 +1063,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"zero-offload: error: {type(e).__name__}: {_describe(e, args)}{hint}", file=sys.stderr, flush=True)
         return EXIT_FAILURE
     finally:
-        if restore_sigterm:
+        if restore_signals:
             signal.signal(signal.SIGTERM, previous_sigterm or signal.SIG_DFL)
+            if previous_sigint is not None:  # (None: a handler not installed from Python)
+                signal.signal(signal.SIGINT, previous_sigint)
 
 
 if __name__ == "__main__":

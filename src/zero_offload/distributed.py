@@ -14,11 +14,12 @@ import atexit
 import contextlib
 import glob
 import os
+import re
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Shard", "bind_to_cores", "check_ranks_agree", "collective", "is_dtensor", "local",
+__all__ = ["PeerFailure", "Shard", "bind_to_cores", "check_ranks_agree", "collective", "is_dtensor", "local",
            "rank_cores", "resolve_group", "start_default_group", "threads_per_rank"]
 
 
@@ -241,19 +242,33 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+class PeerFailure(RuntimeError):
+    """A collective failed: another rank died, raised, timed out or ran a different collective
+    (``collective``). The ranks' states no longer match: every rank must stop."""
+
+
 @contextlib.contextmanager
 def collective(owner: str, what: str, group):
-    """Run collectives; a failure (a rank died, raised or timed out) is raised as one error that
-    names this rank and the way out."""
+    """Run collectives; a failure (a rank died, raised or timed out) is raised as one
+    ``PeerFailure`` that names this rank, the peer (with two ranks, the other one), what to look
+    at and what to do; the cause's first line (shortened) ends it."""
     try:
         yield
     except (RuntimeError, ValueError) as e:
+        if isinstance(e, PeerFailure):
+            raise
         import torch.distributed as dist
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        raise RuntimeError(
-            f"{owner}: rank {rank} of {world}: {what} failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-            f"another rank has probably died, raised or timed out. The ranks' training states no "
-            f"longer match: stop every rank and restart from the last checkpoint") from e
+        peer = f"rank {1 - rank}, the other rank," if world == 2 else "another rank"
+        text = str(e).splitlines()[0] if str(e) else ""
+        text = re.sub(r"^\[[^\]]*\]\s*", "", text)  # gloo's "[.../pair.cc:553] " source location
+        if len(text) > 160:
+            text = text[:157] + "..."
+        raise PeerFailure(
+            f"{owner}: rank {rank} of {world}: {what} failed: {peer} has probably died, raised an "
+            f"error, timed out or runs with different settings; its output shows the first error. "
+            f"The ranks' training states no longer match: stop every rank and restart from the "
+            f"last checkpoint (here: {type(e).__name__}: {text})") from e
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group, *, async_op: bool = False):

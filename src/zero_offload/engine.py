@@ -120,6 +120,18 @@ every GPU (ZeRO-2 with offload), gathered again only after an update changed the
 ``grad_sync="final"`` with ``grad_accum > 1`` sums a chunk's grads over the window in an fp32
 device buffer and reduce-scatters once, at the last micro-batch.
 
+[Note: failed engine] With several ranks, an exception that escapes forward, backward or step on
+one rank (a collective that failed because a peer died, raised or timed out; or this rank's own
+error, after which its collectives no longer pair with the other ranks') leaves the ranks' states
+apart for good. The engine is then *failed* (``_fail``; also after any failed collective): every
+later call raises naming the first error, it starts no collective, and ``close`` writes nothing
+back (that would run collectives against ranks that are elsewhere: a hang, or the wrong chunk
+gathered) but frees everything, leaves the parameters as placeholders and warns in one line what
+was lost and what to do. The cause is what the caller saw: clean-up after it (pins of a failed
+all-gather or reduce-scatter released where they were taken, ``_reset_holds``, ``close``) never
+raises over it. One process alone recovers from an exception in forward/backward
+(``_reset_holds``), unless that clean-up itself fails.
+
 [Note: collectives ahead] With NCCL the collectives overlap compute. When a chunk is
 materialized, the all-gather of the next chunk of the recorded order (``Prefetcher.peek``: this
 pass only, the same answer on every rank) is issued async; its use waits for it device-side. The
@@ -642,6 +654,7 @@ class Engine:
         self._lock = threading.RLock()
         self._phase = Phase.IDLE
         self._closed = False
+        self._failed: Optional[BaseException] = None  # see [Note: failed engine]
         self._chunks: list[_Chunk] = []
         # Where each param/buffer came from: close() puts the trained values back there.
         # (A model built on the meta device gets its values back on the CPU.)
@@ -806,9 +819,38 @@ class Engine:
         if self._pg is None:
             return piece
         full = torch.empty(piece.numel() * self.shard.world, dtype=piece.dtype, device=piece.device)
-        with collective("engine", what, self._pg):
+        with self._collective(what):
             all_gather(full, piece, self._pg)
         return full
+
+    @contextlib.contextmanager
+    def _collective(self, what: str):
+        """Collectives of this engine: a failure is one ``PeerFailure`` (distributed.py) and
+        fails the engine ([Note: failed engine]). A failed engine starts none: it raises why."""
+        if self._failed is not None:
+            self._check_open()
+        try:
+            with collective("engine", what, self._pg):
+                yield
+        except BaseException as e:
+            self._fail(e)
+            raise
+
+    def _fail(self, e: BaseException) -> None:
+        """With several ranks, ``e`` escaped a collective or forward/backward/step: see
+        [Note: failed engine]. The first error is kept."""
+        if self._pg is not None and self._failed is None:
+            self._failed = e
+
+    def _failed_line(self, limit: int = 300) -> str:
+        """"rank r of N stopped after an error (its first line, cut at ``limit``)" ("the engine
+        ..." alone)."""
+        e = self._failed
+        text = str(e).splitlines()[0] if str(e) else ""
+        if len(text) > limit:
+            text = text[:limit - 3] + "..."
+        who = f"rank {self.shard.rank} of {self.shard.world}" if self._pg is not None else "the engine"
+        return f"{who} stopped after an error ({type(e).__name__}: {text})"
 
     def _gather_params(self, chunk: _Chunk, shard: torch.Tensor, *, ahead: bool) -> tuple:
         """``(buffer, work)``: the chunk's params on the device from this rank's ``shard``. One
@@ -820,7 +862,7 @@ class Engine:
             return chunk.replica, None
         full = chunk.replica if chunk.replica is not None else torch.empty(
             shard.numel() * self.shard.world, dtype=shard.dtype, device=shard.device)
-        with collective("engine", "the all-gather of a params chunk", self._pg):
+        with self._collective("the all-gather of a params chunk"):
             work = all_gather(full, shard, self._pg, async_op=ahead)
         if self._replicas:
             chunk.replica, chunk.replica_version = full, chunk.g.version
@@ -838,17 +880,24 @@ class Engine:
             if chunk.layout.trainable:
                 self.group.wait(chunk.g)  # the update writing its params shard must finish
             shard = self.prefetcher.use(cid)["params"]
-            self._gathers[cid] = self._gather_params(chunk, shard, ahead=True)
+            try:
+                self._gathers[cid] = self._gather_params(chunk, shard, ahead=True)
+            except BaseException:
+                self.prefetcher.release(cid)  # the pin is this call's ([Note: failed engine])
+                raise
 
     def _drop_gathers(self) -> None:
         """Forget the all-gathers issued ahead whose chunk was not used (the pass ended or the
         order changed): the device waits for them, their shards go back to the prefetcher."""
-        for cid, (_, work) in self._gathers.items():
-            if work is not None:
-                with collective("engine", "the all-gather of a params chunk", self._pg):
-                    work.wait()
-            self.prefetcher.release(cid)
-        self._gathers.clear()
+        gathers, self._gathers = self._gathers, {}
+        try:
+            for _, work in gathers.values():
+                if work is not None and self._failed is None:  # (failed: they may never end)
+                    with self._collective("the all-gather of a params chunk"):
+                        work.wait()
+        finally:  # every pin let go, also after a failed wait ([Note: failed engine])
+            for cid in gathers:
+                self.prefetcher.release(cid)
 
     def _reduce_grads(self, chunk: _Chunk, full: torch.Tensor) -> Handle:
         """This rank's shard of the mean over the ranks of a whole chunk's device grads ``full``
@@ -859,17 +908,24 @@ class Engine:
         out = shard if full.dtype is shard.dtype else torch.empty(shard.numel(), dtype=full.dtype,
                                                                   device=full.device)
         stream = self._comm_stream
-        with collective("engine", "the reduce-scatter of a chunk's grads", self._pg):
-            work = reduce_scatter_mean(out, full, self._pg, async_op=stream is not None)
-        with (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
-            if work is not None:
-                with collective("engine", "the reduce-scatter of a chunk's grads", self._pg):
-                    work.wait()
-            if out is not shard:
-                shard.copy_(out)
-            if stream is not None:
-                full.record_stream(stream)
-                out.record_stream(stream)
+        on_comm = (functools.partial(torch.cuda.stream, stream) if stream is not None
+                   else contextlib.nullcontext)
+        try:
+            with self._collective("the reduce-scatter of a chunk's grads"):
+                work = reduce_scatter_mean(out, full, self._pg, async_op=stream is not None)
+            with on_comm():
+                if work is not None:
+                    with self._collective("the reduce-scatter of a chunk's grads"):
+                        work.wait()
+                if out is not shard:
+                    shard.copy_(out)
+                if stream is not None:
+                    full.record_stream(stream)
+                    out.record_stream(stream)
+        except BaseException:
+            self.group.flush_grads(chunk.g, drop=True)  # the pin device_grads took; [Note: failed engine]
+            raise
+        with on_comm():
             return self.group.flush_grads(chunk.g)
 
     def _read_full(self, chunk: _Chunk, name: str, *, take: bool = False) -> torch.Tensor:
@@ -931,7 +987,8 @@ class Engine:
                     self._finish_recording()
                 return out
         except BaseException as e:
-            self._reset_holds()
+            self._fail(e)
+            self._clean_up_after(e)
             self._reads.clear()
             raise self._explain(e) from e
         finally:
@@ -1239,17 +1296,22 @@ class Engine:
     def _materialize(self, chunk: _Chunk) -> None:
         t0 = time.perf_counter()
         buf, work = self._gathers.pop(chunk.cid, (None, None))
-        if buf is None:
-            if chunk.layout.trainable:
-                self.group.wait(chunk.g)  # the update writing these params must finish
-            buf, work = self._gather_params(chunk, self.prefetcher.use(chunk.cid)["params"], ahead=False)
-        if work is not None:  # issued ahead: this stream waits for it (device-side)
-            with collective("engine", "the all-gather of a params chunk", self._pg):
-                work.wait()
-        if self._pg is not None:
-            self._gather_ahead()
-        if self.group.trace is not None:
-            self.group.trace.span("use", t0, time.perf_counter(), cid=chunk.cid)
+        pinned = buf is not None  # (the gather issued ahead pinned the shard)
+        try:
+            if buf is None:
+                if chunk.layout.trainable:
+                    self.group.wait(chunk.g)  # the update writing these params must finish
+                shard = self.prefetcher.use(chunk.cid)["params"]
+                pinned = True
+                buf, work = self._gather_params(chunk, shard, ahead=False)
+            if work is not None:  # issued ahead: this stream waits for it (device-side)
+                with self._collective("the all-gather of a params chunk"):
+                    work.wait()
+        except BaseException:
+            if pinned:  # the chunk is not materialized: nothing else lets this pin go
+                chunk.replica = None
+                self.prefetcher.release(chunk.cid)
+            raise
         recorded, classes = self._recorded, self._classes
         for s in chunk.layout.slots:
             s.param.data = buf[s.offset:s.end].view(s.shape)
@@ -1257,6 +1319,21 @@ class Engine:
                 s.param.__class__ = classes[s.index]
         chunk.buffer = buf
         self._live[buf.untyped_storage().data_ptr()] = chunk
+        if self._pg is not None:  # (after the chunk is materialized: a failure here releases it)
+            self._gather_ahead()
+        if self.group.trace is not None:
+            self.group.trace.span("use", t0, time.perf_counter(), cid=chunk.cid)
+
+    def _clean_up_after(self, e: BaseException) -> None:
+        """``_reset_holds`` after ``e`` escaped forward/backward; a failure of it is noted on
+        ``e`` and fails the engine (its state is unknown), never raised over ``e``."""
+        try:
+            self._reset_holds()
+        except Exception as cleanup:  # noqa: BLE001 - noted on the cause, which is raised
+            if self._failed is None:
+                self._failed = e
+            e.add_note(f"zero_offload: the clean-up after this error failed too "
+                       f"({type(cleanup).__name__}: {cleanup}); the engine takes no further calls")
 
     def _reset_holds(self) -> None:
         """After an exception in forward/backward: let every chunk go, forget pending calls."""
@@ -1316,7 +1393,8 @@ class Engine:
             with _range("zero_offload::backward"):
                 (loss * self.scaler.scale if self.scaler is not None else loss).backward()
         except BaseException as e:
-            self._reset_holds()
+            self._fail(e)
+            self._clean_up_after(e)
             self._set_phase(Phase.IDLE)
             raise self._explain(e) from e
         self._finish_backward()
@@ -1420,6 +1498,13 @@ class Engine:
         """End of backward: release what the hooks still hold, send incomplete grads down."""
         if self._phase is not Phase.BACKWARD:
             return
+        try:
+            self._finish_backward_locked()
+        except BaseException as e:
+            self._fail(e)
+            raise
+
+    def _finish_backward_locked(self) -> None:
         with self._lock, _range("zero_offload::finish_backward"):
             for token in self._tokens:
                 if token.held:
@@ -1450,11 +1535,14 @@ class Engine:
         if self._phase is Phase.FORWARD:
             raise RuntimeError("engine.step called during forward")
         self._finish_backward()
-        self._release_idle()  # updates rewrite params: nothing may keep pointing at old bytes
         t0 = time.perf_counter()
         try:
+            self._release_idle()  # updates rewrite params: nothing may keep pointing at old bytes
             with _range("zero_offload::step"):
                 return self._step()
+        except BaseException as e:
+            self._fail(e)
+            raise
         finally:
             self._span("step", t0)
 
@@ -1474,7 +1562,7 @@ class Engine:
         sumsq = (self.group.pipeline.take_grad_stats() + self.group.take_device_stats()
                  if self._needs_stats else 0.0)
         if self._needs_stats and self._pg is not None:  # the norm of the whole (mean) grad
-            with collective("engine", "the all-reduce of the grad norm", self._pg):
+            with self._collective("the all-reduce of the grad norm"):
                 sumsq = all_reduce(torch.tensor([sumsq], dtype=torch.float64, device=self._comm_device),
                                    self._pg).item()
         if self.scaler is not None and not math.isfinite(sumsq):
@@ -1674,7 +1762,7 @@ class Engine:
             out = {"frozen": self._read_full(chunk, "params")}
         out["steps"] = chunk.steps
         if self._pg is not None and layout.trainable:  # a slot's step is kept by its ranks
-            with collective("engine", "the all-reduce of the step counts", self._pg):
+            with self._collective("the all-reduce of the step counts"):
                 out["steps"] = all_reduce(torch.tensor(out["steps"], dtype=torch.int64, device=self._comm_device),
                                           self._pg, "max").tolist()
         return out
@@ -1698,7 +1786,7 @@ class Engine:
         """Whether every rank says ``ok`` (an all-reduce; ``ok`` itself without a group)."""
         if self._pg is None:
             return ok
-        with collective("engine", "the all-reduce of a vote", self._pg):
+        with self._collective("the all-reduce of a vote"):
             return bool(all_reduce(torch.tensor([int(ok)], device=self._comm_device), self._pg, "min").item())
 
     def load_progress(self, *, global_step: int, skipped_steps: int) -> None:
@@ -1750,6 +1838,10 @@ class Engine:
         can be handed to ``initialize`` again. If the values cannot be read (a failed update or
         I/O), the parameters are left as zero-byte placeholders that raise on use, and close
         raises saying why (with ``with``: a warning, so the original error stays). Idempotent.
+        With several ranks, after an error escaped forward, backward or step (or a collective
+        failed) on this rank, nothing is written back (it needs every rank): everything is freed,
+        the parameters stay placeholders, and close warns (never raises over that error); see
+        [Note: failed engine].
 
         ``write_back=False``: everything is freed and nothing is written back; the parameters
         stay placeholders that raise on use. For a model whose values were saved already
@@ -1762,8 +1854,8 @@ class Engine:
     def _close(self, *, write_back: bool, quiet: bool) -> None:
         if getattr(self, "_closed", True):
             return
-        failure = None
-        if write_back:
+        failure, failed, written = None, self._failed, False
+        if write_back and failed is None:  # (failed: see [Note: failed engine])
             try:
                 with torch.no_grad():
                     if self._phase is not Phase.IDLE:
@@ -1780,13 +1872,15 @@ class Engine:
                             m._buffers[name] = b.to(device)
             except Exception as e:  # noqa: BLE001 - reported below, after the cleanup
                 failure = e
-                for s in self.partition.slots:
-                    s.param.data = self._placeholders[s.index]
-                    s.param.__class__ = self._guards[s.index]  # raises on use, naming the param
             else:
-                # The values are back: plain parameters again (else they stay guarded and raise).
-                for s, cls in zip(self.partition.slots, self._classes):
-                    s.param.__class__ = cls
+                written = True
+        if written:  # the values are back: plain parameters again
+            for s, cls in zip(self.partition.slots, self._classes):
+                s.param.__class__ = cls
+        elif write_back:  # placeholders that raise on use, naming the param (none points into freed chunks)
+            for s in self.partition.slots:
+                s.param.data = self._placeholders[s.index]
+                s.param.__class__ = self._guards[s.index]
         self._closed = True
         for c in self._chunks:
             c.replica = c.window = None
@@ -1800,7 +1894,17 @@ class Engine:
         try:
             self.group.close()
         finally:
-            self.store.close()
+            # After a failure, what the store's last moves raise is its consequence: not raised
+            # over the error the caller saw (the store frees everything either way).
+            with contextlib.suppress(Exception) if failed is not None else contextlib.nullcontext():
+                self.store.close()
+        if failed is not None and write_back:
+            why = ("that needs every rank; stop every rank and restart" if self._pg is not None
+                   else "restore them")
+            warnings.warn(f"engine.close: {self._failed_line(100)}, so the trained values were not "
+                          f"written back into the model: its parameters are left as zero-byte "
+                          f"placeholders that raise on use ({why} from the last checkpoint)",
+                          RuntimeWarning, stacklevel=3)
         if failure is not None:
             msg = (f"engine.close could not write the trained values back into the model "
                    f"({type(failure).__name__}: {failure}); its parameters are left as zero-byte "
@@ -1835,6 +1939,11 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this engine is closed; build a new one with zero_offload.initialize")
+        if self._failed is not None:  # see [Note: failed engine]
+            why = ("the ranks' training states no longer match. Stop every rank and restart"
+                   if self._pg is not None else "its state is unknown. Close it and restart")
+            raise RuntimeError(f"engine: {self._failed_line()}, so it takes no further calls: {why} "
+                               f"from the last checkpoint") from self._failed
 
     def _require_idle(self, what: str) -> None:
         self._check_open()
