@@ -140,3 +140,23 @@ def test_plans_parse(text, labels):
         assert items[0].case_args() == ["--ds-prefetch-bucket", "5e7", "--ds-reduce-bucket", "5e8"]
     else:
         assert {i.world for i in items} == {4} and len(items) == len({i.label for i in items})
+
+
+def test_memory_sampler_walks_no_page_table_during_the_timed_steps(monkeypatch):
+    """[Note: no page-table walk while timing]: a smaps_rollup read cost 40-85 ms of CPU under the
+    case's mm lock on the GPU hosts, so inside the timed window only statm's RSS is read."""
+    import case
+
+    reads = []
+    monkeypatch.setattr(case, "_read_pss_kib", lambda: reads.append("pss") or 1)
+    sampler = case.MemSampler(period=3600)  # sampled by hand below, never by its thread
+    reads.clear()
+    sampler.sample()
+    assert reads == ["pss"]
+    sampler.enter_timed()  # one PSS read just before the timed steps
+    reads.clear()
+    for _ in range(3):
+        sampler.sample()
+    assert reads == [] and sampler.timed_samples == 3 and sampler.rss_peak_timed > 0
+    sampler.leave_timed()  # and one right after them
+    assert reads == ["pss"]

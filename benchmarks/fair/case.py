@@ -47,7 +47,8 @@ Cases and their recipes (the row's "recipe" says it; fairplan.CASES is the table
   sub-group per rank no split exists); the row records the split DeepSpeed made.
 
 Memory: a thread started before ``import torch`` samples this process's PSS
-(/proc/self/smaps_rollup) every ``--mem-period`` s; rank 0 also samples the node's MemAvailable
+(/proc/self/smaps_rollup) every ``--mem-period`` s outside the timed steps (RSS only during them:
+[Note: no page-table walk while timing]); rank 0 also samples the node's MemAvailable
 (/proc/meminfo). GPU peaks are torch's allocator peaks from after the build to the end.
 
 On a CPU (``--device cpu``, gloo) ddp, ddp-bf16, engine, engine-auto and offload-adamw run with a
@@ -78,18 +79,45 @@ def mem_available_kib() -> int:
     return 0
 
 
+def _read_statm_rss_kib() -> int:
+    """Resident set size from /proc/self/statm: two counters, no page-table walk."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * (os.sysconf("SC_PAGE_SIZE") // 1024)
+
+
+def read_vm_hwm_kib() -> int:
+    """The kernel's peak RSS of this process since it started (VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return 0
+
+
 class MemSampler(threading.Thread):
     """This process's peak PSS (from its start, and since ``mark()``) and, with ``node=True``, the
-    node's lowest MemAvailable, every ``period`` s."""
+    node's lowest MemAvailable, every ``period`` s.
+
+    [Note: no page-table walk while timing] Reading /proc/self/smaps_rollup walks every page
+    table of the process under its mm lock: 40-85 ms of CPU per read for a 1.31B case on the H100
+    hosts (the calls of 2026-11-27 recorded it), so a 50 ms period kept one core per rank busy and
+    stalled the case's own mmap/munmap for the whole run. Between ``enter_timed()`` and
+    ``leave_timed()`` the sampler therefore reads only RSS (/proc/self/statm, two counters) and
+    MemAvailable; PSS is read before the timed steps and right after them (the heap the steps
+    built is still there), and the kernel's VmHWM bounds RSS over the whole process."""
 
     def __init__(self, period: float = 0.05):
         super().__init__(daemon=True, name="fair-mem-sampler")
         self.period = period
         self.node = False
+        self.timed = False
         self.pss_peak = self.pss_peak_since_mark = _read_pss_kib()
+        self.rss_peak_timed = 0
         self.avail_start = self.avail_min = mem_available_kib()
         self.samples = 0
         self.read_s = 0.0
+        self.timed_samples = 0
+        self.timed_read_s = 0.0
         self._stop = threading.Event()
 
     def run(self):
@@ -98,13 +126,29 @@ class MemSampler(threading.Thread):
 
     def sample(self):
         t0 = time.thread_time()
-        pss = _read_pss_kib()
-        self.pss_peak = max(self.pss_peak, pss)
-        self.pss_peak_since_mark = max(self.pss_peak_since_mark, pss)
+        if self.timed:  # [Note: no page-table walk while timing]
+            self.rss_peak_timed = max(self.rss_peak_timed, _read_statm_rss_kib())
+        else:
+            pss = _read_pss_kib()
+            self.pss_peak = max(self.pss_peak, pss)
+            self.pss_peak_since_mark = max(self.pss_peak_since_mark, pss)
         if self.node:
             self.avail_min = min(self.avail_min, mem_available_kib())
-        self.samples += 1
-        self.read_s += time.thread_time() - t0  # the sampler's own CPU time
+        spent = time.thread_time() - t0  # the sampler's own CPU time
+        if self.timed:
+            self.timed_samples += 1
+            self.timed_read_s += spent
+        else:
+            self.samples += 1
+            self.read_s += spent
+
+    def enter_timed(self):
+        self.sample()
+        self.timed = True
+
+    def leave_timed(self):
+        self.timed = False
+        self.sample()
 
     def mark(self):
         self.pss_peak_since_mark = _read_pss_kib()
@@ -604,6 +648,7 @@ def run(args, row: dict, sampler: MemSampler) -> dict:
     runner.on_timed()
     times = []
     sync()
+    sampler.enter_timed()
     t_all = time.perf_counter()
     for i in range(args.warmup, args.warmup + steps):
         sync()
@@ -614,6 +659,7 @@ def run(args, row: dict, sampler: MemSampler) -> dict:
     runner.finish()  # the engine's own outstanding work is inside the total wall time
     sync()
     total = time.perf_counter() - t_all
+    sampler.leave_timed()
     sampler.stop()
     losses = [float(x) for x in losses]
 
@@ -639,7 +685,11 @@ def run(args, row: dict, sampler: MemSampler) -> dict:
         pss_peak_per_rank_gib=[r["pss_peak_gib"] for r in ranks],
         pss_peak_train_per_rank_gib=[r["pss_peak_train_gib"] for r in ranks],
         pss_sampler={"period_s": sampler.period, "samples": sampler.samples,
-                     "mean_cpu_ms": 1e3 * sampler.read_s / max(1, sampler.samples)},
+                     "mean_cpu_ms": 1e3 * sampler.read_s / max(1, sampler.samples),
+                     "timed": "RSS only (statm) during the timed steps; PSS before and right after them",
+                     "timed_samples": sampler.timed_samples,
+                     "timed_mean_cpu_ms": 1e3 * sampler.timed_read_s / max(1, sampler.timed_samples)},
+        rss_peak_timed_gib=sampler.rss_peak_timed * 1024 / GiB, vm_hwm_gib=read_vm_hwm_kib() * 1024 / GiB,
         memavail_start_gib=sampler.avail_start * 1024 / GiB, memavail_min_gib=sampler.avail_min * 1024 / GiB,
         gpu_peak_alloc_per_rank_gib=[r["gpu"][0] for r in ranks],
         gpu_peak_reserved_per_rank_gib=[r["gpu"][1] for r in ranks],
