@@ -66,8 +66,16 @@ elif ! timeout 300 python3 -m pip install --no-build-isolation --no-deps -e . > 
   tail -20 /tmp/zo_build.log >> "$OUT/setup.log"
   say "pip install -e . failed: $(tail -1 /tmp/zo_build.log) (setup.log)"; exit 1
 else say "zero_offload built"; fi
+# FAIR_TESTS: a pytest command line run beside the rest of the setup (never beside a timed case),
+# its log in $OUT/tests.log, waited for before the plan starts
+if [ -n "${FAIR_TESTS:-}" ]; then
+  ( timeout "${FAIR_TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider ${FAIR_TESTS} > "$OUT/tests.log" 2>&1
+    echo "pytest exit $?" >> "$OUT/tests.log" ) &
+  tests_pid=$!
+fi
 wait $init_pid; cat /tmp/make_init.log | tee -a "$OUT/setup.log"
 wait $ds_pid; cat /tmp/ds_build.status | tee -a "$OUT/setup.log"
+if [ -n "${tests_pid:-}" ]; then wait $tests_pid; say "tests: $(tail -2 "$OUT/tests.log" | tr '\n' ' ')"; fi
 say "setup done"
 
 left() { echo $(( BUDGET - (SECONDS - START) )); }
