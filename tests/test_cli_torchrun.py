@@ -21,7 +21,9 @@ from zero_offload.runtime.checkpoint import verify
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="torchrun test on Linux")
 
-ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+def _env() -> dict:
+    """The ranks' environment, read when a test runs (conftest's per-session TMPDIR included)."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 
 
 def _command(*args):
@@ -31,7 +33,7 @@ def _command(*args):
 
 
 def _torchrun(tmp_path, *args, timeout=240):
-    return subprocess.run(_command(*args), cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(_command(*args), cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def _state(path):
@@ -88,9 +90,11 @@ def test_train_runs_on_two_ranks_and_resumes(tmp_path, capfd):
 def test_sigterm_to_torchrun_stops_and_saves_every_rank(tmp_path):
     out = tmp_path / "run"
     p = subprocess.Popen(_command("--steps", "100000", "--save-every", "1", "--no-progress", "--out", str(out)),
-                         cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         banner = p.stdout.readline()
+        while banner and not banner.startswith("zero-offload train:"):  # e.g. a dead run's space removed
+            banner = p.stdout.readline()
         # both ranks are past their signal handlers once the first checkpoint (collective) is named
         deadline = time.monotonic() + 240
         while not (out / "train_state.json").exists() and p.poll() is None and time.monotonic() < deadline:

@@ -55,7 +55,6 @@ def test_cpu_budget_too_small():
 
 def test_nvme_dir_too_small(tmp_path, monkeypatch):
     import shutil
-    import zero_offload.store as store
 
     real = shutil.disk_usage
 
@@ -63,7 +62,7 @@ def test_nvme_dir_too_small(tmp_path, monkeypatch):
         u = real(path)
         return type(u)(total=u.total, used=u.total - 10_000, free=10_000)
 
-    monkeypatch.setattr(store.shutil, "disk_usage", tiny_disk)
+    monkeypatch.setattr(shutil, "disk_usage", tiny_disk)  # what every free-space check reads
     with pytest.raises(FitError, match=r"NVMe directory .* is too small: the state placed there needs \d+ bytes"):
         zo.initialize(mlp(), optimizer=zo.AdamW(),
                       config=config(optimizer="nvme", nvme_dir=str(tmp_path)), device=DEVICE)
