@@ -63,20 +63,21 @@ import time
 _T0 = time.time()  # process start, for --time-budget
 
 
-def _read_pss_kib() -> int:
-    with open("/proc/self/smaps_rollup") as f:
+def _proc_kib(path: str, key: str) -> int:
+    """The kB value of line ``key:`` in a /proc file (0 if absent)."""
+    with open(path) as f:
         for line in f:
-            if line.startswith("Pss:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1])
     return 0
+
+
+def _read_pss_kib() -> int:
+    return _proc_kib("/proc/self/smaps_rollup", "Pss")
 
 
 def mem_available_kib() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1])
-    return 0
+    return _proc_kib("/proc/meminfo", "MemAvailable")
 
 
 def _read_statm_rss_kib() -> int:
@@ -87,11 +88,7 @@ def _read_statm_rss_kib() -> int:
 
 def read_vm_hwm_kib() -> int:
     """The kernel's peak RSS of this process since it started (VmHWM)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    return 0
+    return _proc_kib("/proc/self/status", "VmHWM")
 
 
 class MemSampler(threading.Thread):
@@ -304,11 +301,7 @@ def build_engine(args, cfg, device, world, sd, auto=False):
     engine = zo.initialize(model, optimizer=zo.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD),
                            config=ocfg, device=device, init=lambda name, t: t.copy_(sd[name]))
 
-    def step(x, y):
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        return loss.detach()
+    step = _engine_step(engine)
 
     def extra():
         st = engine.stats()
@@ -453,11 +446,7 @@ def build_deepspeed(args, cfg, device, world, sd, case):
     model.set_activation_checkpointing(args.checkpointing)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
 
-    def step(x, y):
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        return loss.detach()
+    step = _engine_step(engine)
 
     def extra():
         out = {"deepspeed": deepspeed.__version__,
@@ -491,6 +480,17 @@ assert set(BUILDERS) == set(CASES), "fairplan.CASES and case.BUILDERS must name 
 def _one_line(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}".strip().splitlines()
     return (text[0] if text else type(e).__name__)[:400]
+
+
+def _engine_step(engine) -> Callable:
+    """One training step of an engine with DeepSpeed's calling convention (``engine(x, y)`` is the
+    loss; ``backward``; ``step``): ours and DeepSpeed's alike."""
+    def step(x, y):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+    return step
 
 
 def _jsonable(x):
