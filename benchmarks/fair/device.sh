@@ -15,7 +15,10 @@
 # (e.g. "--steps 30"), FAIR_SEED shuffle seed (default: the clock), ZO_FAIR_COMMIT the commit to
 # record (default: a hash of the source tree; the device copy has no .git), FAIR_INIT the init
 # file's path, FAIR_SKIP_INSTALL=1 keeps the zero_offload already installed (a warm machine whose
-# csrc/ did not change).
+# csrc/ did not change), FAIR_TESTS a pytest command line run beside the setup (before any timed
+# case; FAIR_TESTS_TIMEOUT, default 240 s: `-m gpu tests` took more than 200 s on the x4 kind, so
+# give the GPU suite a call of its own: FAIR_TESTS="-m gpu tests" FAIR_TESTS_TIMEOUT=500 with a
+# short plan).
 set -u -o pipefail
 START=$SECONDS
 BUDGET=${FAIR_BUDGET:-540}
