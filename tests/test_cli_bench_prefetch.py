@@ -50,7 +50,9 @@ def test_bench_prefetch_interleaves_until_the_budget_and_the_json_reproduces_the
     # the JSON's step times give the printed decision again
     again = decision_of_record(record)
     assert again.blocks == n[0] // 2 and record["blocks"] == again.blocks
-    assert again.message().endswith(f"[suggestive only: the CI comes from {again.blocks} blocks per depth, fewer than 10]")
+    # the loop runs until the budget, so a fast machine may reach 10 blocks: the mark follows the count
+    suggestive = f"[suggestive only: the CI comes from {again.blocks} blocks per depth, fewer than 10]"
+    assert again.message().endswith(suggestive) == (again.blocks < 10), again.message()
     assert again.to_dict() == record["decision"]
     assert again.message() in r.stdout.splitlines()
     assert record["recommended_depth"] == again.recommended
