@@ -86,8 +86,13 @@ KNOB_ALIASES = {"reshard": "fsdp-reshard", "prefetch": "ds-prefetch-bucket",
 # the ddp ceiling of every N first: ratios compare rows of one run only.
 _N1 = ("engine ddp torchao ds-zero3 fsdp2:reshard=0 ds-zero2 offload-adamw ddp-bf16 engine-auto").split()
 _N2 = "engine ddp ds-zero3 fsdp2:reshard=0 ds-zero2 offload-adamw engine-auto".split()
-_N4 = ("engine ddp ds-zero3 fsdp2:reshard=0 ds-zero2 offload-adamw engine-auto ds-zero3:prefetch=5e7,reduce=5e8 "
-       "fsdp2:reshard=1 ds-zero3-ratio:ratio=0.5").split()
+_N4 = ("engine ddp ds-zero2 ds-zero3 fsdp2:reshard=0 fsdp2:reshard=1 offload-adamw engine-auto "
+       "ds-zero3:prefetch=5e7,reduce=5e8 ds-zero3-ratio:ratio=0.5").split()
+# The 2-GPU call of a full rerun, with the 4-GPU DeepSpeed GPU share (and the engine at 4 beside it:
+# ratios compare rows of one call). Measured case times on the x4 kind (2026-11-27 calls: 22-93 s a
+# case, setup ~70 s) make n1, n4 and n2r about 8-9 minutes each.
+_N2R = ["engine@2", "ddp@2", "ds-zero2@2", "ds-zero3@2", "fsdp2:reshard=0@2", "offload-adamw@2",
+        "engine@4", "ds-zero3-ratio:ratio=0.5@4", "fsdp2:reshard=1@2", "engine-auto@2"]
 _N4A = "engine ddp ds-zero3 fsdp2:reshard=0 ds-zero2 offload-adamw".split()
 _N4B = ("engine ddp ds-zero3:prefetch=5e7,reduce=5e8 fsdp2:reshard=1 ds-zero3-ratio:ratio=0.5 "
         "engine-auto").split()
@@ -100,6 +105,7 @@ PLANS: dict[str, list[str]] = {
     # engine and ddp rows, so each call's ratios stand alone)
     "n2n4": [f"{c}@{n}" for c in ("engine", "ddp", "ds-zero3", "fsdp2:reshard=0", "ds-zero2") for n in (4, 2)]
             + [f"{c}@4" for c in _N4[5:]] + [f"{c}@2" for c in _N2[5:]],
+    "n2r": _N2R,
     "n4a": [f"{c}@4" for c in _N4A],
     "n4b": [f"{c}@4" for c in _N4B],
     # what runs on a CPU (tests, smoke): no GPU-only case
