@@ -127,6 +127,19 @@ def test_plan_order_is_priority_under_a_deadline(tmp_path):
     assert "offload-adamw@1" in order and "ddp@1" in order and "engine@1" in dropped
 
 
+def test_anchors_keep_their_time_whatever_the_shuffle():
+    # 2026-11-27 (s10): the shuffle put engine@2 and engine@4 last, baselines ran past their
+    # estimates, and the call came back without an engine row; a baseline now may not use the
+    # time the engine and ddp rows after it are expected to need
+    from fairplan import parse_plan
+    from run import anchor_keep_s
+    order = parse_plan("fsdp2@2 engine@2 ds-zero2@2 ddp@2 engine@4")
+    cost = {"fsdp2": 100.0, "engine": 50.0, "ds-zero2": 70.0, "ddp": 20.0}
+    keep = [anchor_keep_s(order, n, cost=lambda i: cost[i.case], scale=2.0, settle=1.0)
+            for n in range(len(order))]
+    assert keep == [pytest.approx((50 + 20 + 50) * 2.2 + 3), 0.0, pytest.approx((20 + 50) * 2.2 + 2), 0.0, 0.0]
+
+
 @pytest.mark.parametrize("text, labels", [
     ("n4", None),
     ("ds-zero3:prefetch=5e7,reduce=5e8@4; fsdp2:reshard=1@2",

@@ -49,6 +49,19 @@ DEVICE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", 
 RESERVE_S = 8.0  # what the driver keeps back at the end: the last summary and log tarball
 
 
+ANCHORS = ("engine", "ddp")
+"""Cases whose rows every other row of the same N is compared with ([Note: anchors run whatever
+the order])."""
+
+
+def anchor_keep_s(order: list, n: int, *, cost, scale: float, settle: float) -> float:
+    """Seconds item ``order[n]`` must leave for the anchors after it: 0 for an anchor itself,
+    else the scaled expected time of every anchor still to run."""
+    if order[n].case in ANCHORS:
+        return 0.0
+    return sum(cost(i) * scale * 1.1 + settle for i in order[n + 1:] if i.case in ANCHORS)
+
+
 def mem_available() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -248,7 +261,9 @@ class Driver:
                                    else a.threads_per_rank),
                 "recipe": CASES[item.case].recipe, "zero_offload_commit": self.commit}
 
-    def run_item(self, item, order: int, params: int) -> dict:
+    def run_item(self, item, order: int, params: int, *, keep_s: float = 0.0) -> dict:
+        """Run one case; ``keep_s``: expected seconds of the anchors still to run after it
+        ([Note: anchors run whatever the order]), which this case may not eat into."""
         a = self.args
         row = self.base_row(item, order)
         info = CASES[item.case]
@@ -266,8 +281,10 @@ class Driver:
             guess *= min(3.0, max(0.5, sorted(self.ratios)[len(self.ratios) // 2]))
         left = self.left() - RESERVE_S
         row["expected_s"] = round(guess, 1)
-        if guess * 1.1 > left:
-            row["not_run"] = f"deadline (expected {guess:.0f} s, {max(0.0, left):.0f} s left)"
+        if guess * 1.1 > left - keep_s:
+            row["not_run"] = (f"deadline (expected {guess:.0f} s, {max(0.0, left):.0f} s left"
+                              + (f", {keep_s:.0f} s of them kept for the engine and ddp rows still to run"
+                                 if keep_s else "") + ")")
             return row
         timeout = min(a.case_timeout, left)
         json_out = os.path.join(self.log_dir, f"{order:02d}_{item.slug}.json")
@@ -384,10 +401,16 @@ class Driver:
             self.record({**self.base_row(item, len(order) + k), "expected_s": round(cost(item), 1),
                          "not_run": f"deadline: the plan's items are in priority order and this one's "
                                     f"{cost(item):.0f} s did not fit after the items before it"})
+        # [Note: anchors run whatever the order] The engine and ddp rows of every N are what the
+        # other rows are compared with (ratios within one call only): the shuffled order may put
+        # them last, so a case that runs before them may not use the time they are expected to
+        # need (scaled like every estimate by how long the cases so far took).
         failed = []
         for n, item in enumerate(order):
+            scale = min(3.0, max(0.5, sorted(self.ratios)[len(self.ratios) // 2])) if self.ratios else 1.0
             try:
-                row = self.run_item(item, n, params)
+                row = self.run_item(item, n, params,
+                                    keep_s=anchor_keep_s(order, n, cost=cost, scale=scale, settle=a.settle))
             except KeyboardInterrupt as e:  # SIGTERM / ^C: this case's row says so, then stop
                 row = {**self.base_row(item, n), "error": f"driver stopped ({e or 'interrupt'}) in this case"}
                 self.record(row)
