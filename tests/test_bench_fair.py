@@ -140,6 +140,18 @@ def test_anchors_keep_their_time_whatever_the_shuffle():
     assert keep == [pytest.approx((50 + 20 + 50) * 2.2 + 3), 0.0, pytest.approx((20 + 50) * 2.2 + 2), 0.0, 0.0]
 
 
+def test_thread_sweep_knob_is_capped_by_the_rule(tmp_path):
+    from fairplan import parse_plan
+    from run import item_threads
+    [a, b] = parse_plan("fsdp2:reshard=1,threads=8@2 engine@2")
+    assert item_threads(a, 32) == 8 and item_threads(b, 32) == 32
+    assert a.case_args() == ["--fsdp-reshard", "1"]  # the driver applies threads, not case.py's knob
+    r = subprocess.run([sys.executable, str(FAIR / "run.py"), "--plan", "ddp:threads=64@1", "--cores", "4",
+                        "--out", str(tmp_path), "--device", "cpu", "--dry-run"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "from 1 to 4" in r.stderr
+
+
 @pytest.mark.parametrize("text, labels", [
     ("n4", None),
     ("ds-zero3:prefetch=5e7,reduce=5e8@4; fsdp2:reshard=1@2",

@@ -78,6 +78,11 @@ CASES: dict[str, CaseInfo] = {
         startup_s=50, step_s={1: 0.9, 2: 0.9, 4: 0.9}),
 }
 
+COMMON_KNOBS = ("threads",)
+"""Knobs every case takes: ``threads=T`` runs the case with T CPU threads per rank instead of the
+run's rule (cores // N), for a thread sweep (``fsdp2:threads=8@2``): quote each engine at the best
+count it reached, never above cores // N, and name the count in the row."""
+
 KNOB_ALIASES = {"reshard": "fsdp-reshard", "prefetch": "ds-prefetch-bucket",
                 "reduce": "ds-reduce-bucket", "ratio": "ds-ratio", "sub-group": "ds-sub-group"}
 
@@ -108,6 +113,11 @@ PLANS: dict[str, list[str]] = {
     "n2r": _N2R,
     "n4a": [f"{c}@4" for c in _N4A],
     "n4b": [f"{c}@4" for c in _N4B],
+    # the thread sweep of the engines that run torch's CPU AdamW on the intra-op pool (FSDP2,
+    # torchao) beside the engine at the same counts: cores // N is the cap of every count
+    "threads": ["engine@2", "ddp@2", "fsdp2:reshard=1,threads=8@2", "fsdp2:reshard=1,threads=16@2",
+                "engine:threads=16@2", "engine@1", "torchao:threads=16@1", "torchao:threads=32@1",
+                "fsdp2:reshard=1,threads=8@4"],
     # what runs on a CPU (tests, smoke): no GPU-only case
     "cpu": ["ddp@1", "ddp-bf16@1", "engine@1", "engine-auto@1", "offload-adamw@1", "ddp@2", "engine@2"],
 }
@@ -138,6 +148,8 @@ class Item:
     def case_args(self) -> list:
         out = []
         for k, v in self.knobs:
+            if k in COMMON_KNOBS:  # the driver applies these (threads: OMP and case.py's --threads)
+                continue
             out += [f"--{k}", str(v)]
         return out
 
@@ -157,7 +169,7 @@ def parse_item(text: str) -> Item:
         k = KNOB_ALIASES.get(k.strip(), k.strip())
         if not eq or not v.strip():
             raise ValueError(f"plan item {text!r}: knob {kv!r} needs a value (knob=value)")
-        if k not in info.knobs:
+        if k not in info.knobs + COMMON_KNOBS:
             raise ValueError(f"plan item {text!r}: case {name} takes no knob {k!r}; its knobs: "
                              f"{', '.join(info.knobs) or 'none'}")
         knobs.append((k, v.strip()))

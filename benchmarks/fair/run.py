@@ -49,6 +49,18 @@ DEVICE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", 
 RESERVE_S = 8.0  # what the driver keeps back at the end: the last summary and log tarball
 
 
+def item_threads(item, rule: int) -> int:
+    """Threads per rank of one item: its ``threads=`` knob (a sweep point, at most the rule's
+    count), else the run's rule."""
+    knob = dict(item.knobs).get("threads")
+    if knob is None:
+        return rule
+    if not str(knob).isdigit() or not 1 <= int(knob) <= rule:
+        raise ValueError(f"{item.label}@{item.world}: threads={knob} must be an integer from 1 to "
+                         f"{rule} (cores // N: no case gets more than the rule gives every case)")
+    return int(knob)
+
+
 ANCHORS = ("engine", "ddp")
 """Cases whose rows every other row of the same N is compared with ([Note: anchors run whatever
 the order])."""
@@ -57,9 +69,9 @@ the order])."""
 def anchor_keep_s(order: list, n: int, *, cost, scale: float, settle: float) -> float:
     """Seconds item ``order[n]`` must leave for the anchors after it: 0 for an anchor itself,
     else the scaled expected time of every anchor still to run."""
-    if order[n].case in ANCHORS:
+    if order[n].case in ANCHORS and not order[n].knobs:
         return 0.0
-    return sum(cost(i) * scale * 1.1 + settle for i in order[n + 1:] if i.case in ANCHORS)
+    return sum(cost(i) * scale * 1.1 + settle for i in order[n + 1:] if i.case in ANCHORS and not i.knobs)
 
 
 def mem_available() -> int:
@@ -256,7 +268,7 @@ class Driver:
         return {"run_id": self.run_id, "order": order, "label": item.label, "case": item.case,
                 "world": item.world, "knobs": dict(item.knobs), "model": a.model, "batch_per_rank": a.batch,
                 "seq": a.seq, "checkpointing": a.checkpointing, "device": a.device,
-                "threads": threads_for(item.world, self.cores, a.threads_per_rank),
+                "threads": item_threads(item, threads_for(item.world, self.cores, a.threads_per_rank)),
                 "threads_policy": (f"auto: cores {self.cores} // N" if a.threads_per_rank == "auto"
                                    else a.threads_per_rank),
                 "recipe": CASES[item.case].recipe, "zero_offload_commit": self.commit}
@@ -471,8 +483,9 @@ def main(argv=None) -> int:
     if args.init is None:
         args.init = f"/dev/shm/zo_fair_init_{args.model}_s{args.seq}.pt"
     try:
-        parse_plan(args.plan)
-        threads_for(1, 1, args.threads_per_rank)
+        cores = args.cores or len(os.sched_getaffinity(0))
+        for item in parse_plan(args.plan):
+            item_threads(item, threads_for(item.world, cores, args.threads_per_rank))
     except ValueError as e:
         print(f"run.py: {e}", file=sys.stderr)
         return 2
