@@ -31,25 +31,17 @@ module's chunks for backward, the first lets them go. Chunks whose post-backward
 backward only once every grad it expects this pass has landed (``_Chunk.awaiting``): the
 AccumulateGrad of a parameter may run after its module's post-backward and needs its real data.
 
-[Note: parked chunks] Consecutive modules mostly share a chunk; releasing it when one module's
-forward ends would page it out and in again per module (two thirds of a 350M GPT's forward, when
-measured). So a chunk nobody holds stays on the device, views intact, in a list of
-``PARKED_CHUNKS``; the oldest is released when the list overflows, and all are released when
-backward ends and before a step queues updates (an update makes the device copy stale). Parked
-chunks stay pinned in the store and count in the working window (placement.py).
-
-[Note: kept copies] Forward and backward use every chunk once each, so releasing a chunk after
-its forward use fetches the params twice per step. When the GPU budget has room
-(``placement.keep_limit``: at most half of it, never the working window), a chunk released in a
-forward with grad enabled is only unpinned (``Prefetcher.release(keep=True)``): its copy stays
-valid for backward, and a tier needing room evicts by the prefetcher's farthest-next-use policy.
-A release in backward drops the copy, and ``_release_idle`` (end of backward, before a step's
-updates, idle) drops every kept copy not in use, so none outlives the update that makes it stale.
-A budget that only fits the working window keeps nothing.
+Device residency ([Note: holds] in runtime/prefetch.py): the engine only holds a chunk (module
+calls, backward, reads of the guard) and lets it go (``_hold``/``_unhold``); the prefetcher decides
+when it is mapped (``_materialize``) and let go (``_unmap``): chunks nobody holds stay parked on
+the device, and a copy let go in a forward with grad enabled is kept for backward, within
+``placement.keep_limit``. ``_release_idle`` (end of backward, before a step's updates, idle) lets
+every chunk nobody holds go and drops the kept copies.
 
 [Note: lock order] Two threads use the store: the caller's (forward, backward hooks) and the
-CPU-Adam worker. Each takes the prefetcher's lock before the store's, and the store's eviction
-policy queries the prefetcher without its lock (prefetch.py, [Note: lock order]).
+CPU-Adam worker. The caller takes the engine's lock, then the prefetcher's (holds, then
+look-ahead), then the store's; the worker the prefetcher's look-ahead lock, then the store's; the
+store's eviction policy queries the prefetcher without its lock (prefetch.py, [Note: lock order]).
 
 [Note: fetch on completion] The params look-ahead stops at the first chunk whose CPU update is
 queued or running (its bytes are about to change). Left at that, the next forward would run
@@ -59,7 +51,8 @@ prefetcher (``Prefetcher.chunk_ready``) re-issues its look-ahead from the consum
 the chunk's copy starts the moment its update ends, if it is within the window (``prefetch_depth``
 uses ahead, within the GPU budget). The worker takes the prefetcher's lock, then the store's (as
 in [Note: lock order]), holding no pipeline lock. On CUDA the copy is queued behind what the
-compute stream (captured at the last ``forward``) has issued; nothing synchronises the host.
+compute stream (``Prefetcher.set_stream`` at each ``forward``) has issued; nothing synchronises
+the host.
 
 [Note: exact step] Clipping by the global norm and the fp16 overflow check need every grad before
 any update. As grads land, the worker adds up their sums of squares; ``step()`` then decides
@@ -137,7 +130,7 @@ from .runtime.partition import ChunkLayout, ParamSlot, Partition, partition_para
 from .runtime.pipeline import PipelinePayloads, StepPipeline
 from .runtime.placement import (PARKED_CHUNKS, FitError, PlacementPlan, keep_limit, optimizer_payloads,
                                 payload_dtypes, plan_placement)
-from .runtime.prefetch import Prefetcher
+from .runtime.prefetch import Consumer, Prefetcher
 from .runtime.store import ChunkStore, Handle, Hop, PayloadSpec, StoreConfig, Tier
 from .runtime.trace import StatsWindow, Trace
 
@@ -157,17 +150,16 @@ def _range(name: str):
 
 @dataclass(eq=False)
 class _Chunk:
-    """Engine-side state of one chunk: its residency on the compute device and the grads of the
-    backward in flight. Its update, steps and window are the chunk group's (``g``)."""
+    """Engine-side state of one chunk: the device buffer its params point into and the grads of
+    the backward in flight. Whether it is on the device is the prefetcher's ([Note: holds]); its
+    update, steps and window are the chunk group's (``g``)."""
 
     layout: ChunkLayout
     g: GroupChunk
     gslots: dict
     """ParamSlot -> its GroupSlot in ``g`` (trainable chunks)."""
-    holds: int = 0
-    """Users needing the params on the device now (module calls, backward, saved views)."""
     buffer: Optional[torch.Tensor] = None
-    """The device buffer the params point into while held (see [Note: parameter data])."""
+    """The device buffer the params point into while mapped (see [Note: parameter data])."""
     expected: set = field(default_factory=set)
     """Slots used with grad enabled since the last backward: their grads are expected."""
     landed: set = field(default_factory=set)
@@ -507,7 +499,6 @@ class Engine:
         payloads = PipelinePayloads(master="master" if lowp else "params",
                                     lowp="params" if lowp else None,
                                     accum="accum" if cfg.host_accum else None)
-        self._compute_stream = None  # CUDA stream of the last forward; see [Note: fetch on completion]
         self.group = ChunkGroup(self.store, hyper=self.optimizer, adamw=self.spec.adamw,
                                 payloads=payloads, grad_accum=cfg.grad_accum if cfg.host_accum else 1,
                                 owner="engine",
@@ -533,8 +524,13 @@ class Engine:
                 if b is not None:
                     m._buffers[bname] = b.to(self.device)
 
-        self.prefetcher = Prefetcher(self.store, depth=cfg.prefetch_depth, hops=[("params", Tier.GPU)],
-                                     ready=lambda cid: not self.group.busy(cid))
+        self.prefetcher = Prefetcher(  # [Note: holds]: it decides what is on the device when
+            self.store, depth=cfg.prefetch_depth, hops=[("params", Tier.GPU)],
+            ready=lambda cid: not self.group.busy(cid), park=PARKED_CHUNKS,
+            keep_limit=keep_limit(self.partition, cfg, self.store.budgets[Tier.GPU]),
+            consumer=Consumer(map=self._materialize, unmap=self._unmap,
+                              busy=lambda cid: self._phase is Phase.BACKWARD and bool(self._chunks[cid].awaiting),
+                              reuse=lambda: self._phase is Phase.FORWARD and torch.is_grad_enabled()))
 
         self.scaler = LossScaler.from_config(cfg)
         self._overlap = cfg.overlap and cfg.grad_clip is None and self.scaler is None
@@ -544,9 +540,6 @@ class Engine:
         self.skipped_steps = 0
         self._micro = 0
         self._tokens: list[_BackwardToken] = []
-        self._parked: list[_Chunk] = []  # see [Note: parked chunks]
-        self._kept: dict[int, _Chunk] = {}  # cid -> chunk whose device copy was kept; [Note: kept copies]
-        self._keep_limit = keep_limit(self.partition, cfg, self.store.budgets[Tier.GPU])
         # [Note: collectives ahead]: all-gathers issued ahead (cid -> (buffer, work)), the stream
         # the grads' reduce-scatters are waited on before they go to the host (NCCL only).
         self._gathers: dict[int, tuple] = {}
@@ -786,8 +779,8 @@ class Engine:
         if self._phase is Phase.BACKWARD:
             self._finish_backward()
         args, kwargs = cast_inputs((args, kwargs), dtype=self.dtype, device=self.device)
-        if self.device.type == "cuda":
-            self._compute_stream = torch.cuda.current_stream(self.device)
+        if self.device.type == "cuda":  # see [Note: fetch on completion]
+            self.prefetcher.set_stream(torch.cuda.current_stream(self.device))
         self._drop_gathers()
         self.prefetcher.start_pass()
         self._set_phase(Phase.FORWARD)
@@ -840,13 +833,7 @@ class Engine:
 
     def _chunk_ready(self, cid: int) -> None:
         """On the CPU-Adam worker: see [Note: fetch on completion]."""
-        if self._closed:
-            return
-        stream = self._compute_stream
-        if stream is None:
-            self.prefetcher.chunk_ready(cid)
-            return
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+        if not self._closed:
             self.prefetcher.chunk_ready(cid)
 
     def _pre_forward(self, rec: _ModuleRecord, module, args, kwargs):
@@ -899,63 +886,38 @@ class Engine:
                     tensors, functools.partial(self._pre_backward, token), mode="any")
             return None
 
-    # ---- chunk residency on the compute device ----------------------------------------------
+    # ---- chunk residency on the compute device ([Note: holds] in runtime/prefetch.py) -------
 
     def _hold(self, chunk: _Chunk) -> None:
-        if chunk.buffer is None:
-            self._materialize(chunk)
-        elif chunk.holds == 0 and chunk in self._parked:
-            self._parked.remove(chunk)
-        chunk.holds += 1
+        if self.prefetcher.hold(chunk.cid) and self._pg is not None:
+            self._gather_ahead()  # [Note: collectives ahead]: when a chunk is materialized
 
     def _unhold(self, chunk: _Chunk) -> None:
-        chunk.holds -= 1
-        self._maybe_release(chunk)
+        self.prefetcher.unhold(chunk.cid)
 
     def _maybe_release(self, chunk: _Chunk) -> None:
-        """A chunk nobody holds is parked; see [Note: parked chunks]."""
-        if chunk.holds > 0 or chunk.buffer is None:
-            return
-        if self._phase is Phase.BACKWARD and chunk.awaiting:
-            return  # see [Note: backward hooks]
-        if chunk not in self._parked:
-            self._parked.append(chunk)
-        while len(self._parked) > PARKED_CHUNKS:
-            self._release(self._parked.pop(0))
-
-    def _release(self, chunk: _Chunk) -> None:
-        self._guard.hide(chunk)
-        chunk.buffer = None
-        keep = (self._phase is Phase.FORWARD and torch.is_grad_enabled()
-                and self.store.bytes(Tier.GPU) <= self._keep_limit)
-        self.prefetcher.release(chunk.cid, keep=keep)
-        if keep:
-            self._kept[chunk.cid] = chunk
-        else:
-            self._kept.pop(chunk.cid, None)
+        """The chunk may go once nobody holds it: see [Note: backward hooks]."""
+        self.prefetcher.settle(chunk.cid)
 
     def _release_idle(self) -> None:
         """Release every materialized chunk nobody holds (parked ones included), and drop the
         copies kept after forward: at the end of a backward, before updates may rewrite the
         params, and when the engine goes idle."""
         self._drop_gathers()
-        self._parked.clear()
-        for c in self._chunks:
-            if c.buffer is not None and c.holds == 0:
-                self._release(c)
-        if self._kept:
-            self.prefetcher.drop([cid for cid, c in self._kept.items() if c.buffer is None])
-            self._kept = {cid: c for cid, c in self._kept.items() if c.buffer is not None}
+        self.prefetcher.release_idle()
 
-    def _materialize(self, chunk: _Chunk) -> None:
+    def _materialize(self, cid: int) -> None:
+        """The prefetcher maps a chunk ([Note: holds]): its params on the device, the model's
+        parameters pointing into them."""
+        chunk = self._chunks[cid]
         t0 = time.perf_counter()
-        buf, work = self._gathers.pop(chunk.cid, (None, None))
+        buf, work = self._gathers.pop(cid, (None, None))
         pinned = buf is not None  # (the gather issued ahead pinned the shard)
         try:
             if buf is None:
                 if chunk.layout.trainable:
                     self.group.wait(chunk.g)  # the update writing these params must finish
-                shard = self.prefetcher.use(chunk.cid)["params"]
+                shard = self.prefetcher.use(cid)["params"]
                 pinned = True
                 buf, work = self._gather_params(chunk, shard, ahead=False)
             if work is not None:  # issued ahead: this stream waits for it (device-side)
@@ -964,14 +926,18 @@ class Engine:
         except BaseException:
             if pinned:  # the chunk is not materialized: nothing else lets this pin go
                 chunk.replica = None
-                self.prefetcher.release(chunk.cid)
+                self.prefetcher.release(cid)
             raise
         self._guard.show(chunk, buf)
         chunk.buffer = buf
-        if self._pg is not None:  # (after the chunk is materialized: a failure here releases it)
-            self._gather_ahead()
         if self.group.trace is not None:
-            self.group.trace.span("use", t0, time.perf_counter(), cid=chunk.cid)
+            self.group.trace.span("use", t0, time.perf_counter(), cid=cid)
+
+    def _unmap(self, cid: int) -> None:
+        """The prefetcher lets a chunk go: the parameters hold their placeholders again."""
+        chunk = self._chunks[cid]
+        self._guard.hide(chunk)
+        chunk.buffer = None
 
     def _clean_up_after(self, e: BaseException) -> None:
         """``_reset_holds`` after ``e`` escaped forward/backward; a failure of it is noted on
@@ -990,8 +956,8 @@ class Engine:
             self._call_stack.clear()
             self._tokens.clear()
             self._guard.reset()
+            self.prefetcher.forget_holds()
             for c in self._chunks:
-                c.holds = 0
                 c.clear_pass()
                 if c.grads is not None:
                     if self._pg is None:
