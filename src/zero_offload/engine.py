@@ -38,6 +38,14 @@ the device, and a copy let go in a forward with grad enabled is kept for backwar
 ``placement.keep_limit``. ``_release_idle`` (end of backward, before a step's updates, idle) lets
 every chunk nobody holds go and drops the kept copies.
 
+[Note: failed calls] torch runs a module's post-forward hook (``always_call``) also when the call
+raised before its forward ran: in a user's pre-hook registered before ``initialize`` (it runs
+before the engine's), or in the engine's own pre-forward (a fetch failed). A model may catch that
+and go on (an optional branch). So the pre-forward pushes the call on ``_call_stack`` before it
+holds anything and counts the chunks it holds; the post-forward lets go only those, and does
+nothing when the innermost call is not its module's (its pre-forward never ran). Letting go of
+chunks never held left a chunk on the device across an update (stale params in the next step).
+
 [Note: lock order] Two threads use the store: the caller's (forward, backward hooks) and the
 CPU-Adam worker. The caller takes the engine's lock, then the prefetcher's (holds, then
 look-ahead), then the store's; the worker the prefetcher's look-ahead lock, then the store's; the
@@ -229,6 +237,17 @@ class _ModuleRecord:
 _OPEN_ENGINES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 """Every module of a model an open engine manages -> that engine (weakly): initialize refuses
 a model, or a model containing or inside one, that an open engine holds."""
+
+
+@dataclass(eq=False)
+class _Call:
+    """One running module call: what its pre-forward took ([Note: failed calls])."""
+
+    record: _ModuleRecord
+    held: int = 0
+    """How many of ``record.chunks`` (in order) it holds: all, unless a fetch raised."""
+    token: Optional["_BackwardToken"] = None
+    """Grad enabled: the call's backward token."""
 
 
 @dataclass(eq=False)
@@ -479,12 +498,12 @@ class Engine:
         self._empty_origins = tuple((p, _home_of(p), p.dtype) for _, p in self.partition.empty)
         self._buffer_origins = tuple((m, name, _home_of(b)) for m in self.module.modules()
                                      for name, b in m._buffers.items() if b is not None)
-        self._call_stack: list = []  # (record, backward token) per running module call
+        self._call_stack: list[_Call] = []  # the running module calls, innermost last
         self._records: dict = {}  # module -> its _ModuleRecord
         self._guard = ParamGuard(  # see param_guard.py; the placeholders exist from here on
             self.module, self.partition, self._chunks, device=self.device, dtype=self.dtype,
             lock=self._lock, phase=lambda: self._phase, hold=self._hold, unhold=self._unhold,
-            innermost=lambda: self._call_stack[-1][0].module if self._call_stack else self.module,
+            innermost=lambda: self._call_stack[-1].record.module if self._call_stack else self.module,
             covers=self._covers)
         # The scheduler factory runs before the weights move, so its errors change nothing.
         self.optimizer = _HyperParams(self.spec, self._group_overrides)
@@ -843,16 +862,17 @@ class Engine:
                 f"by zero_offload, so run the model through the engine (loss = engine(batch)), not "
                 f"model(batch); use `with engine.gathered():` to read parameter values")
         with self._lock, _range("zero_offload::pre_forward"):
+            call = _Call(record=rec)
+            self._call_stack.append(call)  # first: see [Note: failed calls]
             for c in rec.chunks:
                 self._hold(c)
+                call.held += 1
             if not torch.is_grad_enabled():
-                self._call_stack.append((rec, None))
                 return None
             for s in rec.slots + rec.external:
                 if s.trainable:
                     self._chunks[s.chunk].expect(s)
-            token = _BackwardToken(record=rec)
-            self._call_stack.append((rec, token))
+            call.token = token = _BackwardToken(record=rec)
             if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
                 flat, spec = list(args), None  # the common case, without pytree's cost
             else:
@@ -870,9 +890,12 @@ class Engine:
         if self._phase is Phase.IDLE:
             return None  # the pre-forward hook refused this call (always_call runs us anyway)
         with self._lock, _range("zero_offload::post_forward"):
-            token = self._call_stack.pop()[1] if self._call_stack else None
-            for c in rec.chunks:
+            if not self._call_stack or self._call_stack[-1].record is not rec:
+                return None  # this call's pre-forward never ran: see [Note: failed calls]
+            call = self._call_stack.pop()
+            for c in rec.chunks[:call.held]:
                 self._unhold(c)
+            token = call.token
             if token is None or output is None:
                 return None
             if isinstance(output, torch.Tensor):

@@ -444,8 +444,8 @@ class ParamGuard:
                                                 grad=torch.is_grad_enabled()))
 
         def pop(module, args, output):
-            if not self._read_frames:
-                return
+            if not self._read_frames or self._read_frames[-1].module is not module:
+                return  # (always_call) this call's push never ran: a pre-hook before it raised
             frame = self._read_frames.pop()
             with self._lock:
                 for c in frame.held:
