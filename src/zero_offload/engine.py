@@ -11,17 +11,18 @@ Usage::
         engine.step()              # clip / update / advance the lr schedule (every grad_accum calls)
 
 Ownership, outer to inner (docs/internals.md): ``Engine`` owns a ``Partition`` (which parameter
-lives where), a ``ChunkStore`` (bytes and tiers), a ``Prefetcher`` for the working params and a
-``ChunkGroup`` (updates, over the CPU-Adam worker). It keeps one ``_Chunk`` per chunk and one
+lives where), a ``ChunkStore`` (bytes and tiers), a ``Prefetcher`` for the working params (which
+also decides what stays on the device: [Note: holds] there), a ``ParamGuard`` (param_guard.py) and
+a ``ChunkGroup`` (updates, over the CPU-Adam worker). It keeps one ``_Chunk`` per chunk and one
 ``_ModuleRecord`` per module that holds parameters directly or reads other modules' ones
 ([Note: external parameters]). It writes nothing onto the user's modules or parameters but
-``param.data``, the class of a parameter holding its placeholder ([Note: parameter data]) and its
-hooks, all undone by ``close``.
+``param.data``, the class of a parameter holding its placeholder and its hooks, all undone by
+``close``.
 
-The param guard (param_guard.py) owns what the parameters hold and how their reads are answered:
-[Note: parameter data] (a placeholder, guarded, while a chunk is off the device), [Note: external
-parameters] (reads outside the module holding the parameter, recorded; the engine's
-``_ModuleRecord``s hold them) and [Note: saved parameter views].
+The param guard owns what the parameters hold and how their reads are answered: [Note: parameter
+data] (a placeholder, guarded, while a chunk is off the device), [Note: external parameters]
+(reads outside the module holding the parameter, recorded; the engine's ``_ModuleRecord``s hold
+them) and [Note: saved parameter views], all in param_guard.py.
 
 [Note: backward hooks] Per module call with grad enabled, the pre-forward hook wraps the module's
 input tensors in ``_PostBackward`` (whose backward runs after the module's backward) and the
