@@ -1,5 +1,5 @@
 """Params copies are kept on the device from forward to backward when the GPU budget has room
-(engine.py, [Note: kept copies]): each step moves the params to the device about once, not
+(prefetch.py, [Note: holds]): each step moves the params to the device about once, not
 twice; a tight budget still pages them (and is never exceeded); training equals torch."""
 import zero_offload as zo
 from zero_offload.runtime.placement import window_bytes

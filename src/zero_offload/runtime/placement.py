@@ -22,7 +22,7 @@ Frozen chunks (no trainable parameter) carry ``params`` only.
 moment of backward, a few chunks in use at once with their grads buffers: a chunk is held from
 its first grad until its last one lands, so the one backward is in and the one it straddles into
 stay, and so does the chunk of a tied embedding (its grad completes only at the very end); plus
-the look-ahead, and the chunks parked on the device after use (engine.py, [Note: parked chunks]).
+the look-ahead, and the chunks parked on the device after use (prefetch.py, [Note: holds]).
 ``window_bytes`` sizes that as (prefetch_depth + 3 + PARKED_CHUNKS) params chunks plus three
 grads chunks of the largest size; initialize refuses a GPU budget below homes + window, with
 the numbers. When optimizer state or params live on NVMe, host memory needs a staging window
@@ -43,8 +43,8 @@ from .vocab import ALIGNMENT, Placement, round_up
 __all__ = ["ChunkHomes", "PlacementPlan", "plan_placement", "FitError", "keep_limit", "PARKED_CHUNKS"]
 
 PARKED_CHUNKS = 2
-"""Chunks the engine keeps on the device after their last user let go (engine.py, [Note: parked
-chunks]); part of the working window."""
+"""Chunks kept on the device after their last user let go (prefetch.py, [Note: holds]); part of
+the working window."""
 
 KEEP_SHARE = 0.5
 """Share of the GPU budget up to which params copies are kept from forward to backward; the
@@ -116,7 +116,7 @@ def window_bytes(partition: Partition, config: OffloadConfig) -> int:
 
 def keep_limit(partition: Partition, config: OffloadConfig, gpu_budget: int) -> int:
     """GPU-tier bytes held by the store up to which the engine keeps a chunk's params copy on the
-    device after its forward use, for the backward (engine.py, [Note: kept copies]): at most
+    device after its forward use, for the backward (prefetch.py, [Note: holds]): at most
     ``KEEP_SHARE`` of the budget, and never eating into the working window (a budget that only
     fits homes + window gives 0: copies are released after use, as without keeping)."""
     return max(0, min(int(KEEP_SHARE * gpu_budget), gpu_budget - window_bytes(partition, config)))
