@@ -494,8 +494,9 @@ def initialize(model: nn.Module, *, optimizer: Optional[OptimizerSpec] = None,
         device: compute device (default: CUDA when available, else the CPU).
         param_groups: groups of parameters with their own hyperparameters, as torch optimizers
             take them: ``[{"params": [...], "weight_decay": 0.0}, ...]``. ``params`` lists
-            ``nn.Parameter`` objects of ``model`` or their names; a group may set ``lr``,
-            ``betas``, ``eps``, ``weight_decay``. Every trainable parameter not listed is in the
+            ``nn.Parameter`` objects of ``model`` or their names; a group may set the spec's
+            hyperparameters (Adam/AdamW: ``lr``, ``betas``, ``eps``, ``weight_decay``; the update
+            rule's ``hyper_keys``). Every trainable parameter not listed is in the
             default group (group 0: the ``optimizer`` spec's values); ``engine.optimizer``'s
             ``param_groups`` are group 0 followed by these, in order, so an lr scheduler can
             drive each (e.g. ``LambdaLR`` with one function per group).

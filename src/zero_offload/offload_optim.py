@@ -363,7 +363,7 @@ class OffloadAdam(torch.optim.Optimizer):
         return {"the optimizer": type(self).__name__, "chunk_mb": float(chunk_mb),
                 "state": state.lower(), "moments_dtype": self._moments, "grad_accum": self._grad_accum,
                 "overlap_forward": self._overlap_forward,
-                ", ".join(h): tuple(h.values()),
+                ", ".join(h): tuple(x for v in h.values() for x in (v if isinstance(v, tuple) else (v,))),
                 "the param groups' options": [{k: v for k, v in g.items() if k != "params"}
                                               for g in ([] if isinstance(params, torch.Tensor) else params)
                                               if isinstance(g, dict)],

@@ -331,12 +331,12 @@ class ChunkGroup:
         job = self._update_job(chunk, grad_scale)
         store, cid, p = self.store, chunk.cid, self.payloads
         src = store.get(cid, job.source, Tier.GPU)
-        names = [p.master, *job.state] + (
-            [p.lowp] if p.lowp and store.has_payload(cid, p.lowp) else [])  # OffloadAdam rounds itself
-        master, *state = (store.get(cid, n, Tier.GPU, write=True) for n in names)
-        lowp = state.pop() if len(names) > len(job.state) + 1 else None
-        self.rule.device_step(StepBuffers(cid=cid, param=master, grad=src, lowp=lowp, seed=self.seed,
-                                          state=dict(zip(job.state, state))), job.segments)
+        lowp = p.lowp if p.lowp and store.has_payload(cid, p.lowp) else None  # OffloadAdam rounds itself
+        names = [p.master, *job.state] + ([lowp] if lowp else [])
+        bufs = dict(zip(names, (store.get(cid, n, Tier.GPU, write=True) for n in names)))
+        self.rule.device_step(StepBuffers(cid=cid, param=bufs[p.master], grad=src, seed=self.seed,
+                                          state={n: bufs[n] for n in job.state},
+                                          lowp=bufs[lowp] if lowp else None), job.segments)
         for n in names:
             store.mark_dirty(cid, n, Tier.GPU)
         if job.source == p.grads:
