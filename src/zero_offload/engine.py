@@ -127,7 +127,7 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .config import PER_RANK_FIELDS, Adam, OffloadConfig, load_config
+from .config import PER_RANK_FIELDS, OffloadConfig, OptimizerSpec, load_config
 from .mixed_precision import LossScaler, cast_inputs
 from .distributed import (Shard, all_gather, all_reduce, available_cores, bind_to_cores, check_ranks_agree,
                           collective, rank_cores, reduce_scatter_mean, resolve_group, shard_of,
@@ -135,10 +135,10 @@ from .distributed import (Shard, all_gather, all_reduce, available_cores, bind_t
 from .initial_values import InitialValues, set_values
 from .param_guard import PHASES, ParamGuard, Phase
 from .runtime.chunk_group import ChunkGroup, GroupChunk, GroupSlot
-from .runtime.partition import ChunkLayout, ParamSlot, Partition, partition_parameters
+from .runtime.partition import ChunkLayout, ParamSlot, Partition, partition_parameters, update_spans
 from .runtime.pipeline import PipelinePayloads, StepPipeline
 from .runtime.placement import (PARKED_CHUNKS, FitError, PlacementPlan, keep_limit, optimizer_payloads,
-                                payload_dtypes, plan_placement)
+                                payload_specs, plan_placement)
 from .runtime.prefetch import Consumer, Prefetcher
 from .runtime.store import ChunkStore, Handle, Hop, PayloadSpec, StoreConfig, Tier
 from .runtime.trace import StatsWindow, Trace
@@ -316,7 +316,7 @@ class EngineStats:
 # The engine
 
 
-def initialize(model: nn.Module, *, optimizer: Optional[Adam] = None,
+def initialize(model: nn.Module, *, optimizer: Optional[OptimizerSpec] = None,
                config: Any = None, lr_scheduler: Optional[Callable] = None,
                device: "str | torch.device | None" = None,
                param_groups: Optional[Sequence[dict]] = None, process_group: Any = "auto",
@@ -339,8 +339,9 @@ def initialize(model: nn.Module, *, optimizer: Optional[Adam] = None,
         device: compute device (default: CUDA when available, else the CPU).
         param_groups: groups of parameters with their own hyperparameters, as torch optimizers
             take them: ``[{"params": [...], "weight_decay": 0.0}, ...]``. ``params`` lists
-            ``nn.Parameter`` objects of ``model`` or their names; a group may set ``lr``,
-            ``betas``, ``eps``, ``weight_decay``. Every trainable parameter not listed is in the
+            ``nn.Parameter`` objects of ``model`` or their names; a group may set the spec's
+            hyperparameters (Adam/AdamW: ``lr``, ``betas``, ``eps``, ``weight_decay``; the update
+            rule's ``hyper_keys``). Every trainable parameter not listed is in the
             default group (group 0: the ``optimizer`` spec's values); ``engine.optimizer``'s
             ``param_groups`` are group 0 followed by these, in order, so an lr scheduler can
             drive each (e.g. ``LambdaLR`` with one function per group).
@@ -365,7 +366,7 @@ def initialize(model: nn.Module, *, optimizer: Optional[Adam] = None,
 class Engine:
     """See the module docstring and ``initialize``."""
 
-    def __init__(self, model: nn.Module, *, optimizer: Optional[Adam] = None, config: Any = None,
+    def __init__(self, model: nn.Module, *, optimizer: Optional[OptimizerSpec] = None, config: Any = None,
                  lr_scheduler: Optional[Callable] = None, device=None,
                  param_groups: Optional[Sequence[dict]] = None, process_group: Any = "auto",
                  init: Optional[Callable[[str, torch.Tensor], None]] = None, weights: Any = None):
@@ -374,13 +375,18 @@ class Engine:
         _check_not_managed(model)
         cfg, spec = _resolve_config(config, optimizer)
         self.config: OffloadConfig = cfg
-        self.spec: Adam = spec
+        self.spec: OptimizerSpec = spec
+        self.rule = spec.rule(cfg)
+        """The update rule (runtime/update_rule.py) the spec runs under this config."""
         self.module = model
         if process_group == "auto":  # under a launcher without a group: start it
             _announce(start_default_group("zero_offload.initialize", _rank_device(device, ranked=True),
                                           fix="call torch.distributed.init_process_group() first, or "
                                               "pass process_group=None to train this process alone"))
         self._pg = resolve_group(process_group, "initialize")
+        if self._pg is not None and not self.rule.elementwise:
+            raise ValueError(f"initialize: {self.rule.name} updates whole parameters, and data-parallel "
+                             f"shards cut them; train it on one rank (process_group=None)")
         self.shard: Shard = shard_of(self._pg)
         """This rank's place in the data-parallel group (rank 0 of 1 without one)."""
         self.device = _rank_device(device, ranked=self._pg is not None)
@@ -405,7 +411,7 @@ class Engine:
             raise ValueError("the model has no trainable parameter (requires_grad=True); the engine "
                              "trains parameters. Unfreeze some, or run inference without the engine")
         self._group_overrides, self._slot_group = _resolve_groups(param_groups, model, self.partition,
-                                                                  spec)
+                                                                  spec, self.rule.hyper_keys)
         if self._pg is not None:  # before anything is allocated: a difference raises on every rank
             check_ranks_agree("zero_offload.initialize", self._rank_settings(), self._pg,
                               device=self._comm_device)
@@ -446,7 +452,7 @@ class Engine:
             window = (4 * sum(self.shard.span(c.numel)[2] * self.shard.world
                               for c in self.partition.chunks if c.trainable)
                       if self._final_sync else 0)
-            self.plan: PlacementPlan = plan_placement(placed, cfg, self.store.budgets,
+            self.plan: PlacementPlan = plan_placement(placed, cfg, self.store.budgets, rule=self.rule,
                                                       has_nvme=cfg.nvme_dir is not None,
                                                       gpu_optimizer=self._pg is None, gpu_extra=window)
             if self._pg is not None and cfg.params == "gpu":
@@ -507,7 +513,7 @@ class Engine:
             innermost=lambda: self._call_stack[-1].record.module if self._call_stack else self.module,
             covers=self._covers)
         # The scheduler factory runs before the weights move, so its errors change nothing.
-        self.optimizer = _HyperParams(self.spec, self._group_overrides)
+        self.optimizer = _HyperParams(self.spec.hyperparameters(), self._group_overrides)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         if self.lr_scheduler is not None and not callable(getattr(self.lr_scheduler, "step", None)):
             raise TypeError(f"lr_scheduler(optimizer) returned {type(self.lr_scheduler).__name__}, "
@@ -519,7 +525,7 @@ class Engine:
         payloads = PipelinePayloads(master="master" if lowp else "params",
                                     lowp="params" if lowp else None,
                                     accum="accum" if cfg.host_accum else None)
-        self.group = ChunkGroup(self.store, hyper=self.optimizer, adamw=self.spec.adamw,
+        self.group = ChunkGroup(self.store, hyper=self.optimizer, rule=self.rule,
                                 payloads=payloads, grad_accum=cfg.grad_accum if cfg.host_accum else 1,
                                 owner="engine",
                                 prefetch_depth=cfg.prefetch_depth,
@@ -593,25 +599,26 @@ class Engine:
 
     def _add_chunk(self, layout: ChunkLayout, homes) -> _Chunk:
         lo, hi, k = self.shard.span(layout.numel)
-        dtypes = payload_dtypes(layout, self.config)
-        opt = optimizer_payloads(self.config)
+        opt = optimizer_payloads(self.config, self.rule)
         specs = {}
-        for name, dt in dtypes.items():
+        shard = dataclasses.replace(layout, numel=k)  # this rank's shard ([Note: data parallel])
+        for name, spec in payload_specs(shard, self.config, self.rule).items():
             if name == "params":
                 home = homes.params
             elif name in opt or (name in ("accum", "grads") and homes.optimizer is Tier.GPU):
                 home = homes.optimizer  # (the GPU share keeps its grads and accumulation there too)
             else:
                 home = Tier.CPU  # grads, accum
-            specs[name] = PayloadSpec(numel=k, dtype=dt, home=home)
-        slots = layout.slots
+            specs[name] = PayloadSpec(numel=spec.numel, dtype=spec.dtype, home=home)
         gslots = {}
-        if layout.trainable:  # each slot's update covers its padding, up to the next slot
-            stops = [s.offset for s in slots[1:]] + [layout.numel]
-            for s, stop in zip(slots, stops):
-                a, b = max(s.offset, lo), min(stop, hi)  # this rank's part ([Note: data parallel])
+        if layout.trainable:  # an elementwise rule's update covers the padding up to the next slot
+            spans = update_spans(layout, align_to_params=not self.rule.elementwise)
+            for s, (start, stop) in zip(layout.slots, spans):
+                a, b = max(start, lo), min(stop, hi)  # this rank's part ([Note: data parallel])
                 if a < b:
-                    gslots[s] = GroupSlot(offset=a - lo, stop=b - lo, group=self._slot_group.get(s.index, 0))
+                    whole = (a, b) == (s.offset, s.end)
+                    gslots[s] = GroupSlot(offset=a - lo, stop=b - lo, group=self._slot_group.get(s.index, 0),
+                                          shape=tuple(s.shape) if whole else None)
         return _Chunk(layout=layout, g=self.group.add_chunk(specs, tuple(gslots.values())), gslots=gslots)
 
     def _give_weights_back(self) -> None:
@@ -1357,10 +1364,15 @@ class Engine:
         """Micro-batches done in the current accumulation window."""
         return self._micro
 
+    @property
+    def state_keys(self) -> tuple:
+        """The keys ``chunk_state`` gives for a trainable chunk: "master" and the update rule's
+        state ("exp_avg", "exp_avg_sq" for Adam)."""
+        return tuple(self.group.state_names)
+
     def chunk_state(self, layout: ChunkLayout) -> dict:
-        """CPU copies of one chunk's state: "master", "exp_avg", "exp_avg_sq" (fp32, bf16 moments
-        widened) for a trainable chunk, "frozen" (working dtype) otherwise, and "steps" (one per
-        slot)."""
+        """CPU copies of one chunk's state: ``state_keys`` (fp32; bf16 moments widened) for a
+        trainable chunk, "frozen" (working dtype) otherwise, and "steps" (one per slot)."""
         chunk, group = self._chunks[layout.index], self.group
         if layout.trainable:
             out = {key: self._read_full(chunk, name).float() for key, name in group.state_names.items()}
@@ -1558,15 +1570,13 @@ class Engine:
 
 
 class _HyperParams(torch.optim.Optimizer):
-    """The optimizer handle an lr scheduler drives: one param group per engine param group
-    (group 0: the defaults), holding the Adam hyperparameters (lr, betas, eps, weight_decay)
-    that every CPU update reads when it is queued. Each group holds one empty placeholder
-    tensor, not the model's parameters (their values live in the engine's chunks); it cannot
-    step by itself (``engine.step()`` does)."""
+    """The optimizer handle an lr scheduler drives: one param group per engine param group (group 0:
+    the defaults), holding the hyperparameters of the update rule (its ``hyper_keys``; Adam: lr,
+    betas, eps, weight_decay) that every update reads when it is queued. Each group holds one
+    empty placeholder tensor, not the model's parameters (their values live in the engine's
+    chunks); it cannot step by itself (``engine.step()`` does)."""
 
-    def __init__(self, spec: Adam, overrides: Sequence[dict] = ()):
-        defaults = dict(lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps,
-                        weight_decay=spec.weight_decay)
+    def __init__(self, defaults: dict, overrides: Sequence[dict] = ()):
         super().__init__([{"params": [torch.zeros(0)]}]
                          + [{"params": [torch.zeros(0)], **o} for o in overrides], defaults)
 
@@ -1591,17 +1601,15 @@ def _resolve_config(config, optimizer) -> tuple:
     if spec is None:
         raise ValueError("initialize needs an optimizer spec: optimizer=zero_offload.AdamW(lr=...) "
                          "(or zero_offload.Adam), or a DeepSpeed config with an 'optimizer' section")
-    if not isinstance(spec, Adam):
+    if not isinstance(spec, OptimizerSpec):
         raise TypeError(f"optimizer must be zero_offload.Adam(...) or zero_offload.AdamW(...), got "
                         f"{type(spec).__name__}; a torch.optim optimizer cannot be used (the engine "
                         f"builds the optimizer state itself, where the config places it)")
     return cfg, spec
 
 
-_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
-
-
-def _resolve_groups(groups, model: nn.Module, partition: Partition, spec: Adam) -> tuple:
+def _resolve_groups(groups, model: nn.Module, partition: Partition, spec: OptimizerSpec,
+                    keys: Sequence[str]) -> tuple:
     """Check ``initialize(param_groups=...)`` (before anything changes) and return
     (hyperparameter overrides per listed group, {slot index: group index}); group 0 is the
     default group of every trainable param not listed."""
@@ -1617,12 +1625,12 @@ def _resolve_groups(groups, model: nn.Module, partition: Partition, spec: Adam) 
         where = f"param_groups[{gi - 1}]"
         if not isinstance(group, dict) or "params" not in group:
             raise TypeError(f"{where} must be a dict with a 'params' list (and optional "
-                            f"{', '.join(_GROUP_KEYS)})")
-        unknown = sorted(set(group) - {"params", *_GROUP_KEYS})
+                            f"{', '.join(keys)})")
+        unknown = sorted(set(group) - {"params", *keys})
         if unknown:
             raise ValueError(f"{where} has unknown keys {unknown}; a group may set only "
-                             f"{', '.join(_GROUP_KEYS)} (the optimizer kind comes from the spec)")
-        override = {k: group[k] for k in _GROUP_KEYS if k in group}
+                             f"{', '.join(keys)} (the optimizer kind comes from the spec)")
+        override = {k: group[k] for k in keys if k in group}
         checked = dataclasses.replace(spec, **override)  # validates; the error names the field
         overrides.append({k: getattr(checked, k) for k in override})
         params = group["params"]

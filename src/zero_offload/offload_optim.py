@@ -134,22 +134,21 @@ import torch
 from .config import as_budget, as_float, as_int, parse_bytes
 from .distributed import (all_gather, check_ranks_agree, collective, is_dtensor, local, resolve_group,
                           shard_of, threads_per_rank)
-from .ops.cpu_adam import IMPLEMENTATION_OPTIONS, UNSUPPORTED_OPTIONS, AdamHyper
 from .runtime.chunk_group import ChunkGroup, ChunkPhase, GroupChunk, GroupSlot
 from .runtime.pipeline import PipelinePayloads
 from .runtime.store import ChunkStore, Handle, Hop, PayloadSpec, StoreConfig, Tier
 from .runtime.swap_io import prepare_swap_dir, swap_dir_problem
 from .runtime.trace import Trace
+from .runtime.update_rule import AdamRule
 from .runtime.vocab import ALIGNMENT, round_up
 
 __all__ = ["OffloadAdam", "OffloadAdamW", "OffloadStats"]
 
 _LOWP = (torch.bfloat16, torch.float16)
 
-_STATE = ("master", "exp_avg", "exp_avg_sq")
-"""Store payloads of the optimizer state (fp32, home per ``state``)."""
-_PAYLOADS = PipelinePayloads(grads="grads", master="master", exp_avg="exp_avg",
-                             exp_avg_sq="exp_avg_sq", lowp="params", accum=None)
+_STATE = ("master", *AdamRule.state_keys)
+"""Store payloads of the optimizer state (home per ``state``): the fp32 master and the rule's."""
+_PAYLOADS = PipelinePayloads(grads="grads", master="master", lowp="params", accum=None)
 """Every chunk has "grads" and the state; bf16/fp16 chunks also "params" (see module docstring)."""
 
 
@@ -258,8 +257,8 @@ class OffloadAdam(torch.optim.Optimizer):
             raise ValueError(f"{name}: moments_dtype={moments_dtype!r} is invalid: use 'fp32' (exact, "
                              f"the default) or 'bf16' (stochastically rounded, inexact)")
         self._moments = torch.bfloat16 if moments_dtype == "bf16" else torch.float32
-        h = AdamHyper.checked(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=self._adamw,
-                              owner=name)
+        self._rule = AdamRule(adamw=self._adamw, moments_dtype=self._moments)  # the update (runtime/)
+        h = self._rule.check(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), owner=name)
         home = {"cpu": Tier.CPU, "nvme": Tier.NVME, "auto": Tier.GPU}.get(
             state.lower() if isinstance(state, str) else state)
         if home is None:
@@ -350,15 +349,13 @@ class OffloadAdam(torch.optim.Optimizer):
             self._nvme_need = sum(b for g in groups for b in self._place(self._pack(g), left)[1])
         else:
             self._nvme_need = sum(self._state_nbytes(run) for g in groups for run in self._pack(g))
-        defaults = dict(lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay,
-                        amsgrad=False, maximize=False, capturable=False, differentiable=False,
-                        decoupled_weight_decay=self._adamw, **IMPLEMENTATION_OPTIONS)
+        defaults = dict(h, **self._rule.group_options)
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------------------------------
     # building
 
-    def _rank_settings(self, params, groups, h: AdamHyper, chunk_mb, state) -> dict:
+    def _rank_settings(self, params, groups, h: dict, chunk_mb, state) -> dict:
         """What every rank must pass alike (``check_ranks_agree``; [Note: data parallel]): the
         chunks (``chunk_mb``, the params' groups, shapes and dtypes) decide the collectives, the
         rest the updates. Not compared: paths, budgets, threads, ``prefetch_depth`` (this rank's
@@ -366,7 +363,7 @@ class OffloadAdam(torch.optim.Optimizer):
         return {"the optimizer": type(self).__name__, "chunk_mb": float(chunk_mb),
                 "state": state.lower(), "moments_dtype": self._moments, "grad_accum": self._grad_accum,
                 "overlap_forward": self._overlap_forward,
-                "lr, betas, eps, weight_decay": (h.lr, h.beta1, h.beta2, h.eps, h.weight_decay),
+                ", ".join(h): tuple(x for v in h.values() for x in (v if isinstance(v, tuple) else (v,))),
                 "the param groups' options": [{k: v for k, v in g.items() if k != "params"}
                                               for g in ([] if isinstance(params, torch.Tensor) else params)
                                               if isinstance(g, dict)],
@@ -379,7 +376,8 @@ class OffloadAdam(torch.optim.Optimizer):
             raise RuntimeError(f"{type(self).__name__} is closed")
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        param_group = dict(param_group, **IMPLEMENTATION_OPTIONS)  # [Note: groups record fused=True]
+        # [Note: groups record fused=True] (ops/cpu_adam.py)
+        param_group = dict(param_group, **self._rule.implementation_options)
         params = param_group.get("params")
         if isinstance(params, torch.Tensor):
             param_group["params"] = [params]
@@ -413,12 +411,7 @@ class OffloadAdam(torch.optim.Optimizer):
 
     def _check_group(self, group: dict) -> None:
         """Hyperparameters of a group (with defaults filled in), as torch.optim.Adam checks them."""
-        name = type(self).__name__
-        for key in UNSUPPORTED_OPTIONS:
-            if group.get(key):
-                raise ValueError(f"{name}: {key}=True is not supported; remove it from the param group")
-        AdamHyper.checked(lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                          weight_decay=group["weight_decay"], adamw=self._adamw, owner=name)
+        self._rule.check(group, owner=type(self).__name__)
 
     def _check_params(self, params) -> None:
         name = type(self).__name__
@@ -442,7 +435,8 @@ class OffloadAdam(torch.optim.Optimizer):
         """Bytes of a chunk's state (fp32 master and the moments; ``grads``: and its grads
         buffer), each payload padded to 4 KiB as the store holds it."""
         k = self._shard.span(sum(local(p).numel() for p in run))[2]
-        out = round_up(4 * k, ALIGNMENT) + 2 * round_up(self._moments.itemsize * k, ALIGNMENT)
+        out = round_up(4 * k, ALIGNMENT) + sum(round_up(s.numel * s.dtype.itemsize, ALIGNMENT)
+                                               for s in self._rule.payloads(k).values())
         return out + (round_up(run[0].dtype.itemsize * k, ALIGNMENT) if grads else 0)
 
     def _place(self, runs, left: dict) -> tuple[list, list]:
@@ -499,8 +493,9 @@ class OffloadAdam(torch.optim.Optimizer):
             lo, hi, k = self._shard.span(offset)  # this rank's elements; see [Note: data parallel]
             on_gpu = home is Tier.GPU
             payloads = {"grads": PayloadSpec(k, run[0].dtype, Tier.GPU if on_gpu else Tier.CPU)}
-            payloads.update((n, PayloadSpec(k, torch.float32 if n == "master" else self._moments, home))
-                            for n in _STATE)
+            payloads["master"] = PayloadSpec(k, torch.float32, home)
+            payloads.update((n, PayloadSpec(spec.numel, spec.dtype, home))
+                            for n, spec in self._rule.payloads(k).items())
             if run[0].dtype in _LOWP and not on_gpu:  # the device share rounds into the params
                 payloads["params"] = PayloadSpec(k, run[0].dtype, Tier.CPU)
             slots = []
@@ -532,7 +527,7 @@ class OffloadAdam(torch.optim.Optimizer):
             budgets[Tier.NVME] = max(ALIGNMENT, self._nvme_need) if self._nvme_need else 0
         self._store = ChunkStore(StoreConfig(device=device if device.type == "cuda" else "cpu",
                                              budgets=budgets, nvme_dir=self._nvme_dir))
-        self._group = ChunkGroup(self._store, hyper=self, adamw=self._adamw, payloads=_PAYLOADS,
+        self._group = ChunkGroup(self._store, hyper=self, rule=self._rule, payloads=_PAYLOADS,
                                  owner=type(self).__name__, prefetch_depth=self._depth,
                                  threads=self._threads, on_update_done=_weak(self._write_back),
                                  seed=self._shard.rank)
@@ -830,7 +825,8 @@ class OffloadAdam(torch.optim.Optimizer):
         """Load a state dict of this class or of ``torch.optim.Adam``/``AdamW`` (any device or
         dtype). Hyperparameters of the groups are taken from it, as torch does. Without a
         ``"master"`` entry, the master of a low-precision param is its current value. torch's
-        implementation options (``foreach``, ``fused``) stay ours (``IMPLEMENTATION_OPTIONS``)."""
+        implementation options (``foreach``, ``fused``) stay ours (the rule's
+        ``implementation_options``)."""
         self._check_open()
         name = type(self).__name__
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
@@ -875,7 +871,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self._sync_all()
         for g, sg in zip(self.param_groups, saved_groups):
             for k, v in sg.items():
-                if k != "params" and k not in IMPLEMENTATION_OPTIONS:
+                if k != "params" and k not in self._rule.implementation_options:
                     g[k] = v
         for chunk in self._chunks:
             with self._group.hold(chunk, _STATE, fresh=True) as (master, exp_avg, exp_avg_sq):

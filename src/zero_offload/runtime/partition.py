@@ -10,6 +10,15 @@ elements, so kernels see aligned sub-buffers and the padding between slots is ze
 This module is pure bookkeeping (no store, no hooks): the engine builds it once at initialize
 and it never changes.
 
+[Note: whole parameters] A chunk holds whole parameters (the packing above never splits one), so
+an update rule that is not elementwise (Muon's matrices, Adafactor's factors: runtime/
+update_rule.py) always finds a whole parameter inside one chunk. Two more things must align for
+it, and both are asked for with ``align_to_params``: the element range each slot's update
+covers (``update_spans``: the param's own elements, not the padding after it, so no update run
+spans two params) and the cut between data-parallel ranks (``shard_spans``: at parameter
+boundaries instead of equal shares). Elementwise rules (Adam) take the other choice of both:
+runs merge over the padding into one kernel call per chunk, and shards are equal.
+
 [Note: slot identity] The partition is the only place that maps a Parameter object to its slot;
 it is an index *derived* from the slot records (``Partition.slot_of``), built once, never
 written to afterwards, and nothing is stored on the parameters themselves.
@@ -17,13 +26,15 @@ written to afterwards, and nothing is stored on the parameters themselves.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from torch import nn
 
 from .vocab import round_up
 
-__all__ = ["ALIGN_ELEMS", "ParamSlot", "ChunkLayout", "Partition", "partition_parameters"]
+__all__ = ["ALIGN_ELEMS", "ParamSlot", "ChunkLayout", "Partition", "partition_parameters", "shard_spans",
+           "update_spans"]
 
 ALIGN_ELEMS = 64
 """Slot offsets and chunk sizes are multiples of this many elements (128 B in bf16, 256 B in
@@ -153,3 +164,62 @@ def partition_parameters(module: nn.Module, *, chunk_numel: int) -> Partition:
             names[name] = s
     return Partition(chunks=tuple(chunks), slots=tuple(slots), names=names, empty=tuple(empty),
                      _by_param=by_param)
+
+
+def update_spans(layout: ChunkLayout, *, align_to_params: bool) -> tuple[tuple[int, int], ...]:
+    """Per slot of ``layout``, the elements ``[start, stop)`` of the chunk its update covers:
+    the param's own elements with ``align_to_params``, else the param and the padding after it,
+    up to the next slot or the chunk's end (touching spans then merge into one kernel call per
+    chunk). See [Note: whole parameters]."""
+    if align_to_params:
+        return tuple((s.offset, s.end) for s in layout.slots)
+    stops = [s.offset for s in layout.slots[1:]] + [layout.numel]
+    return tuple((s.offset, stop) for s, stop in zip(layout.slots, stops))
+
+
+def shard_spans(bounds: Sequence[int], world: int, *,
+                align_to_params: bool) -> tuple[tuple[tuple[int, int], ...], int]:
+    """``(spans, k)``: each rank's elements ``[lo, hi)`` of a chunk (rank order, contiguous,
+    covering the chunk; a span may be empty) and the shard size ``k`` every rank allocates.
+
+    ``bounds``: ``0 = b0 < b1 < ... < bm = numel``, where the chunk's slots start, then its end
+    (``[s.offset for s in layout.slots] + [layout.numel]``). Without ``align_to_params`` the
+    chunk is cut in equal shares, ``k = ceil(numel / world)`` (distributed.py, [Note: chunk
+    shards]), wherever that falls. With it, cuts fall only on ``bounds`` ([Note: whole
+    parameters]) and ``k`` is the smallest largest shard such a cut allows; a rank's span is
+    then shorter than ``k`` or empty, so an all-gather of the ranks' ``k``-element pieces holds
+    rank r's elements at ``[r*k, r*k + hi - lo)``, not at ``lo``."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"shard_spans: world must be a positive int, got {world!r}")
+    bounds = [int(b) for b in bounds]
+    if len(bounds) < 2 or bounds[0] != 0 or any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"shard_spans: bounds must rise strictly from 0 to the chunk's size, got "
+                         f"{bounds[:8]}{'...' if len(bounds) > 8 else ''}")
+    n = bounds[-1]
+    if not align_to_params:
+        k = -(-n // world)
+        spans = tuple((min(r * k, n), min((r + 1) * k, n)) for r in range(world))
+        return spans, k
+    pieces = [b - a for a, b in zip(bounds, bounds[1:])]
+
+    def cuts(cap: int) -> list:
+        """Greedy: each rank takes params while they fit ``cap``; the bounds it stops at."""
+        out, fill = [], 0
+        for i, p in enumerate(pieces):
+            if fill + p > cap:
+                out.append(bounds[i])
+                fill = 0
+            fill += p
+        return out
+
+    lo, hi = max(pieces), n  # the least cap that needs at most ``world`` shards
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(cuts(mid)) < world:
+            hi = mid
+        else:
+            lo = mid + 1
+    edges = [0, *cuts(lo)]
+    edges += [n] * (world + 1 - len(edges))
+    spans = tuple((a, b) for a, b in zip(edges, edges[1:]))
+    return spans, max(b - a for a, b in spans)

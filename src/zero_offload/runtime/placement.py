@@ -10,11 +10,16 @@ grads          working                 CPU (written on the GPU in backward, flus
                                        GPU for the GPU share, which updates it there)
 master         fp32                    ``OffloadConfig.optimizer``; only when dtype is not fp32
                                        (in fp32 training ``params`` is the master copy)
-exp_avg(_sq)   fp32 (bf16 with            ``OffloadConfig.optimizer`` (auto: the GPU share when the
-               ``moments_dtype="bf16"``)  front end updates on the device, then CPU, then NVMe)
+the rule's     the rule's (Adam:       ``OffloadConfig.optimizer`` (auto: the GPU share when the
+state          exp_avg, exp_avg_sq:    front end updates on the device, then CPU, then NVMe)
+               fp32, or bf16 with
+               ``moments_dtype="bf16"``)
 accum          fp32                    CPU (the GPU for the GPU share); only when ``grad_accum > 1``
                                        and ``grad_sync="every"``
 =============  ======================  ==========================================================
+
+The update rule (runtime/update_rule.py) declares its state payloads, their sizes and dtypes
+(``UpdateRule.payloads``); the rest are the runtime's own.
 
 Frozen chunks (no trainable parameter) carry ``params`` only.
 
@@ -38,6 +43,7 @@ import torch
 
 from .partition import ChunkLayout, Partition
 from .store import Tier
+from .update_rule import StateSpec, UpdateRule
 from .vocab import ALIGNMENT, Placement, round_up
 
 __all__ = ["ChunkHomes", "PlacementPlan", "plan_placement", "FitError", "keep_limit", "PARKED_CHUNKS"]
@@ -61,7 +67,7 @@ class ChunkHomes:
 
     params: Tier
     optimizer: "Tier | None"
-    """Home of master / exp_avg / exp_avg_sq (None for frozen chunks)."""
+    """Home of master and the rule's state (None for frozen chunks)."""
 
 
 @dataclass(frozen=True)
@@ -77,33 +83,38 @@ class PlacementPlan:
                    and (optimizer is None or h.optimizer is optimizer))
 
 
-def payload_dtypes(chunk: ChunkLayout, config: OffloadConfig) -> dict:
-    """name -> dtype of the payloads a chunk carries (see the table above)."""
+def payload_specs(chunk: ChunkLayout, config: OffloadConfig, rule: "UpdateRule | None") -> dict:
+    """name -> ``StateSpec`` (elements, dtype) of the payloads a chunk of ``chunk.numel``
+    elements carries (see the table above). ``rule``: the update rule, for its state (None: the
+    runtime's own payloads only)."""
     work = config.torch_dtype
+    n = chunk.numel
     if not chunk.trainable:
-        return {"params": work}
-    out = {"params": work, "grads": work}
+        return {"params": StateSpec(n, work)}
+    out = {"params": StateSpec(n, work), "grads": StateSpec(n, work)}
     if work is not torch.float32:
-        out["master"] = torch.float32
-    moments = torch.bfloat16 if config.moments_dtype == "bf16" else torch.float32
-    out["exp_avg"] = moments
-    out["exp_avg_sq"] = moments
+        out["master"] = StateSpec(n, torch.float32)
+    if rule is not None:
+        out.update(rule.payloads(n, tuple(tuple(s.shape) for s in chunk.slots)))
     if config.host_accum:
-        out["accum"] = torch.float32
+        out["accum"] = StateSpec(n, torch.float32)
     return out
 
 
-def optimizer_payloads(config: OffloadConfig) -> tuple:
-    """Payloads homed by ``OffloadConfig.optimizer`` (fp32 training: the params are the master
-    copy and stay where ``OffloadConfig.params`` puts them)."""
+def optimizer_payloads(config: OffloadConfig, rule: UpdateRule) -> tuple:
+    """Payloads homed by ``OffloadConfig.optimizer``: the master and the rule's state (fp32
+    training: the params are the master copy and stay where ``OffloadConfig.params`` puts them)."""
     if config.torch_dtype is torch.float32:
-        return ("exp_avg", "exp_avg_sq")
-    return ("master", "exp_avg", "exp_avg_sq")
+        return tuple(rule.state_keys)
+    return ("master", *rule.state_keys)
 
 
-def chunk_bytes(chunk: ChunkLayout, config: OffloadConfig, names) -> int:
-    dtypes = payload_dtypes(chunk, config)
-    return sum(round_up(chunk.numel * dtypes[n].itemsize, ALIGNMENT) for n in names if n in dtypes)
+def chunk_bytes(chunk: ChunkLayout, config: OffloadConfig, names,
+                rule: "UpdateRule | None" = None) -> int:
+    """Bytes of the payloads ``names`` of a chunk, each padded as the store holds it (a name the
+    chunk does not carry counts 0; the rule's state counts only when ``rule`` is given)."""
+    specs = payload_specs(chunk, config, rule)
+    return sum(round_up(specs[n].numel * specs[n].dtype.itemsize, ALIGNMENT) for n in names if n in specs)
 
 
 def window_bytes(partition: Partition, config: OffloadConfig) -> int:
@@ -122,7 +133,7 @@ def keep_limit(partition: Partition, config: OffloadConfig, gpu_budget: int) -> 
     return max(0, min(int(KEEP_SHARE * gpu_budget), gpu_budget - window_bytes(partition, config)))
 
 
-def plan_placement(partition: Partition, config: OffloadConfig, budgets: dict, *,
+def plan_placement(partition: Partition, config: OffloadConfig, budgets: dict, *, rule: UpdateRule,
                    has_nvme: bool, gpu_optimizer: bool = False,
                    gpu_extra: int = 0) -> PlacementPlan:
     """Home tiers per chunk for ``config`` within ``budgets`` (Tier -> bytes, resolved), or a
@@ -135,15 +146,16 @@ def plan_placement(partition: Partition, config: OffloadConfig, budgets: dict, *
     live on the GPU fills the GPU first, in chunk order (the first layers, which the next
     forward needs first), within the same share: their state, accumulation buffer and the grads
     the device keeps until the step. ``gpu_extra``: device bytes the front end holds beside the
-    homes and the working window (``grad_sync="final"``'s fp32 window), counted first.
+    homes and the working window (``grad_sync="final"``'s fp32 window), counted first. ``rule``:
+    the update rule, whose state is homed with the master.
     """
     if not partition.chunks:
         raise FitError("the model has no parameters to train or page; nothing to offload")
-    opt_names = optimizer_payloads(config)
+    opt_names = optimizer_payloads(config, rule)
     gpu_window = window_bytes(partition, config)
     # Host memory every placement needs: grads (and accum) homes of trainable chunks.
     host_fixed = sum(chunk_bytes(c, config, ("grads", "accum")) for c in partition.chunks if c.trainable)
-    staging_unit = max(chunk_bytes(c, config, ("params",) + opt_names) for c in partition.chunks)
+    staging_unit = max(chunk_bytes(c, config, ("params",) + opt_names, rule) for c in partition.chunks)
     staging = (config.prefetch_depth + 1) * staging_unit
     need = {Tier.GPU: gpu_window + gpu_extra, Tier.CPU: host_fixed, Tier.NVME: 0}
     reserve = config.activation_reserve
@@ -172,7 +184,7 @@ def plan_placement(partition: Partition, config: OffloadConfig, budgets: dict, *
         need[ptier] += pbytes
         otier = None
         if c.trainable:
-            obytes = chunk_bytes(c, config, opt_names)
+            obytes = chunk_bytes(c, config, opt_names, rule)
             fixed = chunk_bytes(c, config, ("grads", "accum"))
             if config.optimizer is Placement.AUTO and gpu_optimizer and ptier is Tier.GPU \
                     and need[Tier.GPU] + params_ahead + obytes + fixed <= gpu_auto:
