@@ -456,7 +456,6 @@ class Prefetcher:
         drop the copies kept for later: at the end of a pass, and before the copies' bytes may
         change."""
         with self._hold_lock:
-            self._parked.clear()
             for cid in sorted(c for c, h in self._holds.items() if h.state is _UNHELD or h.state is _PARKED):
                 self._let_go(self._holds[cid])
             kept = [c for c, h in self._holds.items() if h.state is _KEPT]
@@ -495,13 +494,15 @@ class Prefetcher:
         parked = self._parked
         parked.append(h.cid)
         while len(parked) > self.park:
-            self._let_go(self._holds[parked.pop(0)])
+            self._let_go(self._holds[parked[0]])
 
     def _let_go(self, h: _Hold) -> None:
         """Unmap ``h``'s chunk and unpin it: its copies kept when the consumer uses it again soon
         and the target tiers have room, else dropped."""
         self._consumer.unmap(h.cid)
         keep = self._consumer.reuse() and all(self.store.bytes(t) <= self.keep_limit for t in self._targets)
+        if h.state is _PARKED:
+            self._parked.remove(h.cid)
         h.to(_KEPT if keep else _IDLE)
         self.release(h.cid, keep=keep)
 
