@@ -22,7 +22,8 @@ class FakeConsumer:
         self.mapped = {}
         self.busy = set()
         self.reuse = False
-        self.fail = set()
+        self.fail = set()  # chunks whose map raises
+        self.fail_unmap = False
 
     def consumer(self) -> Consumer:
         return Consumer(map=self.map, unmap=self.unmap, busy=lambda cid: cid in self.busy,
@@ -35,6 +36,8 @@ class FakeConsumer:
         self.log.append(("map", cid))
 
     def unmap(self, cid):
+        if self.fail_unmap:
+            raise RuntimeError(f"unmap {cid} failed")
         del self.mapped[cid]
         self.log.append(("unmap", cid))
 
@@ -147,4 +150,21 @@ def test_moves_the_table_does_not_list_raise():
         plain.hold(0)
     with pytest.raises(ValueError, match="park must be an int >= 0"):
         Prefetcher(store, depth=0, park=-1)
+    store.close()
+
+
+def test_a_failed_unmap_leaves_the_holds_consistent():
+    store, pf, fake = setup(park=2)
+    for c in (0, 1):
+        pf.hold(c)
+        pf.unhold(c)
+    fake.fail_unmap = True
+    with pytest.raises(RuntimeError, match="unmap 0 failed"):
+        pf.release_idle()
+    assert pf.status(0) is Use.PARKED and pf.status(1) is Use.PARKED  # nothing half done
+    assert pf.hold(0) is False  # a parked chunk is held again as is
+    fake.fail_unmap = False
+    pf.unhold(0)
+    pf.release_idle()
+    assert not fake.mapped and pf.status(0) is Use.IDLE and pf.status(1) is Use.IDLE
     store.close()

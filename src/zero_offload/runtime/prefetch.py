@@ -75,6 +75,10 @@ __all__ = ["Prefetcher", "PrefetchStats", "Consumer", "Use"]
 class Use(enum.Enum):
     """Where a chunk stands with the consumer's holds; see [Note: holds]."""
 
+    # Members are singletons compared by identity: hash them by identity too (in C), not by
+    # Enum's Python-level __hash__; the table lookups run twice per module call.
+    __hash__ = object.__hash__
+
     IDLE = "idle"      # not mapped (its copies are the store's and the look-ahead's)
     HELD = "held"      # mapped, and ``holds`` users need it
     UNHELD = "unheld"  # mapped, nobody holds it, but the consumer still needs it (``busy``)
@@ -82,13 +86,14 @@ class Use(enum.Enum):
     KEPT = "kept"      # let go, its copies left valid (unpinned) for a use later in this pass
 
 
-_U = Use
+# Module constants: a member lookup on an Enum class costs more than the holds' own work.
+_IDLE, _HELD, _UNHELD, _PARKED, _KEPT = Use.IDLE, Use.HELD, Use.UNHELD, Use.PARKED, Use.KEPT
 _USES: dict[Use, frozenset[Use]] = {
-    _U.IDLE: frozenset({_U.HELD}),
-    _U.HELD: frozenset({_U.UNHELD, _U.PARKED}),
-    _U.UNHELD: frozenset({_U.HELD, _U.PARKED, _U.IDLE, _U.KEPT}),
-    _U.PARKED: frozenset({_U.HELD, _U.IDLE, _U.KEPT}),
-    _U.KEPT: frozenset({_U.HELD, _U.IDLE}),
+    _IDLE: frozenset({_HELD}),
+    _HELD: frozenset({_UNHELD, _PARKED}),
+    _UNHELD: frozenset({_HELD, _PARKED, _IDLE, _KEPT}),
+    _PARKED: frozenset({_HELD, _IDLE, _KEPT}),
+    _KEPT: frozenset({_HELD, _IDLE}),
 }
 
 
@@ -116,7 +121,7 @@ class _Hold:
     """One chunk's state with the consumer's holds."""
 
     cid: int
-    state: Use = Use.IDLE
+    state: Use = _IDLE
     holds: int = 0
 
     def to(self, state: Use) -> None:
@@ -413,15 +418,16 @@ class Prefetcher:
         counts until ``unhold``. Returns True when this call mapped it."""
         with self._hold_lock:
             h = self._holds.get(cid) or self._new_hold(cid)
-            if h.state is Use.HELD:
+            state = h.state
+            if state is _HELD:
                 h.holds += 1
                 return False
-            mapping = h.state is Use.IDLE or h.state is Use.KEPT
+            mapping = state is _IDLE or state is _KEPT
             if mapping:
                 self._consumer.map(cid)  # raises: nothing changed (the map let its pin go)
-            elif h.state is Use.PARKED:
+            elif state is _PARKED:
                 self._parked.remove(cid)
-            h.to(Use.HELD)
+            h.to(_HELD)
             h.holds = 1
             return mapping
 
@@ -430,11 +436,11 @@ class Prefetcher:
         the consumer says it is ``busy``."""
         with self._hold_lock:
             h = self._holds.get(cid)
-            if h is None or h.state is not Use.HELD:
+            if h is None or h.state is not _HELD:
                 raise IllegalTransition(f"unhold: chunk {cid} is {h.state.name if h else 'IDLE'}, "
                                         f"not held (an unhold without a matching hold)")
             h.holds -= 1
-            if h.holds == 0:
+            if not h.holds:
                 self._settle(h)
 
     def settle(self, cid: int) -> None:
@@ -442,7 +448,7 @@ class Prefetcher:
         nobody holds it and it is not ``busy``. No-op otherwise."""
         with self._hold_lock:
             h = self._holds.get(cid)
-            if h is not None and h.state is Use.UNHELD:
+            if h is not None and h.state is _UNHELD:
                 self._settle(h)
 
     def release_idle(self) -> None:
@@ -450,28 +456,27 @@ class Prefetcher:
         drop the copies kept for later: at the end of a pass, and before the copies' bytes may
         change."""
         with self._hold_lock:
-            self._parked.clear()
-            for cid in sorted(c for c, h in self._holds.items() if h.state in (Use.UNHELD, Use.PARKED)):
+            for cid in sorted(c for c, h in self._holds.items() if h.state is _UNHELD or h.state is _PARKED):
                 self._let_go(self._holds[cid])
-            kept = [c for c, h in self._holds.items() if h.state is Use.KEPT]
+            kept = [c for c, h in self._holds.items() if h.state is _KEPT]
             if kept:
                 self.drop(kept)
                 for c in kept:
-                    self._holds[c].to(Use.IDLE)
+                    self._holds[c].to(_IDLE)
 
     def forget_holds(self) -> None:
         """After an error in the consumer's pass: nobody holds any chunk now (``release_idle``
         lets them go)."""
         with self._hold_lock:
             for h in self._holds.values():
-                if h.state is Use.HELD:
+                if h.state is _HELD:
                     h.holds = 0
-                    h.to(Use.UNHELD)
+                    h.to(_UNHELD)
 
     def status(self, cid: int) -> Use:
         """Chunk ``cid``'s state with the holds."""
         h = self._holds.get(cid)
-        return h.state if h is not None else Use.IDLE
+        return h.state if h is not None else _IDLE
 
     def _new_hold(self, cid: int) -> _Hold:
         if self._consumer is None:
@@ -482,20 +487,23 @@ class Prefetcher:
 
     def _settle(self, h: _Hold) -> None:
         if self._consumer.busy(h.cid):
-            if h.state is not Use.UNHELD:
-                h.to(Use.UNHELD)
+            if h.state is not _UNHELD:
+                h.to(_UNHELD)
             return
-        h.to(Use.PARKED)
-        self._parked.append(h.cid)
-        while len(self._parked) > self.park:
-            self._let_go(self._holds[self._parked.pop(0)])
+        h.to(_PARKED)
+        parked = self._parked
+        parked.append(h.cid)
+        while len(parked) > self.park:
+            self._let_go(self._holds[parked[0]])
 
     def _let_go(self, h: _Hold) -> None:
         """Unmap ``h``'s chunk and unpin it: its copies kept when the consumer uses it again soon
         and the target tiers have room, else dropped."""
         self._consumer.unmap(h.cid)
         keep = self._consumer.reuse() and all(self.store.bytes(t) <= self.keep_limit for t in self._targets)
-        h.to(Use.KEPT if keep else Use.IDLE)
+        if h.state is _PARKED:
+            self._parked.remove(h.cid)
+        h.to(_KEPT if keep else _IDLE)
         self.release(h.cid, keep=keep)
 
     def snapshot(self) -> PrefetchStats:
