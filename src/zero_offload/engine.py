@@ -105,7 +105,7 @@ with ``OffloadConfig.overlap``), each chunk is updated as soon as its grads land
 rest of backward. Both orders give ``torch.optim.Adam``/``AdamW``'s results on the same grads.
 
 [Note: data parallel] With a process group (``torchrun``; ``process_group="auto"``) every chunk
-is split between the N ranks (distributed.py, [Note: chunk shards]): each rank's store holds its
+is split between the N ranks (runtime/shards.py, [Note: chunk shards]): each rank's store holds its
 shard of every payload, placement plans for the shards, and the chunk group updates the rank's
 part of each slot (``GroupSlot`` spans cut at the shard boundary). A chunk is used whole:
 ``_materialize`` fetches the rank's params shard (prefetched as on one GPU) and all-gathers the
@@ -137,9 +137,8 @@ materialized, the all-gather of the next chunk of the recorded order (``Prefetch
 pass only, the same answer on every rank) is issued async; its use waits for it device-side. The
 decision reads only state every rank shares (the recorded order, held chunks, update versions)
 and waits on the host for that chunk's update first (a timing-dependent "is it ready?" would let
-ranks disagree). A grads reduce-scatter is issued async on the compute stream; the comm stream
-waits for it, then sends the shard to the host, and the whole-chunk buffer is recorded on that
-stream so its memory is not reused before the collective has read it.
+ranks disagree). A grads reduce-scatter is issued async and the shard goes to the host from the
+comm stream, which waits for it (runtime/shards.py, [Note: comm streams]).
 """
 from __future__ import annotations
 
@@ -167,9 +166,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .config import PER_RANK_FIELDS, Adam, OffloadConfig, load_config
 from .mixed_precision import LossScaler, cast_inputs
-from .distributed import (Shard, all_gather, all_reduce, available_cores, bind_to_cores, check_ranks_agree,
-                          collective, rank_cores, reduce_scatter_mean, resolve_group, shard_of,
-                          start_default_group, threads_per_rank)
+from .runtime.distributed import (available_cores, bind_to_cores, rank_cores, resolve_group,
+                                  start_default_group, threads_per_rank)
 from .initial_values import InitialValues, set_values
 from .runtime.chunk_group import ChunkGroup, GroupChunk, GroupSlot
 from .runtime.partition import ChunkLayout, ParamSlot, Partition, partition_parameters
@@ -177,6 +175,7 @@ from .runtime.pipeline import PipelinePayloads, StepPipeline
 from .runtime.placement import (PARKED_CHUNKS, FitError, PlacementPlan, keep_limit, optimizer_payloads,
                                 payload_dtypes, plan_placement)
 from .runtime.prefetch import Prefetcher
+from .runtime.shards import Gather, Shards
 from .runtime.store import ChunkStore, Handle, Hop, PayloadSpec, StoreConfig, Tier
 from .runtime.trace import StatsWindow, Trace
 
@@ -535,15 +534,14 @@ class Engine:
             _announce(start_default_group("zero_offload.initialize", _rank_device(device, ranked=True),
                                           fix="call torch.distributed.init_process_group() first, or "
                                               "pass process_group=None to train this process alone"))
-        self._pg = resolve_group(process_group, "initialize")
-        self.shard: Shard = shard_of(self._pg)
-        """This rank's place in the data-parallel group (rank 0 of 1 without one)."""
-        self.device = _rank_device(device, ranked=self._pg is not None)
-        self._comm_device = torch.device("cpu")  # where the group's collectives take tensors
-        if self._pg is not None:
-            import torch.distributed as dist
-            if dist.get_backend(self._pg) == "nccl":
-                self._comm_device = self.device
+        pg = resolve_group(process_group, "initialize")
+        self.device = _rank_device(device, ranked=pg is not None)
+        self._failed: Optional[BaseException] = None  # see [Note: failed engine]
+        self.shard = Shards(pg, owner="engine", device=self.device, on_failure=self._fail,
+                            refuse=self._refuse_if_failed)
+        """This rank's place in the data-parallel group (rank 0 of 1 without one) and the
+        collectives over it."""
+        self._ranked = self.shard.world > 1
         self.dtype: torch.dtype = cfg.torch_dtype
         _check_model(model)
         if lr_scheduler is not None and not callable(lr_scheduler):
@@ -561,16 +559,15 @@ class Engine:
                              "trains parameters. Unfreeze some, or run inference without the engine")
         self._group_overrides, self._slot_group = _resolve_groups(param_groups, model, self.partition,
                                                                   spec)
-        if self._pg is not None:  # before anything is allocated: a difference raises on every rank
-            check_ranks_agree("zero_offload.initialize", self._rank_settings(), self._pg,
-                              device=self._comm_device)
+        if self._ranked:  # before anything is allocated: a difference raises on every rank
+            self.shard.check_settings(self._rank_settings(), owner="zero_offload.initialize")
         self._values = InitialValues(model, self.partition, init=init, weights=weights)
         self._values.check()  # before anything is allocated
         nvme_dir = cfg.nvme_dir
         if nvme_dir is not None:
             from .runtime.swap_io import free_stale_spaces, prepare_swap_dir
             prepare_swap_dir(nvme_dir, name="OffloadConfig.nvme_dir")  # created 0700 if missing
-            if self._pg is not None:  # each rank its own swap files
+            if self._ranked:  # each rank its own swap files
                 nvme_dir = prepare_swap_dir(os.path.join(nvme_dir, f"rank{self.shard.rank}"),
                                             name="OffloadConfig.nvme_dir")
             free_stale_spaces(nvme_dir)  # dead runs' spaces: before the free space is measured
@@ -581,7 +578,7 @@ class Engine:
                                             io_block_size=cfg.io_block_size,
                                             io_queue_depth=cfg.io_queue_depth))
         try:
-            local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)) if self._pg else 1
+            local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)) if self._ranked else 1
             if nvme_dir is not None and cfg.nvme_budget == "auto":
                 # Free space less a small reserve, with no cap (the store caps its own "auto": its
                 # swap file is preallocated to the budget); the swap file is sized to the plan below.
@@ -603,8 +600,8 @@ class Engine:
                       if self._final_sync else 0)
             self.plan: PlacementPlan = plan_placement(placed, cfg, self.store.budgets,
                                                       has_nvme=cfg.nvme_dir is not None,
-                                                      gpu_optimizer=self._pg is None, gpu_extra=window)
-            if self._pg is not None and cfg.params == "gpu":
+                                                      gpu_optimizer=not self._ranked, gpu_extra=window)
+            if self._ranked and cfg.params == "gpu":
                 _check_replicas(self.partition, self.plan, self.store.budgets[Tier.GPU], self.dtype,
                                 self.shard)
             if nvme_dir is not None:
@@ -654,7 +651,6 @@ class Engine:
         self._lock = threading.RLock()
         self._phase = Phase.IDLE
         self._closed = False
-        self._failed: Optional[BaseException] = None  # see [Note: failed engine]
         self._chunks: list[_Chunk] = []
         # Where each param/buffer came from: close() puts the trained values back there.
         # (A model built on the meta device gets its values back on the CPU.)
@@ -671,7 +667,7 @@ class Engine:
         if self.lr_scheduler is not None and not callable(getattr(self.lr_scheduler, "step", None)):
             raise TypeError(f"lr_scheduler(optimizer) returned {type(self.lr_scheduler).__name__}, "
                             f"which has no step() method")
-        if self._pg is not None and cfg.bind_cores and self.device.type == "cuda":
+        if self._ranked and cfg.bind_cores and self.device.type == "cuda":
             cores = rank_cores()
             if cores is not None:
                 bind_to_cores(cores)  # before the CPU-Adam threads start: they inherit it
@@ -683,7 +679,7 @@ class Engine:
                                 payloads=payloads, grad_accum=cfg.grad_accum if cfg.host_accum else 1,
                                 owner="engine",
                                 prefetch_depth=cfg.prefetch_depth,
-                                threads=_adam_threads(cfg, self.device, ranked=self._pg is not None),
+                                threads=_adam_threads(cfg, self.device, ranked=self._ranked),
                                 on_chunk_idle=self._chunk_ready, seed=self.shard.rank)
         with torch.no_grad():
             # Chunk by chunk: the model's own weights are freed as their chunk fills, so host
@@ -721,12 +717,8 @@ class Engine:
         self._kept: dict[int, _Chunk] = {}  # cid -> chunk whose device copy was kept; [Note: kept copies]
         self._keep_limit = keep_limit(self.partition, cfg, self.store.budgets[Tier.GPU])
         self._live: dict[int, _Chunk] = {}  # device-buffer storage address -> chunk (held ones)
-        # [Note: collectives ahead]: all-gathers issued ahead (cid -> (buffer, work)), the stream
-        # the grads' reduce-scatters are waited on before they go to the host (NCCL only).
-        self._gathers: dict[int, tuple] = {}
-        self._comm_stream = (torch.cuda.Stream(self.device) if self._comm_device.type == "cuda"
-                             else None)
-        self._replicas = self._pg is not None and cfg.params == "gpu"
+        self._gathers: dict[int, Gather] = {}  # cid -> its all-gather issued ahead; [Note: collectives ahead]
+        self._replicas = self._ranked and cfg.params == "gpu"
         self._updated = False  # an update was queued in backward in this window (overlap)
         self.last_grad_norm: Optional[float] = None
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
@@ -806,7 +798,7 @@ class Engine:
         layout = chunk.layout
         lowp = layout.trainable and self.dtype is not torch.float32
         with self.group.hold(chunk.g, ["master", "params"] if lowp else ["params"], fresh=True) as bufs:
-            self._fill_shard(bufs[0], layout.numel, functools.partial(self._values.fill, layout))
+            self.shard.fill(bufs[0], layout.numel, functools.partial(self._values.fill, layout))
             if lowp:
                 bufs[1].copy_(bufs[0])
         for s in layout.slots:
@@ -814,32 +806,15 @@ class Engine:
 
     # ---- data parallel ([Note: data parallel]) ----------------------------------------------
 
-    def _full(self, piece: torch.Tensor, what: str) -> torch.Tensor:
-        """Every rank's ``piece`` concatenated (an all-gather); ``piece`` itself alone."""
-        if self._pg is None:
-            return piece
-        full = torch.empty(piece.numel() * self.shard.world, dtype=piece.dtype, device=piece.device)
-        with self._collective(what):
-            all_gather(full, piece, self._pg)
-        return full
-
-    @contextlib.contextmanager
-    def _collective(self, what: str):
-        """Collectives of this engine: a failure is one ``PeerFailure`` (distributed.py) and
-        fails the engine ([Note: failed engine]). A failed engine starts none: it raises why."""
+    def _refuse_if_failed(self) -> None:
+        """Before a collective: a failed engine starts none, it raises why ([Note: failed engine])."""
         if self._failed is not None:
             self._check_open()
-        try:
-            with collective("engine", what, self._pg):
-                yield
-        except BaseException as e:
-            self._fail(e)
-            raise
 
     def _fail(self, e: BaseException) -> None:
         """With several ranks, ``e`` escaped a collective or forward/backward/step: see
         [Note: failed engine]. The first error is kept."""
-        if self._pg is not None and self._failed is None:
+        if self._ranked and self._failed is None:
             self._failed = e
 
     def _failed_line(self, limit: int = 300) -> str:
@@ -849,24 +824,20 @@ class Engine:
         text = str(e).splitlines()[0] if str(e) else ""
         if len(text) > limit:
             text = text[:limit - 3] + "..."
-        who = f"rank {self.shard.rank} of {self.shard.world}" if self._pg is not None else "the engine"
+        who = f"rank {self.shard.rank} of {self.shard.world}" if self._ranked else "the engine"
         return f"{who} stopped after an error ({type(e).__name__}: {text})"
 
-    def _gather_params(self, chunk: _Chunk, shard: torch.Tensor, *, ahead: bool) -> tuple:
-        """``(buffer, work)``: the chunk's params on the device from this rank's ``shard``. One
-        rank: the shard itself. Several: an all-gather (``ahead``: issued async, ``work`` to wait
-        on before use; else done), or the replica when no update has run since it was gathered."""
-        if self._pg is None:
-            return shard, None
+    def _gather_params(self, chunk: _Chunk, shard: torch.Tensor, *, ahead: bool) -> Gather:
+        """The chunk's params on the device from this rank's ``shard``. One rank: the shard
+        itself. Several: an all-gather (``ahead``: issued async, ``Shards.finish`` waits for it
+        before use), or the replica when no update has run since it was gathered."""
         if chunk.replica_fresh:
-            return chunk.replica, None
-        full = chunk.replica if chunk.replica is not None else torch.empty(
-            shard.numel() * self.shard.world, dtype=shard.dtype, device=shard.device)
-        with self._collective("the all-gather of a params chunk"):
-            work = all_gather(full, shard, self._pg, async_op=ahead)
+            return Gather(chunk.replica)
+        gathered = self.shard.gather(shard, what="the all-gather of a params chunk", out=chunk.replica,
+                                     ahead=ahead)
         if self._replicas:
-            chunk.replica, chunk.replica_version = full, chunk.g.version
-        return full, work
+            chunk.replica, chunk.replica_version = gathered.full, chunk.g.version
+        return gathered
 
     def _gather_ahead(self) -> None:
         """See [Note: collectives ahead]: the all-gather of the next chunk of the recorded order,
@@ -891,10 +862,9 @@ class Engine:
         order changed): the device waits for them, their shards go back to the prefetcher."""
         gathers, self._gathers = self._gathers, {}
         try:
-            for _, work in gathers.values():
-                if work is not None and self._failed is None:  # (failed: they may never end)
-                    with self._collective("the all-gather of a params chunk"):
-                        work.wait()
+            for gathered in gathers.values():
+                if self._failed is None:  # (failed: they may never end)
+                    self.shard.finish(gathered)
         finally:  # every pin let go, also after a failed wait ([Note: failed engine])
             for cid in gathers:
                 self.prefetcher.release(cid)
@@ -905,55 +875,26 @@ class Engine:
         reduce-scatter runs async: the copy to the host waits for it on the comm stream, and
         ``full`` is kept from reuse until that stream has passed ([Note: collectives ahead])."""
         shard = self.group.device_grads(chunk.g)
-        out = shard if full.dtype is shard.dtype else torch.empty(shard.numel(), dtype=full.dtype,
-                                                                  device=full.device)
-        stream = self._comm_stream
-        on_comm = (functools.partial(torch.cuda.stream, stream) if stream is not None
-                   else contextlib.nullcontext)
         try:
-            with self._collective("the reduce-scatter of a chunk's grads"):
-                work = reduce_scatter_mean(out, full, self._pg, async_op=stream is not None)
-            with on_comm():
-                if work is not None:
-                    with self._collective("the reduce-scatter of a chunk's grads"):
-                        work.wait()
-                if out is not shard:
-                    shard.copy_(out)
-                if stream is not None:
-                    full.record_stream(stream)
-                    out.record_stream(stream)
+            self.shard.reduce_scatter(full, shard, what="the reduce-scatter of a chunk's grads")
         except BaseException:
             self.group.flush_grads(chunk.g, drop=True)  # the pin device_grads took; [Note: failed engine]
             raise
-        with on_comm():
+        with self.shard.after_reduce():
             return self.group.flush_grads(chunk.g)
 
     def _read_full(self, chunk: _Chunk, name: str, *, take: bool = False) -> torch.Tensor:
         """A CPU copy of a whole payload of the chunk (all ranks' shards: collective). ``take``:
         the chunk's memory is freed after (``ChunkGroup.take``)."""
         mine = (self.group.take if take else self.group.read)(chunk.g, name)
-        if self._pg is None:
-            return mine
-        return self._full(mine.to(self._comm_device), "an all-gather of a chunk's state")[
-            :chunk.layout.numel].cpu()
+        return self.shard.gather_whole([mine], chunk.layout.numel, what="an all-gather of a chunk's state")[0]
 
     def _write_shard(self, chunk: _Chunk, name: str, fill: Callable[[torch.Tensor], None]) -> None:
         """Overwrite a payload: ``fill`` writes whole-chunk offsets into a zeroed flat buffer; this
         rank keeps its shard of it."""
         chunk.replica = None
         with self.group.hold(chunk.g, [name], fresh=True) as (buf,):
-            self._fill_shard(buf, chunk.layout.numel, fill)
-
-    def _fill_shard(self, buf: torch.Tensor, numel: int, fill: Callable[[torch.Tensor], None]) -> None:
-        """``fill`` writes a chunk of ``numel`` elements at whole-chunk offsets; ``buf`` (this
-        rank's payload) gets this rank's shard of it (alone: ``fill`` writes ``buf`` itself)."""
-        if self._pg is None:
-            fill(buf)
-            return
-        lo, hi, _ = self.shard.span(numel)
-        whole = torch.zeros(numel, dtype=buf.dtype)
-        fill(whole)
-        buf[:hi - lo].copy_(whole[lo:hi])
+            self.shard.fill(buf, chunk.layout.numel, fill)
 
     # ---- forward ----------------------------------------------------------------------------
 
@@ -1295,18 +1236,16 @@ class Engine:
 
     def _materialize(self, chunk: _Chunk) -> None:
         t0 = time.perf_counter()
-        buf, work = self._gathers.pop(chunk.cid, (None, None))
-        pinned = buf is not None  # (the gather issued ahead pinned the shard)
+        gathered = self._gathers.pop(chunk.cid, None)
+        pinned = gathered is not None  # (the gather issued ahead pinned the shard)
         try:
-            if buf is None:
+            if gathered is None:
                 if chunk.layout.trainable:
                     self.group.wait(chunk.g)  # the update writing these params must finish
                 shard = self.prefetcher.use(chunk.cid)["params"]
                 pinned = True
-                buf, work = self._gather_params(chunk, shard, ahead=False)
-            if work is not None:  # issued ahead: this stream waits for it (device-side)
-                with self._collective("the all-gather of a params chunk"):
-                    work.wait()
+                gathered = self._gather_params(chunk, shard, ahead=False)
+            buf = self.shard.finish(gathered)  # issued ahead: this stream waits for it (device-side)
         except BaseException:
             if pinned:  # the chunk is not materialized: nothing else lets this pin go
                 chunk.replica = None
@@ -1319,7 +1258,7 @@ class Engine:
                 s.param.__class__ = classes[s.index]
         chunk.buffer = buf
         self._live[buf.untyped_storage().data_ptr()] = chunk
-        if self._pg is not None:  # (after the chunk is materialized: a failure here releases it)
+        if self._ranked:  # (after the chunk is materialized: a failure here releases it)
             self._gather_ahead()
         if self.group.trace is not None:
             self.group.trace.span("use", t0, time.perf_counter(), cid=chunk.cid)
@@ -1346,7 +1285,7 @@ class Engine:
                 c.holds = 0
                 c.clear_pass()
                 if c.grads is not None:
-                    if self._pg is None:
+                    if not self._ranked:
                         self.group.flush_grads(c.g, drop=True)
                     c.grads = None
             self._release_idle()
@@ -1437,7 +1376,7 @@ class Engine:
                     f"and call the model only through engine(...)")
             if chunk.grads is None:
                 self.group.open_grads(chunk.g)
-                if self._pg is None and not self._final_sync:
+                if not self._ranked and not self._final_sync:
                     chunk.grads = self.group.device_grads(chunk.g)
                 else:  # the whole chunk's grads; each rank gets its (mean) shard at the flush
                     k = self.shard.span(chunk.layout.numel)[2]
@@ -1468,12 +1407,12 @@ class Engine:
                 return
             full, chunk.window = chunk.window, None
             slots, chunk.window_slots = list(chunk.window_slots), set()
-            if self._pg is not None:
+            if self._ranked:
                 handle = self._reduce_grads(chunk, full)
             else:  # one process: the window's sum is the chunk's grads of this update
                 self.group.device_grads(chunk.g).copy_(full)
                 handle = None if self.group.on_device(chunk.g) else self.group.flush_grads(chunk.g)
-        elif self._pg is not None:  # this rank's shard of the mean over the ranks
+        elif self._ranked:  # this rank's shard of the mean over the ranks
             handle = self._reduce_grads(chunk, chunk.grads)
         elif self.group.on_device(chunk.g):
             handle = None  # [Note: GPU share]: the grads stay on the device
@@ -1561,10 +1500,8 @@ class Engine:
             return False
         sumsq = (self.group.pipeline.take_grad_stats() + self.group.take_device_stats()
                  if self._needs_stats else 0.0)
-        if self._needs_stats and self._pg is not None:  # the norm of the whole (mean) grad
-            with self._collective("the all-reduce of the grad norm"):
-                sumsq = all_reduce(torch.tensor([sumsq], dtype=torch.float64, device=self._comm_device),
-                                   self._pg).item()
+        if self._needs_stats:  # the norm of the whole (mean) grad
+            sumsq = self.shard.sum(sumsq, what="the all-reduce of the grad norm")
         if self.scaler is not None and not math.isfinite(sumsq):
             self.scaler.update(found_inf=True)
             self.skipped_steps += 1
@@ -1760,11 +1697,7 @@ class Engine:
             out = {key: self._read_full(chunk, name).float() for key, name in group.state_names.items()}
         else:
             out = {"frozen": self._read_full(chunk, "params")}
-        out["steps"] = chunk.steps
-        if self._pg is not None and layout.trainable:  # a slot's step is kept by its ranks
-            with self._collective("the all-reduce of the step counts"):
-                out["steps"] = all_reduce(torch.tensor(out["steps"], dtype=torch.int64, device=self._comm_device),
-                                          self._pg, "max").tolist()
+        out["steps"] = self.shard.max_steps(chunk.steps) if layout.trainable else chunk.steps
         return out
 
     def load_chunk_state(self, layout: ChunkLayout, fill: Callable[[str, torch.Tensor], None],
@@ -1784,10 +1717,7 @@ class Engine:
 
     def agree(self, ok: bool) -> bool:
         """Whether every rank says ``ok`` (an all-reduce; ``ok`` itself without a group)."""
-        if self._pg is None:
-            return ok
-        with self._collective("the all-reduce of a vote"):
-            return bool(all_reduce(torch.tensor([int(ok)], device=self._comm_device), self._pg, "min").item())
+        return self.shard.agree(ok)
 
     def load_progress(self, *, global_step: int, skipped_steps: int) -> None:
         """Set the step counters (from a checkpoint); any accumulation window is dropped."""
@@ -1899,7 +1829,7 @@ class Engine:
             with contextlib.suppress(Exception) if failed is not None else contextlib.nullcontext():
                 self.store.close()
         if failed is not None and write_back:
-            why = ("that needs every rank; stop every rank and restart" if self._pg is not None
+            why = ("that needs every rank; stop every rank and restart" if self._ranked
                    else "restore them")
             warnings.warn(f"engine.close: {self._failed_line(100)}, so the trained values were not "
                           f"written back into the model: its parameters are left as zero-byte "
@@ -1941,7 +1871,7 @@ class Engine:
             raise RuntimeError("this engine is closed; build a new one with zero_offload.initialize")
         if self._failed is not None:  # see [Note: failed engine]
             why = ("the ranks' training states no longer match. Stop every rank and restart"
-                   if self._pg is not None else "its state is unknown. Close it and restart")
+                   if self._ranked else "its state is unknown. Close it and restart")
             raise RuntimeError(f"engine: {self._failed_line()}, so it takes no further calls: {why} "
                                f"from the last checkpoint") from self._failed
 

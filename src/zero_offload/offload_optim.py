@@ -91,7 +91,7 @@ data-parallel all-gathers. The state dict and ``load_state_dict`` go through hos
 the other homes, so a state moves between placements.
 
 [Note: data parallel] With several ranks (DDP scripts; ``process_group``), each rank's store
-holds only its shard of every chunk (distributed.py, [Note: chunk shards]): fp32 master,
+holds only its shard of every chunk (runtime/shards.py, [Note: chunk shards]): fp32 master,
 moments and grads of 1/N of the elements, so the node's host memory holds the 12 bytes per param
 of state once, not N times, and each rank's CPU-Adam updates 1/N of the params (on
 ``cores / LOCAL_WORLD_SIZE`` threads). DDP averages the grads with its all-reduce during
@@ -132,11 +132,11 @@ import psutil
 import torch
 
 from .config import as_budget, as_float, as_int, parse_bytes
-from .distributed import (all_gather, check_ranks_agree, collective, is_dtensor, local, resolve_group,
-                          shard_of, threads_per_rank)
 from .ops.cpu_adam import IMPLEMENTATION_OPTIONS, UNSUPPORTED_OPTIONS, AdamHyper
+from .runtime.distributed import is_dtensor, local, resolve_group, threads_per_rank
 from .runtime.chunk_group import ChunkGroup, ChunkPhase, GroupChunk, GroupSlot
 from .runtime.pipeline import PipelinePayloads
+from .runtime.shards import Shards
 from .runtime.store import ChunkStore, Handle, Hop, PayloadSpec, StoreConfig, Tier
 from .runtime.swap_io import prepare_swap_dir, swap_dir_problem
 from .runtime.trace import Trace
@@ -162,7 +162,7 @@ class _Slot(GroupSlot):
     """Position in the optimizer's param order (the key in ``state_dict()["state"]``)."""
     start: int = 0
     """First element of the param (its local tensor, flattened) this slot holds: 0 unless the
-    chunk is split between ranks (a shard boundary may cut a param; see distributed.py)."""
+    chunk is split between ranks (a shard boundary may cut a param; see runtime/shards.py)."""
     version: int = 0
     """``param._version`` when the master last matched the param (see [Note: params changed
     outside the optimizer])."""
@@ -295,8 +295,8 @@ class OffloadAdam(torch.optim.Optimizer):
         groups = _groups_of(params)
         # See [Note: data parallel]: FSDP2's params are sharded already (each rank its own).
         fsdp2 = any(is_dtensor(t) for g in groups for t in g)
-        self._pg = None if fsdp2 else resolve_group(process_group, name)
-        self._shard = shard_of(self._pg)
+        self._shard = Shards(None if fsdp2 else resolve_group(process_group, name), owner=name,
+                             device=next((t.device for g in groups for t in g), None))
         if fsdp2 and self._overlap_forward:
             raise ValueError(f"{name}: overlap_forward=True does not work with FSDP2 params: FSDP2 "
                              f"all-gathers a whole fully_shard unit before its modules' hooks could "
@@ -304,7 +304,7 @@ class OffloadAdam(torch.optim.Optimizer):
                              f"overlaps backward)")
         if fsdp2 and self._threads is None:
             self._threads = threads_per_rank(cuda=True)  # the node's cores split between the ranks
-        if self._pg is not None:
+        if self._shard.world > 1:
             self._overlap = False  # DDP's grad hooks fire before its all-reduce: stage in step()
             self._chunk_numel *= self._shard.world  # each rank's shard of a chunk: about chunk_mb
             if self._threads is None:
@@ -312,9 +312,8 @@ class OffloadAdam(torch.optim.Optimizer):
         self._grad_accum = as_int(name, "grad_accum", grad_accum, minimum=1)
         self._depth = as_int(name, "prefetch_depth", prefetch_depth, minimum=0)
         self._cpu_budget = as_budget(name, "cpu_budget", cpu_budget)
-        if self._pg is not None:  # before anything changes: a difference raises on every rank
-            check_ranks_agree(name, self._rank_settings(params, groups, h, chunk_mb, state),
-                              self._pg, device=next((t.device for g in groups for t in g), None))
+        # before anything changes: a difference raises on every rank
+        self._shard.check_settings(self._rank_settings(params, groups, h, chunk_mb, state))
         self._home = home  # Tier.GPU: state="auto" (each chunk's home is placed: ``_place``)
         self._left: dict | None = None  # state="auto": bytes each tier has left ([Note: GPU share ...])
         # Last check before params get hooks: the swap directory exists (0700) and is writable.
@@ -679,7 +678,7 @@ class OffloadAdam(torch.optim.Optimizer):
             self._priority = {cid: last - i for i, cid in enumerate(self._submitted)}
             self._submitted = []
         self._steps += 1
-        if self._pg is not None:
+        if self._shard.world > 1:
             self._gathers = list(self._chunks)  # see [Note: data parallel]
         if not self._overlap_forward:
             self._sync_all()
@@ -702,25 +701,19 @@ class OffloadAdam(torch.optim.Optimizer):
             send = torch.zeros(k, dtype=first.dtype, device=first.device)
             for s in chunk.slots:  # this rank's elements: its slots
                 send[s.offset:s.stop] = _piece(s, s.param)
-            full = torch.empty(k * self._shard.world, dtype=send.dtype, device=send.device)
-            with self._collective("the all-gather of the updated params"):
-                work = all_gather(full, send, self._pg, async_op=True)
+            gathered = self._shard.gather(send, what="the all-gather of the updated params", ahead=True)
             if pending is not None:
                 self._scatter(*pending)
-            pending = (work, full, members)
+            pending = (gathered, members)
         if pending is not None:
             self._scatter(*pending)
 
-    def _scatter(self, work, full: torch.Tensor, members) -> None:
-        """The end of one chunk's all-gather: the chunk's params take their elements of ``full``."""
-        with self._collective("the all-gather of the updated params"):
-            work.wait()
+    def _scatter(self, gathered, members) -> None:
+        """The end of one chunk's all-gather: the chunk's params take their elements of it."""
+        full = self._shard.finish(gathered)
         for p, o in members:
             lp = local(p)
             lp.data.view(-1).copy_(full[o:o + lp.numel()])
-
-    def _collective(self, what: str):
-        return collective(type(self).__name__, what, self._pg)
 
     def synchronize(self) -> None:
         """Wait for every update handed over and order the param copies before the current CUDA
@@ -780,14 +773,12 @@ class OffloadAdam(torch.optim.Optimizer):
         if any(s.landed or s.hooks for s in self._slots):
             raise RuntimeError(f"{type(self).__name__}.state_dict() in the middle of a step: call step() first")
         self._sync_all()
-        steps = {s.index: s.step for s in self._slots}
-        if self._pg is not None:  # a param cut by a shard boundary is stepped by each of its ranks
-            import torch.distributed as dist
-            gathered = [None] * self._shard.world
-            with self._collective("the all-gather of the optimizer state"):
-                dist.all_gather_object(gathered, steps, group=self._pg)
-            steps = {i: max(d.get(i, 0) for d in gathered) for i in set().union(*gathered)}
         index_of = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        mine = [0] * len(index_of)
+        for s in self._slots:
+            mine[s.index] = s.step
+        # a param cut by a shard boundary is stepped by each of its ranks
+        steps = dict(enumerate(self._shard.max_steps(mine)))
         state = {}
         for chunk in self._chunks:
             stepped = [(p, o, index_of[id(p)]) for p, o in self._members[chunk.cid][0]
@@ -814,16 +805,9 @@ class OffloadAdam(torch.optim.Optimizer):
         """The chunk's master and moments, fp32 on the CPU, shape (3, elements): several ranks
         all-gather their shards (host memory: one chunk's state at a time beside the result)."""
         with self._group.hold(chunk, _STATE) as bufs:
-            mine = torch.stack([b.float() for b in bufs])
-        if self._pg is None:
-            return mine.cpu()
-        import torch.distributed as dist
-        world, k = self._shard.world, mine.shape[1]
-        dev = self._device if dist.get_backend(self._pg) == "nccl" else torch.device("cpu")
-        full = torch.empty(world * 3, k, device=dev)
-        with self._collective("the all-gather of the optimizer state"):
-            all_gather(full, mine.to(dev), self._pg)
-        return full.view(world, 3, k).transpose(0, 1).reshape(3, world * k).cpu()
+            mine = [b.float() for b in bufs]
+        return self._shard.gather_whole(mine, self._members[chunk.cid][1] * self._shard.world,
+                                        what="the all-gather of the optimizer state")
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
