@@ -64,7 +64,7 @@ input tensors in ``_PostBackward`` (whose backward runs after the module's backw
 post-forward hook puts a multi-grad hook on the outputs (runs before it): the second holds the
 module's chunks for backward, the first lets them go. Chunks whose post-backward never runs
 (inputs that need no grad, e.g. token ids) are let go when backward ends. A chunk is released in
-backward only once every grad it expects this pass has landed (``_Chunk.awaiting``): the
+backward only once every grad it expects this pass has landed (``GroupChunk.awaiting``): the
 AccumulateGrad of a parameter may run after its module's post-backward and needs its real data.
 
 [Note: parked chunks] Consecutive modules mostly share a chunk; releasing it when one module's
@@ -103,6 +103,7 @@ any update. As grads land, the worker adds up their sums of squares; ``step()`` 
 forward, whose fetch of chunk c waits only for chunk c's update. Without clipping and fp16 (and
 with ``OffloadConfig.overlap``), each chunk is updated as soon as its grads land, overlapping the
 rest of backward. Both orders give ``torch.optim.Adam``/``AdamW``'s results on the same grads.
+The chunk group runs both (runtime/chunk_group.py, [Note: the window's decision]).
 
 [Note: data parallel] With a process group (``torchrun``; ``process_group="auto"``) every chunk
 is split between the N ranks (runtime/shards.py, [Note: chunk shards]): each rank's store holds its
@@ -110,8 +111,8 @@ shard of every payload, placement plans for the shards, and the chunk group upda
 part of each slot (``GroupSlot`` spans cut at the shard boundary). A chunk is used whole:
 ``_materialize`` fetches the rank's params shard (prefetched as on one GPU) and all-gathers the
 chunk into a device buffer; backward accumulates the whole chunk's grads in a device buffer,
-which the flush reduce-scatters (mean over the ranks, as DDP) into the rank's grads shard, sent
-to the host as before. Clipping and the overflow check all-reduce the shards' sums of squares.
+which the chunk group reduce-scatters (mean over the ranks, as DDP) into the rank's grads shard,
+sent to the host as before ([Note: grad staging] in runtime/chunk_group.py). Clipping and the overflow check all-reduce the shards' sums of squares.
 Every collective is issued by the caller's or autograd's thread (never the worker) in an order
 all ranks share: the same modules run in the same order, and end-of-backward flushes go in chunk
 order. Whole-model reads (``state_dict``, ``gathered``, ``close``, checkpoints) gather chunk by
@@ -148,7 +149,6 @@ import enum
 import functools
 import itertools
 import linecache
-import math
 import os
 import re
 import sys
@@ -169,14 +169,14 @@ from .mixed_precision import LossScaler, cast_inputs
 from .runtime.distributed import (available_cores, bind_to_cores, rank_cores, resolve_group,
                                   start_default_group, threads_per_rank)
 from .initial_values import InitialValues, set_values
-from .runtime.chunk_group import ChunkGroup, GroupChunk, GroupSlot
+from .runtime.chunk_group import ChunkGroup, GroupChunk, GroupSlot, Staging
 from .runtime.partition import ChunkLayout, ParamSlot, Partition, partition_parameters
 from .runtime.pipeline import PipelinePayloads, StepPipeline
 from .runtime.placement import (PARKED_CHUNKS, FitError, PlacementPlan, keep_limit, optimizer_payloads,
                                 payload_dtypes, plan_placement)
 from .runtime.prefetch import Prefetcher
 from .runtime.shards import Gather, Shards
-from .runtime.store import ChunkStore, Handle, Hop, PayloadSpec, StoreConfig, Tier
+from .runtime.store import ChunkStore, Hop, PayloadSpec, StoreConfig, Tier
 from .runtime.trace import StatsWindow, Trace
 
 __all__ = ["Engine", "EngineStats", "Phase", "initialize"]
@@ -214,8 +214,8 @@ _PHASES = {
 
 @dataclass(eq=False)
 class _Chunk:
-    """Engine-side state of one chunk: its residency on the compute device and the grads of the
-    backward in flight. Its update, steps and window are the chunk group's (``g``)."""
+    """Engine-side state of one chunk: its residency on the compute device. Its grads, update,
+    steps and window are the chunk group's (``g``; runtime/chunk_group.py)."""
 
     layout: ChunkLayout
     g: GroupChunk
@@ -225,34 +225,10 @@ class _Chunk:
     """Users needing the params on the device now (module calls, backward, saved views)."""
     buffer: Optional[torch.Tensor] = None
     """The device buffer the params point into while held (see [Note: parameter data])."""
-    expected: set = field(default_factory=set)
-    """Slots used with grad enabled since the last backward: their grads are expected."""
-    landed: set = field(default_factory=set)
-    """Slots whose grad landed in this backward."""
-    awaiting: set = field(default_factory=set)
-    """``expected - landed``, kept up to date by ``expect`` and ``land`` (grads still to come)."""
-    grads: Optional[torch.Tensor] = None
-    """Device grads buffer being filled in this backward (None once flushed)."""
-    window: Optional[torch.Tensor] = None
-    """``grad_sync="final"``: the whole chunk's fp32 grads summed over the micro-batches of the
-    window, sent down (several ranks: reduce-scattered) at its last one."""
-    window_slots: set = field(default_factory=set)
-    """The trainable slots with a grad in ``window``."""
-    replica: Optional[torch.Tensor] = None
-    """Several ranks, ``params="gpu"``: the whole chunk's params, kept on the device between uses
-    and gathered again only after an update (``replica_version``)."""
-    replica_version: int = -1
-    flushed: bool = False
-    """Grads of this backward were sent down (a late grad is then an error)."""
 
     @property
     def cid(self) -> int:
         return self.g.cid
-
-    @property
-    def replica_fresh(self) -> bool:
-        """The replica holds the params of the chunk's latest update."""
-        return self.replica is not None and self.replica_version == self.g.version
 
     @property
     def steps(self) -> list:
@@ -260,21 +236,25 @@ class _Chunk:
         return [self.gslots[s].step if s in self.gslots else 0 for s in self.layout.slots]
 
     def expect(self, slot: ParamSlot) -> None:
-        if slot not in self.expected:
-            self.expected.add(slot)
-            if slot not in self.landed:
-                self.awaiting.add(slot)
+        """A grad of ``slot`` will land in this backward (the group counts it)."""
+        self.g.expect(self.gslots[slot])
 
-    def land(self, slot: ParamSlot) -> None:
-        self.landed.add(slot)
-        self.awaiting.discard(slot)
+    def expects(self, slot: ParamSlot) -> bool:
+        g = self.gslots.get(slot)
+        return g is not None and g in self.g.expected
 
-    def clear_pass(self) -> None:
-        """Forget the expected/landed grads of the backward that just ended."""
-        self.expected.clear()
-        self.landed.clear()
-        self.awaiting.clear()
-        self.flushed = False
+    @property
+    def awaiting(self) -> set:
+        """Expected grads of this backward still to land (see [Note: backward hooks])."""
+        return self.g.awaiting
+
+    @property
+    def replica(self) -> Optional[torch.Tensor]:
+        return self.g.replica
+
+    @replica.setter
+    def replica(self, value: Optional[torch.Tensor]) -> None:
+        self.g.replica = value
 
 
 @dataclass(eq=False)
@@ -675,12 +655,15 @@ class Engine:
                                     lowp="params" if lowp else None,
                                     accum="accum" if cfg.host_accum else None)
         self._compute_stream = None  # CUDA stream of the last forward; see [Note: fetch on completion]
+        self.scaler = LossScaler.from_config(cfg)
         self.group = ChunkGroup(self.store, hyper=self.optimizer, adamw=self.spec.adamw,
-                                payloads=payloads, grad_accum=cfg.grad_accum if cfg.host_accum else 1,
-                                owner="engine",
+                                payloads=payloads, shards=self.shard, staging=Staging.DEVICE,
+                                window=cfg.grad_accum, clip=cfg.grad_clip, scaler=self.scaler,
+                                overlap=cfg.overlap and cfg.grad_clip is None and self.scaler is None,
+                                replicas=self._ranked and cfg.params == "gpu", owner="engine",
                                 prefetch_depth=cfg.prefetch_depth,
                                 threads=_adam_threads(cfg, self.device, ranked=self._ranked),
-                                on_chunk_idle=self._chunk_ready, seed=self.shard.rank)
+                                on_chunk_idle=self._chunk_ready)
         with torch.no_grad():
             # Chunk by chunk: the model's own weights are freed as their chunk fills, so host
             # memory peaks at the homes plus what is not yet copied, not homes + whole model.
@@ -703,13 +686,9 @@ class Engine:
         self.prefetcher = Prefetcher(self.store, depth=cfg.prefetch_depth, hops=[("params", Tier.GPU)],
                                      ready=lambda cid: not self.group.busy(cid))
 
-        self.scaler = LossScaler.from_config(cfg)
-        self._overlap = cfg.overlap and cfg.grad_clip is None and self.scaler is None
-        self._needs_stats = cfg.grad_clip is not None or self.scaler is not None
 
         self.global_step = 0
         self.skipped_steps = 0
-        self._micro = 0
         self._tokens: list[_BackwardToken] = []
         self._call_stack: list = []
         self._transient: list[_Chunk] = []
@@ -718,8 +697,6 @@ class Engine:
         self._keep_limit = keep_limit(self.partition, cfg, self.store.budgets[Tier.GPU])
         self._live: dict[int, _Chunk] = {}  # device-buffer storage address -> chunk (held ones)
         self._gathers: dict[int, Gather] = {}  # cid -> its all-gather issued ahead; [Note: collectives ahead]
-        self._replicas = self._ranked and cfg.params == "gpu"
-        self._updated = False  # an update was queued in backward in this window (overlap)
         self.last_grad_norm: Optional[float] = None
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._window = StatsWindow(self._counters)
@@ -753,7 +730,7 @@ class Engine:
             functools.partial(self._post_forward, rec), with_kwargs=True, always_call=True))
 
     def _add_chunk(self, layout: ChunkLayout, homes) -> _Chunk:
-        lo, hi, k = self.shard.span(layout.numel)
+        k = self.shard.span(layout.numel)[2]
         dtypes = payload_dtypes(layout, self.config)
         opt = optimizer_payloads(self.config)
         specs = {}
@@ -769,11 +746,10 @@ class Engine:
         gslots = {}
         if layout.trainable:  # each slot's update covers its padding, up to the next slot
             stops = [s.offset for s in slots[1:]] + [layout.numel]
-            for s, stop in zip(slots, stops):
-                a, b = max(s.offset, lo), min(stop, hi)  # this rank's part ([Note: data parallel])
-                if a < b:
-                    gslots[s] = GroupSlot(offset=a - lo, stop=b - lo, group=self._slot_group.get(s.index, 0))
-        return _Chunk(layout=layout, g=self.group.add_chunk(specs, tuple(gslots.values())), gslots=gslots)
+            gslots = {s: GroupSlot(lo=s.offset, numel=s.numel, end=stop, name=s.name, index=s.index,
+                                   group=self._slot_group.get(s.index, 0)) for s, stop in zip(slots, stops)}
+        g = self.group.add_chunk(specs, tuple(gslots.values()), whole=layout.numel)
+        return _Chunk(layout=layout, g=g, gslots=gslots)
 
     def _give_weights_back(self) -> None:
         """Put the values of every chunk (the fp32 master, or the params payload for fp32 and
@@ -783,9 +759,9 @@ class Engine:
         model's 51 GB of fp32 values on top of its pinned state was an OOM kill). Used when
         initialize fails part-way (the chunks loaded so far) and by ``close``: the store is
         closed right after."""
+        self.group.drop_buffers()
         for chunk in self._chunks:
-            chunk.replica = chunk.window = None
-            flat = self._read_full(chunk, self._fp32_payload_name(chunk), take=True)
+            flat = self.group.read_values(chunk.g, take=True)
             for s in chunk.layout.slots:
                 device, dtype = self._origins[s.index]
                 s.param.data = flat[s.offset:s.end].view(s.shape).to(device=device, dtype=dtype,
@@ -796,11 +772,7 @@ class Engine:
         straight into its full-precision payload (this rank's shard of it), the working-dtype
         params rounded from it; then the model's own copies are let go."""
         layout = chunk.layout
-        lowp = layout.trainable and self.dtype is not torch.float32
-        with self.group.hold(chunk.g, ["master", "params"] if lowp else ["params"], fresh=True) as bufs:
-            self.shard.fill(bufs[0], layout.numel, functools.partial(self._values.fill, layout))
-            if lowp:
-                bufs[1].copy_(bufs[0])
+        self.group.write_values(chunk.g, functools.partial(self._values.fill, layout))
         for s in layout.slots:
             set_values(s.param, self._placeholders[s.index])
 
@@ -828,16 +800,8 @@ class Engine:
         return f"{who} stopped after an error ({type(e).__name__}: {text})"
 
     def _gather_params(self, chunk: _Chunk, shard: torch.Tensor, *, ahead: bool) -> Gather:
-        """The chunk's params on the device from this rank's ``shard``. One rank: the shard
-        itself. Several: an all-gather (``ahead``: issued async, ``Shards.finish`` waits for it
-        before use), or the replica when no update has run since it was gathered."""
-        if chunk.replica_fresh:
-            return Gather(chunk.replica)
-        gathered = self.shard.gather(shard, what="the all-gather of a params chunk", out=chunk.replica,
-                                     ahead=ahead)
-        if self._replicas:
-            chunk.replica, chunk.replica_version = gathered.full, chunk.g.version
-        return gathered
+        """The chunk's params on the device from this rank's ``shard`` (``ChunkGroup.params``)."""
+        return self.group.params(chunk.g, shard, ahead=ahead)
 
     def _gather_ahead(self) -> None:
         """See [Note: collectives ahead]: the all-gather of the next chunk of the recorded order,
@@ -846,7 +810,7 @@ class Engine:
             return
         for cid in self.prefetcher.peek(1):
             chunk = self._chunks[cid]
-            if chunk.buffer is not None or chunk.replica_fresh:
+            if chunk.buffer is not None or chunk.g.replica_fresh:
                 return
             if chunk.layout.trainable:
                 self.group.wait(chunk.g)  # the update writing its params shard must finish
@@ -868,33 +832,6 @@ class Engine:
         finally:  # every pin let go, also after a failed wait ([Note: failed engine])
             for cid in gathers:
                 self.prefetcher.release(cid)
-
-    def _reduce_grads(self, chunk: _Chunk, full: torch.Tensor) -> Handle:
-        """This rank's shard of the mean over the ranks of a whole chunk's device grads ``full``
-        into the chunk's device grads, then to the host (the returned handle). With NCCL the
-        reduce-scatter runs async: the copy to the host waits for it on the comm stream, and
-        ``full`` is kept from reuse until that stream has passed ([Note: collectives ahead])."""
-        shard = self.group.device_grads(chunk.g)
-        try:
-            self.shard.reduce_scatter(full, shard, what="the reduce-scatter of a chunk's grads")
-        except BaseException:
-            self.group.flush_grads(chunk.g, drop=True)  # the pin device_grads took; [Note: failed engine]
-            raise
-        with self.shard.after_reduce():
-            return self.group.flush_grads(chunk.g)
-
-    def _read_full(self, chunk: _Chunk, name: str, *, take: bool = False) -> torch.Tensor:
-        """A CPU copy of a whole payload of the chunk (all ranks' shards: collective). ``take``:
-        the chunk's memory is freed after (``ChunkGroup.take``)."""
-        mine = (self.group.take if take else self.group.read)(chunk.g, name)
-        return self.shard.gather_whole([mine], chunk.layout.numel, what="an all-gather of a chunk's state")[0]
-
-    def _write_shard(self, chunk: _Chunk, name: str, fill: Callable[[torch.Tensor], None]) -> None:
-        """Overwrite a payload: ``fill`` writes whole-chunk offsets into a zeroed flat buffer; this
-        rank keeps its shard of it."""
-        chunk.replica = None
-        with self.group.hold(chunk.g, [name], fresh=True) as (buf,):
-            self.shard.fill(buf, chunk.layout.numel, fill)
 
     # ---- forward ----------------------------------------------------------------------------
 
@@ -1011,7 +948,7 @@ class Engine:
             phase = self._phase
             if phase is not Phase.FORWARD:
                 return
-            if self._recorded and (slot in chunk.expected or not slot.trainable
+            if self._recorded and (chunk.expects(slot) or not slot.trainable
                                    or not torch.is_grad_enabled()):
                 return
         with self._lock:
@@ -1283,11 +1220,7 @@ class Engine:
             self._forward_holds.clear()
             for c in self._chunks:
                 c.holds = 0
-                c.clear_pass()
-                if c.grads is not None:
-                    if not self._ranked:
-                        self.group.flush_grads(c.g, drop=True)
-                    c.grads = None
+            self.group.drop_backward()
             self._release_idle()
 
     # ---- saved tensors ([Note: saved parameter views]) ----------------------------------------
@@ -1368,70 +1301,8 @@ class Engine:
             if self._phase is Phase.IDLE:
                 self._set_phase(Phase.BACKWARD)
             chunk = self._chunks[slot.chunk]
-            if chunk.flushed:
-                raise RuntimeError(
-                    f"parameter {slot.name!r} received a gradient after the grads of its chunk were "
-                    f"sent to the CPU in this backward (it was used again after every expected grad "
-                    f"of the chunk had landed). Use torch.utils.checkpoint with use_reentrant=False, "
-                    f"and call the model only through engine(...)")
-            if chunk.grads is None:
-                self.group.open_grads(chunk.g)
-                if not self._ranked and not self._final_sync:
-                    chunk.grads = self.group.device_grads(chunk.g)
-                else:  # the whole chunk's grads; each rank gets its (mean) shard at the flush
-                    k = self.shard.span(chunk.layout.numel)[2]
-                    chunk.grads = torch.zeros(k * self.shard.world, dtype=self.dtype, device=self.device)
-            dst = chunk.grads[slot.offset:slot.end]
-            if slot in chunk.landed:
-                dst.add_(grad.reshape(-1))
-            else:
-                dst.copy_(grad.reshape(-1))
-                chunk.land(slot)
-            if not chunk.awaiting:
-                self._flush_grads(chunk)
+            self.group.grad(chunk.gslots[slot], grad)  # staged, reduced and sent on when complete
             self._maybe_release(chunk)
-
-    def _flush_grads(self, chunk: _Chunk) -> None:
-        """Send a chunk's device grads to host memory and hand them to the worker."""
-        slots = [chunk.gslots[s] for s in chunk.landed if s in chunk.gslots]
-        if self._final_sync:  # [Note: data parallel]: only the window's last micro-batch talks
-            if chunk.grads is not None:
-                if chunk.window is None:
-                    chunk.window = chunk.grads.float()
-                else:
-                    chunk.window.add_(chunk.grads)
-                chunk.grads = None
-                chunk.window_slots.update(slots)
-            chunk.flushed = True
-            if self._micro < self.config.grad_accum - 1:
-                return
-            full, chunk.window = chunk.window, None
-            slots, chunk.window_slots = list(chunk.window_slots), set()
-            if self._ranked:
-                handle = self._reduce_grads(chunk, full)
-            else:  # one process: the window's sum is the chunk's grads of this update
-                self.group.device_grads(chunk.g).copy_(full)
-                handle = None if self.group.on_device(chunk.g) else self.group.flush_grads(chunk.g)
-        elif self._ranked:  # this rank's shard of the mean over the ranks
-            handle = self._reduce_grads(chunk, chunk.grads)
-        elif self.group.on_device(chunk.g):
-            handle = None  # [Note: GPU share]: the grads stay on the device
-        else:
-            handle = self.group.flush_grads(chunk.g)
-        chunk.grads = None
-        chunk.flushed = True
-        self._submit_grads(chunk, slots, ready=handle)
-
-    def _submit_grads(self, chunk: _Chunk, slots, *, ready, hold: bool = False) -> None:
-        boundary = self._micro == self.config.grad_accum - 1
-        update = boundary and self._overlap
-        self._updated |= update
-        kw = dict(hold=hold, update=update, stats=boundary and self._needs_stats,
-                  stats_scale=self.scaler.scale if self.scaler is not None else 1.0)
-        if self.group.on_device(chunk.g):
-            self.group.device_submit(chunk.g, slots, **kw)
-        else:
-            self.group.submit(chunk.g, slots, ready=ready, **kw)
 
     def _finish_backward(self) -> None:
         """End of backward: release what the hooks still hold, send incomplete grads down."""
@@ -1452,15 +1323,7 @@ class Engine:
             for c in self._transient:
                 self._unhold(c)
             self._transient.clear()
-            boundary = self._micro == self.config.grad_accum - 1
-            for c in self._chunks:
-                if c.grads is not None or (boundary and c.window is not None):
-                    self._flush_grads(c)  # some expected grads never came (unused outputs)
-                elif boundary and c.g.accumulating and not c.flushed:
-                    # Grads from earlier micro-batches only: stats/update from the fp32 buffer.
-                    self._submit_grads(c, (), ready=Handle.completed(), hold=True)
-            for c in self._chunks:
-                c.clear_pass()
+            self.group.end_backward()  # some expected grads never came (unused outputs)
             self._set_phase(Phase.IDLE)
             self._release_idle()
 
@@ -1486,40 +1349,15 @@ class Engine:
             self._span("step", t0)
 
     def _step(self) -> bool:
-        self._micro += 1
-        if self._micro < self.config.grad_accum:
+        if not self.group.end_micro_batch():
             return False
-        self._micro = 0
-        if self._overlap:  # each chunk's update was queued as its grads landed
-            updated, self._updated = self._updated, False
-            if updated:
-                self._commit()
-            return updated
-        window = [c.g for c in self._chunks if c.g.window]
-        if not window:
-            return False
-        sumsq = (self.group.pipeline.take_grad_stats() + self.group.take_device_stats()
-                 if self._needs_stats else 0.0)
-        if self._needs_stats:  # the norm of the whole (mean) grad
-            sumsq = self.shard.sum(sumsq, what="the all-reduce of the grad norm")
-        if self.scaler is not None and not math.isfinite(sumsq):
-            self.scaler.update(found_inf=True)
-            self.skipped_steps += 1
-            for g in window:
-                self.group.skip(g)
-            return False
-        grad_scale = self.scaler.scale if self.scaler is not None else 1.0
-        if self.config.grad_clip is not None:
-            norm = math.sqrt(sumsq)
-            self.last_grad_norm = norm
-            coef = min(1.0, self.config.grad_clip / (norm + 1e-6))
-            grad_scale /= coef
-        for g in window:  # forward order: the next forward waits only for its own chunk
-            self.group.submit_update(g, grad_scale=grad_scale)
-        if self.scaler is not None:
-            self.scaler.update(found_inf=False)
-        self._commit()
-        return True
+        decision = self.group.end_window()  # [Note: exact step]
+        if decision.norm is not None:
+            self.last_grad_norm = decision.norm
+        self.skipped_steps += decision.skipped
+        if decision.updated:
+            self._commit()
+        return decision.updated
 
     def _commit(self) -> None:
         self.global_step += 1
@@ -1556,17 +1394,11 @@ class Engine:
         self.group.drain()
         self.store.synchronize()
 
-    def _fp32_payload_name(self, chunk: _Chunk) -> str:
-        """The payload holding a chunk's values in full precision (or the working dtype for
-        frozen chunks, which have no master copy)."""
-        lowp = self.dtype is not torch.float32
-        return "master" if chunk.layout.trainable and lowp else "params"
-
     def _slot_values(self) -> Iterator[tuple]:
         """(slot, fp32 CPU tensor) for every slot, chunk by chunk."""
         self.synchronize()
         for chunk in self._chunks:
-            flat = self._read_full(chunk, self._fp32_payload_name(chunk)).float()
+            flat = self.group.read_values(chunk.g).float()
             for s in chunk.layout.slots:
                 yield s, flat[s.offset:s.end].view(s.shape)
 
@@ -1654,7 +1486,7 @@ class Engine:
         compute = fwd + bwd
         uses = w["uses"]
         return EngineStats(
-            steps=self.global_step, skipped_steps=self.skipped_steps, micro_steps=self._micro,
+            steps=self.global_step, skipped_steps=self.skipped_steps, micro_steps=self.group.micro,
             bytes_held={t.value: self.store.bytes(t) for t in Tier},
             peak_bytes={t.value: self.store.peak_bytes(t) for t in Tier},
             bytes_moved={h.value: w[h] for h in Hop},
@@ -1686,34 +1518,27 @@ class Engine:
     @property
     def micro_step(self) -> int:
         """Micro-batches done in the current accumulation window."""
-        return self._micro
+        return self.group.micro
 
     def chunk_state(self, layout: ChunkLayout) -> dict:
         """CPU copies of one chunk's state: "master", "exp_avg", "exp_avg_sq" (fp32, bf16 moments
         widened) for a trainable chunk, "frozen" (working dtype) otherwise, and "steps" (one per
-        slot)."""
-        chunk, group = self._chunks[layout.index], self.group
-        if layout.trainable:
-            out = {key: self._read_full(chunk, name).float() for key, name in group.state_names.items()}
-        else:
-            out = {"frozen": self._read_full(chunk, "params")}
-        out["steps"] = self.shard.max_steps(chunk.steps) if layout.trainable else chunk.steps
-        return out
+        slot). Collective with several ranks."""
+        chunk = self._chunks[layout.index]
+        if not layout.trainable:
+            return {"frozen": self.group.read_values(chunk.g), "steps": chunk.steps}
+        return self.group.state(chunk.g)  # (its slots are the layout's, in order)
 
     def load_chunk_state(self, layout: ChunkLayout, fill: Callable[[str, torch.Tensor], None],
                          steps: Sequence[int]) -> None:
         """Overwrite one chunk's state: ``fill(key, buf)`` writes the values of ``key`` (as
         ``chunk_state`` names them) into a zeroed flat buffer. bf16/fp16 working params become
         the master rounded, as the kernel writes them."""
-        chunk, group = self._chunks[layout.index], self.group
-        names = dict(group.state_names) if layout.trainable else {"frozen": "params"}
-        if layout.trainable and self.dtype is not torch.float32:
-            names["params"] = "params"
-        for key, name in names.items():
-            self._write_shard(chunk, name, functools.partial(fill, "master" if key == "params" else key))
-        for s, step in zip(layout.slots, steps):
-            if s in chunk.gslots:
-                chunk.gslots[s].step = int(step)
+        chunk = self._chunks[layout.index]
+        if layout.trainable:
+            self.group.load_state(chunk.g, fill, steps)
+        else:
+            self.group.write_values(chunk.g, functools.partial(fill, "frozen"))
 
     def agree(self, ok: bool) -> bool:
         """Whether every rank says ``ok`` (an all-reduce; ``ok`` itself without a group)."""
@@ -1721,10 +1546,7 @@ class Engine:
 
     def load_progress(self, *, global_step: int, skipped_steps: int) -> None:
         """Set the step counters (from a checkpoint); any accumulation window is dropped."""
-        for c in self._chunks:
-            self.group.skip(c.g)
-        self._micro = 0
-        self._updated = False
+        self.group.drop_window()
         self.global_step = int(global_step)
         self.skipped_steps = int(skipped_steps)
 
@@ -1812,8 +1634,7 @@ class Engine:
                 s.param.data = self._placeholders[s.index]
                 s.param.__class__ = self._guards[s.index]
         self._closed = True
-        for c in self._chunks:
-            c.replica = c.window = None
+        self.group.drop_buffers()
         for m in self.module.modules():
             ref = _OPEN_ENGINES.get(m)
             if ref is not None and ref() is self:

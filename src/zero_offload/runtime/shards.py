@@ -151,11 +151,13 @@ class Shards:
                 gather.work.wait()
         return gather.full
 
-    def gather_whole(self, pieces: Sequence[torch.Tensor], numel: int, *, what: str) -> list:
+    def gather_whole(self, pieces: Sequence[torch.Tensor], numel: int, *, what: str,
+                     copy: bool = True) -> list:
         """CPU copies of whole chunks of ``numel`` elements from every rank's ``pieces`` (shards of
-        one dtype and size): one all-gather for all of them. One rank: copies of the pieces."""
+        one dtype and size): one all-gather for all of them. One rank: copies of the pieces
+        (``copy=False``: the pieces themselves where they are CPU tensors the caller owns)."""
         if self.world == 1:
-            return [p[:numel].to("cpu", copy=True) for p in pieces]
+            return [p[:numel].to("cpu", copy=copy) for p in pieces]
         mine = torch.stack(list(pieces)).to(self.comm_device)
         n, k = mine.shape
         full = torch.empty(self.world * n, k, dtype=mine.dtype, device=self.comm_device)
