@@ -109,7 +109,7 @@ def test_public_paths_of_moved_modules_are_the_modules_themselves():
 
     for old, new in (("store", "runtime.store"), ("swap_io", "runtime.swap_io"),
                      ("prefetch", "runtime.prefetch"), ("pipeline", "runtime.pipeline"),
-                     ("cpu_adam", "ops.cpu_adam")):
+                     ("cpu_adam", "ops.cpu_adam"), ("distributed", "runtime.distributed")):
         moved = importlib.import_module(f"zero_offload.{old}")
         assert moved is importlib.import_module(f"zero_offload.{new}")
         assert moved.__spec__.name == f"zero_offload.{new}"

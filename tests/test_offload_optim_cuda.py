@@ -60,13 +60,14 @@ def slow_h2d(monkeypatch):
     """The param copies of every chunk start ~1 ms late on the H2D stream (a sleep kernel before
     them): the next forward, the next update and the store's buffer reuse all run ahead of
     them unless they are ordered after them."""
-    original = OffloadAdam._write_back
+    from zero_offload.runtime.chunk_group import ChunkGroup  # the worker's copy into the params
+    original = ChunkGroup._write_back
 
     def write_back(self, cid):
-        with torch.cuda.stream(self._store._streams.h2d):
+        with torch.cuda.stream(self.store._streams.h2d):
             torch.cuda._sleep(2_000_000)
         original(self, cid)
-    monkeypatch.setattr(OffloadAdam, "_write_back", write_back)
+    monkeypatch.setattr(ChunkGroup, "_write_back", write_back)
 
 
 def _groups(model):

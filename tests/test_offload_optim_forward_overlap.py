@@ -21,12 +21,13 @@ HOOKS = torch_module._global_forward_pre_hooks
 
 @pytest.fixture
 def slow_write_back(monkeypatch):
-    original = OffloadAdam._write_back
+    from zero_offload.runtime.chunk_group import ChunkGroup  # the worker's copy into the params
+    original = ChunkGroup._write_back
 
     def write_back(self, cid):
         time.sleep(0.003)
         original(self, cid)
-    monkeypatch.setattr(OffloadAdam, "_write_back", write_back)
+    monkeypatch.setattr(ChunkGroup, "_write_back", write_back)
 
 
 def _groups(model):
@@ -269,7 +270,7 @@ def test_update_order_follows_the_forward_not_the_param_groups():
         model(x).square().mean().backward()
         opt.step()
     opt.synchronize()
-    chunk_of = {id(s.param): c.cid for c in opt._chunks for s in c.slots}
-    rank = [min(opt._priority[chunk_of[id(p)]] for p in m.parameters()) for m in layers]
+    chunk_of = {id(s.param): c for c in opt._chunks for s in c.slots}
+    rank = [min(chunk_of[id(p)].priority for p in m.parameters()) for m in layers]
     assert rank == sorted(rank) and rank[0] == 0
     opt.close()

@@ -100,9 +100,9 @@ def test_gpu_share_with_bf16_params_rounds_from_the_fp32_master():
     sa, sb = a.state_dict()["state"], b.state_dict()["state"]
     for i in sb:
         assert torch.allclose(sa[i]["master"].cpu(), sb[i]["master"].cpu(), rtol=1e-5, atol=1e-7), i
-    for s in a._slots:  # the params are the master's rounding (it carries what bf16 cannot)
-        assert torch.equal(s.param.detach().reshape(-1)[s.start:s.start + s.stop - s.offset],
-                           sa[s.index]["master"].reshape(-1)[s.start:s.start + s.stop - s.offset]
+    for s in (s for c in a._chunks for s in c.slots):  # the params: the master's rounding
+        assert torch.equal(s.param.detach().reshape(-1)[s.start:s.start + s.count],
+                           sa[s.index]["master"].reshape(-1)[s.start:s.start + s.count]
                            .to(s.param.device).bfloat16())
     assert max_rel_diff(share, host) < 2e-2
     a.close()

@@ -56,12 +56,13 @@ def test_copy_back_reads_the_kept_master(evicted_between, overlap_forward, tmp_p
     before the write-back drops it; the chunk is then read once more (same result, ~1 run in 20),
     which would blur the exact counts."""
     if evicted_between:
-        original = OffloadAdamW._write_back
+        from zero_offload.runtime.chunk_group import ChunkGroup  # the worker's copy into the params
+        original = ChunkGroup._write_back
 
         def evict_then_write_back(self, cid):
-            self._store.evict(cid, "master", "cpu")
+            self.store.evict(cid, "master", "cpu")
             original(self, cid)
-        monkeypatch.setattr(OffloadAdamW, "_write_back", evict_then_write_back)
+        monkeypatch.setattr(ChunkGroup, "_write_back", evict_then_write_back)
     model, reference = make_model(), make_model()
     opt = OffloadAdamW(model.parameters(), lr=3e-3, state="nvme", nvme_dir=tmp_path, chunk_mb=0.02,
                        threads=1, prefetch_depth=0, overlap_forward=overlap_forward)

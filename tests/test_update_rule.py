@@ -16,7 +16,7 @@ from _dist_util import run_ranks, values
 from _engine_util import (DEVICE, SMALL_CHUNK_MB, Reference, assert_params_close, config, gpt_batches,
                           gpt_loss, micro_gpt, mlp, mlp_batches, mlp_loss, train_engine)
 from zero_offload.config import OptimizerSpec
-from zero_offload.distributed import Shard
+from zero_offload.runtime.shards import Shards
 from zero_offload.runtime.checkpoint import CheckpointError
 from zero_offload.runtime.partition import partition_parameters, shard_spans, update_spans
 from zero_offload.runtime.store import Tier
@@ -358,11 +358,15 @@ def test_update_spans_cover_padding_only_for_elementwise_rules():
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
-def test_equal_shard_spans_are_the_chunk_shards_of_distributed_py(world):
+def test_equal_shard_spans_are_the_chunk_shards_of_shards_py(world):
+    def rank(r):
+        sh = Shards()  # one rank, placed as rank r of ``world`` (Shards.span reads only these)
+        sh.rank, sh.world = r, world
+        return sh
     for n in (1, 5, 64, 1000, 1025):
         spans, k = shard_spans([0, n], world, align_to_params=False)
-        assert k == Shard(0, world).span(n)[2]
-        assert spans == tuple(Shard(r, world).span(n)[:2] for r in range(world))
+        assert k == rank(0).span(n)[2]
+        assert spans == tuple(rank(r).span(n)[:2] for r in range(world))
 
 
 def _best_max(pieces, world):

@@ -39,7 +39,8 @@ __all__ = sorted(_EXPORTS) + ["__version__"]
 
 _MOVED = {f"{__name__}.{old}": f"{__name__}.{new}" for old, new in {
     "store": "runtime.store", "swap_io": "runtime.swap_io", "prefetch": "runtime.prefetch",
-    "pipeline": "runtime.pipeline", "cpu_adam": "ops.cpu_adam"}.items()}
+    "pipeline": "runtime.pipeline", "cpu_adam": "ops.cpu_adam",
+    "distributed": "runtime.distributed"}.items()}
 """Public paths (README) of modules that live in the layers below: ``zero_offload.store`` *is*
 ``zero_offload.runtime.store`` (the same module object), imported on first use."""
 

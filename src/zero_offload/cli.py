@@ -390,7 +390,7 @@ def _start_ranks(stack) -> tuple[int, int]:
     if world == 1:
         return 0, 1
     import torch
-    from .distributed import start_default_group
+    from .runtime.distributed import start_default_group
     device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available()
               else torch.device("cpu"))
     try:

@@ -29,7 +29,7 @@ input tensors in ``_PostBackward`` (whose backward runs after the module's backw
 post-forward hook puts a multi-grad hook on the outputs (runs before it): the second holds the
 module's chunks for backward, the first lets them go. Chunks whose post-backward never runs
 (inputs that need no grad, e.g. token ids) are let go when backward ends. A chunk is released in
-backward only once every grad it expects this pass has landed (``_Chunk.awaiting``): the
+backward only once every grad it expects this pass has landed (``GroupChunk.awaiting``): the
 AccumulateGrad of a parameter may run after its module's post-backward and needs its real data.
 
 Device residency ([Note: holds] in runtime/prefetch.py): the engine only holds a chunk (module
@@ -69,15 +69,16 @@ any update. As grads land, the worker adds up their sums of squares; ``step()`` 
 forward, whose fetch of chunk c waits only for chunk c's update. Without clipping and fp16 (and
 with ``OffloadConfig.overlap``), each chunk is updated as soon as its grads land, overlapping the
 rest of backward. Both orders give ``torch.optim.Adam``/``AdamW``'s results on the same grads.
+The chunk group runs both (runtime/chunk_group.py, [Note: the window's decision]).
 
 [Note: data parallel] With a process group (``torchrun``; ``process_group="auto"``) every chunk
-is split between the N ranks (distributed.py, [Note: chunk shards]): each rank's store holds its
+is split between the N ranks (runtime/shards.py, [Note: chunk shards]): each rank's store holds its
 shard of every payload, placement plans for the shards, and the chunk group updates the rank's
 part of each slot (``GroupSlot`` spans cut at the shard boundary). A chunk is used whole:
 ``_materialize`` fetches the rank's params shard (prefetched as on one GPU) and all-gathers the
 chunk into a device buffer; backward accumulates the whole chunk's grads in a device buffer,
-which the flush reduce-scatters (mean over the ranks, as DDP) into the rank's grads shard, sent
-to the host as before. Clipping and the overflow check all-reduce the shards' sums of squares.
+which the chunk group reduce-scatters (mean over the ranks, as DDP) into the rank's grads shard,
+sent to the host as before ([Note: grad staging] in runtime/chunk_group.py). Clipping and the overflow check all-reduce the shards' sums of squares.
 Every collective is issued by the caller's or autograd's thread (never the worker) in an order
 all ranks share: the same modules run in the same order, and end-of-backward flushes go in chunk
 order. Whole-model reads (``state_dict``, ``gathered``, ``close``, checkpoints) gather chunk by
@@ -103,23 +104,21 @@ materialized, the all-gather of the next chunk of the recorded order (``Prefetch
 pass only, the same answer on every rank) is issued async; its use waits for it device-side. The
 decision reads only state every rank shares (the recorded order, held chunks, update versions)
 and waits on the host for that chunk's update first (a timing-dependent "is it ready?" would let
-ranks disagree). A grads reduce-scatter is issued async on the compute stream; the comm stream
-waits for it, then sends the shard to the host, and the whole-chunk buffer is recorded on that
-stream so its memory is not reused before the collective has read it.
+ranks disagree). A grads reduce-scatter is issued async and the shard goes to the host from the
+comm stream, which waits for it (runtime/shards.py, [Note: comm streams]).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import functools
-import math
 import os
 import sys
 import threading
 import time
 import warnings
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -129,18 +128,18 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .config import PER_RANK_FIELDS, OffloadConfig, OptimizerSpec, load_config
 from .mixed_precision import LossScaler, cast_inputs
-from .distributed import (Shard, all_gather, all_reduce, available_cores, bind_to_cores, check_ranks_agree,
-                          collective, rank_cores, reduce_scatter_mean, resolve_group, shard_of,
-                          start_default_group, threads_per_rank)
+from .runtime.distributed import (available_cores, bind_to_cores, rank_cores, resolve_group,
+                                  start_default_group, threads_per_rank)
 from .initial_values import InitialValues, set_values
 from .param_guard import PHASES, ParamGuard, Phase
-from .runtime.chunk_group import ChunkGroup, GroupChunk, GroupSlot
+from .runtime.chunk_group import ChunkGroup, GroupChunk, GroupSlot, Staging
 from .runtime.partition import ChunkLayout, ParamSlot, Partition, partition_parameters, update_spans
 from .runtime.pipeline import PipelinePayloads, StepPipeline
 from .runtime.placement import (PARKED_CHUNKS, FitError, PlacementPlan, keep_limit, optimizer_payloads,
                                 payload_specs, plan_placement)
 from .runtime.prefetch import Consumer, Prefetcher
-from .runtime.store import ChunkStore, Handle, Hop, PayloadSpec, StoreConfig, Tier
+from .runtime.shards import Gather, Shards
+from .runtime.store import ChunkStore, Hop, PayloadSpec, StoreConfig, Tier
 from .runtime.trace import StatsWindow, Trace
 
 __all__ = ["Engine", "EngineStats", "Phase", "initialize"]
@@ -159,9 +158,9 @@ def _range(name: str):
 
 @dataclass(eq=False)
 class _Chunk:
-    """Engine-side state of one chunk: the device buffer its params point into and the grads of
-    the backward in flight. Whether it is on the device is the prefetcher's ([Note: holds]); its
-    update, steps and window are the chunk group's (``g``)."""
+    """Engine-side state of one chunk: the device buffer its params point into. Whether it is on
+    the device is the prefetcher's ([Note: holds]); its grads, update, steps and window are the
+    chunk group's (``g``; runtime/chunk_group.py)."""
 
     layout: ChunkLayout
     g: GroupChunk
@@ -169,34 +168,10 @@ class _Chunk:
     """ParamSlot -> its GroupSlot in ``g`` (trainable chunks)."""
     buffer: Optional[torch.Tensor] = None
     """The device buffer the params point into while mapped (see [Note: parameter data])."""
-    expected: set = field(default_factory=set)
-    """Slots used with grad enabled since the last backward: their grads are expected."""
-    landed: set = field(default_factory=set)
-    """Slots whose grad landed in this backward."""
-    awaiting: set = field(default_factory=set)
-    """``expected - landed``, kept up to date by ``expect`` and ``land`` (grads still to come)."""
-    grads: Optional[torch.Tensor] = None
-    """Device grads buffer being filled in this backward (None once flushed)."""
-    window: Optional[torch.Tensor] = None
-    """``grad_sync="final"``: the whole chunk's fp32 grads summed over the micro-batches of the
-    window, sent down (several ranks: reduce-scattered) at its last one."""
-    window_slots: set = field(default_factory=set)
-    """The trainable slots with a grad in ``window``."""
-    replica: Optional[torch.Tensor] = None
-    """Several ranks, ``params="gpu"``: the whole chunk's params, kept on the device between uses
-    and gathered again only after an update (``replica_version``)."""
-    replica_version: int = -1
-    flushed: bool = False
-    """Grads of this backward were sent down (a late grad is then an error)."""
 
     @property
     def cid(self) -> int:
         return self.g.cid
-
-    @property
-    def replica_fresh(self) -> bool:
-        """The replica holds the params of the chunk's latest update."""
-        return self.replica is not None and self.replica_version == self.g.version
 
     @property
     def steps(self) -> list:
@@ -204,21 +179,25 @@ class _Chunk:
         return [self.gslots[s].step if s in self.gslots else 0 for s in self.layout.slots]
 
     def expect(self, slot: ParamSlot) -> None:
-        if slot not in self.expected:
-            self.expected.add(slot)
-            if slot not in self.landed:
-                self.awaiting.add(slot)
+        """A grad of ``slot`` will land in this backward (the group counts it)."""
+        self.g.expect(self.gslots[slot])
 
-    def land(self, slot: ParamSlot) -> None:
-        self.landed.add(slot)
-        self.awaiting.discard(slot)
+    def expects(self, slot: ParamSlot) -> bool:
+        g = self.gslots.get(slot)
+        return g is not None and g in self.g.expected
 
-    def clear_pass(self) -> None:
-        """Forget the expected/landed grads of the backward that just ended."""
-        self.expected.clear()
-        self.landed.clear()
-        self.awaiting.clear()
-        self.flushed = False
+    @property
+    def awaiting(self) -> set:
+        """Expected grads of this backward still to land (see [Note: backward hooks])."""
+        return self.g.awaiting
+
+    @property
+    def replica(self) -> Optional[torch.Tensor]:
+        return self.g.replica
+
+    @replica.setter
+    def replica(self, value: Optional[torch.Tensor]) -> None:
+        self.g.replica = value
 
 
 @dataclass(eq=False)
@@ -383,18 +362,17 @@ class Engine:
             _announce(start_default_group("zero_offload.initialize", _rank_device(device, ranked=True),
                                           fix="call torch.distributed.init_process_group() first, or "
                                               "pass process_group=None to train this process alone"))
-        self._pg = resolve_group(process_group, "initialize")
-        if self._pg is not None and not self.rule.elementwise:
+        pg = resolve_group(process_group, "initialize")
+        if pg is not None and not self.rule.elementwise:
             raise ValueError(f"initialize: {self.rule.name} updates whole parameters, and data-parallel "
                              f"shards cut them; train it on one rank (process_group=None)")
-        self.shard: Shard = shard_of(self._pg)
-        """This rank's place in the data-parallel group (rank 0 of 1 without one)."""
-        self.device = _rank_device(device, ranked=self._pg is not None)
-        self._comm_device = torch.device("cpu")  # where the group's collectives take tensors
-        if self._pg is not None:
-            import torch.distributed as dist
-            if dist.get_backend(self._pg) == "nccl":
-                self._comm_device = self.device
+        self.device = _rank_device(device, ranked=pg is not None)
+        self._failed: Optional[BaseException] = None  # see [Note: failed engine]
+        self.shard = Shards(pg, owner="engine", device=self.device, on_failure=self._fail,
+                            refuse=self._refuse_if_failed)
+        """This rank's place in the data-parallel group (rank 0 of 1 without one) and the
+        collectives over it."""
+        self._ranked = self.shard.world > 1
         self.dtype: torch.dtype = cfg.torch_dtype
         _check_model(model)
         if lr_scheduler is not None and not callable(lr_scheduler):
@@ -412,16 +390,15 @@ class Engine:
                              "trains parameters. Unfreeze some, or run inference without the engine")
         self._group_overrides, self._slot_group = _resolve_groups(param_groups, model, self.partition,
                                                                   spec, self.rule.hyper_keys)
-        if self._pg is not None:  # before anything is allocated: a difference raises on every rank
-            check_ranks_agree("zero_offload.initialize", self._rank_settings(), self._pg,
-                              device=self._comm_device)
+        if self._ranked:  # before anything is allocated: a difference raises on every rank
+            self.shard.check_settings(self._rank_settings(), owner="zero_offload.initialize")
         self._values = InitialValues(model, self.partition, init=init, weights=weights)
         self._values.check()  # before anything is allocated
         nvme_dir = cfg.nvme_dir
         if nvme_dir is not None:
             from .runtime.swap_io import free_stale_spaces, prepare_swap_dir
             prepare_swap_dir(nvme_dir, name="OffloadConfig.nvme_dir")  # created 0700 if missing
-            if self._pg is not None:  # each rank its own swap files
+            if self._ranked:  # each rank its own swap files
                 nvme_dir = prepare_swap_dir(os.path.join(nvme_dir, f"rank{self.shard.rank}"),
                                             name="OffloadConfig.nvme_dir")
             free_stale_spaces(nvme_dir)  # dead runs' spaces: before the free space is measured
@@ -432,7 +409,7 @@ class Engine:
                                             io_block_size=cfg.io_block_size,
                                             io_queue_depth=cfg.io_queue_depth))
         try:
-            local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)) if self._pg else 1
+            local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)) if self._ranked else 1
             if nvme_dir is not None and cfg.nvme_budget == "auto":
                 # Free space less a small reserve, with no cap (the store caps its own "auto": its
                 # swap file is preallocated to the budget); the swap file is sized to the plan below.
@@ -454,8 +431,8 @@ class Engine:
                       if self._final_sync else 0)
             self.plan: PlacementPlan = plan_placement(placed, cfg, self.store.budgets, rule=self.rule,
                                                       has_nvme=cfg.nvme_dir is not None,
-                                                      gpu_optimizer=self._pg is None, gpu_extra=window)
-            if self._pg is not None and cfg.params == "gpu":
+                                                      gpu_optimizer=not self._ranked, gpu_extra=window)
+            if self._ranked and cfg.params == "gpu":
                 _check_replicas(self.partition, self.plan, self.store.budgets[Tier.GPU], self.dtype,
                                 self.shard)
             if nvme_dir is not None:
@@ -497,7 +474,6 @@ class Engine:
         self._lock = threading.RLock()
         self._phase = Phase.IDLE
         self._closed = False
-        self._failed: Optional[BaseException] = None  # see [Note: failed engine]
         self._chunks: list[_Chunk] = []
         # Where each param/buffer came from: close() puts the trained values back there.
         # (A model built on the meta device gets its values back on the CPU.)
@@ -518,19 +494,22 @@ class Engine:
         if self.lr_scheduler is not None and not callable(getattr(self.lr_scheduler, "step", None)):
             raise TypeError(f"lr_scheduler(optimizer) returned {type(self.lr_scheduler).__name__}, "
                             f"which has no step() method")
-        if self._pg is not None and cfg.bind_cores and self.device.type == "cuda":
+        if self._ranked and cfg.bind_cores and self.device.type == "cuda":
             cores = rank_cores()
             if cores is not None:
                 bind_to_cores(cores)  # before the CPU-Adam threads start: they inherit it
         payloads = PipelinePayloads(master="master" if lowp else "params",
                                     lowp="params" if lowp else None,
                                     accum="accum" if cfg.host_accum else None)
+        self.scaler = LossScaler.from_config(cfg)
         self.group = ChunkGroup(self.store, hyper=self.optimizer, rule=self.rule,
-                                payloads=payloads, grad_accum=cfg.grad_accum if cfg.host_accum else 1,
-                                owner="engine",
+                                payloads=payloads, shards=self.shard, staging=Staging.DEVICE,
+                                window=cfg.grad_accum, clip=cfg.grad_clip, scaler=self.scaler,
+                                overlap=cfg.overlap and cfg.grad_clip is None and self.scaler is None,
+                                replicas=self._ranked and cfg.params == "gpu", owner="engine",
                                 prefetch_depth=cfg.prefetch_depth,
-                                threads=_adam_threads(cfg, self.device, ranked=self._pg is not None),
-                                on_chunk_idle=self._chunk_ready, seed=self.shard.rank)
+                                threads=_adam_threads(cfg, self.device, ranked=self._ranked),
+                                on_chunk_idle=self._chunk_ready)
         with torch.no_grad():
             # Chunk by chunk: the model's own weights are freed as their chunk fills, so host
             # memory peaks at the homes plus what is not yet copied, not homes + whole model.
@@ -558,21 +537,11 @@ class Engine:
                               busy=lambda cid: self._phase is Phase.BACKWARD and bool(self._chunks[cid].awaiting),
                               reuse=lambda: self._phase is Phase.FORWARD and torch.is_grad_enabled()))
 
-        self.scaler = LossScaler.from_config(cfg)
-        self._overlap = cfg.overlap and cfg.grad_clip is None and self.scaler is None
-        self._needs_stats = cfg.grad_clip is not None or self.scaler is not None
 
         self.global_step = 0
         self.skipped_steps = 0
-        self._micro = 0
         self._tokens: list[_BackwardToken] = []
-        # [Note: collectives ahead]: all-gathers issued ahead (cid -> (buffer, work)), the stream
-        # the grads' reduce-scatters are waited on before they go to the host (NCCL only).
-        self._gathers: dict[int, tuple] = {}
-        self._comm_stream = (torch.cuda.Stream(self.device) if self._comm_device.type == "cuda"
-                             else None)
-        self._replicas = self._pg is not None and cfg.params == "gpu"
-        self._updated = False  # an update was queued in backward in this window (overlap)
+        self._gathers: dict[int, Gather] = {}  # cid -> its all-gather issued ahead; [Note: collectives ahead]
         self.last_grad_norm: Optional[float] = None
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._window = StatsWindow(self._counters)
@@ -598,7 +567,7 @@ class Engine:
             functools.partial(self._post_forward, rec), with_kwargs=True, always_call=True))
 
     def _add_chunk(self, layout: ChunkLayout, homes) -> _Chunk:
-        lo, hi, k = self.shard.span(layout.numel)
+        k = self.shard.span(layout.numel)[2]
         opt = optimizer_payloads(self.config, self.rule)
         specs = {}
         shard = dataclasses.replace(layout, numel=k)  # this rank's shard ([Note: data parallel])
@@ -613,13 +582,11 @@ class Engine:
         gslots = {}
         if layout.trainable:  # an elementwise rule's update covers the padding up to the next slot
             spans = update_spans(layout, align_to_params=not self.rule.elementwise)
-            for s, (start, stop) in zip(layout.slots, spans):
-                a, b = max(start, lo), min(stop, hi)  # this rank's part ([Note: data parallel])
-                if a < b:
-                    whole = (a, b) == (s.offset, s.end)
-                    gslots[s] = GroupSlot(offset=a - lo, stop=b - lo, group=self._slot_group.get(s.index, 0),
-                                          shape=tuple(s.shape) if whole else None)
-        return _Chunk(layout=layout, g=self.group.add_chunk(specs, tuple(gslots.values())), gslots=gslots)
+            gslots = {s: GroupSlot(lo=s.offset, numel=s.numel, end=stop, name=s.name, index=s.index,
+                                   group=self._slot_group.get(s.index, 0), shape=tuple(s.shape))
+                      for s, (_, stop) in zip(layout.slots, spans)}
+        g = self.group.add_chunk(specs, tuple(gslots.values()), whole=layout.numel)
+        return _Chunk(layout=layout, g=g, gslots=gslots)
 
     def _give_weights_back(self) -> None:
         """Put the values of every chunk (the fp32 master, or the params payload for fp32 and
@@ -629,9 +596,9 @@ class Engine:
         model's 51 GB of fp32 values on top of its pinned state was an OOM kill). Used when
         initialize fails part-way (the chunks loaded so far) and by ``close``: the store is
         closed right after."""
+        self.group.drop_buffers()
         for chunk in self._chunks:
-            chunk.replica = chunk.window = None
-            flat = self._read_full(chunk, self._fp32_payload_name(chunk), take=True)
+            flat = self.group.read_values(chunk.g, take=True)
             for s in chunk.layout.slots:
                 device, dtype = self._origins[s.index]
                 s.param.data = flat[s.offset:s.end].view(s.shape).to(device=device, dtype=dtype,
@@ -642,42 +609,21 @@ class Engine:
         straight into its full-precision payload (this rank's shard of it), the working-dtype
         params rounded from it; then the model's own copies are let go."""
         layout = chunk.layout
-        lowp = layout.trainable and self.dtype is not torch.float32
-        with self.group.hold(chunk.g, ["master", "params"] if lowp else ["params"], fresh=True) as bufs:
-            self._fill_shard(bufs[0], layout.numel, functools.partial(self._values.fill, layout))
-            if lowp:
-                bufs[1].copy_(bufs[0])
+        self.group.write_values(chunk.g, functools.partial(self._values.fill, layout))
         for s in layout.slots:
             set_values(s.param, self._guard.placeholders[s.index])
 
     # ---- data parallel ([Note: data parallel]) ----------------------------------------------
 
-    def _full(self, piece: torch.Tensor, what: str) -> torch.Tensor:
-        """Every rank's ``piece`` concatenated (an all-gather); ``piece`` itself alone."""
-        if self._pg is None:
-            return piece
-        full = torch.empty(piece.numel() * self.shard.world, dtype=piece.dtype, device=piece.device)
-        with self._collective(what):
-            all_gather(full, piece, self._pg)
-        return full
-
-    @contextlib.contextmanager
-    def _collective(self, what: str):
-        """Collectives of this engine: a failure is one ``PeerFailure`` (distributed.py) and
-        fails the engine ([Note: failed engine]). A failed engine starts none: it raises why."""
+    def _refuse_if_failed(self) -> None:
+        """Before a collective: a failed engine starts none, it raises why ([Note: failed engine])."""
         if self._failed is not None:
             self._check_open()
-        try:
-            with collective("engine", what, self._pg):
-                yield
-        except BaseException as e:
-            self._fail(e)
-            raise
 
     def _fail(self, e: BaseException) -> None:
         """With several ranks, ``e`` escaped a collective or forward/backward/step: see
         [Note: failed engine]. The first error is kept."""
-        if self._pg is not None and self._failed is None:
+        if self._ranked and self._failed is None:
             self._failed = e
 
     def _failed_line(self, limit: int = 300) -> str:
@@ -687,24 +633,12 @@ class Engine:
         text = str(e).splitlines()[0] if str(e) else ""
         if len(text) > limit:
             text = text[:limit - 3] + "..."
-        who = f"rank {self.shard.rank} of {self.shard.world}" if self._pg is not None else "the engine"
+        who = f"rank {self.shard.rank} of {self.shard.world}" if self._ranked else "the engine"
         return f"{who} stopped after an error ({type(e).__name__}: {text})"
 
-    def _gather_params(self, chunk: _Chunk, shard: torch.Tensor, *, ahead: bool) -> tuple:
-        """``(buffer, work)``: the chunk's params on the device from this rank's ``shard``. One
-        rank: the shard itself. Several: an all-gather (``ahead``: issued async, ``work`` to wait
-        on before use; else done), or the replica when no update has run since it was gathered."""
-        if self._pg is None:
-            return shard, None
-        if chunk.replica_fresh:
-            return chunk.replica, None
-        full = chunk.replica if chunk.replica is not None else torch.empty(
-            shard.numel() * self.shard.world, dtype=shard.dtype, device=shard.device)
-        with self._collective("the all-gather of a params chunk"):
-            work = all_gather(full, shard, self._pg, async_op=ahead)
-        if self._replicas:
-            chunk.replica, chunk.replica_version = full, chunk.g.version
-        return full, work
+    def _gather_params(self, chunk: _Chunk, shard: torch.Tensor, *, ahead: bool) -> Gather:
+        """The chunk's params on the device from this rank's ``shard`` (``ChunkGroup.params``)."""
+        return self.group.params(chunk.g, shard, ahead=ahead)
 
     def _gather_ahead(self) -> None:
         """See [Note: collectives ahead]: the all-gather of the next chunk of the recorded order,
@@ -713,7 +647,7 @@ class Engine:
             return
         for cid in self.prefetcher.peek(1):
             chunk = self._chunks[cid]
-            if chunk.buffer is not None or chunk.replica_fresh:
+            if chunk.buffer is not None or chunk.g.replica_fresh:
                 return
             if chunk.layout.trainable:
                 self.group.wait(chunk.g)  # the update writing its params shard must finish
@@ -729,69 +663,12 @@ class Engine:
         order changed): the device waits for them, their shards go back to the prefetcher."""
         gathers, self._gathers = self._gathers, {}
         try:
-            for _, work in gathers.values():
-                if work is not None and self._failed is None:  # (failed: they may never end)
-                    with self._collective("the all-gather of a params chunk"):
-                        work.wait()
+            for gathered in gathers.values():
+                if self._failed is None:  # (failed: they may never end)
+                    self.shard.finish(gathered)
         finally:  # every pin let go, also after a failed wait ([Note: failed engine])
             for cid in gathers:
                 self.prefetcher.release(cid)
-
-    def _reduce_grads(self, chunk: _Chunk, full: torch.Tensor) -> Handle:
-        """This rank's shard of the mean over the ranks of a whole chunk's device grads ``full``
-        into the chunk's device grads, then to the host (the returned handle). With NCCL the
-        reduce-scatter runs async: the copy to the host waits for it on the comm stream, and
-        ``full`` is kept from reuse until that stream has passed ([Note: collectives ahead])."""
-        shard = self.group.device_grads(chunk.g)
-        out = shard if full.dtype is shard.dtype else torch.empty(shard.numel(), dtype=full.dtype,
-                                                                  device=full.device)
-        stream = self._comm_stream
-        on_comm = (functools.partial(torch.cuda.stream, stream) if stream is not None
-                   else contextlib.nullcontext)
-        try:
-            with self._collective("the reduce-scatter of a chunk's grads"):
-                work = reduce_scatter_mean(out, full, self._pg, async_op=stream is not None)
-            with on_comm():
-                if work is not None:
-                    with self._collective("the reduce-scatter of a chunk's grads"):
-                        work.wait()
-                if out is not shard:
-                    shard.copy_(out)
-                if stream is not None:
-                    full.record_stream(stream)
-                    out.record_stream(stream)
-        except BaseException:
-            self.group.flush_grads(chunk.g, drop=True)  # the pin device_grads took; [Note: failed engine]
-            raise
-        with on_comm():
-            return self.group.flush_grads(chunk.g)
-
-    def _read_full(self, chunk: _Chunk, name: str, *, take: bool = False) -> torch.Tensor:
-        """A CPU copy of a whole payload of the chunk (all ranks' shards: collective). ``take``:
-        the chunk's memory is freed after (``ChunkGroup.take``)."""
-        mine = (self.group.take if take else self.group.read)(chunk.g, name)
-        if self._pg is None:
-            return mine
-        return self._full(mine.to(self._comm_device), "an all-gather of a chunk's state")[
-            :chunk.layout.numel].cpu()
-
-    def _write_shard(self, chunk: _Chunk, name: str, fill: Callable[[torch.Tensor], None]) -> None:
-        """Overwrite a payload: ``fill`` writes whole-chunk offsets into a zeroed flat buffer; this
-        rank keeps its shard of it."""
-        chunk.replica = None
-        with self.group.hold(chunk.g, [name], fresh=True) as (buf,):
-            self._fill_shard(buf, chunk.layout.numel, fill)
-
-    def _fill_shard(self, buf: torch.Tensor, numel: int, fill: Callable[[torch.Tensor], None]) -> None:
-        """``fill`` writes a chunk of ``numel`` elements at whole-chunk offsets; ``buf`` (this
-        rank's payload) gets this rank's shard of it (alone: ``fill`` writes ``buf`` itself)."""
-        if self._pg is None:
-            fill(buf)
-            return
-        lo, hi, _ = self.shard.span(numel)
-        whole = torch.zeros(numel, dtype=buf.dtype)
-        fill(whole)
-        buf[:hi - lo].copy_(whole[lo:hi])
 
     # ---- forward ----------------------------------------------------------------------------
 
@@ -920,7 +797,7 @@ class Engine:
     # ---- chunk residency on the compute device ([Note: holds] in runtime/prefetch.py) -------
 
     def _hold(self, chunk: _Chunk) -> None:
-        if self.prefetcher.hold(chunk.cid) and self._pg is not None:
+        if self.prefetcher.hold(chunk.cid) and self._ranked:
             self._gather_ahead()  # [Note: collectives ahead]: when a chunk is materialized
 
     def _unhold(self, chunk: _Chunk) -> None:
@@ -942,18 +819,16 @@ class Engine:
         parameters pointing into them."""
         chunk = self._chunks[cid]
         t0 = time.perf_counter()
-        buf, work = self._gathers.pop(cid, (None, None))
-        pinned = buf is not None  # (the gather issued ahead pinned the shard)
+        gathered = self._gathers.pop(chunk.cid, None)
+        pinned = gathered is not None  # (the gather issued ahead pinned the shard)
         try:
-            if buf is None:
+            if gathered is None:
                 if chunk.layout.trainable:
                     self.group.wait(chunk.g)  # the update writing these params must finish
                 shard = self.prefetcher.use(cid)["params"]
                 pinned = True
-                buf, work = self._gather_params(chunk, shard, ahead=False)
-            if work is not None:  # issued ahead: this stream waits for it (device-side)
-                with self._collective("the all-gather of a params chunk"):
-                    work.wait()
+                gathered = self._gather_params(chunk, shard, ahead=False)
+            buf = self.shard.finish(gathered)  # issued ahead: this stream waits for it (device-side)
         except BaseException:
             if pinned:  # the chunk is not materialized: nothing else lets this pin go
                 chunk.replica = None
@@ -988,12 +863,7 @@ class Engine:
             self._tokens.clear()
             self._guard.reset()
             self.prefetcher.forget_holds()
-            for c in self._chunks:
-                c.clear_pass()
-                if c.grads is not None:
-                    if self._pg is None:
-                        self.group.flush_grads(c.g, drop=True)
-                    c.grads = None
+            self.group.drop_backward()
             self._release_idle()
 
     # ---- backward ---------------------------------------------------------------------------
@@ -1051,70 +921,8 @@ class Engine:
             if self._phase is Phase.IDLE:
                 self._set_phase(Phase.BACKWARD)
             chunk = self._chunks[slot.chunk]
-            if chunk.flushed:
-                raise RuntimeError(
-                    f"parameter {slot.name!r} received a gradient after the grads of its chunk were "
-                    f"sent to the CPU in this backward (it was used again after every expected grad "
-                    f"of the chunk had landed). Use torch.utils.checkpoint with use_reentrant=False, "
-                    f"and call the model only through engine(...)")
-            if chunk.grads is None:
-                self.group.open_grads(chunk.g)
-                if self._pg is None and not self._final_sync:
-                    chunk.grads = self.group.device_grads(chunk.g)
-                else:  # the whole chunk's grads; each rank gets its (mean) shard at the flush
-                    k = self.shard.span(chunk.layout.numel)[2]
-                    chunk.grads = torch.zeros(k * self.shard.world, dtype=self.dtype, device=self.device)
-            dst = chunk.grads[slot.offset:slot.end]
-            if slot in chunk.landed:
-                dst.add_(grad.reshape(-1))
-            else:
-                dst.copy_(grad.reshape(-1))
-                chunk.land(slot)
-            if not chunk.awaiting:
-                self._flush_grads(chunk)
+            self.group.grad(chunk.gslots[slot], grad)  # staged, reduced and sent on when complete
             self._maybe_release(chunk)
-
-    def _flush_grads(self, chunk: _Chunk) -> None:
-        """Send a chunk's device grads to host memory and hand them to the worker."""
-        slots = [chunk.gslots[s] for s in chunk.landed if s in chunk.gslots]
-        if self._final_sync:  # [Note: data parallel]: only the window's last micro-batch talks
-            if chunk.grads is not None:
-                if chunk.window is None:
-                    chunk.window = chunk.grads.float()
-                else:
-                    chunk.window.add_(chunk.grads)
-                chunk.grads = None
-                chunk.window_slots.update(slots)
-            chunk.flushed = True
-            if self._micro < self.config.grad_accum - 1:
-                return
-            full, chunk.window = chunk.window, None
-            slots, chunk.window_slots = list(chunk.window_slots), set()
-            if self._pg is not None:
-                handle = self._reduce_grads(chunk, full)
-            else:  # one process: the window's sum is the chunk's grads of this update
-                self.group.device_grads(chunk.g).copy_(full)
-                handle = None if self.group.on_device(chunk.g) else self.group.flush_grads(chunk.g)
-        elif self._pg is not None:  # this rank's shard of the mean over the ranks
-            handle = self._reduce_grads(chunk, chunk.grads)
-        elif self.group.on_device(chunk.g):
-            handle = None  # [Note: GPU share]: the grads stay on the device
-        else:
-            handle = self.group.flush_grads(chunk.g)
-        chunk.grads = None
-        chunk.flushed = True
-        self._submit_grads(chunk, slots, ready=handle)
-
-    def _submit_grads(self, chunk: _Chunk, slots, *, ready, hold: bool = False) -> None:
-        boundary = self._micro == self.config.grad_accum - 1
-        update = boundary and self._overlap
-        self._updated |= update
-        kw = dict(hold=hold, update=update, stats=boundary and self._needs_stats,
-                  stats_scale=self.scaler.scale if self.scaler is not None else 1.0)
-        if self.group.on_device(chunk.g):
-            self.group.device_submit(chunk.g, slots, **kw)
-        else:
-            self.group.submit(chunk.g, slots, ready=ready, **kw)
 
     def _finish_backward(self) -> None:
         """End of backward: release what the hooks still hold, send incomplete grads down."""
@@ -1133,15 +941,7 @@ class Engine:
                     self._post_backward(token)
             self._tokens.clear()
             self._guard.end_backward()
-            boundary = self._micro == self.config.grad_accum - 1
-            for c in self._chunks:
-                if c.grads is not None or (boundary and c.window is not None):
-                    self._flush_grads(c)  # some expected grads never came (unused outputs)
-                elif boundary and c.g.accumulating and not c.flushed:
-                    # Grads from earlier micro-batches only: stats/update from the fp32 buffer.
-                    self._submit_grads(c, (), ready=Handle.completed(), hold=True)
-            for c in self._chunks:
-                c.clear_pass()
+            self.group.end_backward()  # some expected grads never came (unused outputs)
             self._set_phase(Phase.IDLE)
             self._release_idle()
 
@@ -1167,42 +967,15 @@ class Engine:
             self._span("step", t0)
 
     def _step(self) -> bool:
-        self._micro += 1
-        if self._micro < self.config.grad_accum:
+        if not self.group.end_micro_batch():
             return False
-        self._micro = 0
-        if self._overlap:  # each chunk's update was queued as its grads landed
-            updated, self._updated = self._updated, False
-            if updated:
-                self._commit()
-            return updated
-        window = [c.g for c in self._chunks if c.g.window]
-        if not window:
-            return False
-        sumsq = (self.group.pipeline.take_grad_stats() + self.group.take_device_stats()
-                 if self._needs_stats else 0.0)
-        if self._needs_stats and self._pg is not None:  # the norm of the whole (mean) grad
-            with self._collective("the all-reduce of the grad norm"):
-                sumsq = all_reduce(torch.tensor([sumsq], dtype=torch.float64, device=self._comm_device),
-                                   self._pg).item()
-        if self.scaler is not None and not math.isfinite(sumsq):
-            self.scaler.update(found_inf=True)
-            self.skipped_steps += 1
-            for g in window:
-                self.group.skip(g)
-            return False
-        grad_scale = self.scaler.scale if self.scaler is not None else 1.0
-        if self.config.grad_clip is not None:
-            norm = math.sqrt(sumsq)
-            self.last_grad_norm = norm
-            coef = min(1.0, self.config.grad_clip / (norm + 1e-6))
-            grad_scale /= coef
-        for g in window:  # forward order: the next forward waits only for its own chunk
-            self.group.submit_update(g, grad_scale=grad_scale)
-        if self.scaler is not None:
-            self.scaler.update(found_inf=False)
-        self._commit()
-        return True
+        decision = self.group.end_window()  # [Note: exact step]
+        if decision.norm is not None:
+            self.last_grad_norm = decision.norm
+        self.skipped_steps += decision.skipped
+        if decision.updated:
+            self._commit()
+        return decision.updated
 
     def _commit(self) -> None:
         self.global_step += 1
@@ -1239,17 +1012,11 @@ class Engine:
         self.group.drain()
         self.store.synchronize()
 
-    def _fp32_payload_name(self, chunk: _Chunk) -> str:
-        """The payload holding a chunk's values in full precision (or the working dtype for
-        frozen chunks, which have no master copy)."""
-        lowp = self.dtype is not torch.float32
-        return "master" if chunk.layout.trainable and lowp else "params"
-
     def _slot_values(self) -> Iterator[tuple]:
         """(slot, fp32 CPU tensor) for every slot, chunk by chunk."""
         self.synchronize()
         for chunk in self._chunks:
-            flat = self._read_full(chunk, self._fp32_payload_name(chunk)).float()
+            flat = self.group.read_values(chunk.g).float()
             for s in chunk.layout.slots:
                 yield s, flat[s.offset:s.end].view(s.shape)
 
@@ -1330,7 +1097,7 @@ class Engine:
         compute = fwd + bwd
         uses = w["uses"]
         return EngineStats(
-            steps=self.global_step, skipped_steps=self.skipped_steps, micro_steps=self._micro,
+            steps=self.global_step, skipped_steps=self.skipped_steps, micro_steps=self.group.micro,
             bytes_held={t.value: self.store.bytes(t) for t in Tier},
             peak_bytes={t.value: self.store.peak_bytes(t) for t in Tier},
             bytes_moved={h.value: w[h] for h in Hop},
@@ -1362,7 +1129,7 @@ class Engine:
     @property
     def micro_step(self) -> int:
         """Micro-batches done in the current accumulation window."""
-        return self._micro
+        return self.group.micro
 
     @property
     def state_keys(self) -> tuple:
@@ -1372,47 +1139,31 @@ class Engine:
 
     def chunk_state(self, layout: ChunkLayout) -> dict:
         """CPU copies of one chunk's state: ``state_keys`` (fp32; bf16 moments widened) for a
-        trainable chunk, "frozen" (working dtype) otherwise, and "steps" (one per slot)."""
-        chunk, group = self._chunks[layout.index], self.group
-        if layout.trainable:
-            out = {key: self._read_full(chunk, name).float() for key, name in group.state_names.items()}
-        else:
-            out = {"frozen": self._read_full(chunk, "params")}
-        out["steps"] = chunk.steps
-        if self._pg is not None and layout.trainable:  # a slot's step is kept by its ranks
-            with self._collective("the all-reduce of the step counts"):
-                out["steps"] = all_reduce(torch.tensor(out["steps"], dtype=torch.int64, device=self._comm_device),
-                                          self._pg, "max").tolist()
-        return out
+        trainable chunk, "frozen" (working dtype) otherwise, and "steps" (one per slot).
+        Collective with several ranks."""
+        chunk = self._chunks[layout.index]
+        if not layout.trainable:
+            return {"frozen": self.group.read_values(chunk.g), "steps": chunk.steps}
+        return self.group.state(chunk.g)  # (its slots are the layout's, in order)
 
     def load_chunk_state(self, layout: ChunkLayout, fill: Callable[[str, torch.Tensor], None],
                          steps: Sequence[int]) -> None:
         """Overwrite one chunk's state: ``fill(key, buf)`` writes the values of ``key`` (as
         ``chunk_state`` names them) into a zeroed flat buffer. bf16/fp16 working params become
         the master rounded, as the kernel writes them."""
-        chunk, group = self._chunks[layout.index], self.group
-        names = dict(group.state_names) if layout.trainable else {"frozen": "params"}
-        if layout.trainable and self.dtype is not torch.float32:
-            names["params"] = "params"
-        for key, name in names.items():
-            self._write_shard(chunk, name, functools.partial(fill, "master" if key == "params" else key))
-        for s, step in zip(layout.slots, steps):
-            if s in chunk.gslots:
-                chunk.gslots[s].step = int(step)
+        chunk = self._chunks[layout.index]
+        if layout.trainable:
+            self.group.load_state(chunk.g, fill, steps)
+        else:
+            self.group.write_values(chunk.g, functools.partial(fill, "frozen"))
 
     def agree(self, ok: bool) -> bool:
         """Whether every rank says ``ok`` (an all-reduce; ``ok`` itself without a group)."""
-        if self._pg is None:
-            return ok
-        with self._collective("the all-reduce of a vote"):
-            return bool(all_reduce(torch.tensor([int(ok)], device=self._comm_device), self._pg, "min").item())
+        return self.shard.agree(ok)
 
     def load_progress(self, *, global_step: int, skipped_steps: int) -> None:
         """Set the step counters (from a checkpoint); any accumulation window is dropped."""
-        for c in self._chunks:
-            self.group.skip(c.g)
-        self._micro = 0
-        self._updated = False
+        self.group.drop_window()
         self.global_step = int(global_step)
         self.skipped_steps = int(skipped_steps)
 
@@ -1494,8 +1245,7 @@ class Engine:
                 written = True
         self._guard.close(values_back=written, conceal=write_back)
         self._closed = True
-        for c in self._chunks:
-            c.replica = c.window = None
+        self.group.drop_buffers()
         for m in self.module.modules():
             ref = _OPEN_ENGINES.get(m)
             if ref is not None and ref() is self:
@@ -1511,7 +1261,7 @@ class Engine:
             with contextlib.suppress(Exception) if failed is not None else contextlib.nullcontext():
                 self.store.close()
         if failed is not None and write_back:
-            why = ("that needs every rank; stop every rank and restart" if self._pg is not None
+            why = ("that needs every rank; stop every rank and restart" if self._ranked
                    else "restore them")
             warnings.warn(f"engine.close: {self._failed_line(100)}, so the trained values were not "
                           f"written back into the model: its parameters are left as zero-byte "
@@ -1553,7 +1303,7 @@ class Engine:
             raise RuntimeError("this engine is closed; build a new one with zero_offload.initialize")
         if self._failed is not None:  # see [Note: failed engine]
             why = ("the ranks' training states no longer match. Stop every rank and restart"
-                   if self._pg is not None else "its state is unknown. Close it and restart")
+                   if self._ranked else "its state is unknown. Close it and restart")
             raise RuntimeError(f"engine: {self._failed_line()}, so it takes no further calls: {why} "
                                f"from the last checkpoint") from self._failed
 
@@ -1672,7 +1422,7 @@ def _adam_threads(cfg: OffloadConfig, device: torch.device, *, ranked: bool) -> 
 
 
 def _check_replicas(partition: Partition, plan: PlacementPlan, gpu_budget: int, dtype: torch.dtype,
-                    shard: Shard) -> None:
+                    shard: Shards) -> None:
     """params="gpu" with several ranks keeps a full replica of every chunk's params on each GPU
     beside the rank's shards ([Note: data parallel]): refuse before anything is allocated when
     the budget cannot hold both."""

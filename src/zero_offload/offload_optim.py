@@ -13,9 +13,9 @@ engine. Per chunk, the store holds "grads" (working dtype, host RAM, pinned with
    stream, into the chunk's "grads" host buffer;
 2. when the last grad of a chunk has been queued, the chunk goes to the pipeline's worker thread,
    which waits for those copies only, runs the native CPU-Adam over the chunk (GIL released;
-   NVMe state read ahead and written behind by the pipeline) and calls ``_write_back``, which
-   copies the updated params into the model's tensors on another side stream — all while the
-   GPU keeps running the rest of backward;
+   NVMe state read ahead and written behind by the pipeline) and copies the updated params into
+   the model's tensors on another side stream (the group's TENSORS sink) — all while the GPU
+   keeps running the rest of backward;
 3. ``step()`` hands over what is left, waits for every chunk's update and makes the current CUDA
    stream wait for the param copies (device-side events; no device synchronisation). With
    ``overlap_forward=True`` it returns at once instead: see [Note: forward overlap].
@@ -67,14 +67,11 @@ next forward does not use are synced by the next backward (before their grads ar
 the current stream wait for those copies before anything else may write to them: the next
 forward then starts once every grad has left the device.
 
-[Note: copy-back source] The updated params reach the model's tensors by copies out of a host
-buffer of the store ("params" for bf16/fp16 chunks, "master" for fp32 chunks), issued on the
-worker right after the update (``ChunkGroup.copy_back``; with CUDA asynchronous on the store's
-H2D stream, after the grads copy of that update, which came after the compute stream's last use
-of the params). The store records them as readers of that host copy, so both hazards are the
-store's: the chunk's next update, which takes the buffer for writing, waits for them (overwrite),
-and with ``state="nvme"`` the host "master" the pipeline evicts after writing it home keeps its
-memory until they finish (lifetime). ``ChunkGroup.wait`` makes the caller's stream wait for them.
+[Note: copy-back source] The updated params reach the model's tensors through the chunk
+group's TENSORS sink (runtime/chunk_group.py, [Note: param sinks]): copies out of a host buffer of
+the store ("params" for bf16/fp16 chunks, "master" for fp32 chunks) on the store's H2D stream,
+after the grads copy of that update; the store orders the chunk's next update and the eviction
+of an NVMe master after them, and ``ChunkGroup.wait`` the caller's stream.
 
 [Note: GPU share of OffloadAdam] With ``state="auto", gpu_budget=G`` the chunks are placed in
 param order (``_place``): each chunk's fp32 master, moments and a flat buffer for its grads are
@@ -83,7 +80,7 @@ next forward needs first; once one does not fit, the rest go to the host), then 
 and, with ``nvme_dir``, on NVMe once ``cpu_budget`` less room to stage (``prefetch_depth`` + 1)
 chunks runs out (the swap space is sized to exactly those chunks). A chunk of the share never
 meets the worker: its grads are copied into the device buffer on the caller's stream as they
-come, and when the chunk's last grad is in, ``ChunkGroup.device_submit`` runs torch's fused
+come, and when the chunk's last grad is in, the chunk group runs torch's fused
 Adam(W) on the same segments and hyperparameters CPU-Adam gets, on that stream, and the params
 are written from the master (rounded for bf16/fp16 params, as CPU-Adam rounds them). The
 caller's stream orders it all: nothing to wait for in ``step()``, ``overlap_forward`` or the
@@ -91,7 +88,7 @@ data-parallel all-gathers. The state dict and ``load_state_dict`` go through hos
 the other homes, so a state moves between placements.
 
 [Note: data parallel] With several ranks (DDP scripts; ``process_group``), each rank's store
-holds only its shard of every chunk (distributed.py, [Note: chunk shards]): fp32 master,
+holds only its shard of every chunk (runtime/shards.py, [Note: chunk shards]): fp32 master,
 moments and grads of 1/N of the elements, so the node's host memory holds the 12 bytes per param
 of state once, not N times, and each rank's CPU-Adam updates 1/N of the params (on
 ``cores / LOCAL_WORLD_SIZE`` threads). DDP averages the grads with its all-reduce during
@@ -116,8 +113,9 @@ updates.
 
 [Note: params changed outside the optimizer] The fp32 master is the truth for the update. If a
 param is modified in place by anyone else (``load_state_dict`` into the model, ``p.copy_()``
-under no_grad), its ``_version`` counter moves; the optimizer notices before the next update of
-that param and re-reads the master from the param. (Our own copies go through ``.data``, which
+under no_grad), its ``_version`` counter moves; the chunk group notices before the param's next
+grad is staged and re-reads the master from the param ([Note: param sinks] in
+runtime/chunk_group.py). (Our own copies go through ``.data``, which
 does not move the counter.) For low-precision params the master is then the low-precision
 value, exactly as a fresh optimizer would start.
 """
@@ -132,11 +130,11 @@ import psutil
 import torch
 
 from .config import as_budget, as_float, as_int, parse_bytes
-from .distributed import (all_gather, check_ranks_agree, collective, is_dtensor, local, resolve_group,
-                          shard_of, threads_per_rank)
-from .runtime.chunk_group import ChunkGroup, ChunkPhase, GroupChunk, GroupSlot
+from .runtime.distributed import is_dtensor, local, resolve_group, threads_per_rank
+from .runtime.chunk_group import ChunkGroup, ChunkPhase, GroupChunk, GroupSlot, ParamSink, Staging
 from .runtime.pipeline import PipelinePayloads
-from .runtime.store import ChunkStore, Handle, Hop, PayloadSpec, StoreConfig, Tier
+from .runtime.shards import Shards
+from .runtime.store import ChunkStore, Hop, PayloadSpec, StoreConfig, Tier
 from .runtime.swap_io import prepare_swap_dir, swap_dir_problem
 from .runtime.trace import Trace
 from .runtime.update_rule import AdamRule
@@ -150,25 +148,6 @@ _STATE = ("master", *AdamRule.state_keys)
 """Store payloads of the optimizer state (home per ``state``): the fp32 master and the rule's."""
 _PAYLOADS = PipelinePayloads(grads="grads", master="master", lowp="params", accum=None)
 """Every chunk has "grads" and the state; bf16/fp16 chunks also "params" (see module docstring)."""
-
-
-@dataclass(eq=False)
-class _Slot(GroupSlot):
-    """One param inside a chunk (a ``GroupSlot`` with this front end's fields)."""
-
-    param: torch.Tensor = None
-    index: int = 0
-    """Position in the optimizer's param order (the key in ``state_dict()["state"]``)."""
-    start: int = 0
-    """First element of the param (its local tensor, flattened) this slot holds: 0 unless the
-    chunk is split between ranks (a shard boundary may cut a param; see distributed.py)."""
-    version: int = 0
-    """``param._version`` when the master last matched the param (see [Note: params changed
-    outside the optimizer])."""
-    hooks: int = 0
-    """Grad hooks fired in the current step (for ``grad_accum``)."""
-    landed: bool = False
-    """Its grad for the current step is staged in the chunk."""
 
 
 @dataclass
@@ -294,8 +273,8 @@ class OffloadAdam(torch.optim.Optimizer):
         groups = _groups_of(params)
         # See [Note: data parallel]: FSDP2's params are sharded already (each rank its own).
         fsdp2 = any(is_dtensor(t) for g in groups for t in g)
-        self._pg = None if fsdp2 else resolve_group(process_group, name)
-        self._shard = shard_of(self._pg)
+        self._shard = Shards(None if fsdp2 else resolve_group(process_group, name), owner=name,
+                             device=next((t.device for g in groups for t in g), None))
         if fsdp2 and self._overlap_forward:
             raise ValueError(f"{name}: overlap_forward=True does not work with FSDP2 params: FSDP2 "
                              f"all-gathers a whole fully_shard unit before its modules' hooks could "
@@ -303,7 +282,7 @@ class OffloadAdam(torch.optim.Optimizer):
                              f"overlaps backward)")
         if fsdp2 and self._threads is None:
             self._threads = threads_per_rank(cuda=True)  # the node's cores split between the ranks
-        if self._pg is not None:
+        if self._shard.world > 1:
             self._overlap = False  # DDP's grad hooks fire before its all-reduce: stage in step()
             self._chunk_numel *= self._shard.world  # each rank's shard of a chunk: about chunk_mb
             if self._threads is None:
@@ -311,9 +290,8 @@ class OffloadAdam(torch.optim.Optimizer):
         self._grad_accum = as_int(name, "grad_accum", grad_accum, minimum=1)
         self._depth = as_int(name, "prefetch_depth", prefetch_depth, minimum=0)
         self._cpu_budget = as_budget(name, "cpu_budget", cpu_budget)
-        if self._pg is not None:  # before anything changes: a difference raises on every rank
-            check_ranks_agree(name, self._rank_settings(params, groups, h, chunk_mb, state),
-                              self._pg, device=next((t.device for g in groups for t in g), None))
+        # before anything changes: a difference raises on every rank
+        self._shard.check_settings(self._rank_settings(params, groups, h, chunk_mb, state))
         self._home = home  # Tier.GPU: state="auto" (each chunk's home is placed: ``_place``)
         self._left: dict | None = None  # state="auto": bytes each tier has left ([Note: GPU share ...])
         # Last check before params get hooks: the swap directory exists (0700) and is writable.
@@ -322,19 +300,11 @@ class OffloadAdam(torch.optim.Optimizer):
         # Filled by add_param_group (called by Optimizer.__init__ below).
         self._group: ChunkGroup | None = None   # the chunks, their updates and state (runtime/)
         self._store: ChunkStore | None = None
-        self._slots: list[_Slot] = []            # in param order (state_dict indices)
         self._chunk_of: dict[torch.Tensor, GroupChunk] = {}  # trainable param -> its chunk (forward hook)
-        self._landed: dict[int, int] = {}        # chunk id -> slots whose grad is staged this step
-        self._ready: dict[int, Handle] = {}      # chunk id -> handle of its last staged grad copy
-        self._device_grads: dict[int, torch.Tensor] = {}  # GPU share: chunk id -> its grads buffer
-        self._members: dict[int, tuple] = {}     # chunk id -> ([(param, chunk offset)], shard size)
-        self._gathers: list[GroupChunk] = []     # updated, not all-gathered yet ([Note: data parallel])
-        self._jobs: dict[int, tuple] = {}        # chunk id -> (slots, grads handle) of its last update
         self._frozen: list[torch.Tensor] = []    # params without grad: no state, no chunk
+        self._grad_hooks: list[_GradHook] = []   # overlap=True: one per param this rank holds
         self._hook_handles: list = []
         self._forward_hook = None                # see [Note: forward overlap]
-        self._submitted: list[int] = []          # chunk ids in this step's hand-over order
-        self._priority: dict[int, int] = {}      # chunk id -> rank in the next forward (guess)
         self._device: torch.device | None = None
         self._closed = False
         self._steps = self._steps0 = 0
@@ -486,11 +456,12 @@ class OffloadAdam(torch.optim.Optimizer):
         index0 = sum(len(g["params"]) for g in self.param_groups[:-1])
         position = {id(p): index0 + i for i, p in enumerate(params)}
         for run, home in zip(runs, homes):
-            members, offset = [], 0
+            slots, whole = [], 0
             for p in run:
-                members.append((p, offset))
-                offset += local(p).numel()
-            lo, hi, k = self._shard.span(offset)  # this rank's elements; see [Note: data parallel]
+                slots.append(GroupSlot(lo=whole, numel=local(p).numel(), group=gi, index=position[id(p)],
+                                       param=p))
+                whole += local(p).numel()
+            k = self._shard.span(whole)[2]  # this rank's elements; see [Note: data parallel]
             on_gpu = home is Tier.GPU
             payloads = {"grads": PayloadSpec(k, run[0].dtype, Tier.GPU if on_gpu else Tier.CPU)}
             payloads["master"] = PayloadSpec(k, torch.float32, home)
@@ -498,24 +469,15 @@ class OffloadAdam(torch.optim.Optimizer):
                             for n, spec in self._rule.payloads(k).items())
             if run[0].dtype in _LOWP and not on_gpu:  # the device share rounds into the params
                 payloads["params"] = PayloadSpec(k, run[0].dtype, Tier.CPU)
-            slots = []
-            for p, o in members:
-                a, b = max(o, lo), min(o + local(p).numel(), hi)
-                if a < b:
-                    slots.append(_Slot(offset=a - lo, stop=b - lo, group=gi, param=p, start=a - o,
-                                       index=position[id(p)], version=local(p)._version))
-            chunk = self._group.add_chunk(payloads, slots)
-            self._members[chunk.cid] = (members, k)
-            for p, _ in members:
+            chunk = self._group.add_chunk(payloads, slots, whole=whole)
+            for p in run:
                 self._chunk_of[p] = chunk  # every rank knows every param's chunk (gathers)
-            self._landed[chunk.cid] = 0
-            self._init_state(chunk)
-            self._slots.extend(slots)
-            for slot in slots:
-                if self._overlap:
-                    self._hook_handles.append(slot.param.register_post_accumulate_grad_hook(
-                        _GradHook(self, chunk, slot)))
-        self._slots.sort(key=lambda s: s.index)
+            self._group.load_state(chunk, _initial_state(chunk))  # master = the params, moments = 0
+            for slot in chunk.slots:
+                if self._overlap and slot.held:
+                    hook = _GradHook(self, slot)
+                    self._grad_hooks.append(hook)
+                    self._hook_handles.append(slot.param.register_post_accumulate_grad_hook(hook))
 
     def _open(self) -> None:
         """The store and the chunk group (with the first trainable param)."""
@@ -528,98 +490,37 @@ class OffloadAdam(torch.optim.Optimizer):
         self._store = ChunkStore(StoreConfig(device=device if device.type == "cuda" else "cpu",
                                              budgets=budgets, nvme_dir=self._nvme_dir))
         self._group = ChunkGroup(self._store, hyper=self, rule=self._rule, payloads=_PAYLOADS,
-                                 owner=type(self).__name__, prefetch_depth=self._depth,
-                                 threads=self._threads, on_update_done=_weak(self._write_back),
-                                 seed=self._shard.rank)
-
-    @torch.no_grad()
-    def _init_state(self, chunk: GroupChunk) -> None:
-        """Master = the params (fp32), moments = 0; written home (NVMe: then dropped from RAM)."""
-        with self._group.hold(chunk, _STATE, fresh=True) as (master, _, _):
-            for slot in chunk.slots:
-                master[slot.offset:slot.stop].copy_(_piece(slot, slot.param))
+                                 shards=self._shard, staging=Staging.DIRECT, sink=ParamSink.TENSORS,
+                                 learn_order=self._overlap, owner=type(self).__name__,
+                                 prefetch_depth=self._depth, threads=self._threads)
 
     # ------------------------------------------------------------------------------------
     # backward side (caller's thread, or autograd's)
 
-    def _on_grad(self, chunk: GroupChunk, slot: _Slot) -> None:
-        """Post-accumulate-grad hook of ``slot.param`` (overlap=True)."""
+    def _on_grad(self, hook: _GradHook) -> None:
+        """Post-accumulate-grad hook of ``hook.slot.param`` (overlap=True)."""
         self._group.check()
-        slot.hooks += 1
-        if slot.hooks < self._grad_accum:
+        hook.fired += 1
+        if hook.fired < self._grad_accum:
             return
-        if slot.hooks > self._grad_accum or slot.landed:
+        if hook.fired > self._grad_accum:
             raise RuntimeError(
                 f"{type(self).__name__}(overlap=True) got more backward passes than grad_accum="
                 f"{self._grad_accum} before step(): each chunk is stepped during the last backward. "
                 f"Call step() after every {self._grad_accum} backward pass(es), pass grad_accum=N "
                 f"for N backwards per step, or use overlap=False")
-        self._stage(chunk, slot, consume=True)
-        if self._landed[chunk.cid] == len(chunk.slots):
-            self._submit(chunk)
+        param = hook.slot.param
+        self._group.grad(hook.slot, self._grad_of(param))  # the chunk is stepped once complete
+        param.grad = None
+        self._remove_forward_hook_if_synced()
 
-    @torch.no_grad()
-    def _stage(self, chunk: GroupChunk, slot: _Slot, *, consume: bool) -> None:
-        """Queue the copy of ``slot``'s grad into the chunk's "grads" host buffer."""
-        p = slot.param
+    def _grad_of(self, p: torch.Tensor) -> torch.Tensor:
         grad = local(p.grad)
         if grad.is_sparse:
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
         if grad.shape != local(p).shape:
             raise RuntimeError(f"grad of shape {tuple(grad.shape)} for a param of shape {tuple(local(p).shape)}")
-        on_device = self._group.on_device(chunk)
-        if chunk.phase is not ChunkPhase.FILLING:  # the chunk's first grad in this step
-            # its last update read "grads": it finishes first
-            self._group.open_grads(chunk, host=not on_device)
-            if on_device:
-                self._device_grads[chunk.cid] = self._group.device_grads(chunk)
-            self._remove_forward_hook_if_synced()
-        if local(p)._version != slot.version:
-            self._resync_master(chunk, slot)
-        if on_device:  # on the caller's stream, as the update that reads it
-            self._device_grads[chunk.cid][slot.offset:slot.stop].copy_(_piece(slot, grad))
-        else:
-            self._ready[chunk.cid] = self._group.stage(chunk, [(slot.offset, _piece(slot, grad))])
-        if consume:
-            p.grad = None
-        slot.landed = True
-        self._landed[chunk.cid] += 1
-
-    def _resync_master(self, chunk: GroupChunk, slot: _Slot) -> None:
-        """See [Note: params changed outside the optimizer]. Rare: synchronous."""
-        with self._group.hold(chunk, ["master"], write=True) as (master,):
-            master[slot.offset:slot.stop].copy_(_piece(slot, slot.param))
-        slot.version = local(slot.param)._version
-
-    def _submit(self, chunk: GroupChunk) -> None:
-        """Hand a chunk whose staged grads are complete to the pipeline, its update behind; a
-        chunk of the GPU share is updated now and its params written from its master."""
-        slots = tuple(s for s in chunk.slots if s.landed)
-        if self._group.on_device(chunk):
-            del self._device_grads[chunk.cid]
-            self._group.device_submit(chunk, slots, update=True)
-            master = self._store.get(chunk.cid, "master", Tier.GPU)
-            for s in slots:
-                _piece(s, local(s.param).data.view(-1)).copy_(master[s.offset:s.stop])
-            return
-        self._store.mark_dirty(chunk.cid, "grads", Tier.CPU)
-        ready = self._ready[chunk.cid]
-        self._jobs[chunk.cid] = (slots, ready)
-        self._submitted.append(chunk.cid)
-        self._group.submit(chunk, slots, ready=ready, update=True,
-                           priority=self._priority.get(chunk.cid, len(self._group.chunks) + chunk.cid))
-
-    # ------------------------------------------------------------------------------------
-    # worker thread
-
-    def _write_back(self, cid: int) -> None:
-        """The pipeline's ``on_update_done``: updated params into the model's tensors (CUDA:
-        async on the store's H2D stream). See [Note: copy-back source]."""
-        chunk = self._group.chunks[cid]
-        slots, ready = self._jobs[cid]
-        name = "params" if chunk.slots[0].param.dtype in _LOWP else "master"
-        self._group.copy_back(chunk, name, [(s.offset, _piece(s, local(s.param).data.view(-1)))
-                                            for s in slots], after=ready)
+        return grad
 
     # ------------------------------------------------------------------------------------
     # step and synchronisation
@@ -635,10 +536,10 @@ class OffloadAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._group is not None:
-            self._group.check()
-        if self._gathers:  # chunks the last forward did not use: in chunk order on every rank
-            self._gather_params(list(self._gathers))
+        group = self._group
+        if group is not None:
+            group.check()
+            group.gather_updates()  # chunks the last forward did not use: in chunk order on every rank
         for p in self._frozen:
             if p.grad is not None:
                 raise RuntimeError(
@@ -646,76 +547,25 @@ class OffloadAdam(torch.optim.Optimizer):
                     f"built now has a grad; build the optimizer after unfreezing, or add the param "
                     f"in a new param group (add_param_group)")
         # Params whose grad did not come through the hooks (overlap=False, grads set by hand,
-        # fewer backwards than grad_accum): stage them now, in chunk order.
-        staged = False
-        for chunk in self._group.chunks if self._group is not None else ():
-            for slot in chunk.slots:
-                if not slot.landed and slot.param.grad is not None:
-                    self._stage(chunk, slot, consume=False)
-                    staged = True
-            if chunk.phase is ChunkPhase.FILLING:
-                self._submit(chunk)
-        if staged:
-            # p.grad stays the caller's: later work on it (zero_grad(set_to_none=False), the next
-            # backward accumulating into it) must come after our copies read it.
-            self._store.wait_copies_in()
-        for slot in self._slots:
-            slot.hooks = 0
-            slot.landed = False
-        for cid in self._landed:
-            self._landed[cid] = 0
-        # [Note: update order] The worker runs queued updates in priority order, and the next
-        # forward needs the chunks in forward order: the reverse of the order in which backward
-        # finished them (the last chunk handed over is the first one the forward uses). Param
-        # order (chunk index) is only the first step's guess: with param groups (decay / no
-        # decay) it is group by group, not the model's order.
-        if self._submitted and self._overlap:  # else handed over in param order: keep that
-            last = len(self._submitted) - 1
-            self._priority = {cid: last - i for i, cid in enumerate(self._submitted)}
-            self._submitted = []
+        # fewer backwards than grad_accum): staged now, in chunk order; p.grad stays the
+        # caller's (keep: the caller's stream is ordered after our copies of it).
+        if group is not None:
+            for chunk in group.chunks:
+                for slot in chunk.slots:
+                    if slot.param.grad is not None and not group.has_grad(slot):
+                        group.grad(slot, self._grad_of(slot.param), keep=True)
+            group.end_backward()
+            group.end_micro_batch()
+            group.end_window()  # see [Note: update order] in runtime/chunk_group.py
+        for hook in self._grad_hooks:
+            hook.fired = 0
         self._steps += 1
-        if self._pg is not None:
-            self._gathers = list(self._chunks)  # see [Note: data parallel]
         if not self._overlap_forward:
             self._sync_all()
-        elif self._forward_hook is None and (self._queued() or self._gathers):
+        elif self._forward_hook is None and group is not None and group.pending():
             self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(
                 _weak(self._pre_forward))
         return loss
-
-    def _gather_params(self, chunks) -> None:
-        """See [Note: data parallel]: every rank's updated shard of each of ``chunks`` into every
-        rank's params, in the order given (the same on every rank; the gather of one chunk
-        overlaps the updates of the next ones)."""
-        pending = None
-        for chunk in chunks:
-            self._gathers.remove(chunk)
-        for chunk in chunks:
-            self._group.wait(chunk)  # its update and its copy into this rank's params
-            members, k = self._members[chunk.cid]
-            first = local(members[0][0])
-            send = torch.zeros(k, dtype=first.dtype, device=first.device)
-            for s in chunk.slots:  # this rank's elements: its slots
-                send[s.offset:s.stop] = _piece(s, s.param)
-            full = torch.empty(k * self._shard.world, dtype=send.dtype, device=send.device)
-            with self._collective("the all-gather of the updated params"):
-                work = all_gather(full, send, self._pg, async_op=True)
-            if pending is not None:
-                self._scatter(*pending)
-            pending = (work, full, members)
-        if pending is not None:
-            self._scatter(*pending)
-
-    def _scatter(self, work, full: torch.Tensor, members) -> None:
-        """The end of one chunk's all-gather: the chunk's params take their elements of ``full``."""
-        with self._collective("the all-gather of the updated params"):
-            work.wait()
-        for p, o in members:
-            lp = local(p)
-            lp.data.view(-1).copy_(full[o:o + lp.numel()])
-
-    def _collective(self, what: str):
-        return collective(type(self).__name__, what, self._pg)
 
     def synchronize(self) -> None:
         """Wait for every update handed over and order the param copies before the current CUDA
@@ -724,13 +574,9 @@ class OffloadAdam(torch.optim.Optimizer):
         self._check_open()
         self._sync_all()
 
-    def _queued(self) -> bool:
-        return any(c.phase is ChunkPhase.QUEUED for c in self._group.chunks)
-
     def _sync_all(self) -> None:
-        if self._gathers:
-            self._gather_params(list(self._gathers))
         if self._group is not None:
+            self._group.gather_updates()
             self._group.drain()
         self._remove_forward_hook()
 
@@ -740,8 +586,8 @@ class OffloadAdam(torch.optim.Optimizer):
             chunk = self._chunk_of.get(p) if p is not None else None
             if chunk is None:
                 continue
-            if chunk in self._gathers:  # the same modules run in the same order on every rank
-                self._gather_params([chunk])
+            if chunk.ungathered:  # the same modules run in the same order on every rank
+                self._group.gather_updates([chunk])
             elif chunk.phase is ChunkPhase.QUEUED:
                 self._group.wait(chunk)
             else:
@@ -749,7 +595,7 @@ class OffloadAdam(torch.optim.Optimizer):
             self._remove_forward_hook_if_synced()
 
     def _remove_forward_hook_if_synced(self) -> None:
-        if self._forward_hook is not None and not self._queued() and not self._gathers:
+        if self._forward_hook is not None and not self._group.pending():
             self._remove_forward_hook()
 
     def _remove_forward_hook(self) -> None:
@@ -772,31 +618,21 @@ class OffloadAdam(torch.optim.Optimizer):
         ``torch.optim.AdamW`` loading it runs fused, as ours does; [Note: groups record
         fused=True] in ops/cpu_adam.py). Waits for the updates in flight (``synchronize``)."""
         self._check_open()
-        if any(s.landed or s.hooks for s in self._slots):
+        if (self._group is not None and self._group.staged()) or any(h.fired for h in self._grad_hooks):
             raise RuntimeError(f"{type(self).__name__}.state_dict() in the middle of a step: call step() first")
         self._sync_all()
-        steps = {s.index: s.step for s in self._slots}
-        if self._pg is not None:  # a param cut by a shard boundary is stepped by each of its ranks
-            import torch.distributed as dist
-            gathered = [None] * self._shard.world
-            with self._collective("the all-gather of the optimizer state"):
-                dist.all_gather_object(gathered, steps, group=self._pg)
-            steps = {i: max(d.get(i, 0) for d in gathered) for i in set().union(*gathered)}
-        index_of = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         state = {}
-        for chunk in self._chunks:
-            stepped = [(p, o, index_of[id(p)]) for p, o in self._members[chunk.cid][0]
-                       if steps.get(index_of[id(p)], 0) > 0]
-            if not stepped:  # (the same answer on every rank: ``steps`` is gathered)
-                continue
-            master, exp_avg, exp_avg_sq = self._whole_state(chunk)
-            for p, o, i in stepped:
-                sl, shape = slice(o, o + local(p).numel()), local(p).shape
-                state[i] = {"step": torch.tensor(float(steps[i])),
-                            "exp_avg": exp_avg[sl].clone().view(shape),
-                            "exp_avg_sq": exp_avg_sq[sl].clone().view(shape)}
-                if p.dtype in _LOWP:
-                    state[i]["master"] = master[sl].clone().view(shape)
+        for chunk in self._chunks:  # every rank gathers every chunk (collective)
+            whole = self._group.state(chunk)
+            for s, step in zip(chunk.slots, whole["steps"]):
+                if step == 0:
+                    continue
+                sl, shape = slice(s.lo, s.lo + s.numel), local(s.param).shape
+                state[s.index] = {"step": torch.tensor(float(step)),
+                                  "exp_avg": whole["exp_avg"][sl].clone().view(shape),
+                                  "exp_avg_sq": whole["exp_avg_sq"][sl].clone().view(shape)}
+                if s.param.dtype in _LOWP:
+                    state[s.index]["master"] = whole["master"][sl].clone().view(shape)
         groups, start = [], 0
         for g in self.param_groups:
             packed = {k: v for k, v in g.items() if k != "params"}
@@ -804,21 +640,6 @@ class OffloadAdam(torch.optim.Optimizer):
             start += len(g["params"])
             groups.append(packed)
         return {"state": dict(sorted(state.items())), "param_groups": groups}
-
-    def _whole_state(self, chunk: GroupChunk) -> torch.Tensor:
-        """The chunk's master and moments, fp32 on the CPU, shape (3, elements): several ranks
-        all-gather their shards (host memory: one chunk's state at a time beside the result)."""
-        with self._group.hold(chunk, _STATE) as bufs:
-            mine = torch.stack([b.float() for b in bufs])
-        if self._pg is None:
-            return mine.cpu()
-        import torch.distributed as dist
-        world, k = self._shard.world, mine.shape[1]
-        dev = self._device if dist.get_backend(self._pg) == "nccl" else torch.device("cpu")
-        full = torch.empty(world * 3, k, device=dev)
-        with self._collective("the all-gather of the optimizer state"):
-            all_gather(full, mine.to(dev), self._pg)
-        return full.view(world, 3, k).transpose(0, 1).reshape(3, world * k).cpu()
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -874,22 +695,8 @@ class OffloadAdam(torch.optim.Optimizer):
                 if k != "params" and k not in self._rule.implementation_options:
                     g[k] = v
         for chunk in self._chunks:
-            with self._group.hold(chunk, _STATE, fresh=True) as (master, exp_avg, exp_avg_sq):
-                for s in chunk.slots:
-                    sl = slice(s.offset, s.stop)
-                    entry = entries.get(s.index)
-                    master_src = entry.get("master") if entry is not None else None
-                    master[sl].copy_(_piece(s, s.param if master_src is None else master_src))
-                    if entry is None:
-                        exp_avg[sl].zero_()
-                        exp_avg_sq[sl].zero_()
-                        s.step = 0
-                    else:
-                        exp_avg[sl].copy_(_piece(s, entry["exp_avg"]))
-                        exp_avg_sq[sl].copy_(_piece(s, entry["exp_avg_sq"]))
-                        step = entry["step"]
-                        s.step = int(step.item() if isinstance(step, torch.Tensor) else step)
-                    s.version = local(s.param)._version
+            steps = [_step_of(entries.get(s.index)) for s in chunk.slots]
+            self._group.load_state(chunk, _loaded_state(chunk, entries), steps)
 
     # ------------------------------------------------------------------------------------
     # misc
@@ -938,9 +745,9 @@ class OffloadAdam(torch.optim.Optimizer):
         if self._closed:
             return
         failure = None
-        if gather and self._gathers:
+        if gather and self._group is not None:
             try:
-                self._gather_params(list(self._gathers))
+                self._group.gather_updates()
             except Exception as e:  # noqa: BLE001 - raised after the cleanup
                 failure = e
         self._closed = True
@@ -993,13 +800,15 @@ class _GradHook:
     """The post-accumulate-grad hook of one param (a callable record, not a closure over a
     loop variable). Installed only with ``overlap=True``."""
 
-    __slots__ = ("opt", "chunk", "slot")
+    __slots__ = ("opt", "slot", "fired")
 
-    def __init__(self, opt: OffloadAdam, chunk: GroupChunk, slot: _Slot):
-        self.opt, self.chunk, self.slot = opt, chunk, slot
+    def __init__(self, opt: OffloadAdam, slot: GroupSlot):
+        self.opt, self.slot = opt, slot
+        self.fired = 0
+        """Times it fired in the current step (``grad_accum`` backwards per step)."""
 
     def __call__(self, param: torch.Tensor) -> None:
-        self.opt._on_grad(self.chunk, self.slot)
+        self.opt._on_grad(self)
 
 
 def _read_once(params):
@@ -1016,10 +825,36 @@ def _read_once(params):
     return out
 
 
-def _piece(slot: _Slot, t: torch.Tensor) -> torch.Tensor:
-    """The elements of ``t`` (a param, its grad or its data; local shard for DTensors) that
-    ``slot`` holds, flat."""
-    return local(t).detach().reshape(-1)[slot.start:slot.start + slot.stop - slot.offset]
+def _initial_state(chunk: GroupChunk) -> Callable:
+    """``ChunkGroup.load_state``'s ``fill`` of a new chunk: master = the params, moments = 0."""
+    def fill(key: str, buf: torch.Tensor) -> None:
+        if key == "master":
+            for s in chunk.slots:
+                buf[s.lo:s.lo + s.numel].copy_(local(s.param).detach().reshape(-1))
+    return fill
+
+
+def _loaded_state(chunk: GroupChunk, entries: dict) -> Callable:
+    """``ChunkGroup.load_state``'s ``fill`` from a state dict's ``entries`` (param index -> its
+    state): a param without one starts afresh, one without a "master" takes its own value."""
+    def fill(key: str, buf: torch.Tensor) -> None:
+        for s in chunk.slots:
+            entry = entries.get(s.index)
+            if key == "master":
+                src = entry["master"] if entry is not None and "master" in entry else s.param
+            elif entry is None:
+                continue
+            else:
+                src = entry[key]
+            buf[s.lo:s.lo + s.numel].copy_(local(src).detach().reshape(-1))
+    return fill
+
+
+def _step_of(entry) -> int:
+    if entry is None:
+        return 0
+    step = entry["step"]
+    return int(step.item() if isinstance(step, torch.Tensor) else step)
 
 
 def _groups_of(params) -> list:

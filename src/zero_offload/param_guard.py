@@ -93,10 +93,10 @@ class GuardedChunk(Protocol):
     layout: ChunkLayout
     buffer: Optional[torch.Tensor]
     """The device buffer its parameters point into while it is mapped; None otherwise."""
-    expected: set
-    """Slots whose grads this pass expects."""
-
     def expect(self, slot: ParamSlot) -> None:
+        """The grad of ``slot`` is expected in this pass."""
+
+    def expects(self, slot: ParamSlot) -> bool:
         """The grad of ``slot`` is expected in this pass."""
 
 
@@ -342,7 +342,7 @@ class ParamGuard:
         if chunk.buffer is not None:
             if self._phase() is not Phase.FORWARD:
                 return
-            if self.recorded and (slot in chunk.expected or not slot.trainable
+            if self.recorded and (chunk.expects(slot) or not slot.trainable
                                   or not torch.is_grad_enabled()):
                 return
         with self._lock:

@@ -1,48 +1,97 @@
-"""The chunk-group runtime: what both front ends (engine.py's ``Engine``, offload_optim.py's
-``OffloadAdam``) do with a chunk between its grads and its updated params, written once. FSDP2's
-``FSDPParamGroup`` is the model: the front ends keep the hooks (module hooks / param grad hooks)
-and the torch face, the group owns the chunk records and the update.
+"""The chunk-group runtime: the per-chunk step protocol both front ends (engine.py's ``Engine``,
+offload_optim.py's ``OffloadAdam``) run, written once. FSDP2's ``FSDPParamGroup`` is the model:
+the front ends keep the hooks (module hooks / param grad hooks) and the torch face, and call the
+group's verbs; the group owns the chunk and slot records, the grads' way to the update, the
+collectives (through ``Shards``), the update and where updated params go.
 
 Ownership: a ``ChunkGroup`` owns the ``StepPipeline`` (the update worker) over a ``ChunkStore``
 the front end gives it (the engine also runs a ``Prefetcher`` over that store), one
-``GroupChunk`` per chunk and a ``GroupSlot`` per param span in it, and the stats window over the
-store's and the pipeline's counters. Per chunk it does:
+``GroupChunk`` per chunk and a ``GroupSlot`` per param in it, and the stats window over the
+store's and the pipeline's counters. The verbs:
 
-- grad staging: ``open_grads`` (the first grad of a window), ``stage`` (device grads copied into
-  the host "grads" copy by the store) or the front end's own device buffer flushed by the store
-  (``device_grads`` / ``flush_grads``), then ``submit`` (grad job, accumulation, norm stats, and
-  the update right behind it when asked);
-- the update: segments of the slots with grads in the window, each slot's step count, the
-  arguments the group's ``UpdateRule`` makes of each slot's param group, read when the update
-  is queued (``_update_job``; [Note: update rules] in update_rule.py);
-- copy-back of the updated params into caller tensors (``copy_back``, OffloadAdam), through
-  the store, which orders the chunk's next update and the eviction of the source after it;
-- state I/O for checkpoints and ``state_dict``: ``hold`` (host buffers of whole payloads),
-  ``read`` and ``state_names``.
+- ``expect(slot)``: a grad of the slot will come in this backward (the engine's module hooks);
+- ``grad(slot, tensor)``: a grad lands; the group stages it, and once the chunk's grads of the
+  pass are complete reduces them across the ranks, sends them home and submits the update (or,
+  for a decision over the whole window, the grad job); the GPU share is handled inside;
+- ``end_backward()``: the pass is over: what is staged goes on (``drop_backward()`` after an
+  error: it is dropped); ``end_micro_batch()`` / ``end_window() -> Decision``: the window's one
+  decision (clip, overflow skip) and its updates; ``drop_window()``: the window is forgotten;
+- ``params(chunk, shard, ahead=)``: the chunk's whole params on the device (an all-gather, a
+  replica); ``gather_updates()``: updated shards into every rank's tensors;
+- ``state(chunk)`` / ``load_state(chunk, fill, steps)``: the optimizer state of whole chunks by
+  element offset, for checkpoints and ``state_dict`` of both front ends; ``read_values`` /
+  ``write_values``: the params at full precision.
+The update itself: segments of the slots with grads in the window, each slot's step count, the
+arguments the group's ``UpdateRule`` makes of each slot's param group, read when the update is
+queued (``_update_job``; [Note: update rules] in update_rule.py).
 
 [Note: chunk phases] A chunk is in one ``ChunkPhase``; ``GroupChunk.to`` raises on a move that
 ``_LEGAL`` does not list:
 - IDLE: its params are final for now; no grad of the current accumulation window is staged.
 - FILLING: grads of the current window are staged (one or more micro-batches, or some params of
-  the chunk so far); ``open_grads`` enters it, after waiting for the chunk's last job (it reads
-  the "grads" host copy that new grads overwrite).
+  the chunk so far); the first grad of a pass enters it, after waiting for the chunk's last job
+  (it reads the "grads" host copy that new grads overwrite).
 - QUEUED: its update is handed to the worker and not yet waited for; ``wait`` (the front end
   needs the params: a fetch, the next grads, a sync) returns it to IDLE.
 FILLING -> IDLE without an update: ``skip`` (an fp16 overflow skips the step).
 
+[Note: grad staging] How a grad reaches the chunk's "grads" payload (``Staging``):
+- DEVICE (the engine): the grads of a backward pass are summed in a device buffer covering the
+  whole chunk (every rank's view: each rank has grads of every param); a chunk is complete when
+  every grad ``expect``ed in the pass has landed (or at ``end_backward``). Then the buffer is
+  reduced across the ranks (``Shards.reduce_scatter``: the mean, as DDP) into this rank's shard,
+  the store's GPU copy of "grads", which goes home (D2H) from the comm stream. One rank with no
+  device window stages straight into that GPU copy. With ``grad_accum > 1`` and no "accum"
+  payload the passes' buffers are summed in an fp32 device buffer instead (``GroupChunk.total``,
+  grad_sync="final") and reduced once, at the window's last micro-batch.
+- DIRECT (OffloadAdam): a grad is the ranks' mean already (DDP averaged it) or this rank's own
+  (FSDP2's local shards, one rank for us): the elements of it this rank holds are copied to their
+  home as they come (the host copy on the store's D2H stream, ``copy_in``; the GPU copy for a
+  chunk of the GPU share). Every held slot is expected in every pass. ``keep=True``: the caller
+  keeps the tensor (``p.grad``), so ``end_backward`` orders its stream after the copies.
+A grad of a chunk whose grads were sent on in this pass is an error (it would be lost).
+
 [Note: GPU share] A chunk whose optimizer state is homed on the GPU (placement's "auto" GPU
-share; its params are there too) never goes through the worker: ``device_submit`` takes its
-device grads (the store's GPU copy of "grads", kept pinned until the update when the update
-waits for ``step``), sums them into its "accum" payload (homed on the GPU too) and adds their
-sum of squares to a device scalar, and its update runs on the caller's stream: the rule's
-``device_step`` (Adam: torch's fused Adam(W), ``torch._fused_adamw_``) on the same segments and
-arguments its CPU job gets, which also rounds the params from the master. QUEUED -> IDLE happens
-at once: stream order is the ordering.
+share; its params are there too) never goes through the worker: its grads are the store's GPU
+copy of "grads" (pinned from staging until its update consumes them); accumulation sums them
+into its "accum" payload (homed on the GPU too), the sum of squares goes to a device scalar, and
+its update runs on the caller's stream: the rule's ``device_step`` (Adam: torch's fused Adam(W),
+``torch._fused_adamw_``) on the same segments and arguments its CPU job gets, which also rounds
+the params from the master. QUEUED -> IDLE happens at once: stream order is the ordering.
+
+[Note: param sinks] Where updated params go (``ParamSink``). STORE (the engine): the update
+writes the store's params payload (the working copy ``lowp`` or, in fp32, the master itself),
+which the engine fetches. TENSORS (OffloadAdamW): each slot's ``param`` (the user's tensor) gets
+its elements after every update: on the worker from the host copy on the store's H2D stream,
+after the grads copy of that update (``copy_out``: the copies are store readers, so the chunk's
+next update and the eviction of an NVMe master wait for them), or on the caller's stream from
+the master of a chunk updated on the device; ``wait`` orders the caller's stream after them.
+With several ranks each rank writes the elements it holds, and ``gather_updates`` all-gathers
+the chunks into every rank's tensors (pending after every window, ``GroupChunk.ungathered``).
+The tensors belong to the user: one changed outside the optimizer (its ``_version`` moved; our
+copies go through ``.data``, which does not move it) has its master re-read from it before its
+next grad is staged.
+
+[Note: the window's decision] ``overlap=True``: no window-wide quantity is needed, so each
+chunk's update is queued behind its grads as soon as its window is complete (during backward).
+Otherwise (clipping by the global norm, fp16 overflow checks) the grad jobs add up the grads'
+sums of squares and ``end_window`` decides once, after every grad of the window: the norm is
+all-reduced over the ranks (the norm of the mean grad), an overflow skips every chunk's update
+(``scaler.update(found_inf=True)``), a clip divides every update's grads by its coefficient,
+and the updates are queued in chunk order.
+
+[Note: update order] The worker runs queued updates in priority order and the next forward needs
+the chunks in forward order. With ``learn_order`` (OffloadAdam streaming grads in backward,
+whose chunks follow param groups, not the model) the chunks of a window are given the reverse of
+the order backward completed them (the last chunk handed over is the first the next forward
+uses); chunks without an order go after them in chunk order (the engine's chunks are in module
+order already).
 """
 from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -50,12 +99,15 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
+from .distributed import local
 from .pipeline import Accumulate, GradJob, PipelineError, PipelinePayloads, StepPipeline, UpdateJob
+from .shards import Gather, Shards
 from .store import ChunkStore, Handle, PayloadSpec, Tier
 from .trace import StatsWindow, Trace
 from .update_rule import Segment, StepBuffers, UpdateRule
 
-__all__ = ["ChunkGroup", "ChunkPhase", "GroupChunk", "GroupSlot", "update_segments"]
+__all__ = ["ChunkGroup", "ChunkPhase", "Decision", "GroupChunk", "GroupSlot", "ParamSink", "Staging",
+           "update_segments"]
 
 
 class ChunkPhase(enum.Enum):
@@ -73,39 +125,113 @@ _LEGAL = {
 }
 
 
+class Staging(enum.Enum):
+    """How grads reach the chunk ([Note: grad staging])."""
+
+    DEVICE = "device"  # a whole-chunk device buffer per pass, reduced across ranks, sent home once
+    DIRECT = "direct"  # each grad's elements this rank holds, copied home as they come
+
+
+class ParamSink(enum.Enum):
+    """Where updated params go ([Note: param sinks])."""
+
+    STORE = "store"      # the store's params payload (the engine fetches it)
+    TENSORS = "tensors"  # each slot's ``param`` (OffloadAdamW: the user's tensors)
+
+
 @dataclass(eq=False)
 class GroupSlot:
-    """One param's span in a chunk's flat payloads. Front ends may subclass it to keep their own
-    per-param fields beside it."""
+    """One param in a chunk: its elements ``[lo, lo + numel)`` of the whole chunk (every rank's
+    view) and, set by ``ChunkGroup.add_chunk``, the part of them this rank holds ([Note: chunk
+    shards] in shards.py)."""
 
-    offset: int
-    stop: int
-    """End of the elements its update covers (the engine's slots cover their alignment padding)."""
+    lo: int
+    numel: int
+    end: int = -1
+    """End of the whole chunk's elements its update covers (the engine's slots cover their
+    alignment padding up to the next slot); -1: ``lo + numel``."""
     group: int = 0
     """Index of its param group in the hyperparameter owner's ``param_groups``."""
+    name: str = ""
+    """The param's name (errors)."""
+    index: int = 0
+    """Position in the front end's param order."""
+    param: Optional[torch.Tensor] = None
+    """The param's tensor where the sink writes (``ParamSink.TENSORS``; its local shard for a
+    DTensor); None for the STORE sink."""
+    cid: int = -1
+    offset: int = 0
+    """First element of this rank's shard its update covers ..."""
+    stop: int = 0
+    """... and the end (``offset == stop``: this rank holds none of it)."""
+    start: int = 0
+    """First element of the param this rank holds (0 unless a shard boundary cuts it) ..."""
+    count: int = 0
+    """... and how many, from ``offset`` on (fewer than ``stop - offset`` where the span covers
+    padding)."""
     step: int = 0
     """Steps taken (torch.optim's ``state["step"]``; a param without a grad keeps its own)."""
     shape: Optional[tuple] = None
     """The param's shape when the slot holds the whole param, exactly (``stop - offset`` elements):
     what a rule that is not elementwise needs ([Note: update rules]); None otherwise."""
+    version: int = 0
+    """``param._version`` when the master last matched the param (``ParamSink.TENSORS``)."""
+
+    @property
+    def held(self) -> bool:
+        return self.stop > self.offset
 
 
 @dataclass(eq=False)
 class GroupChunk:
-    """One chunk of the group (the bytes are in the store under ``cid``)."""
+    """One chunk of the group (the bytes are in the store under ``cid``) and its grads on their
+    way to the update."""
 
     cid: int
     slots: tuple
     numel: int
+    """Elements of this rank's shard (every payload's size)."""
+    whole: int = 0
+    """Elements of the whole chunk (every rank's shards)."""
     phase: ChunkPhase = ChunkPhase.IDLE
     window: set = field(default_factory=set)
-    """Slots with a grad in the current accumulation window."""
+    """Slots with a grad in the current accumulation window (this rank's parts)."""
     accumulating: bool = False
     """The fp32 accumulation payload holds grads of this window (``grad_accum > 1``)."""
     copied: Optional[Handle] = None
-    """The copy-back of its last update (``copy_back``); ``wait`` orders the caller after it."""
+    """The copy-back of its last update (``ParamSink.TENSORS``); ``wait`` orders the caller after it."""
     version: int = 0
     """Updates queued so far: a copy of the params taken at one version is stale at the next."""
+    # -- this backward pass ([Note: grad staging]) --
+    expected: set = field(default_factory=set)
+    """Slots whose grad is expected in this pass."""
+    landed: set = field(default_factory=set)
+    """Slots whose grad landed in this pass."""
+    awaiting: set = field(default_factory=set)
+    """``expected - landed`` (grads still to come)."""
+    flushed: bool = False
+    """This pass's grads were sent on (a late grad is then an error)."""
+    grads: Optional[torch.Tensor] = None
+    """DEVICE staging: the whole chunk's device grads of this pass (None once sent on)."""
+    total: Optional[torch.Tensor] = None
+    """DEVICE staging with a device window: the whole chunk's fp32 grads summed over the window."""
+    total_slots: set = field(default_factory=set)
+    """The slots with a grad in ``total``."""
+    pinned_grads: bool = False
+    """The store's GPU copy of "grads" is pinned (staged, or waiting for an update on the device)."""
+    ready: Optional[Handle] = None
+    """The move that lands the pass's grads in the host copy (the last ``copy_in``, DIRECT)."""
+    # -- its updates --
+    updated: tuple = ()
+    """The slots of its last update (where the sink writes)."""
+    priority: Optional[int] = None
+    """Its place in the next forward ([Note: update order]); None: chunk order."""
+    ungathered: bool = False
+    """Several ranks, ``ParamSink.TENSORS``: updated shards not yet in every rank's tensors."""
+    replica: Optional[torch.Tensor] = None
+    """Several ranks with replicas: the whole chunk's params kept on the device between uses,
+    gathered again only after an update (``replica_version``)."""
+    replica_version: int = -1
 
     def to(self, phase: ChunkPhase) -> None:
         if phase not in _LEGAL[self.phase]:
@@ -113,10 +239,70 @@ class GroupChunk:
                                f"{self.phase.name} to {phase.name}; please report this")
         self.phase = phase
 
+    def expect(self, slot: GroupSlot) -> None:
+        """A grad of ``slot`` will land in this pass."""
+        if slot not in self.expected:
+            self.expected.add(slot)
+            if slot not in self.landed:
+                self.awaiting.add(slot)
+
+    def land(self, slot: GroupSlot) -> None:
+        self.landed.add(slot)
+        self.awaiting.discard(slot)
+
+    def clear_pass(self) -> None:
+        """Forget the expected/landed grads of the pass that ended."""
+        self.expected.clear()
+        self.landed.clear()
+        self.awaiting.clear()
+        self.flushed = False
+
+    @property
+    def replica_fresh(self) -> bool:
+        """The replica holds the params of the chunk's latest update."""
+        return self.replica is not None and self.replica_version == self.version
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The end of a window ([Note: the window's decision])."""
+
+    updated: bool
+    """The params were updated (or their updates queued)."""
+    skipped: bool = False
+    """An fp16 overflow skipped the window's updates."""
+    norm: Optional[float] = None
+    """The global grad norm (clipping only)."""
+
+
+def _piece(slot: GroupSlot, t: torch.Tensor) -> torch.Tensor:
+    """The elements of ``t`` (a param or its grad; a DTensor's local shard) that this rank holds
+    of ``slot``, flat (a view where ``t`` is contiguous)."""
+    return local(t).detach().reshape(-1)[slot.start:slot.start + slot.count]
+
+
+def _target(slot: GroupSlot) -> torch.Tensor:
+    """The elements of ``slot.param`` this rank holds, as a flat view of its data (written through
+    ``.data``: the param's ``_version`` does not move)."""
+    return local(slot.param).data.view(-1)[slot.start:slot.start + slot.count]
+
+
+def _weak(method: Callable) -> Callable:
+    """``method`` called through a weak reference to its object (a no-op once it is gone): the
+    worker thread does not keep the group, nor the front end it holds, alive."""
+    import weakref
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        bound = ref()
+        return None if bound is None else bound(*args)
+    return call
+
 
 class ChunkGroup:
-    """The chunks of one front end, their updates and their state. Caller's-thread object: the
-    worker only runs jobs and calls ``on_update_done`` / ``on_chunk_idle``.
+    """The chunks of one front end, their grads, updates and state (see the module docstring).
+    Caller's-thread object (the front end serialises its calls); the worker only runs jobs and
+    calls ``on_chunk_idle`` (and the TENSORS sink's copy-back).
 
     Args:
         store: the ChunkStore holding every payload named in ``payloads``.
@@ -124,47 +310,97 @@ class ChunkGroup:
             hyperparameters (the rule's ``hyper_keys``), read when an update is queued.
         rule: the update ([Note: update rules]); every chunk has its state payloads.
         payloads: the pipeline's payload names (besides the rule's).
-        grad_accum: micro-batches per update whose grads the group sums in ``payloads.accum``
-            (1: the front end accumulates itself, or not at all).
+        shards: the data-parallel group (None: one rank).
+        staging: see [Note: grad staging]; sink: see [Note: param sinks].
+        window: micro-batches per update; their grads are summed in ``payloads.accum`` when it
+            is set, else (DEVICE staging) in an fp32 device buffer reduced at the window's end.
+        overlap, clip, scaler: see [Note: the window's decision]; ``clip``: the max global grad
+            norm; ``scaler``: a loss scaler (``scale``, ``update(found_inf=)``) the grads are
+            scaled by. Either needs ``overlap=False``.
+        replicas: several ranks: keep each chunk's gathered params between uses (``params``).
+        learn_order: see [Note: update order].
         owner: the front end's name, for errors.
-        prefetch_depth, threads, on_update_done, on_chunk_idle: the ``StepPipeline``'s.
+        prefetch_depth, threads, on_chunk_idle: the ``StepPipeline``'s.
     """
 
-    def __init__(self, store: ChunkStore, *, hyper: Any, rule: UpdateRule, payloads: PipelinePayloads,
-                 grad_accum: int = 1, owner: str = "zero_offload", prefetch_depth: int = 2,
-                 threads: Optional[int] = None,
-                 on_update_done: Optional[Callable[[int], None]] = None,
-                 on_chunk_idle: Optional[Callable[[int], None]] = None, seed: int = 0):
-        self.store = store
-        self.seed = seed  # bf16 moments: [Note: stochastic rounding] (ops/rounding.py)
+    def __init__(self, store: ChunkStore, *, hyper: Any, rule: UpdateRule,
+                 payloads: PipelinePayloads,
+                 shards: Optional[Shards] = None, staging: Staging = Staging.DEVICE,
+                 sink: ParamSink = ParamSink.STORE, window: int = 1, overlap: bool = True,
+                 clip: Optional[float] = None, scaler: Any = None, replicas: bool = False,
+                 learn_order: bool = False, owner: str = "zero_offload", prefetch_depth: int = 2,
+                 threads: Optional[int] = None, on_chunk_idle: Optional[Callable[[int], None]] = None):
+        if overlap and (clip is not None or scaler is not None):
+            raise ValueError(f"{owner}: clipping and loss scaling decide once per window: they need "
+                             f"ChunkGroup(overlap=False)")
+        if window > 1 and payloads.accum is None and staging is Staging.DIRECT:
+            raise ValueError(f"{owner}: DIRECT staging sums a window's grads in the accumulation "
+                             f"payload: give PipelinePayloads(accum=...) with window={window}")
         if not isinstance(rule, UpdateRule):
             raise TypeError(f"{owner}: rule must be an UpdateRule (runtime/update_rule.py), got "
                             f"{type(rule).__name__}")
+        self.store = store
+        self.shards = shards if shards is not None else Shards(owner=owner)
+        self.seed = self.shards.rank  # bf16 moments: [Note: stochastic rounding] (ops/rounding.py)
         self.hyper = hyper
         self.rule = rule
         self.payloads = payloads
-        self.grad_accum = grad_accum
+        self.staging = staging
+        self.sink = sink
+        self.window = window
+        self.grad_accum = window if payloads.accum is not None else 1
+        """Micro-batches whose grads are summed in the accumulation payload (1: none)."""
+        self._device_window = window > 1 and payloads.accum is None and staging is Staging.DEVICE
+        self._in_store = staging is Staging.DEVICE and self.shards.world == 1 and not self._device_window
+        """DEVICE staging straight into the store's GPU copy of "grads" (nothing to reduce)."""
+        self.overlap = overlap
+        self.clip = clip
+        self.scaler = scaler
+        self._stats = clip is not None or scaler is not None
+        self.replicas = replicas
+        self.learn_order = learn_order
         self.owner = owner
+        self.micro = 0
+        """Micro-batches done in the current window."""
         self.chunks: list[GroupChunk] = []
         self.pipeline = StepPipeline(store, payloads=payloads, prefetch_depth=prefetch_depth,
-                                     threads=threads, on_update_done=on_update_done,
-                                     on_chunk_idle=on_chunk_idle, seed=seed)
+                                     threads=threads, on_chunk_idle=on_chunk_idle, seed=self.seed,
+                                     on_update_done=(_weak(self._write_back) if sink is ParamSink.TENSORS
+                                                     else None))
         self._device_sumsq: Optional[torch.Tensor] = None  # [Note: GPU share]: this window's stats
-        self._held_grads: set = set()  # cids whose device grads wait for their update
+        self._updated = False  # an update was queued in this window (overlap)
+        self._submitted: list[GroupChunk] = []  # this window's updates in hand-over order
+        self._kept = False  # a staged grad stays the caller's: end_backward orders its stream after
         self.wait_s = 0.0
         """Seconds the caller's thread waited in ``wait`` for updates (what overlap did not hide)."""
-        self._window = StatsWindow(self._sample)
+        self._counter_window = StatsWindow(self._sample)
 
     # ---- building ---------------------------------------------------------------------------
 
-    def add_chunk(self, specs: Mapping[str, PayloadSpec], slots: Sequence[GroupSlot]) -> GroupChunk:
-        """Register a chunk in the store (home copies allocated) and in the group; its id is its
-        index in ``chunks``."""
+    def add_chunk(self, specs: Mapping[str, PayloadSpec], slots: Sequence[GroupSlot], *,
+                  whole: Optional[int] = None) -> GroupChunk:
+        """Register a chunk in the store (home copies allocated, this rank's shard of each
+        payload: ``specs``) and in the group; its id is its index in ``chunks``. ``slots``: its
+        params over the ``whole`` chunk (default: the shard's size), in order; each gets its
+        part of this rank's shard."""
         cid = self.store.add_chunk(specs)
         if cid != len(self.chunks):
             raise RuntimeError(f"{self.owner}: the store has chunks the group does not own; give each "
                                f"ChunkGroup a store of its own")
-        chunk = GroupChunk(cid=cid, slots=tuple(slots), numel=next(iter(specs.values())).numel)
+        numel = next(iter(specs.values())).numel
+        whole = numel if whole is None else whole
+        for s in slots:
+            s.end = s.lo + s.numel if s.end < 0 else s.end
+            s.cid = cid
+            s.offset, s.stop, s.start = self.shards.cut(s.lo, s.end, whole) or (0, 0, 0)
+            part = self.shards.cut(s.lo, s.lo + s.numel, whole)
+            s.count = part[1] - part[0] if part is not None else 0
+            if s.shape is not None and (s.start, s.stop - s.offset) != (0, math.prod(s.shape)):
+                s.shape = None  # this rank's part is not the whole param ([Note: update rules])
+            if s.param is not None:
+                s.version = local(s.param)._version
+        chunk = GroupChunk(cid=cid, slots=tuple(slots), numel=numel, whole=whole)
+        self._expect_all(chunk)
         self.chunks.append(chunk)
         return chunk
 
@@ -204,7 +440,7 @@ class ChunkGroup:
             store.evict(cid, name, Tier.CPU, defer=True)  # written home first when newest
 
     def read(self, chunk: GroupChunk, name: str) -> torch.Tensor:
-        """A CPU copy (clone) of a whole payload, from wherever its newest bytes are."""
+        """A CPU copy (clone) of this rank's shard of a payload, from wherever its newest bytes are."""
         with self.hold(chunk, [name]) as (buf,):
             return buf.clone()
 
@@ -215,55 +451,246 @@ class ChunkGroup:
         self.store.discard(chunk.cid)
         return out
 
-    # ---- grads ------------------------------------------------------------------------------
+    def _values_name(self, chunk: GroupChunk) -> str:
+        """The payload holding the chunk's params at full precision: the fp32 master, or the
+        params themselves (fp32 training, frozen chunks)."""
+        p = self.payloads
+        return p.master if self.store.has_payload(chunk.cid, p.master) else p.lowp
 
-    def open_grads(self, chunk: GroupChunk, *, host: bool = False) -> None:
-        """A grad of ``chunk`` is about to be staged: the chunk's last job (which reads the
-        "grads" host copy) finishes first; the chunk is FILLING. ``host``: the grads will be
-        ``stage``d straight into the host copy, which is taken for writing here, once."""
+    def read_values(self, chunk: GroupChunk, *, take: bool = False) -> torch.Tensor:
+        """The whole chunk's params at full precision, a CPU tensor (every rank's shards:
+        collective). ``take``: the chunk's memory is freed after (``take``)."""
+        mine = (self.take if take else self.read)(chunk, self._values_name(chunk))
+        return self.shards.gather_whole([mine], chunk.whole, what="an all-gather of a chunk's state",
+                                        copy=False)[0]
+
+    def write_values(self, chunk: GroupChunk, fill: Callable[[torch.Tensor], None]) -> None:
+        """Overwrite the chunk's params: ``fill`` writes the whole chunk's values at full
+        precision (at whole-chunk offsets into a zeroed buffer); this rank keeps its shard, and
+        the working copy is rounded from it (as the kernel writes it)."""
+        self._write(chunk, self._values_name(chunk), fill)
+
+    def state(self, chunk: GroupChunk) -> dict:
+        """CPU copies of a trainable chunk's optimizer state over the whole chunk (every rank's
+        shards: collective), by ``state_names`` key ("master", "exp_avg", "exp_avg_sq"; fp32,
+        bf16 moments widened), and "steps": each slot's step count (the largest over the ranks:
+        a slot cut by a shard boundary is stepped by each of its ranks)."""
+        names = self.state_names
+        with self.hold(chunk, list(names.values())) as bufs:
+            values = self.shards.gather_whole([b.float() for b in bufs], chunk.whole,
+                                              what="the all-gather of the optimizer state")
+        out = dict(zip(names, values))
+        out["steps"] = self.shards.max_steps([s.step for s in chunk.slots])
+        return out
+
+    def load_state(self, chunk: GroupChunk, fill: Callable[[str, torch.Tensor], None],
+                   steps: Optional[Sequence[int]] = None) -> None:
+        """Overwrite a trainable chunk's optimizer state: ``fill(key, buf)`` writes the values of
+        ``key`` (as ``state`` names them) over the whole chunk into a zeroed buffer; this rank
+        keeps its shard; the working params are the master rounded. ``steps``: each slot's
+        step count (None: unchanged)."""
+        for key, name in self.state_names.items():
+            self._write(chunk, name, functools.partial(fill, key))
+        for s, step in zip(chunk.slots, steps if steps is not None else ()):
+            s.step = int(step)
+        for s in chunk.slots:
+            if s.param is not None:
+                s.version = local(s.param)._version  # the master matches the param again
+
+    def _write(self, chunk: GroupChunk, name: str, fill: Callable[[torch.Tensor], None]) -> None:
+        """Overwrite this rank's shard of a payload from ``fill`` (whole-chunk offsets); the
+        master's working copy (``lowp``), where the chunk has one, is its rounding."""
+        p = self.payloads
+        names = [name] + ([p.lowp] if name == p.master and p.lowp is not None
+                          and self.store.has_payload(chunk.cid, p.lowp) else [])
+        chunk.replica = None
+        with self.hold(chunk, names, fresh=True) as bufs:
+            self.shards.fill(bufs[0], chunk.whole, fill)
+            if len(bufs) > 1:
+                bufs[1].copy_(bufs[0])
+
+    # ---- grads ([Note: grad staging]) -----------------------------------------------------------
+
+    def expect(self, slot: GroupSlot) -> None:
+        """A grad of ``slot`` will land in this backward pass (DEVICE staging)."""
+        self.chunks[slot.cid].expect(slot)
+
+    def has_grad(self, slot: GroupSlot) -> bool:
+        """A grad of ``slot`` landed in this pass."""
+        return slot in self.chunks[slot.cid].landed
+
+    def staged(self) -> bool:
+        """Grads of a pass are staged (a backward is in progress)."""
+        return any(c.landed for c in self.chunks)
+
+    def grad(self, slot: GroupSlot, grad: torch.Tensor, *, keep: bool = False) -> None:
+        """A grad of ``slot`` landed: staged, and once the chunk's grads of the pass are complete,
+        reduced across the ranks, sent home and handed to the update. ``keep``: the caller keeps
+        ``grad`` (DIRECT; see [Note: grad staging])."""
+        chunk = self.chunks[slot.cid]
+        if self.staging is Staging.DIRECT and not slot.held:
+            return  # another rank's elements
+        if chunk.flushed:
+            raise RuntimeError(
+                f"{self.owner}: parameter {slot.name!r} received a gradient after the grads of its "
+                f"chunk were sent on in this backward (it was used again after every expected grad "
+                f"of the chunk had landed). Use torch.utils.checkpoint with use_reentrant=False, and "
+                f"call the model only through engine(...)")
+        if self.staging is Staging.DIRECT:
+            self._stage_direct(chunk, slot, grad, keep=keep)
+        else:
+            self._stage_device(chunk, slot, grad)
+        if not chunk.awaiting:
+            self._flush(chunk)
+
+    def _open(self, chunk: GroupChunk) -> None:
+        """The chunk's first grad of this pass: its last job (which reads the "grads" host copy)
+        finishes first; the chunk is FILLING."""
         self.wait(chunk)
         if chunk.phase is ChunkPhase.IDLE:
             chunk.to(ChunkPhase.FILLING)
-        if host:
-            self.store.get(chunk.cid, self.payloads.grads, Tier.CPU, write=True)
 
-    def stage(self, chunk: GroupChunk, pieces: Sequence[tuple[int, torch.Tensor]]) -> Handle:
-        """Copy device tensors (grads) into the chunk's "grads" host copy at the given element
-        offsets, on the store's D2H stream after the caller's current stream; the returned
-        handle (and every later one) says they have landed. Call ``open_grads(host=True)`` at
-        the window's first grad."""
-        return self.store.copy_in(chunk.cid, self.payloads.grads, Tier.CPU, pieces)
+    def _stage_device(self, chunk: GroupChunk, slot: GroupSlot, grad: torch.Tensor) -> None:
+        if not chunk.landed:
+            self._open(chunk)
+            if self._in_store:
+                chunk.grads = self._device_buffer(chunk)
+            else:  # the whole chunk's grads; each rank gets its (mean) shard when they are sent on
+                spec = self.store.payload_spec(chunk.cid, self.payloads.grads)
+                chunk.grads = torch.zeros(chunk.numel * self.shards.world, dtype=spec.dtype,
+                                          device=self.store.device)
+        dst = chunk.grads[slot.lo:slot.lo + slot.numel]
+        if slot in chunk.landed:
+            dst.add_(grad.reshape(-1))
+        else:
+            dst.copy_(grad.reshape(-1))
+            chunk.land(slot)
 
-    def device_grads(self, chunk: GroupChunk) -> torch.Tensor:
-        """A zeroed device buffer (pinned in the store) for the chunk's grads of this pass;
-        ``flush_grads`` sends it down. Call ``open_grads`` first."""
+    def _stage_direct(self, chunk: GroupChunk, slot: GroupSlot, grad: torch.Tensor, *, keep: bool) -> None:
+        on_device = self._on_device(chunk)
+        if not chunk.landed:
+            self._open(chunk)
+            if on_device:
+                chunk.grads = self._device_buffer(chunk)
+            else:  # taken for writing once; the pieces land by copy_in
+                self.store.get(chunk.cid, self.payloads.grads, Tier.CPU, write=True)
+        if slot.param is not None and local(slot.param)._version != slot.version:
+            self._resync(chunk, slot)
+        piece = _piece(slot, grad)
+        if on_device:  # on the caller's stream, as the update that reads it
+            chunk.grads[slot.offset:slot.offset + slot.count].copy_(piece)
+        else:
+            chunk.ready = self.store.copy_in(chunk.cid, self.payloads.grads, Tier.CPU, [(slot.offset, piece)])
+            self._kept |= keep
+        chunk.land(slot)
+
+    def _resync(self, chunk: GroupChunk, slot: GroupSlot) -> None:
+        """The param changed outside the optimizer: its master is re-read from it ([Note: param
+        sinks]). Rare: synchronous."""
+        with self.hold(chunk, [self.payloads.master], write=True) as (master,):
+            master[slot.offset:slot.offset + slot.count].copy_(_piece(slot, slot.param))
+        slot.version = local(slot.param)._version
+
+    def _expect_all(self, chunk: GroupChunk) -> None:
+        if self.staging is Staging.DIRECT:
+            for s in chunk.slots:
+                if s.held:
+                    chunk.expect(s)
+
+    def _flush(self, chunk: GroupChunk) -> None:
+        """The chunk's staged grads of this pass go on: reduced, sent home and handed to the
+        worker (or the device update)."""
+        slots = [s for s in chunk.landed if s.held]
+        if self.staging is Staging.DIRECT:
+            ready = None
+            if not self._on_device(chunk):
+                self.store.mark_dirty(chunk.cid, self.payloads.grads, Tier.CPU)
+                ready = chunk.ready
+        else:
+            full, chunk.grads = chunk.grads, None
+            if self._device_window:  # only the window's last micro-batch talks
+                if full is not None:
+                    if chunk.total is None:
+                        chunk.total = full.float()
+                    else:
+                        chunk.total.add_(full)
+                    chunk.total_slots.update(slots)
+                chunk.flushed = True
+                if not self._boundary:
+                    return
+                full, chunk.total = chunk.total, None
+                slots, chunk.total_slots = list(chunk.total_slots), set()
+            ready = self._send_down(chunk) if self._in_store else self._reduce(chunk, full)
+        chunk.flushed = True
+        self._submit(chunk, slots, ready=ready)
+
+    def _device_buffer(self, chunk: GroupChunk) -> torch.Tensor:
+        """The store's GPU copy of the chunk's "grads", zeroed and pinned."""
         store, name = self.store, self.payloads.grads
         buf = store.allocate(chunk.cid, name, Tier.GPU)
         buf.zero_()
         store.pin(chunk.cid, name, Tier.GPU)
+        chunk.pinned_grads = True
         return buf
 
-    def flush_grads(self, chunk: GroupChunk, *, drop: bool = False) -> Handle:
-        """The device grads buffer of ``device_grads`` goes to its host copy (D2H, async) and is
-        freed; returns the move's handle. ``drop``: freed without copying (after an error). A
-        chunk of the GPU share keeps its grads on the device (their home): only unpinned."""
+    def _reduce(self, chunk: GroupChunk, full: torch.Tensor) -> Optional[Handle]:
+        """This rank's shard of the mean over the ranks of the whole chunk's device grads
+        ``full`` into the store's GPU copy, then home ([Note: comm streams] in shards.py)."""
+        shard = self._device_buffer(chunk)
+        try:
+            self.shards.reduce_scatter(full, shard, what="the reduce-scatter of a chunk's grads")
+        except BaseException:
+            self._release_device_buffer(chunk)  # the pin taken above ([Note: collective failures])
+            raise
+        with self.shards.after_reduce():
+            return self._send_down(chunk)
+
+    def _send_down(self, chunk: GroupChunk) -> Optional[Handle]:
+        """The staged GPU copy of "grads" goes home (D2H, async; the returned handle) and is
+        freed; a chunk of the GPU share keeps it, pinned until its update ([Note: GPU share])."""
+        if self._on_device(chunk):
+            return None
+        return self._release_device_buffer(chunk, send=True)
+
+    def _release_device_buffer(self, chunk: GroupChunk, *, send: bool = False) -> Optional[Handle]:
+        """Unpin the GPU copy of "grads"; unless it is its home, free it (``send``: after its move
+        home)."""
         store, name = self.store, self.payloads.grads
-        store.unpin(chunk.cid, name, Tier.GPU)
+        self._drop_device_grads(chunk)
         if store.payload_spec(chunk.cid, name).home is Tier.GPU:
-            self._held_grads.discard(chunk.cid)
             return Handle.completed()
-        handle = None if drop else store.flush(chunk.cid, name, Tier.CPU)
+        handle = store.flush(chunk.cid, name, Tier.CPU) if send else None
         store.evict(chunk.cid, name, Tier.GPU)
         return handle
 
-    def submit(self, chunk: GroupChunk, slots: Iterable[GroupSlot], *, ready: Handle,
-               update: bool, grad_scale: float = 1.0, stats: bool = False,
-               stats_scale: float = 1.0, priority: Optional[int] = None, hold: bool = False) -> None:
-        """Hand the grads of ``slots`` (landed in the host "grads" copy once ``ready`` is done)
-        to the worker: summed into the accumulation payload when ``grad_accum > 1``, their sum
-        of squares added up when ``stats``, and, when ``update``, the chunk's update right
-        behind (the window ends; QUEUED). ``hold``: no new grads, the job works on the
-        accumulation payload as it is."""
+    def _drop_device_grads(self, chunk: GroupChunk) -> None:
+        """Let the chunk's device grads go: unpinned, not evicted (an eviction would write the
+        dead grads back to their host home; the placement budgets the copy, and the next
+        staging reuses it)."""
+        if chunk.pinned_grads:
+            chunk.pinned_grads = False
+            self.store.unpin(chunk.cid, self.payloads.grads, Tier.GPU)
+
+    @property
+    def _boundary(self) -> bool:
+        """This micro-batch is the window's last."""
+        return self.micro == self.window - 1
+
+    def _submit(self, chunk: GroupChunk, slots: Iterable[GroupSlot], *, ready: Optional[Handle],
+                hold: bool = False) -> None:
+        """Hand the grads of ``slots`` on: summed into the accumulation payload (host
+        accumulation), their sum of squares added up at the window's end (a decision follows),
+        and with ``overlap`` the update right behind at the window's end (QUEUED)."""
+        boundary = self._boundary
+        update = boundary and self.overlap
+        self._updated |= update
+        stats = boundary and self._stats
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        if self._on_device(chunk):
+            self._device_submit(chunk, slots, update=update, stats=stats, stats_scale=scale, hold=hold)
+            return
+        if update:
+            self._submitted.append(chunk)
         chunk.window.update(slots)
         if self.grad_accum == 1:
             acc = Accumulate.NONE
@@ -272,30 +699,149 @@ class ChunkGroup:
         else:
             acc = Accumulate.ADD if chunk.accumulating else Accumulate.COPY
             chunk.accumulating = True
-        then = self._update_job(chunk, grad_scale) if update else None
+        then = None
+        if update:
+            chunk.updated = self._window_slots(chunk)
+            then = self._update_job(chunk, 1.0)
         with self.errors():
-            self.pipeline.submit_grads(GradJob(cid=chunk.cid, ready=ready, accumulate=acc, stats=stats,
-                                               stats_scale=stats_scale, then=then),
-                                       priority=chunk.cid if priority is None else priority)
+            self.pipeline.submit_grads(GradJob(cid=chunk.cid, ready=ready or Handle.completed(),
+                                               accumulate=acc, stats=stats, stats_scale=scale, then=then),
+                                       priority=self._priority(chunk))
+
+    def _priority(self, chunk: GroupChunk) -> int:
+        return chunk.priority if chunk.priority is not None else len(self.chunks) + chunk.cid
+
+    @staticmethod
+    def _window_slots(chunk: GroupChunk) -> tuple:
+        return tuple(s for s in chunk.slots if s in chunk.window)
+
+    def end_backward(self) -> None:
+        """The backward pass is over: grads staged but not sent on (expected grads that never
+        came: unused outputs) go on now, in chunk order (the same on every rank); at the window's
+        last micro-batch a chunk with grads of earlier ones only gets its stats/update from the
+        accumulation payload."""
+        boundary = self._boundary
+        for c in self.chunks:
+            if (c.landed and not c.flushed) or (boundary and c.total is not None):
+                self._flush(c)
+            elif boundary and c.accumulating and not c.flushed:
+                self._submit(c, (), ready=Handle.completed(), hold=True)
+        self._end_pass()
+        if self._kept:  # the caller's grads may be overwritten or freed after our copies read them
+            self._kept = False
+            self.store.wait_copies_in()
+
+    def drop_backward(self) -> None:
+        """After an error in backward: the grads of this pass not yet sent on are dropped (the
+        pins they hold released); what went on stays in the window."""
+        for c in self.chunks:
+            if c.grads is not None:
+                if c.pinned_grads:  # staged in the store's own GPU copy
+                    self._release_device_buffer(c)
+                c.grads = None
+        self._end_pass()
+
+    def _end_pass(self) -> None:
+        for c in self.chunks:
+            c.clear_pass()
+            self._expect_all(c)
+
+    # ---- the window's end ([Note: the window's decision]) -------------------------------------
+
+    def end_micro_batch(self) -> bool:
+        """A micro-batch is done (the front end's ``step()``); True when it ended the window
+        (then ``end_window``)."""
+        self.micro += 1
+        if self.micro < self.window:
+            return False
+        self.micro = 0
+        return True
+
+    def end_window(self) -> Decision:
+        """The window's decision and its updates (queued in chunk order; they overlap what the
+        caller does next)."""
+        if self.learn_order and self._submitted:  # [Note: update order]
+            last = len(self._submitted) - 1
+            for c in self.chunks:
+                c.priority = None
+            for i, c in enumerate(self._submitted):
+                c.priority = last - i
+        self._submitted = []
+        if self.shards.world > 1 and self.sink is ParamSink.TENSORS:
+            for c in self.chunks:
+                c.ungathered = True
+        if self.overlap:
+            updated, self._updated = self._updated, False
+            return Decision(updated=updated)
+        window = [c for c in self.chunks if c.window]
+        if not window:
+            return Decision(updated=False)
+        sumsq = 0.0
+        if self._stats:
+            sumsq = self.pipeline.take_grad_stats() + self._take_device_stats()
+            sumsq = self.shards.sum(sumsq, what="the all-reduce of the grad norm")  # the mean grad's
+        scaler = self.scaler
+        if scaler is not None and not math.isfinite(sumsq):
+            scaler.update(found_inf=True)
+            for c in window:
+                self._skip(c)
+            return Decision(updated=False, skipped=True)
+        grad_scale = scaler.scale if scaler is not None else 1.0
+        norm = None
+        if self.clip is not None:
+            norm = math.sqrt(sumsq)
+            grad_scale /= min(1.0, self.clip / (norm + 1e-6))
+        for c in window:  # chunk order: the next forward waits only for its own chunk
+            self._submit_update(c, grad_scale)
+        if scaler is not None:
+            scaler.update(found_inf=False)
+        return Decision(updated=True, norm=norm)
+
+    def drop_window(self) -> None:
+        """Forget the window: its grads (staged, summed or accumulated) and micro-batch count."""
+        for c in self.chunks:
+            self._skip(c)
+            c.total = None
+            c.total_slots.clear()
+        self.micro = 0
+        self._updated = False
+        self._submitted = []
+
+    def _submit_update(self, chunk: GroupChunk, grad_scale: float) -> None:
+        """Queue the update of the chunk's window (its grads already handed over); a chunk on
+        the device is updated now ([Note: GPU share])."""
+        if self._on_device(chunk):
+            self._update_on_device(chunk, grad_scale)
+            return
+        chunk.updated = self._window_slots(chunk)
+        job = self._update_job(chunk, grad_scale)
+        with self.errors():
+            self.pipeline.submit_update(job, priority=self._priority(chunk))
+
+    def _skip(self, chunk: GroupChunk) -> None:
+        """End the chunk's window without an update (an fp16 overflow)."""
+        if self._on_device(chunk):
+            self._drop_device_grads(chunk)  # (its stats were taken before the step was skipped)
+        chunk.window.clear()
+        chunk.accumulating = False
+        if chunk.phase is ChunkPhase.FILLING:
+            chunk.to(ChunkPhase.IDLE)
 
     # ---- the GPU share ([Note: GPU share]) ------------------------------------------------------
 
-    def on_device(self, chunk: GroupChunk) -> bool:
+    def _on_device(self, chunk: GroupChunk) -> bool:
         """The chunk's optimizer state lives on the compute device (it is updated there; its
         grads are homed there too, whatever state the rule keeps)."""
         return self.store.payload_spec(chunk.cid, self.payloads.grads).home is Tier.GPU
 
-    def device_submit(self, chunk: GroupChunk, slots: Iterable[GroupSlot], *, update: bool,
-                      grad_scale: float = 1.0, stats: bool = False, stats_scale: float = 1.0,
-                      hold: bool = False) -> None:
-        """``submit`` for a chunk on the device: its grads are the store's pinned GPU copy of
-        "grads" (``device_grads``); accumulation, stats and the update run now, on the caller's
-        stream."""
+    def _device_submit(self, chunk: GroupChunk, slots: Iterable[GroupSlot], *, update: bool,
+                       grad_scale: float = 1.0, stats: bool = False, stats_scale: float = 1.0,
+                       hold: bool = False) -> None:
+        """``_submit`` for a chunk on the device: its grads are the store's pinned GPU copy of
+        "grads"; accumulation, stats and the update run now, on the caller's stream."""
         chunk.window.update(slots)
         store, cid, p = self.store, chunk.cid, self.payloads
         src = None if hold else store.get(cid, p.grads, Tier.GPU)
-        if src is not None:
-            self._held_grads.add(cid)  # pinned by device_grads until consumed
         if self.grad_accum > 1:
             acc = store.get(cid, p.accum, Tier.GPU, write=True)
             if src is not None:
@@ -312,20 +858,20 @@ class ChunkGroup:
             sq = norm * norm
             self._device_sumsq = sq if self._device_sumsq is None else self._device_sumsq + sq
         if update:
-            self._device_update(chunk, grad_scale)
+            self._update_on_device(chunk, grad_scale)
 
-    def take_device_stats(self) -> float:
+    def _take_device_stats(self) -> float:
         """The device share's sum of squares of this window (a host sync), then reset."""
         total, self._device_sumsq = self._device_sumsq, None
         return 0.0 if total is None else float(total.item())
 
-    def _drop_device_grads(self, chunk: GroupChunk) -> None:
-        """Let the chunk's device grads go: unpinned, not evicted (an eviction would write the
-        dead grads back to their host home; the placement budgets the copy, and the next
-        ``device_grads`` reuses it)."""
-        if chunk.cid in self._held_grads:
-            self._held_grads.discard(chunk.cid)
-            self.store.unpin(chunk.cid, self.payloads.grads, Tier.GPU)
+    def _update_on_device(self, chunk: GroupChunk, grad_scale: float) -> None:
+        chunk.updated = self._window_slots(chunk)
+        self._device_update(chunk, grad_scale)
+        if self.sink is ParamSink.TENSORS:  # [Note: param sinks]: on the caller's stream
+            master = self.store.get(chunk.cid, self.payloads.master, Tier.GPU)
+            for s in chunk.updated:
+                _target(s).copy_(master[s.offset:s.offset + s.count])
 
     def _device_update(self, chunk: GroupChunk, grad_scale: float) -> None:
         job = self._update_job(chunk, grad_scale)
@@ -343,25 +889,6 @@ class ChunkGroup:
             self._drop_device_grads(chunk)
         chunk.to(ChunkPhase.IDLE)
 
-    def submit_update(self, chunk: GroupChunk, *, grad_scale: float = 1.0,
-                      priority: Optional[int] = None) -> None:
-        """Queue the update of the chunk's window (its grads already handed over); a chunk on
-        the device is updated now ([Note: GPU share])."""
-        if self.on_device(chunk):
-            self._device_update(chunk, grad_scale)
-            return
-        job = self._update_job(chunk, grad_scale)
-        with self.errors():
-            self.pipeline.submit_update(job, priority=chunk.cid if priority is None else priority)
-
-    def skip(self, chunk: GroupChunk) -> None:
-        """End the chunk's window without an update (an fp16 overflow)."""
-        if self.on_device(chunk):
-            self._drop_device_grads(chunk)  # (its stats were taken before the step was skipped)
-        chunk.window.clear()
-        chunk.accumulating = False
-        if chunk.phase is ChunkPhase.FILLING:
-            chunk.to(ChunkPhase.IDLE)
 
     def _update_job(self, chunk: GroupChunk, grad_scale: float) -> UpdateJob:
         """The update of the window's slots; advances their steps and ends the window. A rule
@@ -392,16 +919,65 @@ class ChunkGroup:
         source = self.payloads.accum if self.grad_accum > 1 else self.payloads.grads
         return UpdateJob(cid=chunk.cid, segments=segments, rule=rule, source=source)
 
-    # ---- updated params ---------------------------------------------------------------------
+    # ---- updated params ([Note: param sinks]) -------------------------------------------------
 
-    def copy_back(self, chunk: GroupChunk, name: str, pieces: Sequence[tuple[int, torch.Tensor]], *,
-                  after: Optional[Handle] = None) -> None:
-        """On the worker, after an update: copy the payload's host copy at the given offsets into
-        the caller's tensors (the model's params), on the store's H2D stream after ``after``.
-        The store keeps the source readable until the copies are done (its next update and its
-        eviction wait); ``wait`` orders the caller's stream after them."""
-        with self.store.use(chunk.cid, name, Tier.CPU):
-            chunk.copied = self.store.copy_out(chunk.cid, name, Tier.CPU, pieces, after=after)
+    def _write_back(self, cid: int) -> None:
+        """The pipeline's ``on_update_done`` (the worker, TENSORS sink): the updated params into
+        the slots' tensors, on the store's H2D stream after the grads copy of that update."""
+        chunk, p = self.chunks[cid], self.payloads
+        name = p.lowp if p.lowp is not None and self.store.has_payload(cid, p.lowp) else p.master
+        with self.store.use(cid, name, Tier.CPU):
+            chunk.copied = self.store.copy_out(cid, name, Tier.CPU,
+                                               [(s.offset, _target(s)) for s in chunk.updated],
+                                               after=chunk.ready)
+
+    def params(self, chunk: GroupChunk, shard: torch.Tensor, *, ahead: bool = False) -> Gather:
+        """The chunk's whole params on the device from this rank's ``shard`` of them: the shard
+        itself (one rank), an all-gather (``ahead``: issued async, ``Shards.finish`` waits for it
+        where it is used), or the replica when no update has run since it was gathered."""
+        if chunk.replica_fresh:
+            return Gather(chunk.replica)
+        gathered = self.shards.gather(shard, what="the all-gather of a params chunk", out=chunk.replica,
+                                      ahead=ahead)
+        if self.replicas:
+            chunk.replica, chunk.replica_version = gathered.full, chunk.version
+        return gathered
+
+    def drop_buffers(self) -> None:
+        """The device buffers kept between uses (replicas, window sums) are let go."""
+        for c in self.chunks:
+            c.replica = c.total = None
+
+    def gather_updates(self, chunks: Optional[Iterable[GroupChunk]] = None) -> None:
+        """Several ranks, TENSORS sink: every rank's updated elements of ``chunks`` (default:
+        every chunk still ungathered, in chunk order; the same on every rank) into every rank's
+        tensors, one chunk's all-gather overlapping the wait for the next one's update."""
+        todo = [c for c in (self.chunks if chunks is None else chunks) if c.ungathered]
+        for c in todo:
+            c.ungathered = False
+        pending = None
+        for chunk in todo:
+            self.wait(chunk)  # its update and its copy into this rank's tensors
+            first = local(chunk.slots[0].param)
+            send = torch.zeros(chunk.numel, dtype=first.dtype, device=first.device)
+            for s in chunk.slots:  # this rank's elements
+                send[s.offset:s.offset + s.count] = _piece(s, s.param)
+            gathered = self.shards.gather(send, what="the all-gather of the updated params", ahead=True)
+            if pending is not None:
+                self._scatter(*pending)
+            pending = (gathered, chunk)
+        if pending is not None:
+            self._scatter(*pending)
+
+    def _scatter(self, gathered: Gather, chunk: GroupChunk) -> None:
+        """The end of one chunk's all-gather: its params take their elements of it."""
+        full = self.shards.finish(gathered)
+        for s in chunk.slots:
+            local(s.param).data.view(-1).copy_(full[s.lo:s.lo + s.numel])
+
+    def pending(self) -> bool:
+        """An update is queued or a gather is pending (the params are not final yet)."""
+        return any(c.phase is ChunkPhase.QUEUED or c.ungathered for c in self.chunks)
 
     def wait(self, chunk: GroupChunk) -> None:
         """Until no job of the chunk is queued or running; the caller's current CUDA stream waits
@@ -451,10 +1027,10 @@ class ChunkGroup:
 
     def counters(self) -> dict:
         """The pipeline's and the store's counters since construction or ``reset_counters``."""
-        return self._window.read()
+        return self._counter_window.read()
 
     def reset_counters(self) -> None:
-        self._window.reset()
+        self._counter_window.reset()
 
     @property
     def trace(self) -> Optional[Trace]:

@@ -1,12 +1,8 @@
-"""Data parallelism for the front ends, on ``torch.distributed`` (NCCL on GPUs, gloo on the CPU):
-which process group and rank, how a chunk is split between the ranks, FSDP2's DTensor params
-(their local shards), CPU-Adam threads per rank, and collectives whose failure says what it means.
-
-[Note: chunk shards] With N ranks a chunk of n elements is split into N contiguous shards of
-``k = ceil(n / N)`` elements (the last ones shorter or empty; every rank's buffers have k
-elements so that an all-gather of equal pieces rebuilds the chunk). Rank r owns elements
-``[r*k, min((r+1)*k, n))``: its fp32 master, moments and grads live only there, so the node's
-host memory holds each optimizer byte once, whatever N is.
+"""Data-parallel primitives on ``torch.distributed`` (NCCL on GPUs, gloo on the CPU): which
+process group and rank, FSDP2's DTensor params (their local shards), the default group under a
+launcher, CPU-Adam threads and cores per rank, and collectives whose failure says what it means.
+The runtime's collectives themselves are ``Shards``' (shards.py): nothing above ``runtime/``
+calls a collective.
 """
 from __future__ import annotations
 
@@ -15,11 +11,10 @@ import contextlib
 import glob
 import os
 import re
-from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PeerFailure", "Shard", "bind_to_cores", "check_ranks_agree", "collective", "is_dtensor", "local",
+__all__ = ["PeerFailure", "available_cores", "bind_to_cores", "check_ranks_agree", "collective", "is_dtensor", "local",
            "rank_cores", "resolve_group", "start_default_group", "threads_per_rank"]
 
 
@@ -36,21 +31,6 @@ def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor whose memory holds this rank's elements: a DTensor's local shard (FSDP2 keeps
     the same storage between steps and reads it at its next all-gather), or ``t`` itself."""
     return t._local_tensor if is_dtensor(t) else t
-
-
-@dataclass(frozen=True)
-class Shard:
-    """This rank's place in a data-parallel group; see [Note: chunk shards]."""
-
-    rank: int = 0
-    world: int = 1
-
-    def span(self, n: int) -> tuple[int, int, int]:
-        """``(lo, hi, k)``: this rank's elements ``[lo, hi)`` of a chunk of ``n`` and the shard
-        size ``k`` every rank allocates."""
-        k = -(-n // self.world)
-        lo = min(self.rank * k, n)
-        return lo, min(lo + k, n), k
 
 
 def resolve_group(process_group, owner: str):
@@ -164,13 +144,6 @@ def _who_has(values: list, limit: int = 200) -> str:
         ranks.setdefault(text if len(text) <= limit else text[:limit - 3] + "...", []).append(r)
     return head + ", ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} "
                             f"{'have' if len(rs) > 1 else 'has'} {text}" for text, rs in ranks.items())
-
-
-def shard_of(group) -> Shard:
-    if group is None:
-        return Shard()
-    import torch.distributed as dist
-    return Shard(rank=dist.get_rank(group), world=dist.get_world_size(group))
 
 
 _NODE_CORES: "list[int] | None" = None  # the cores of the process before any binding
