@@ -333,12 +333,13 @@ def test_a_rule_that_is_not_elementwise_sees_whole_parameters_only(kw):
                 for p in params:
                     p.sub_(0.05 * p.grad / p.grad.norm().clamp_min(1e-12))
                     p.grad = None
+        # (state_dict waits for the queued updates: the worker writes ``log`` as it runs them)
+        assert_params_close(engine.state_dict(), {n: p.detach().cpu() for n, p in ref_model.named_parameters()},
+                            rtol=1e-5)
         # every segment the rule got is one whole parameter, with its shape; each param once a step
         seen = [(cid, lo, hi, tuple(shape) if shape is not None else None) for cid, lo, hi, shape in log]
         assert set(seen) == whole and len(seen) == 3 * len(whole), (sorted(set(seen) - whole), len(seen))
         assert all(math.prod(shape) == hi - lo for _, lo, hi, shape in seen)
-        assert_params_close(engine.state_dict(), {n: p.detach().cpu() for n, p in ref_model.named_parameters()},
-                            rtol=1e-5)
     finally:
         engine.close()
 
