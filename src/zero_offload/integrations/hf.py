@@ -26,8 +26,8 @@ subclass overrides the Trainer's documented hooks only where the engine does the
   (``lr_scheduler_type``, warmup) drives the engine's param groups.
 - ``_wrap_model``: the model the Trainer calls is a small module whose forward is the engine's
   (the user's model is never moved to the GPU whole, nor wrapped by Accelerate).
-- ``training_step``: the Trainer's own step (loss, its accumulation scaling), with backward
-  done by the engine ([Note: accumulation windows]).
+- the Trainer's own ``training_step`` (loss, its accumulation scaling), with backward and
+  clipping done by the engine ([Note: the Trainer's accelerator], [Note: accumulation windows]).
 - ``save_model``, ``_save_optimizer_and_scheduler``, ``_load_optimizer_and_scheduler``,
   ``_load_from_checkpoint``: weights leave the engine chunk by chunk (``Engine.save_weights``;
   a PEFT model's adapters through ``PeftModel.save_pretrained``), and a checkpoint holds the
@@ -40,15 +40,24 @@ Trainer builds on it writes ``lr`` there, and the engine reads it when it queues
 as torch's AdamW reads its groups in ``step()``. Its ``step()`` does no work: the engine
 updated the parameters at the end of the window's last backward.
 
+[Note: the Trainer's accelerator] The Trainer runs backward and clipping through its own
+``Accelerator`` (``accelerator.backward(loss)`` in ``training_step``, ``accelerator.
+clip_grad_norm_`` in its loop; in transformers 4.x inline, in 5.x through ``_clip_grad_norm``).
+Once the engine exists, this trainer's accelerator has both as instance attributes that call
+the engine instead (``_engine_backward``, ``_engine_grad_norm``): one place that holds in every
+Trainer version, where overriding ``training_step`` or the loop would copy version-specific
+code (the loss's accumulation scaling, the clip's call site). The accelerator is the Trainer's
+own (``create_accelerator_and_postprocess``), made for this trainer alone.
+
 [Note: accumulation windows] The engine counts micro-batches itself (``grad_accum``); the
 Trainer says which micro-batch ends a window (``accelerator.sync_gradients``, set before each
 ``training_step``), and may end one early (the last window of an epoch with fewer batches than
-``gradient_accumulation_steps``). So ``training_step`` runs the engine's backward and then
+``gradient_accumulation_steps``). So the trainer's backward runs the engine's backward and then
 ``engine.step()`` after every micro-batch, and before the last backward of a short window it
 calls ``engine.step()`` once per missing micro-batch: an empty micro-batch (no grads), which
 moves the engine's window to its last position, so the backward that follows ends the window
 exactly where the Trainer does, with the grads it has. Clipping runs inside that last step
-(exact global norm), so the Trainer's ``_clip_grad_norm`` only reports the engine's norm.
+(exact global norm), so the Trainer's clip call only reports the engine's norm.
 
 Limits: ``fp16`` (the engine has its own loss scaler; use ``bf16`` or the engine directly),
 optimizers other than AdamW, ``model_init``, ``optimizers=``, DeepSpeed/FSDP arguments and
@@ -130,6 +139,9 @@ class ZeroOffloadTrainer(Trainer):
                                       param_groups=[{"params": no_decay, "weight_decay": 0.0}],
                                       device=args.device)
             self._module = _EngineModule(self._engine)
+            # [Note: the Trainer's accelerator]
+            self.accelerator.backward = self._engine_backward
+            self.accelerator.clip_grad_norm_ = self._engine_grad_norm
         return self._engine
 
     def _check_supported(self) -> None:
@@ -170,20 +182,10 @@ class ZeroOffloadTrainer(Trainer):
             self.optimizer = _EngineOptimizer(self._ensure_engine())
         return self.optimizer
 
-    # ---- a training step --------------------------------------------------------------------
-
-    def training_step(self, model, inputs, *args, **kwargs):
-        """The Trainer's step, with backward done by the engine; see [Note: accumulation
-        windows]."""
-        self._ensure_engine()
-        accelerator = self.accelerator
-        accelerator.backward = self._engine_backward  # shadows Accelerator.backward for this call
-        try:
-            return super().training_step(model, inputs, *args, **kwargs)
-        finally:
-            del accelerator.backward
+    # ---- a training step ([Note: the Trainer's accelerator]) -----------------------------------
 
     def _engine_backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """``accelerator.backward`` for this trainer; see [Note: accumulation windows]."""
         if kwargs:
             raise TypeError(f"ZeroOffloadTrainer: backward got {sorted(kwargs)}, which the engine "
                             f"does not take")
@@ -200,12 +202,10 @@ class ZeroOffloadTrainer(Trainer):
         engine.backward(loss)
         engine.step()
 
-    def _clip_grad_norm(self, model):
-        """Clipping ran in the engine's step (exact global norm); this reports its norm."""
+    def _engine_grad_norm(self, parameters=None, max_norm=None, norm_type=2):
+        """``accelerator.clip_grad_norm_`` for this trainer: clipping ran in the engine's step
+        (exact global norm); this returns that norm (None when no clipping asked for one)."""
         return self._engine.last_grad_norm
-
-    def _get_grad_norm(self, model, grad_norm=None):
-        return grad_norm
 
     # ---- saving and loading -----------------------------------------------------------------
 
