@@ -195,3 +195,20 @@ def test_resume_from_a_plain_checkpoint_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="holds no zero_offload/ engine checkpoint"):
         ours.train(resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-2"))
     ours.engine.close()
+
+
+def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path):
+    kw = dict(eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+              load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=False,
+              learning_rate=0.2)  # a rate that overshoots: the last checkpoint is not the best
+    ours = ZeroOffloadTrainer(model=model("llama"), args=arguments(tmp_path / "ours", **kw),
+                              train_dataset=dataset(14), eval_dataset=dataset(8, seed=2),
+                              offload_config=zo.OffloadConfig(**OFFLOAD))
+    ours.train()
+    best = ours.state.best_model_checkpoint
+    losses = {h["step"]: h["eval_loss"] for h in ours.state.log_history if "eval_loss" in h}
+    assert best.endswith(f"checkpoint-{min(losses, key=losses.get)}")
+    assert min(losses, key=losses.get) != ours.state.global_step, losses  # else nothing to restore
+    saved = transformers.AutoModelForCausalLM.from_pretrained(best)
+    assert_weights_close(ours.engine.state_dict(), params_of(saved), rtol=1e-6)
+    ours.engine.close()
