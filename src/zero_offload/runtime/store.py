@@ -42,7 +42,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping, NamedTuple, Protocol, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, Protocol, Sequence
 
 import psutil
 import torch
@@ -813,13 +813,17 @@ class ChunkStore:
             self._settle(copy)
             return copy.state
 
-    def bytes(self, tier: "Tier | str") -> int:
-        """Bytes the tier holds now, summed over the copy records."""
+    def bytes(self, tier: "Tier | str", *, cids: "Iterable[int] | None" = None) -> int:
+        """Bytes the tier holds now, summed over the copy records (of the chunks ``cids`` only,
+        when given: e.g. what a model's frozen chunks cost in host memory)."""
         tier = Tier.of(tier)
         with self._lock:
             for c in [c for c in self._held[tier] if c.state is Residency.EVICTING]:
                 self._settle(c)  # memory whose last reader finished is free again
-            return sum(c.nbytes for c in self._held[tier])
+            if cids is None:
+                return sum(c.nbytes for c in self._held[tier])
+            wanted = {self._chunk(cid).cid for cid in cids}  # (an unknown id raises)
+            return sum(c.nbytes for c in self._held[tier] if c.payload.cid in wanted)
 
     def set_budget(self, tier: "Tier | str", nbytes: int) -> None:
         """Change ``tier``'s budget (e.g. to what a placement plan needs). Refused below the bytes
