@@ -1,7 +1,9 @@
-"""runtime/chunk_group.py: the update segments and Adam arguments both front ends use."""
+"""runtime/chunk_group.py: the update segments and (runtime/update_rule.py) the Adam arguments
+both front ends use."""
 import torch
 
-from zero_offload.runtime.chunk_group import adam_args, update_segments
+from zero_offload.runtime.chunk_group import update_segments
+from zero_offload.runtime.update_rule import AdamRule
 
 
 def test_segments_merge_touching_ranges_of_equal_step_and_key():
@@ -14,7 +16,7 @@ def test_segments_merge_touching_ranges_of_equal_step_and_key():
 
 def test_adam_args_from_a_param_group_unwraps_a_tensor_lr():
     group = {"lr": torch.tensor(3e-3), "betas": (0.8, torch.tensor(0.95)), "eps": 1e-6, "weight_decay": 0.1}
-    a = adam_args(group, adamw=True, grad_scale=2.0)
+    a = AdamRule(adamw=True).args(group, grad_scale=2.0)
     assert type(a.lr) is float and abs(a.lr - 3e-3) < 1e-9
     assert a.betas == (0.8, float(torch.tensor(0.95))) and all(type(b) is float for b in a.betas)
     assert (a.eps, a.weight_decay, a.adamw, a.grad_scale) == (1e-6, 0.1, True, 2.0)

@@ -1,7 +1,7 @@
 """Parameters read outside the module holding them (issue 10: a tied head in the parent's forward
 trained on NaN): the engine records such reads on the first forward and fetches them with the
 reading module, so training equals plain torch; a read outside the engine raises, never computes
-with garbage. See [Note: external parameters] and [Note: parameter data] in engine.py."""
+with garbage. See [Note: external parameters] and [Note: parameter data] in param_guard.py."""
 import pytest
 import torch
 import torch.nn.functional as F

@@ -3,7 +3,7 @@ a zero-byte placeholder (``w * 2``, ``w.sum()``, ``print(w)``) read a null point
 the CPU, illegal address on CUDA). Now each parameter's class checks every torch call taking it:
 inside the engine the chunk is fetched on the spot, outside it the call raises naming the
 parameter. Crashing cases run in a subprocess, so a crash fails the test instead of pytest.
-See [Note: parameter data] in engine.py."""
+See [Note: parameter data] in param_guard.py."""
 import os
 import pathlib
 import subprocess
@@ -95,8 +95,9 @@ def _train_late(late: str, steps: int = 5, switch: int = 2) -> None:
         ref = Reference(model, SPEC)
         engine = zo.initialize(model, optimizer=SPEC, config=config(), device=DEVICE)
         slow = []
-        read_slow = engine._read_slow
-        engine._read_slow = lambda slot, chunk, func: (slow.append(slot.name), read_slow(slot, chunk, func))
+        guard = engine._guard  # param_guard.py: a read that must fetch takes its slow path
+        read_slow = guard._read_slow
+        guard._read_slow = lambda slot, chunk, func: (slow.append(slot.name), read_slow(slot, chunk, func))
         batches = ext.batches({steps})
         losses, ref_losses, late_reads = [], [], []
         for i, b in enumerate(batches):

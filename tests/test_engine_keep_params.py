@@ -1,5 +1,5 @@
 """Params copies are kept on the device from forward to backward when the GPU budget has room
-(engine.py, [Note: kept copies]): each step moves the params to the device about once, not
+(prefetch.py, [Note: holds]): each step moves the params to the device about once, not
 twice; a tight budget still pages them (and is never exceeded); training equals torch."""
 import zero_offload as zo
 from zero_offload.runtime.placement import window_bytes
@@ -14,7 +14,7 @@ def _run(gpu_budget=None, **kw):
     cfg = config(params="cpu", optimizer="cpu", prefetch_depth=1, **kw)
     if gpu_budget == "tight":
         probe = zo.initialize(micro_gpt(n_layer=4), optimizer=spec, config=cfg, device=DEVICE)
-        gpu_budget = window_bytes(probe.partition, cfg)
+        gpu_budget = window_bytes(probe.plan.request)
         probe.close()
     if gpu_budget is not None:
         cfg = cfg.replace(gpu_budget=gpu_budget)

@@ -111,7 +111,7 @@ def _apply_spec(engine, spec) -> None:
     """Set the optimizer hyperparameters of every param group to ``spec``'s: after
     ``load_checkpoint`` (which restores the saved ones) so that a resume's overrides take effect."""
     for group in engine.optimizer.param_groups:
-        group.update(lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps, weight_decay=spec.weight_decay)
+        group.update(spec.hyperparameters())
 
 
 class _StateFile(NamedTuple):

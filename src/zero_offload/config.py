@@ -25,8 +25,8 @@ import torch
 
 from .runtime.vocab import Placement, round_up
 
-__all__ = ["Adam", "AdamW", "DeepSpeedTranslation", "OffloadConfig", "Placement", "Precision", "load_config",
-           "parse_bytes", "translate_deepspeed"]
+__all__ = ["Adam", "AdamW", "DeepSpeedTranslation", "OffloadConfig", "OptimizerSpec", "Placement", "Precision",
+           "load_config", "parse_bytes", "translate_deepspeed"]
 
 Budget = Union[int, str]
 """A tier budget: bytes as an int, or "auto" (the store sizes it from free memory)."""
@@ -153,7 +153,27 @@ def _from_mapping(cls, d: Mapping[str, Any]):
 # ---------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, kw_only=True)
-class Adam:
+class OptimizerSpec:
+    """What ``initialize(optimizer=...)`` takes: an optimizer's hyperparameters (fields of a
+    frozen dataclass, so ``dataclasses.replace`` checks a param group's overrides) and the update
+    rule that runs them (runtime/update_rule.py, [Note: update rules]). A new optimizer is a
+    subclass with its fields and these three methods, and its rule."""
+
+    def rule(self, config: "OffloadConfig"):
+        """The ``UpdateRule`` of this spec under ``config`` (e.g. its moments dtype)."""
+        raise NotImplementedError(f"{type(self).__name__} names no update rule")
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """The defaults of a param group: the rule's ``hyper_keys`` -> this spec's values."""
+        raise NotImplementedError(f"{type(self).__name__} has no hyperparameters")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Field values plus ``"type"`` (checkpoints and the ranks' agreement record it)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be written down")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Adam(OptimizerSpec):
     """Adam hyperparameters, ``torch.optim.Adam`` semantics: ``weight_decay`` is an L2 penalty
     added to the gradient (``grad += weight_decay * param``) before the moments are updated.
 
@@ -184,6 +204,13 @@ class Adam:
     def adamw(self) -> bool:
         """True when weight decay is decoupled (AdamW), False for L2 (Adam)."""
         return False
+
+    def rule(self, config: "OffloadConfig"):
+        from .runtime.update_rule import AdamRule
+        return AdamRule(adamw=self.adamw, moments_dtype=config.moments_dtype)
+
+    def hyperparameters(self) -> dict[str, Any]:
+        return {"lr": self.lr, "betas": tuple(self.betas), "eps": self.eps, "weight_decay": self.weight_decay}
 
     def to_dict(self) -> dict[str, Any]:
         """Field values plus ``"type"`` ("adam" | "adamw"); ``spec_from_dict`` reads it back."""

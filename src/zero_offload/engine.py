@@ -11,53 +11,18 @@ Usage::
         engine.step()              # clip / update / advance the lr schedule (every grad_accum calls)
 
 Ownership, outer to inner (docs/internals.md): ``Engine`` owns a ``Partition`` (which parameter
-lives where), a ``ChunkStore`` (bytes and tiers), a ``Prefetcher`` for the working params and a
-``ChunkGroup`` (updates, over the CPU-Adam worker). It keeps one ``_Chunk`` per chunk and one
+lives where), a ``ChunkStore`` (bytes and tiers), a ``Prefetcher`` for the working params (which
+also decides what stays on the device: [Note: holds] there), a ``ParamGuard`` (param_guard.py) and
+a ``ChunkGroup`` (updates, over the CPU-Adam worker). It keeps one ``_Chunk`` per chunk and one
 ``_ModuleRecord`` per module that holds parameters directly or reads other modules' ones
 ([Note: external parameters]). It writes nothing onto the user's modules or parameters but
-``param.data``, the class of a parameter holding its placeholder ([Note: parameter data]) and its
-hooks, all undone by ``close``.
+``param.data``, the class of a parameter holding its placeholder and its hooks, all undone by
+``close``.
 
-[Note: parameter data] While a chunk is in use on the compute device, each of its parameters'
-``.data`` is a view of the chunk's device buffer (working dtype). Otherwise ``.data`` is the
-parameter's placeholder: a tensor of its shape, the working dtype and the compute device whose
-storage has zero bytes (as FSDP2 frees unsharded parameters), so ``shape``, ``numel``, ``dtype``
-and ``device`` stay meaningful. Torch does not check every read of such a tensor (``w * x``,
-``w.sum()``, ``print(w)`` read a null pointer: a segfault on the CPU, an illegal address on
-CUDA), so a parameter holding its placeholder has the class ``_PagedParameter`` (a per-engine
-subclass of its own class: identity, ``isinstance``, hooks and grads unchanged), whose
-``__torch_function__`` sees every torch call taking it. Metadata calls (``_METADATA_CALLS``)
-pass; any other reaches ``Engine._guard_read``: in forward or backward (any thread) the chunk is
-fetched on the spot (a forward read is recorded as in [Note: external parameters] and held until
-the forward ends; a backward read, e.g. a custom Function's ``ctx.weight``, until backward ends);
-idle, it raises naming the parameter and the fix (``engine.gathered()``, ``state_dict()``,
-``close()``), as do ``p.data``, ``state_dict()``'s ``detach`` and pickling. The call itself runs
-with subclass dispatch off, so outputs are plain tensors. A materialized chunk's parameters get
-their own class back (``_materialize``; ``_release`` guards them again), so reads of real values
-pay nothing per op (the subclass path costs tens of µs per ``F.linear`` on the CPU), except in a
-recording forward, where every parameter stays guarded. ``close()`` restores each class once the
-values are back; if they cannot be read, the parameters stay guarded and raise.
-
-[Note: external parameters] Module hooks fetch the chunks of the parameters a module holds
-directly, but models read parameters elsewhere too: a parent's ``F.linear(x, self.tok.weight)``
-(tied head), a parameter handed to a custom ``autograd.Function``, a weight shared by two
-modules. The first forward with grad enabled records them: every parameter is guarded and
-temporary hooks on every module keep a call stack (``_ReadFrame``; the root is always on it); a
-read of a parameter whose chunk no module on that stack holds holds the chunk until the innermost
-module's forward ends and is recorded as that module's *external* read. When the forward ends,
-each such module's ``_ModuleRecord`` gets the parameter and its chunk: later forwards hold it in
-that module's pre-forward, backward holds it with the module's backward token, and its grad is
-``expect``ed like the module's own (modules without parameters get a record and hooks then). In
-the recording pass, backward reaches such chunks through saved views (held until backward ends).
-A read first seen later (a branch taken on step 3) meets a guarded placeholder and is fetched and
-recorded the same way, on the innermost running module that has a record (else the root);
-``engine.record_reads()`` makes the next forward record with the exact call stack again.
-
-[Note: saved parameter views] Autograd may save views of parameters for backward (``linear``
-saves ``weight.t()``), which would keep a released chunk's device buffer alive. While the engine
-runs forward, a ``saved_tensors_hooks`` pair replaces a saved tensor living in a chunk's device
-buffer by a small ``_SavedParamView`` (chunk, offset, size, stride), rebuilt in backward from
-the buffer current then (the pre-backward hook fetched the chunk again).
+The param guard owns what the parameters hold and how their reads are answered: [Note: parameter
+data] (a placeholder, guarded, while a chunk is off the device), [Note: external parameters]
+(reads outside the module holding the parameter, recorded; the engine's ``_ModuleRecord``s hold
+them) and [Note: saved parameter views], all in param_guard.py.
 
 [Note: backward hooks] Per module call with grad enabled, the pre-forward hook wraps the module's
 input tensors in ``_PostBackward`` (whose backward runs after the module's backward) and the
@@ -67,25 +32,25 @@ module's chunks for backward, the first lets them go. Chunks whose post-backward
 backward only once every grad it expects this pass has landed (``_Chunk.awaiting``): the
 AccumulateGrad of a parameter may run after its module's post-backward and needs its real data.
 
-[Note: parked chunks] Consecutive modules mostly share a chunk; releasing it when one module's
-forward ends would page it out and in again per module (two thirds of a 350M GPT's forward, when
-measured). So a chunk nobody holds stays on the device, views intact, in a list of
-``PARKED_CHUNKS``; the oldest is released when the list overflows, and all are released when
-backward ends and before a step queues updates (an update makes the device copy stale). Parked
-chunks stay pinned in the store and count in the working window (placement.py).
+Device residency ([Note: holds] in runtime/prefetch.py): the engine only holds a chunk (module
+calls, backward, reads of the guard) and lets it go (``_hold``/``_unhold``); the prefetcher decides
+when it is mapped (``_materialize``) and let go (``_unmap``): chunks nobody holds stay parked on
+the device, and a copy let go in a forward with grad enabled is kept for backward, within
+``placement.keep_limit``. ``_release_idle`` (end of backward, before a step's updates, idle) lets
+every chunk nobody holds go and drops the kept copies.
 
-[Note: kept copies] Forward and backward use every chunk once each, so releasing a chunk after
-its forward use fetches the params twice per step. When the GPU budget has room
-(``placement.keep_limit``: at most half of it, never the working window), a chunk released in a
-forward with grad enabled is only unpinned (``Prefetcher.release(keep=True)``): its copy stays
-valid for backward, and a tier needing room evicts by the prefetcher's farthest-next-use policy.
-A release in backward drops the copy, and ``_release_idle`` (end of backward, before a step's
-updates, idle) drops every kept copy not in use, so none outlives the update that makes it stale.
-A budget that only fits the working window keeps nothing.
+[Note: failed calls] torch runs a module's post-forward hook (``always_call``) also when the call
+raised before its forward ran: in a user's pre-hook registered before ``initialize`` (it runs
+before the engine's), or in the engine's own pre-forward (a fetch failed). A model may catch that
+and go on (an optional branch). So the pre-forward pushes the call on ``_call_stack`` before it
+holds anything and counts the chunks it holds; the post-forward lets go only those, and does
+nothing when the innermost call is not its module's (its pre-forward never ran). Letting go of
+chunks never held left a chunk on the device across an update (stale params in the next step).
 
 [Note: lock order] Two threads use the store: the caller's (forward, backward hooks) and the
-CPU-Adam worker. Each takes the prefetcher's lock before the store's, and the store's eviction
-policy queries the prefetcher without its lock (prefetch.py, [Note: lock order]).
+CPU-Adam worker. The caller takes the engine's lock, then the prefetcher's (holds, then
+look-ahead), then the store's; the worker the prefetcher's look-ahead lock, then the store's; the
+store's eviction policy queries the prefetcher without its lock (prefetch.py, [Note: lock order]).
 
 [Note: fetch on completion] The params look-ahead stops at the first chunk whose CPU update is
 queued or running (its bytes are about to change). Left at that, the next forward would run
@@ -95,7 +60,8 @@ prefetcher (``Prefetcher.chunk_ready``) re-issues its look-ahead from the consum
 the chunk's copy starts the moment its update ends, if it is within the window (``prefetch_depth``
 uses ahead, within the GPU budget). The worker takes the prefetcher's lock, then the store's (as
 in [Note: lock order]), holding no pipeline lock. On CUDA the copy is queued behind what the
-compute stream (captured at the last ``forward``) has issued; nothing synchronises the host.
+compute stream (``Prefetcher.set_stream`` at each ``forward``) has issued; nothing synchronises
+the host.
 
 [Note: exact step] Clipping by the global norm and the fp16 overflow check need every grad before
 any update. As grads land, the worker adds up their sums of squares; ``step()`` then decides
@@ -145,13 +111,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import functools
-import itertools
-import linecache
 import math
 import os
-import re
 import sys
 import threading
 import time
@@ -165,19 +127,20 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .config import PER_RANK_FIELDS, Adam, OffloadConfig, load_config
+from .config import PER_RANK_FIELDS, OffloadConfig, OptimizerSpec, load_config
 from .mixed_precision import LossScaler, cast_inputs
 from .distributed import (Shard, all_gather, all_reduce, available_cores, bind_to_cores, check_ranks_agree,
                           collective, rank_cores, reduce_scatter_mean, resolve_group, shard_of,
                           start_default_group, threads_per_rank)
 from .initial_values import InitialValues, set_values
+from .param_guard import PHASES, ParamGuard, Phase
 from .runtime.chunk_group import ChunkGroup, GroupChunk, GroupSlot
-from .runtime.partition import ChunkLayout, ParamSlot, Partition, partition_parameters
+from .runtime.partition import ChunkLayout, ParamSlot, Partition, partition_parameters, update_spans
 from .runtime.pipeline import PipelinePayloads, StepPipeline
-from .runtime.placement import (PARKED_CHUNKS, FitError, PlacementPlan, keep_limit, optimizer_payloads,
-                                payload_dtypes, plan_placement)
-from .runtime.prefetch import Prefetcher
-from .runtime.store import ChunkStore, Handle, Hop, PayloadSpec, StoreConfig, Tier
+from .runtime.placement import (PARKED_CHUNKS, ChunkNeed, PlacementPlan, PlacementRequest, chunk_payloads,
+                                keep_limit, local_ranks, plan_placement, rank_budgets)
+from .runtime.prefetch import Consumer, Prefetcher
+from .runtime.store import ChunkStore, Handle, Hop, StoreConfig, Tier
 from .runtime.trace import StatsWindow, Trace
 
 __all__ = ["Engine", "EngineStats", "Phase", "initialize"]
@@ -191,41 +154,21 @@ def _range(name: str):
 
 
 # --------------------------------------------------------------------------------------------
-# Phase
-
-
-class Phase(enum.Enum):
-    """What the engine is doing; ``_PHASES`` lists the legal moves."""
-
-    IDLE = "idle"
-    FORWARD = "forward"    # inside engine(...)
-    BACKWARD = "backward"  # between the first backward hook and the end of backward
-
-
-_PHASES = {
-    Phase.IDLE: frozenset({Phase.FORWARD, Phase.BACKWARD}),
-    Phase.FORWARD: frozenset({Phase.IDLE}),
-    Phase.BACKWARD: frozenset({Phase.IDLE}),
-}
-
-
-# --------------------------------------------------------------------------------------------
 # Records
 
 
 @dataclass(eq=False)
 class _Chunk:
-    """Engine-side state of one chunk: its residency on the compute device and the grads of the
-    backward in flight. Its update, steps and window are the chunk group's (``g``)."""
+    """Engine-side state of one chunk: the device buffer its params point into and the grads of
+    the backward in flight. Whether it is on the device is the prefetcher's ([Note: holds]); its
+    update, steps and window are the chunk group's (``g``)."""
 
     layout: ChunkLayout
     g: GroupChunk
     gslots: dict
     """ParamSlot -> its GroupSlot in ``g`` (trainable chunks)."""
-    holds: int = 0
-    """Users needing the params on the device now (module calls, backward, saved views)."""
     buffer: Optional[torch.Tensor] = None
-    """The device buffer the params point into while held (see [Note: parameter data])."""
+    """The device buffer the params point into while mapped (see [Note: parameter data])."""
     expected: set = field(default_factory=set)
     """Slots used with grad enabled since the last backward: their grads are expected."""
     landed: set = field(default_factory=set)
@@ -292,108 +235,20 @@ class _ModuleRecord:
     """Slots of other modules' parameters this module's forward reads (recorded)."""
 
 
-@dataclass(eq=False)
-class _ReadFrame:
-    """One module call while reads are recorded; see [Note: external parameters]."""
-
-    module: nn.Module
-    covers: frozenset
-    """Slots the module's hooks hold and expect during this call (own and recorded external)."""
-    grad: bool
-    """Grad mode at the call (a read's grad is expected only then)."""
-    read: set = field(default_factory=set)
-    """Slots recorded as external reads of this call."""
-    held: list = field(default_factory=list)
-    """Chunks held for those reads (let go when the call ends)."""
-
-
-def _metadata_calls() -> frozenset:
-    """Torch calls on a tensor that neither read nor hand out its values: property getters and
-    setters of metadata (``data``'s setter, not its getter), shape queries, hook registration."""
-    getters = ("shape", "dtype", "device", "layout", "requires_grad", "is_leaf", "grad", "_grad",
-               "grad_fn", "_grad_fn", "ndim", "is_cuda", "is_cpu", "is_meta", "is_sparse",
-               "is_sparse_csr", "is_quantized", "is_mkldnn", "is_nested", "is_xpu", "is_mps",
-               "_version", "output_nr", "retains_grad", "name", "itemsize", "nbytes",
-               "_backward_hooks", "_post_accumulate_grad_hooks")
-    setters = ("data", "grad", "_grad", "requires_grad", "name", "_backward_hooks",
-               "_post_accumulate_grad_hooks")
-    methods = ("size", "dim", "numel", "nelement", "stride", "storage_offset", "is_contiguous",
-               "element_size", "is_floating_point", "is_complex", "is_signed", "get_device",
-               "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
-               "__hash__", "__len__", "data_ptr", "untyped_storage", "is_pinned", "is_shared",
-               "_is_view")
-    t = torch.Tensor
-    out = {getattr(t, n).__get__ for n in getters if hasattr(t, n)}
-    out |= {getattr(t, n).__set__ for n in setters if hasattr(t, n)}
-    out |= {getattr(t, n) for n in methods if hasattr(t, n)}
-    return frozenset(out)
-
-
-_METADATA_CALLS = _metadata_calls()
-"""Calls ``_PagedParameter`` lets through without a check; see [Note: parameter data]."""
-
-
-def _call_name(func) -> str:
-    """``torch.Tensor.sum``, ``.data`` (a property) or ``F.linear`` as the user wrote it."""
-    name = getattr(func, "__name__", repr(func))
-    if name in ("__get__", "__set__"):
-        return f".{getattr(getattr(func, '__self__', None), '__name__', '?')}"
-    return name
-
-
-def _tensor_args(args, kwargs) -> Iterator:
-    """The arguments torch's dispatch looks at: positional and keyword ones, and the items of a
-    list/tuple among them (tensor lists: ``torch.cat``, ``_foreach_*``)."""
-    for a in itertools.chain(args, kwargs.values()):
-        if type(a) in (list, tuple):
-            yield from a
-        else:
-            yield a
-
-
-class _PagedParameter(nn.Parameter):
-    """The class of a managed parameter while an engine holds it (the per-engine subclass made
-    by ``Engine._guard_class`` carries ``_engine``); see [Note: parameter data]."""
-
-    _engine: Callable = staticmethod(lambda: None)
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if kwargs is None:
-            kwargs = {}
-        if func not in _METADATA_CALLS:
-            for a in _tensor_args(args, kwargs):
-                if isinstance(a, _PagedParameter):
-                    engine = type(a)._engine()
-                    if engine is None:
-                        raise RuntimeError(
-                            "this parameter's values were held by a zero_offload engine that was "
-                            "dropped without close(), so they are lost; call engine.close() (or "
-                            "use `with zo.initialize(...) as engine:`) to write them back")
-                    engine._guard_read(a, func)
-        with torch._C.DisableTorchFunctionSubclass():
-            if func is torch.Tensor.__repr__:  # print as the plain parameter it stands for
-                t = args[0]
-                return repr(t.detach().requires_grad_(t.requires_grad))
-            return func(*args, **kwargs)
-
-
-_UNREADABLE_MARKERS = ("for storage of size 0", "data is not allocated yet",
-                       "tensor with unallocated storage")
-"""torch's messages for a read of a zero-byte placeholder; see [Note: parameter data]."""
-
-
-def _unreadable(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor with a parameter's metadata and a storage of zero bytes (allocated once at full
-    size and freed: the caching allocator reuses the block)."""
-    t = torch.empty(shape, dtype=dtype, device=device)
-    t.untyped_storage().resize_(0)
-    return t
-
-
 _OPEN_ENGINES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 """Every module of a model an open engine manages -> that engine (weakly): initialize refuses
 a model, or a model containing or inside one, that an open engine holds."""
+
+
+@dataclass(eq=False)
+class _Call:
+    """One running module call: what its pre-forward took ([Note: failed calls])."""
+
+    record: _ModuleRecord
+    held: int = 0
+    """How many of ``record.chunks`` (in order) it holds: all, unless a fetch raised."""
+    token: Optional["_BackwardToken"] = None
+    """Grad enabled: the call's backward token."""
 
 
 @dataclass(eq=False)
@@ -403,16 +258,6 @@ class _BackwardToken:
     record: _ModuleRecord
     held: bool = False
     done: bool = False
-
-
-@dataclass(frozen=True)
-class _SavedParamView:
-    """A saved tensor that lives in a chunk's device buffer; see [Note: saved parameter views]."""
-
-    chunk: _Chunk
-    offset: int
-    size: torch.Size
-    stride: tuple
 
 
 class _PostBackward(torch.autograd.Function):
@@ -471,7 +316,7 @@ class EngineStats:
 # The engine
 
 
-def initialize(model: nn.Module, *, optimizer: Optional[Adam] = None,
+def initialize(model: nn.Module, *, optimizer: Optional[OptimizerSpec] = None,
                config: Any = None, lr_scheduler: Optional[Callable] = None,
                device: "str | torch.device | None" = None,
                param_groups: Optional[Sequence[dict]] = None, process_group: Any = "auto",
@@ -494,8 +339,9 @@ def initialize(model: nn.Module, *, optimizer: Optional[Adam] = None,
         device: compute device (default: CUDA when available, else the CPU).
         param_groups: groups of parameters with their own hyperparameters, as torch optimizers
             take them: ``[{"params": [...], "weight_decay": 0.0}, ...]``. ``params`` lists
-            ``nn.Parameter`` objects of ``model`` or their names; a group may set ``lr``,
-            ``betas``, ``eps``, ``weight_decay``. Every trainable parameter not listed is in the
+            ``nn.Parameter`` objects of ``model`` or their names; a group may set the spec's
+            hyperparameters (Adam/AdamW: ``lr``, ``betas``, ``eps``, ``weight_decay``; the update
+            rule's ``hyper_keys``). Every trainable parameter not listed is in the
             default group (group 0: the ``optimizer`` spec's values); ``engine.optimizer``'s
             ``param_groups`` are group 0 followed by these, in order, so an lr scheduler can
             drive each (e.g. ``LambdaLR`` with one function per group).
@@ -520,7 +366,7 @@ def initialize(model: nn.Module, *, optimizer: Optional[Adam] = None,
 class Engine:
     """See the module docstring and ``initialize``."""
 
-    def __init__(self, model: nn.Module, *, optimizer: Optional[Adam] = None, config: Any = None,
+    def __init__(self, model: nn.Module, *, optimizer: Optional[OptimizerSpec] = None, config: Any = None,
                  lr_scheduler: Optional[Callable] = None, device=None,
                  param_groups: Optional[Sequence[dict]] = None, process_group: Any = "auto",
                  init: Optional[Callable[[str, torch.Tensor], None]] = None, weights: Any = None):
@@ -529,13 +375,18 @@ class Engine:
         _check_not_managed(model)
         cfg, spec = _resolve_config(config, optimizer)
         self.config: OffloadConfig = cfg
-        self.spec: Adam = spec
+        self.spec: OptimizerSpec = spec
+        self.rule = spec.rule(cfg)
+        """The update rule (runtime/update_rule.py) the spec runs under this config."""
         self.module = model
         if process_group == "auto":  # under a launcher without a group: start it
             _announce(start_default_group("zero_offload.initialize", _rank_device(device, ranked=True),
                                           fix="call torch.distributed.init_process_group() first, or "
                                               "pass process_group=None to train this process alone"))
         self._pg = resolve_group(process_group, "initialize")
+        if self._pg is not None and not self.rule.elementwise:
+            raise ValueError(f"initialize: {self.rule.name} updates whole parameters, and data-parallel "
+                             f"shards cut them; train it on one rank (process_group=None)")
         self.shard: Shard = shard_of(self._pg)
         """This rank's place in the data-parallel group (rank 0 of 1 without one)."""
         self.device = _rank_device(device, ranked=self._pg is not None)
@@ -560,7 +411,7 @@ class Engine:
             raise ValueError("the model has no trainable parameter (requires_grad=True); the engine "
                              "trains parameters. Unfreeze some, or run inference without the engine")
         self._group_overrides, self._slot_group = _resolve_groups(param_groups, model, self.partition,
-                                                                  spec)
+                                                                  spec, self.rule.hyper_keys)
         if self._pg is not None:  # before anything is allocated: a difference raises on every rank
             check_ranks_agree("zero_offload.initialize", self._rank_settings(), self._pg,
                               device=self._comm_device)
@@ -574,43 +425,32 @@ class Engine:
                 nvme_dir = prepare_swap_dir(os.path.join(nvme_dir, f"rank{self.shard.rank}"),
                                             name="OffloadConfig.nvme_dir")
             free_stale_spaces(nvme_dir)  # dead runs' spaces: before the free space is measured
-        store_budgets = {Tier.GPU: cfg.gpu_budget, Tier.CPU: cfg.cpu_budget,
-                         Tier.NVME: cfg.nvme_budget if nvme_dir is not None else 0}
+        # grad_sync="final": the window's fp32 sum of each whole chunk's grads on the device.
+        self._final_sync = cfg.grad_accum > 1 and not cfg.host_accum
+        # Placement sees the shards this rank holds ([Note: data parallel]) and this rank's
+        # share of the node's budgets; the plan refuses what does not fit, before anything is
+        # allocated.
+        budgets = rank_budgets(
+            {Tier.GPU: cfg.gpu_budget, Tier.CPU: cfg.cpu_budget, Tier.NVME: cfg.nvme_budget},
+            device=self.device, nvme_dir=nvme_dir, local_ranks=local_ranks() if self._pg else 1,
+            freed_host=_handed_over(self.partition))  # the model's own host copy is freed as chunks fill
+        self.plan: PlacementPlan = plan_placement(PlacementRequest(
+            chunks=tuple(ChunkNeed(numel=self.shard.span(c.numel)[2], dtype=self.dtype, trainable=c.trainable,
+                                   shapes=() if self.rule.elementwise else tuple(s.shape for s in c.slots))
+                         for c in self.partition.chunks),  # (a rule that is not elementwise: one rank, whole chunks)
+            budgets=budgets, params=cfg.params, optimizer=cfg.optimizer, rule=self.rule,
+            accum=cfg.host_accum, nvme_dir=cfg.nvme_dir, prefetch_depth=cfg.prefetch_depth,
+            reserve=cfg.activation_reserve, gpu_optimizer=self._pg is None,
+            fp32_grads_window=self._final_sync, ranks=self.shard.world,
+            replicas=self._pg is not None and cfg.params == "gpu"))
+        # The swap file is preallocated to the NVMe budget: exactly what the plan needs (each
+        # payload's slot rounded up to 4096, as the plan counts it).
+        store_budgets = {**budgets.as_dict(), Tier.NVME: self.plan.need[Tier.NVME]}
         self.store = ChunkStore(StoreConfig(device=self.device, budgets=store_budgets,
                                             nvme_dir=nvme_dir, io_threads=cfg.io_threads,
                                             io_block_size=cfg.io_block_size,
                                             io_queue_depth=cfg.io_queue_depth))
         try:
-            local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)) if self._pg else 1
-            if nvme_dir is not None and cfg.nvme_budget == "auto":
-                # Free space less a small reserve, with no cap (the store caps its own "auto": its
-                # swap file is preallocated to the budget); the swap file is sized to the plan below.
-                from .runtime.swap_io import auto_nvme_budget
-                self.store.set_budget(Tier.NVME, auto_nvme_budget(nvme_dir) // local_ranks)
-            for tier, value in store_budgets.items():  # "auto": this rank's share of the node's
-                if value == "auto" and local_ranks > 1 and tier is not Tier.NVME \
-                        and not (tier is Tier.GPU and self.device.type == "cuda"):
-                    self.store.set_budget(tier, self.store.budgets[tier] // local_ranks)
-            if cfg.cpu_budget == "auto":  # the model's own host copy is freed as the chunks fill
-                self.store.set_budget(Tier.CPU, self.store.budgets[Tier.CPU] + _handed_over(self.partition))
-            # Placement sees the shards this rank holds ([Note: data parallel]).
-            placed = dataclasses.replace(self.partition, chunks=tuple(
-                dataclasses.replace(c, numel=self.shard.span(c.numel)[2]) for c in self.partition.chunks))
-            # grad_sync="final": the window's fp32 sum of each whole chunk's grads on the device.
-            self._final_sync = cfg.grad_accum > 1 and not cfg.host_accum
-            window = (4 * sum(self.shard.span(c.numel)[2] * self.shard.world
-                              for c in self.partition.chunks if c.trainable)
-                      if self._final_sync else 0)
-            self.plan: PlacementPlan = plan_placement(placed, cfg, self.store.budgets,
-                                                      has_nvme=cfg.nvme_dir is not None,
-                                                      gpu_optimizer=self._pg is None, gpu_extra=window)
-            if self._pg is not None and cfg.params == "gpu":
-                _check_replicas(self.partition, self.plan, self.store.budgets[Tier.GPU], self.dtype,
-                                self.shard)
-            if nvme_dir is not None:
-                # The swap file is preallocated to the NVMe budget: exactly what the plan needs
-                # (each payload's slot rounded up to 4096, as the plan counts it).
-                self.store.set_budget(Tier.NVME, self.plan.need[Tier.NVME])
             self._build(lr_scheduler)
         except BaseException:
             if getattr(self, "group", None) is not None:
@@ -620,15 +460,7 @@ class Engine:
         ref = weakref.ref(self)
         for m in model.modules():
             _OPEN_ENGINES[m] = ref
-        # See [Note: parameter data]: from here on every torch call reading a param is checked.
-        self._classes = tuple(type(s.param) for s in self.partition.slots)
-        guards: dict = {}
-        for cls in self._classes:
-            if cls not in guards:
-                name = "_PagedParameter" if cls is nn.Parameter else f"_Paged{cls.__name__}"
-                guards[cls] = type(name, (_PagedParameter, cls), {"_engine": ref})
-        self._guards = tuple(guards[cls] for cls in self._classes)
-        self._guard_all()
+        self._guard.install()  # from here on every torch call reading a param is checked
 
     # ---- construction -----------------------------------------------------------------------
 
@@ -662,11 +494,15 @@ class Engine:
         self._empty_origins = tuple((p, _home_of(p), p.dtype) for _, p in self.partition.empty)
         self._buffer_origins = tuple((m, name, _home_of(b)) for m in self.module.modules()
                                      for name, b in m._buffers.items() if b is not None)
-        # See [Note: parameter data]; indexed by slot index.
-        self._placeholders = tuple(_unreadable(s.shape, self.dtype, self.device)
-                                   for s in self.partition.slots)
+        self._call_stack: list[_Call] = []  # the running module calls, innermost last
+        self._records: dict = {}  # module -> its _ModuleRecord
+        self._guard = ParamGuard(  # see param_guard.py; the placeholders exist from here on
+            self.module, self.partition, self._chunks, device=self.device, dtype=self.dtype,
+            lock=self._lock, phase=lambda: self._phase, hold=self._hold, unhold=self._unhold,
+            innermost=lambda: self._call_stack[-1].record.module if self._call_stack else self.module,
+            covers=self._covers)
         # The scheduler factory runs before the weights move, so its errors change nothing.
-        self.optimizer = _HyperParams(self.spec, self._group_overrides)
+        self.optimizer = _HyperParams(self.spec.hyperparameters(), self._group_overrides)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         if self.lr_scheduler is not None and not callable(getattr(self.lr_scheduler, "step", None)):
             raise TypeError(f"lr_scheduler(optimizer) returned {type(self.lr_scheduler).__name__}, "
@@ -678,8 +514,7 @@ class Engine:
         payloads = PipelinePayloads(master="master" if lowp else "params",
                                     lowp="params" if lowp else None,
                                     accum="accum" if cfg.host_accum else None)
-        self._compute_stream = None  # CUDA stream of the last forward; see [Note: fetch on completion]
-        self.group = ChunkGroup(self.store, hyper=self.optimizer, adamw=self.spec.adamw,
+        self.group = ChunkGroup(self.store, hyper=self.optimizer, rule=self.rule,
                                 payloads=payloads, grad_accum=cfg.grad_accum if cfg.host_accum else 1,
                                 owner="engine",
                                 prefetch_depth=cfg.prefetch_depth,
@@ -704,8 +539,13 @@ class Engine:
                 if b is not None:
                     m._buffers[bname] = b.to(self.device)
 
-        self.prefetcher = Prefetcher(self.store, depth=cfg.prefetch_depth, hops=[("params", Tier.GPU)],
-                                     ready=lambda cid: not self.group.busy(cid))
+        self.prefetcher = Prefetcher(  # [Note: holds]: it decides what is on the device when
+            self.store, depth=cfg.prefetch_depth, hops=[("params", Tier.GPU)],
+            ready=lambda cid: not self.group.busy(cid), park=PARKED_CHUNKS,
+            keep_limit=keep_limit(self.plan.request),
+            consumer=Consumer(map=self._materialize, unmap=self._unmap,
+                              busy=lambda cid: self._phase is Phase.BACKWARD and bool(self._chunks[cid].awaiting),
+                              reuse=lambda: self._phase is Phase.FORWARD and torch.is_grad_enabled()))
 
         self.scaler = LossScaler.from_config(cfg)
         self._overlap = cfg.overlap and cfg.grad_clip is None and self.scaler is None
@@ -715,12 +555,6 @@ class Engine:
         self.skipped_steps = 0
         self._micro = 0
         self._tokens: list[_BackwardToken] = []
-        self._call_stack: list = []
-        self._transient: list[_Chunk] = []
-        self._parked: list[_Chunk] = []  # see [Note: parked chunks]
-        self._kept: dict[int, _Chunk] = {}  # cid -> chunk whose device copy was kept; [Note: kept copies]
-        self._keep_limit = keep_limit(self.partition, cfg, self.store.budgets[Tier.GPU])
-        self._live: dict[int, _Chunk] = {}  # device-buffer storage address -> chunk (held ones)
         # [Note: collectives ahead]: all-gathers issued ahead (cid -> (buffer, work)), the stream
         # the grads' reduce-scatters are waited on before they go to the host (NCCL only).
         self._gathers: dict[int, tuple] = {}
@@ -732,15 +566,7 @@ class Engine:
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._window = StatsWindow(self._counters)
 
-        # See [Note: external parameters].
-        self._recorded = False
-        self._read_frames: list[_ReadFrame] = []
-        self._reads: dict = {}  # module -> {slot: None} read outside its owners in this forward
-        self._forward_holds: list[_Chunk] = []  # chunks held for such reads until forward ends
-        self._gathering = False  # inside gathered(): the params hold CPU copies
-
         self._hook_handles = []
-        self._records: dict = {}  # module -> its _ModuleRecord
         for m in self.module.modules():
             slots = self.partition.module_slots(m)
             if not slots:
@@ -761,26 +587,17 @@ class Engine:
             functools.partial(self._post_forward, rec), with_kwargs=True, always_call=True))
 
     def _add_chunk(self, layout: ChunkLayout, homes) -> _Chunk:
-        lo, hi, k = self.shard.span(layout.numel)
-        dtypes = payload_dtypes(layout, self.config)
-        opt = optimizer_payloads(self.config)
-        specs = {}
-        for name, dt in dtypes.items():
-            if name == "params":
-                home = homes.params
-            elif name in opt or (name in ("accum", "grads") and homes.optimizer is Tier.GPU):
-                home = homes.optimizer  # (the GPU share keeps its grads and accumulation there too)
-            else:
-                home = Tier.CPU  # grads, accum
-            specs[name] = PayloadSpec(numel=k, dtype=dt, home=home)
-        slots = layout.slots
+        lo, hi, _ = self.shard.span(layout.numel)
+        specs = chunk_payloads(self.plan.request, self.plan.request.chunks[layout.index], homes)
         gslots = {}
-        if layout.trainable:  # each slot's update covers its padding, up to the next slot
-            stops = [s.offset for s in slots[1:]] + [layout.numel]
-            for s, stop in zip(slots, stops):
-                a, b = max(s.offset, lo), min(stop, hi)  # this rank's part ([Note: data parallel])
+        if layout.trainable:  # an elementwise rule's update covers the padding up to the next slot
+            spans = update_spans(layout, align_to_params=not self.rule.elementwise)
+            for s, (start, stop) in zip(layout.slots, spans):
+                a, b = max(start, lo), min(stop, hi)  # this rank's part ([Note: data parallel])
                 if a < b:
-                    gslots[s] = GroupSlot(offset=a - lo, stop=b - lo, group=self._slot_group.get(s.index, 0))
+                    whole = (a, b) == (s.offset, s.end)
+                    gslots[s] = GroupSlot(offset=a - lo, stop=b - lo, group=self._slot_group.get(s.index, 0),
+                                          shape=tuple(s.shape) if whole else None)
         return _Chunk(layout=layout, g=self.group.add_chunk(specs, tuple(gslots.values())), gslots=gslots)
 
     def _give_weights_back(self) -> None:
@@ -810,7 +627,7 @@ class Engine:
             if lowp:
                 bufs[1].copy_(bufs[0])
         for s in layout.slots:
-            set_values(s.param, self._placeholders[s.index])
+            set_values(s.param, self._guard.placeholders[s.index])
 
     # ---- data parallel ([Note: data parallel]) ----------------------------------------------
 
@@ -968,46 +785,30 @@ class Engine:
         if self._phase is Phase.BACKWARD:
             self._finish_backward()
         args, kwargs = cast_inputs((args, kwargs), dtype=self.dtype, device=self.device)
-        if self.device.type == "cuda":
-            self._compute_stream = torch.cuda.current_stream(self.device)
+        if self.device.type == "cuda":  # see [Note: fetch on completion]
+            self.prefetcher.set_stream(torch.cuda.current_stream(self.device))
         self._drop_gathers()
         self.prefetcher.start_pass()
         self._set_phase(Phase.FORWARD)
-        recording = not self._recorded
         t0 = time.perf_counter()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
-                    _range("zero_offload::forward"):
-                if not recording:
-                    out = self.module(*args, **kwargs)
-                else:
-                    with self._recording():
-                        out = self.module(*args, **kwargs)
-                if self._reads:
-                    self._finish_recording()
-                return out
+            with self._guard.forward(), _range("zero_offload::forward"):
+                out = self.module(*args, **kwargs)
+            self._add_reads(self._guard.take_reads())
+            return out
         except BaseException as e:
             self._fail(e)
             self._clean_up_after(e)
-            self._reads.clear()
-            raise self._explain(e) from e
+            raise self._guard.explain(e) from e
         finally:
             with self._lock:
-                for c in self._forward_holds:
-                    self._unhold(c)
-                self._forward_holds.clear()
+                self._guard.end_forward()
             self._set_phase(Phase.IDLE)
             if not torch.is_grad_enabled():
                 self._release_idle()  # no backward follows: go idle now
             self._span("forward", t0)
 
-    # ---- external parameters ([Note: external parameters]) ------------------------------------
-
-    def _guard_all(self) -> None:
-        """Every parameter checks its reads, materialized or not (the recording forward: it sees
-        reads of chunks that happen to be on the device too)."""
-        for s in self.partition.slots:
-            s.param.__class__ = self._guards[s.index]
+    # ---- external parameters ([Note: external parameters] in param_guard.py) ------------------
 
     def record_reads(self) -> None:
         """Make the next forward record again which module reads which parameter (the first one
@@ -1015,116 +816,17 @@ class Engine:
         the innermost running module with parameters; a recording forward attributes it to the
         exact module (shorter holds). That forward is slower (every parameter read is checked)."""
         self._check_open()
-        self._recorded = False
-        self._guard_all()
+        self._guard.record_reads()
 
-    @contextlib.contextmanager
-    def _recording(self):
-        grad = torch.is_grad_enabled()
-        handles = []
+    def _covers(self, module: nn.Module) -> frozenset:
+        """The slots ``module``'s own hooks hold and expect (its own and recorded external)."""
+        rec = self._records.get(module)
+        return frozenset(rec.slots + rec.external) if rec is not None else frozenset()
 
-        def covers(module) -> frozenset:
-            rec = self._records.get(module)
-            return frozenset(rec.slots + rec.external) if rec is not None else frozenset()
-
-        def push(module, args):
-            self._read_frames.append(_ReadFrame(module=module, covers=covers(module),
-                                                grad=torch.is_grad_enabled()))
-
-        def pop(module, args, output):
-            if not self._read_frames:
-                return
-            frame = self._read_frames.pop()
-            with self._lock:
-                for c in frame.held:
-                    self._unhold(c)
-
-        try:
-            for m in self.module.modules():
-                handles.append(m.register_forward_pre_hook(push))
-                handles.append(m.register_forward_hook(pop, always_call=True))
-            # Reads before the root's hooks run (e.g. in user pre-hooks) belong to the root.
-            self._read_frames.append(_ReadFrame(module=self.module, covers=covers(self.module),
-                                                grad=grad))
-            yield
-        finally:
-            for h in handles:
-                h.remove()
-            with self._lock:
-                for frame in self._read_frames:
-                    for c in frame.held:
-                        self._unhold(c)
-            self._read_frames.clear()
-        if grad:
-            self._recorded = True
-
-    def _guard_read(self, param: torch.Tensor, func) -> None:
-        """A torch call reads ``param`` (called by ``_PagedParameter`` on any thread). Returns at
-        once when its values are on the device and nothing is to be recorded; otherwise fetches
-        them (forward, backward) or raises (idle). See [Note: parameter data]."""
-        slot = self.partition.slot_of(param)
-        if slot is None:
-            return
-        chunk = self._chunks[slot.chunk]
-        if chunk.buffer is not None:
-            phase = self._phase
-            if phase is not Phase.FORWARD:
-                return
-            if self._recorded and (slot in chunk.expected or not slot.trainable
-                                   or not torch.is_grad_enabled()):
-                return
-        with self._lock:
-            self._read_slow(slot, chunk, func)
-
-    def _read_slow(self, slot: ParamSlot, chunk: _Chunk, func) -> None:
-        if self._closed:
-            raise RuntimeError(
-                f"parameter {slot.name!r} was read ({_call_name(func)}) after its engine was "
-                f"closed without writing its values back; restore them from a checkpoint "
-                f"(engine.save_checkpoint / engine.save_weights / engine.state_dict)")
-        phase = self._phase
-        if phase is Phase.IDLE:
-            if chunk.buffer is not None or self._gathering:
-                return
-            raise RuntimeError(
-                f"parameter {slot.name!r} was read ({_call_name(func)}) outside the engine: its "
-                f"values live in zero_offload's chunks (device/CPU/NVMe), not in the parameter, "
-                f"between engine calls. Read them with `with engine.gathered():` (fp32 CPU "
-                f"copies) or engine.state_dict(), or call engine.close() to write them back into "
-                f"the model")
-        if phase is Phase.BACKWARD:
-            if chunk.buffer is None:  # e.g. a custom Function's backward reading ctx.weight
-                self._hold(chunk)
-                self._transient.append(chunk)
-            return
-        if self._read_frames:  # the recording forward
-            self._note_read(slot, chunk)
-            return
-        # A read no recording saw: fetch it now, and hold it with the innermost running module
-        # from the next forward on.
-        self._hold(chunk)
-        self._forward_holds.append(chunk)
-        if torch.is_grad_enabled() and slot.trainable:
-            chunk.expect(slot)
-        module = self._call_stack[-1][0].module if self._call_stack else self.module
-        self._reads.setdefault(module, {})[slot] = None
-
-    def _note_read(self, slot: ParamSlot, chunk: _Chunk) -> None:
-        """A torch call of the recording forward reads ``slot``'s parameter."""
-        frames = self._read_frames
-        if any(slot in f.covers or slot in f.read for f in frames):
-            return  # held and expected by a module on the call stack for all of this call
-        frame = frames[-1]
-        self._hold(chunk)
-        frame.held.append(chunk)
-        if frame.grad and slot.trainable:
-            chunk.expect(slot)
-        frame.read.add(slot)
-        self._reads.setdefault(frame.module, {})[slot] = None
-
-    def _finish_recording(self) -> None:
-        """Give each module whose forward read other modules' parameters those reads."""
-        for module, slots in self._reads.items():
+    def _add_reads(self, reads: dict) -> None:
+        """Give each module whose forward read other modules' parameters (``reads``: module ->
+        slots, from the guard) those reads."""
+        for module, slots in reads.items():
             rec = self._records.get(module)
             new = rec is None
             if new:
@@ -1134,61 +836,10 @@ class Engine:
             rec.chunks = tuple(dict.fromkeys(rec.chunks + tuple(self._chunks[s.chunk] for s in ext)))
             if new:
                 self._add_record(rec)
-        self._reads.clear()
-
-    def _explain(self, e: BaseException) -> BaseException:
-        """A RuntimeError from a read of a placeholder becomes one naming the read and the fix;
-        anything else is returned as is. See [Note: parameter data]."""
-        if not isinstance(e, RuntimeError) or not any(m in str(e) for m in _UNREADABLE_MARKERS):
-            return e
-        names = {m: n for n, m in self.module.named_modules()}
-        site, module, frame = "", None, None
-        tb = e.__traceback__
-        while tb is not None:  # the innermost frame running code of a module of the model
-            owner = tb.tb_frame.f_locals.get("self")
-            if isinstance(owner, nn.Module) and owner in names:
-                module, frame, lineno = owner, tb.tb_frame, tb.tb_lineno
-            tb = tb.tb_next
-        params = []
-        if frame is not None:
-            code = frame.f_code
-            line = linecache.getline(code.co_filename, lineno).strip()
-            site = (f" in {type(module).__name__} {names[module] or '(the model)'!r}, "
-                    f"{code.co_name} at {os.path.basename(code.co_filename)}:{lineno}: `{line}`")
-            prefix = names[module] + "." if names[module] else ""
-            for path in re.findall(r"\bself\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*|\[\d+\])*)", line):
-                parts = re.sub(r"\[(\d+)\]", r".\1", path).split(".")
-                for k in range(len(parts), 0, -1):
-                    try:
-                        t = module.get_parameter(".".join(parts[:k]))
-                    except AttributeError:
-                        continue
-                    if self.partition.slot_of(t) is not None:
-                        params.append(prefix + ".".join(parts[:k]))
-                    break
-            for name, v in frame.f_locals.items():
-                if isinstance(v, torch.Tensor):
-                    slot = self.partition.slot_of(v)
-                    if slot is not None and slot.name not in params:
-                        params.append(slot.name)
-        what = (f"parameter {', '.join(repr(p) for p in dict.fromkeys(params))}" if params
-                else "a parameter")
-        return RuntimeError(
-            f"{what} was read{site} while zero_offload had paged it off the device, by a path "
-            f"torch's dispatch does not show the parameter to (e.g. a parameter nested inside "
-            f"another object). Fix: pass the parameter itself to the torch call, or read it "
-            f"inside the forward of the module holding it (outside the engine, use `with "
-            f"engine.gathered():`)")
 
     def _chunk_ready(self, cid: int) -> None:
         """On the CPU-Adam worker: see [Note: fetch on completion]."""
-        if self._closed:
-            return
-        stream = self._compute_stream
-        if stream is None:
-            self.prefetcher.chunk_ready(cid)
-            return
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+        if not self._closed:
             self.prefetcher.chunk_ready(cid)
 
     def _pre_forward(self, rec: _ModuleRecord, module, args, kwargs):
@@ -1198,16 +849,17 @@ class Engine:
                 f"by zero_offload, so run the model through the engine (loss = engine(batch)), not "
                 f"model(batch); use `with engine.gathered():` to read parameter values")
         with self._lock, _range("zero_offload::pre_forward"):
+            call = _Call(record=rec)
+            self._call_stack.append(call)  # first: see [Note: failed calls]
             for c in rec.chunks:
                 self._hold(c)
+                call.held += 1
             if not torch.is_grad_enabled():
-                self._call_stack.append((rec, None))
                 return None
             for s in rec.slots + rec.external:
                 if s.trainable:
                     self._chunks[s.chunk].expect(s)
-            token = _BackwardToken(record=rec)
-            self._call_stack.append((rec, token))
+            call.token = token = _BackwardToken(record=rec)
             if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
                 flat, spec = list(args), None  # the common case, without pytree's cost
             else:
@@ -1225,9 +877,12 @@ class Engine:
         if self._phase is Phase.IDLE:
             return None  # the pre-forward hook refused this call (always_call runs us anyway)
         with self._lock, _range("zero_offload::post_forward"):
-            token = self._call_stack.pop()[1] if self._call_stack else None
-            for c in rec.chunks:
+            if not self._call_stack or self._call_stack[-1].record is not rec:
+                return None  # this call's pre-forward never ran: see [Note: failed calls]
+            call = self._call_stack.pop()
+            for c in rec.chunks[:call.held]:
                 self._unhold(c)
+            token = call.token
             if token is None or output is None:
                 return None
             if isinstance(output, torch.Tensor):
@@ -1241,67 +896,38 @@ class Engine:
                     tensors, functools.partial(self._pre_backward, token), mode="any")
             return None
 
-    # ---- chunk residency on the compute device ----------------------------------------------
+    # ---- chunk residency on the compute device ([Note: holds] in runtime/prefetch.py) -------
 
     def _hold(self, chunk: _Chunk) -> None:
-        if chunk.buffer is None:
-            self._materialize(chunk)
-        elif chunk.holds == 0 and chunk in self._parked:
-            self._parked.remove(chunk)
-        chunk.holds += 1
+        if self.prefetcher.hold(chunk.cid) and self._pg is not None:
+            self._gather_ahead()  # [Note: collectives ahead]: when a chunk is materialized
 
     def _unhold(self, chunk: _Chunk) -> None:
-        chunk.holds -= 1
-        self._maybe_release(chunk)
+        self.prefetcher.unhold(chunk.cid)
 
     def _maybe_release(self, chunk: _Chunk) -> None:
-        """A chunk nobody holds is parked; see [Note: parked chunks]."""
-        if chunk.holds > 0 or chunk.buffer is None:
-            return
-        if self._phase is Phase.BACKWARD and chunk.awaiting:
-            return  # see [Note: backward hooks]
-        if chunk not in self._parked:
-            self._parked.append(chunk)
-        while len(self._parked) > PARKED_CHUNKS:
-            self._release(self._parked.pop(0))
-
-    def _release(self, chunk: _Chunk) -> None:
-        guards = self._guards
-        for s in chunk.layout.slots:
-            s.param.data = self._placeholders[s.index]
-            s.param.__class__ = guards[s.index]
-        self._live.pop(chunk.buffer.untyped_storage().data_ptr(), None)
-        chunk.buffer = None
-        keep = (self._phase is Phase.FORWARD and torch.is_grad_enabled()
-                and self.store.bytes(Tier.GPU) <= self._keep_limit)
-        self.prefetcher.release(chunk.cid, keep=keep)
-        if keep:
-            self._kept[chunk.cid] = chunk
-        else:
-            self._kept.pop(chunk.cid, None)
+        """The chunk may go once nobody holds it: see [Note: backward hooks]."""
+        self.prefetcher.settle(chunk.cid)
 
     def _release_idle(self) -> None:
         """Release every materialized chunk nobody holds (parked ones included), and drop the
         copies kept after forward: at the end of a backward, before updates may rewrite the
         params, and when the engine goes idle."""
         self._drop_gathers()
-        self._parked.clear()
-        for c in self._chunks:
-            if c.buffer is not None and c.holds == 0:
-                self._release(c)
-        if self._kept:
-            self.prefetcher.drop([cid for cid, c in self._kept.items() if c.buffer is None])
-            self._kept = {cid: c for cid, c in self._kept.items() if c.buffer is not None}
+        self.prefetcher.release_idle()
 
-    def _materialize(self, chunk: _Chunk) -> None:
+    def _materialize(self, cid: int) -> None:
+        """The prefetcher maps a chunk ([Note: holds]): its params on the device, the model's
+        parameters pointing into them."""
+        chunk = self._chunks[cid]
         t0 = time.perf_counter()
-        buf, work = self._gathers.pop(chunk.cid, (None, None))
+        buf, work = self._gathers.pop(cid, (None, None))
         pinned = buf is not None  # (the gather issued ahead pinned the shard)
         try:
             if buf is None:
                 if chunk.layout.trainable:
                     self.group.wait(chunk.g)  # the update writing these params must finish
-                shard = self.prefetcher.use(chunk.cid)["params"]
+                shard = self.prefetcher.use(cid)["params"]
                 pinned = True
                 buf, work = self._gather_params(chunk, shard, ahead=False)
             if work is not None:  # issued ahead: this stream waits for it (device-side)
@@ -1310,19 +936,18 @@ class Engine:
         except BaseException:
             if pinned:  # the chunk is not materialized: nothing else lets this pin go
                 chunk.replica = None
-                self.prefetcher.release(chunk.cid)
+                self.prefetcher.release(cid)
             raise
-        recorded, classes = self._recorded, self._classes
-        for s in chunk.layout.slots:
-            s.param.data = buf[s.offset:s.end].view(s.shape)
-            if recorded:  # real values: a plain parameter, no per-op check ([Note: parameter data])
-                s.param.__class__ = classes[s.index]
+        self._guard.show(chunk, buf)
         chunk.buffer = buf
-        self._live[buf.untyped_storage().data_ptr()] = chunk
-        if self._pg is not None:  # (after the chunk is materialized: a failure here releases it)
-            self._gather_ahead()
         if self.group.trace is not None:
-            self.group.trace.span("use", t0, time.perf_counter(), cid=chunk.cid)
+            self.group.trace.span("use", t0, time.perf_counter(), cid=cid)
+
+    def _unmap(self, cid: int) -> None:
+        """The prefetcher lets a chunk go: the parameters hold their placeholders again."""
+        chunk = self._chunks[cid]
+        self._guard.hide(chunk)
+        chunk.buffer = None
 
     def _clean_up_after(self, e: BaseException) -> None:
         """``_reset_holds`` after ``e`` escaped forward/backward; a failure of it is noted on
@@ -1340,39 +965,15 @@ class Engine:
         with self._lock:
             self._call_stack.clear()
             self._tokens.clear()
-            self._transient.clear()
-            self._forward_holds.clear()
+            self._guard.reset()
+            self.prefetcher.forget_holds()
             for c in self._chunks:
-                c.holds = 0
                 c.clear_pass()
                 if c.grads is not None:
                     if self._pg is None:
                         self.group.flush_grads(c.g, drop=True)
                     c.grads = None
             self._release_idle()
-
-    # ---- saved tensors ([Note: saved parameter views]) ----------------------------------------
-
-    def _pack(self, t: torch.Tensor):
-        if t.layout is not torch.strided or t.device != self.device or not self._live:
-            return t
-        chunk = self._live.get(t.untyped_storage().data_ptr())
-        if chunk is None or t.dtype is not chunk.buffer.dtype:
-            return t
-        return _SavedParamView(chunk=chunk, offset=t.storage_offset() - chunk.buffer.storage_offset(),
-                               size=t.size(), stride=t.stride())
-
-    def _unpack(self, saved):
-        if not isinstance(saved, _SavedParamView):
-            return saved
-        chunk = saved.chunk
-        with self._lock:
-            if chunk.buffer is None:
-                # Used in backward outside a module's hooks: keep it until backward ends.
-                self._hold(chunk)
-                self._transient.append(chunk)
-        buf = chunk.buffer
-        return buf.as_strided(saved.size, saved.stride, buf.storage_offset() + saved.offset)
 
     # ---- backward ---------------------------------------------------------------------------
 
@@ -1396,7 +997,7 @@ class Engine:
             self._fail(e)
             self._clean_up_after(e)
             self._set_phase(Phase.IDLE)
-            raise self._explain(e) from e
+            raise self._guard.explain(e) from e
         self._finish_backward()
         self._span("backward", t0)
 
@@ -1510,9 +1111,7 @@ class Engine:
                 if token.held:
                     self._post_backward(token)
             self._tokens.clear()
-            for c in self._transient:
-                self._unhold(c)
-            self._transient.clear()
+            self._guard.end_backward()
             boundary = self._micro == self.config.grad_accum - 1
             for c in self._chunks:
                 if c.grads is not None or (boundary and c.window is not None):
@@ -1699,15 +1298,8 @@ class Engine:
         the CPU (read-only: changes are not written back). Outside forward/backward only."""
         self._require_idle("gathered")
         values = list(self._slot_values())
-        try:
-            self._gathering = True
-            for s, v in values:
-                s.param.data = v
+        with self._guard.lend(values):
             yield self.module
-        finally:
-            self._gathering = False
-            for s, _ in values:
-                s.param.data = self._placeholders[s.index]
 
     def stats(self) -> EngineStats:
         """Counters since initialize (or ``reset_stats``); see ``EngineStats``."""
@@ -1751,10 +1343,15 @@ class Engine:
         """Micro-batches done in the current accumulation window."""
         return self._micro
 
+    @property
+    def state_keys(self) -> tuple:
+        """The keys ``chunk_state`` gives for a trainable chunk: "master" and the update rule's
+        state ("exp_avg", "exp_avg_sq" for Adam)."""
+        return tuple(self.group.state_names)
+
     def chunk_state(self, layout: ChunkLayout) -> dict:
-        """CPU copies of one chunk's state: "master", "exp_avg", "exp_avg_sq" (fp32, bf16 moments
-        widened) for a trainable chunk, "frozen" (working dtype) otherwise, and "steps" (one per
-        slot)."""
+        """CPU copies of one chunk's state: ``state_keys`` (fp32; bf16 moments widened) for a
+        trainable chunk, "frozen" (working dtype) otherwise, and "steps" (one per slot)."""
         chunk, group = self._chunks[layout.index], self.group
         if layout.trainable:
             out = {key: self._read_full(chunk, name).float() for key, name in group.state_names.items()}
@@ -1874,13 +1471,7 @@ class Engine:
                 failure = e
             else:
                 written = True
-        if written:  # the values are back: plain parameters again
-            for s, cls in zip(self.partition.slots, self._classes):
-                s.param.__class__ = cls
-        elif write_back:  # placeholders that raise on use, naming the param (none points into freed chunks)
-            for s in self.partition.slots:
-                s.param.data = self._placeholders[s.index]
-                s.param.__class__ = self._guards[s.index]
+        self._guard.close(values_back=written, conceal=write_back)
         self._closed = True
         for c in self._chunks:
             c.replica = c.window = None
@@ -1932,7 +1523,7 @@ class Engine:
     def _set_phase(self, phase: Phase) -> None:
         if phase is self._phase:
             return
-        if phase not in _PHASES[self._phase]:
+        if phase not in PHASES[self._phase]:
             raise RuntimeError(f"illegal engine transition {self._phase.value} -> {phase.value}")
         self._phase = phase
 
@@ -1958,15 +1549,13 @@ class Engine:
 
 
 class _HyperParams(torch.optim.Optimizer):
-    """The optimizer handle an lr scheduler drives: one param group per engine param group
-    (group 0: the defaults), holding the Adam hyperparameters (lr, betas, eps, weight_decay)
-    that every CPU update reads when it is queued. Each group holds one empty placeholder
-    tensor, not the model's parameters (their values live in the engine's chunks); it cannot
-    step by itself (``engine.step()`` does)."""
+    """The optimizer handle an lr scheduler drives: one param group per engine param group (group 0:
+    the defaults), holding the hyperparameters of the update rule (its ``hyper_keys``; Adam: lr,
+    betas, eps, weight_decay) that every update reads when it is queued. Each group holds one
+    empty placeholder tensor, not the model's parameters (their values live in the engine's
+    chunks); it cannot step by itself (``engine.step()`` does)."""
 
-    def __init__(self, spec: Adam, overrides: Sequence[dict] = ()):
-        defaults = dict(lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps,
-                        weight_decay=spec.weight_decay)
+    def __init__(self, defaults: dict, overrides: Sequence[dict] = ()):
         super().__init__([{"params": [torch.zeros(0)]}]
                          + [{"params": [torch.zeros(0)], **o} for o in overrides], defaults)
 
@@ -1991,17 +1580,15 @@ def _resolve_config(config, optimizer) -> tuple:
     if spec is None:
         raise ValueError("initialize needs an optimizer spec: optimizer=zero_offload.AdamW(lr=...) "
                          "(or zero_offload.Adam), or a DeepSpeed config with an 'optimizer' section")
-    if not isinstance(spec, Adam):
+    if not isinstance(spec, OptimizerSpec):
         raise TypeError(f"optimizer must be zero_offload.Adam(...) or zero_offload.AdamW(...), got "
                         f"{type(spec).__name__}; a torch.optim optimizer cannot be used (the engine "
                         f"builds the optimizer state itself, where the config places it)")
     return cfg, spec
 
 
-_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
-
-
-def _resolve_groups(groups, model: nn.Module, partition: Partition, spec: Adam) -> tuple:
+def _resolve_groups(groups, model: nn.Module, partition: Partition, spec: OptimizerSpec,
+                    keys: Sequence[str]) -> tuple:
     """Check ``initialize(param_groups=...)`` (before anything changes) and return
     (hyperparameter overrides per listed group, {slot index: group index}); group 0 is the
     default group of every trainable param not listed."""
@@ -2017,12 +1604,12 @@ def _resolve_groups(groups, model: nn.Module, partition: Partition, spec: Adam) 
         where = f"param_groups[{gi - 1}]"
         if not isinstance(group, dict) or "params" not in group:
             raise TypeError(f"{where} must be a dict with a 'params' list (and optional "
-                            f"{', '.join(_GROUP_KEYS)})")
-        unknown = sorted(set(group) - {"params", *_GROUP_KEYS})
+                            f"{', '.join(keys)})")
+        unknown = sorted(set(group) - {"params", *keys})
         if unknown:
             raise ValueError(f"{where} has unknown keys {unknown}; a group may set only "
-                             f"{', '.join(_GROUP_KEYS)} (the optimizer kind comes from the spec)")
-        override = {k: group[k] for k in _GROUP_KEYS if k in group}
+                             f"{', '.join(keys)} (the optimizer kind comes from the spec)")
+        override = {k: group[k] for k in keys if k in group}
         checked = dataclasses.replace(spec, **override)  # validates; the error names the field
         overrides.append({k: getattr(checked, k) for k in override})
         params = group["params"]
@@ -2061,22 +1648,6 @@ def _adam_threads(cfg: OffloadConfig, device: torch.device, *, ranked: bool) -> 
     if device.type != "cuda":
         return None
     return max(1, available_cores() - 2)
-
-
-def _check_replicas(partition: Partition, plan: PlacementPlan, gpu_budget: int, dtype: torch.dtype,
-                    shard: Shard) -> None:
-    """params="gpu" with several ranks keeps a full replica of every chunk's params on each GPU
-    beside the rank's shards ([Note: data parallel]): refuse before anything is allocated when
-    the budget cannot hold both."""
-    replicas = sum(shard.span(c.numel)[2] * shard.world for c in partition.chunks) * dtype.itemsize
-    need = plan.need[Tier.GPU] + replicas
-    if need > gpu_budget:
-        raise FitError(
-            f"params='gpu' with {shard.world} ranks keeps a full replica of the params on every GPU "
-            f"({replicas / 2**30:.2f} GiB) beside this rank's shards and working window "
-            f"({plan.need[Tier.GPU] / 2**30:.2f} GiB): {need / 2**30:.2f} GiB > gpu_budget "
-            f"{gpu_budget / 2**30:.2f} GiB. Use params='auto' or 'cpu' (each GPU then holds 1/{shard.world} "
-            f"of the params and gathers a chunk while it is used), or raise gpu_budget")
 
 
 def _rank_device(device, *, ranked: bool) -> torch.device:

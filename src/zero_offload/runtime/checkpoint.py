@@ -10,8 +10,9 @@ Layout of a checkpoint directory::
                        hyperparameters, RNG states (torch CPU and CUDA, python, numpy), config,
                        and the caller's ``client_state`` (JSON data, read by
                        ``read_client_state`` without loading the checkpoint)
-    chunk_00000.pt     per saved chunk: {"master", "exp_avg", "exp_avg_sq"} fp32 flat tensors
-    ...                (trainable) or {"frozen"} in the working dtype, plus the chunk's slot table
+    chunk_00000.pt     per saved chunk: "master" and the update rule's state (Adam: "exp_avg",
+    ...                "exp_avg_sq"), fp32 flat tensors (trainable), or "frozen" in the working
+                       dtype, plus the chunk's slot table
     manifest.json      written last: every other file's size and CRC-32 (computed while the
                        file was written, so nothing is read back)
 
@@ -227,8 +228,9 @@ def _mount_point(path: str) -> str:
 
 
 def _estimated_bytes(engine) -> int:
-    """fp32 master and moments of trainable chunks, frozen ones in the working dtype."""
-    return sum(c.numel * (3 * 4 if c.trainable else engine.dtype.itemsize) for c in engine.partition.chunks)
+    """fp32 master and rule state of trainable chunks, frozen ones in the working dtype."""
+    fp32 = 4 * len(engine.state_keys)
+    return sum(c.numel * (fp32 if c.trainable else engine.dtype.itemsize) for c in engine.partition.chunks)
 
 
 def _no_space(err: OSError, path: str, parent: str, file: str, needed: int) -> CheckpointError:
@@ -620,9 +622,14 @@ def _plan_load(engine, path: str) -> tuple[str, dict, dict]:
         if files is not None and c["file"] not in files:
             raise _damaged(file, f"is named by {META} but not by {MANIFEST}")
         saved_chunk = _load_file(file, mmap=True, weights_only=True)
-        keys = ("master", "exp_avg", "exp_avg_sq") if c["trainable"] else ("frozen",)
+        keys = engine.state_keys if c["trainable"] else ("frozen",)
         if not isinstance(saved_chunk, dict) or not all(
                 isinstance(saved_chunk.get(k), torch.Tensor) and saved_chunk[k].dim() == 1 for k in keys):
+            kind, ours_kind = (meta.get("spec") or {}).get("type"), engine.spec.to_dict().get("type")
+            if isinstance(saved_chunk, dict) and kind != ours_kind:
+                raise CheckpointError(f"{path} holds the state of optimizer {kind!r}, this engine runs "
+                                      f"{ours_kind!r} (it needs {list(keys)}); load it into an engine "
+                                      f"with the optimizer that saved it")
             raise _damaged(file, f"lacks its payloads {list(keys)}")
         for n, off, numel in saved_chunk["slots"]:
             if n in ours and ours[n].numel != numel:

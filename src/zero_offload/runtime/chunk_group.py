@@ -3,7 +3,7 @@
 ``FSDPParamGroup`` is the model: the front ends keep the hooks (module hooks / param grad hooks)
 and the torch face, the group owns the chunk records and the update.
 
-Ownership: a ``ChunkGroup`` owns the ``StepPipeline`` (the CPU-Adam worker) over a ``ChunkStore``
+Ownership: a ``ChunkGroup`` owns the ``StepPipeline`` (the update worker) over a ``ChunkStore``
 the front end gives it (the engine also runs a ``Prefetcher`` over that store), one
 ``GroupChunk`` per chunk and a ``GroupSlot`` per param span in it, and the stats window over the
 store's and the pipeline's counters. Per chunk it does:
@@ -13,7 +13,8 @@ store's and the pipeline's counters. Per chunk it does:
   (``device_grads`` / ``flush_grads``), then ``submit`` (grad job, accumulation, norm stats, and
   the update right behind it when asked);
 - the update: segments of the slots with grads in the window, each slot's step count, the
-  hyperparameters of each slot's param group read when the update is queued (``_update_job``);
+  arguments the group's ``UpdateRule`` makes of each slot's param group, read when the update
+  is queued (``_update_job``; [Note: update rules] in update_rule.py);
 - copy-back of the updated params into caller tensors (``copy_back``, OffloadAdam), through
   the store, which orders the chunk's next update and the eviction of the source after it;
 - state I/O for checkpoints and ``state_dict``: ``hold`` (host buffers of whole payloads),
@@ -33,27 +34,28 @@ FILLING -> IDLE without an update: ``skip`` (an fp16 overflow skips the step).
 share; its params are there too) never goes through the worker: ``device_submit`` takes its
 device grads (the store's GPU copy of "grads", kept pinned until the update when the update
 waits for ``step``), sums them into its "accum" payload (homed on the GPU too) and adds their
-sum of squares to a device scalar, and its update runs on the caller's stream with torch's fused
-Adam(W) (``torch._fused_adamw_``) on the same segments and hyperparameters CPU-Adam gets, then
-rounds the params from the master. QUEUED -> IDLE happens at once: stream order is the ordering.
+sum of squares to a device scalar, and its update runs on the caller's stream: the rule's
+``device_step`` (Adam: torch's fused Adam(W), ``torch._fused_adamw_``) on the same segments and
+arguments its CPU job gets, which also rounds the params from the master. QUEUED -> IDLE happens
+at once: stream order is the ordering.
 """
 from __future__ import annotations
 
 import contextlib
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from .pipeline import (Accumulate, AdamArgs, GradJob, PipelineError, PipelinePayloads, Segment,
-                       StepPipeline, UpdateJob)
+from .pipeline import Accumulate, GradJob, PipelineError, PipelinePayloads, StepPipeline, UpdateJob
 from .store import ChunkStore, Handle, PayloadSpec, Tier
 from .trace import StatsWindow, Trace
-from ..ops.rounding import stochastic_round_moments_bf16, update_seed
+from .update_rule import Segment, StepBuffers, UpdateRule
 
-__all__ = ["ChunkGroup", "ChunkPhase", "GroupChunk", "GroupSlot", "adam_args", "update_segments"]
+__all__ = ["ChunkGroup", "ChunkPhase", "GroupChunk", "GroupSlot", "update_segments"]
 
 
 class ChunkPhase(enum.Enum):
@@ -82,7 +84,10 @@ class GroupSlot:
     group: int = 0
     """Index of its param group in the hyperparameter owner's ``param_groups``."""
     step: int = 0
-    """Adam steps taken (torch.optim's ``state["step"]``; a param without a grad keeps its own)."""
+    """Steps taken (torch.optim's ``state["step"]``; a param without a grad keeps its own)."""
+    shape: Optional[tuple] = None
+    """The param's shape when the slot holds the whole param, exactly (``stop - offset`` elements):
+    what a rule that is not elementwise needs ([Note: update rules]); None otherwise."""
 
 
 @dataclass(eq=False)
@@ -116,24 +121,27 @@ class ChunkGroup:
     Args:
         store: the ChunkStore holding every payload named in ``payloads``.
         hyper: the object whose ``param_groups`` (torch optimizer style) hold each group's
-            ``lr``, ``betas``, ``eps``, ``weight_decay``, read when an update is queued.
-        adamw: decoupled weight decay (AdamW) or L2 (Adam).
-        payloads: the pipeline's payload names.
+            hyperparameters (the rule's ``hyper_keys``), read when an update is queued.
+        rule: the update ([Note: update rules]); every chunk has its state payloads.
+        payloads: the pipeline's payload names (besides the rule's).
         grad_accum: micro-batches per update whose grads the group sums in ``payloads.accum``
             (1: the front end accumulates itself, or not at all).
         owner: the front end's name, for errors.
         prefetch_depth, threads, on_update_done, on_chunk_idle: the ``StepPipeline``'s.
     """
 
-    def __init__(self, store: ChunkStore, *, hyper: Any, adamw: bool, payloads: PipelinePayloads,
+    def __init__(self, store: ChunkStore, *, hyper: Any, rule: UpdateRule, payloads: PipelinePayloads,
                  grad_accum: int = 1, owner: str = "zero_offload", prefetch_depth: int = 2,
                  threads: Optional[int] = None,
                  on_update_done: Optional[Callable[[int], None]] = None,
                  on_chunk_idle: Optional[Callable[[int], None]] = None, seed: int = 0):
         self.store = store
         self.seed = seed  # bf16 moments: [Note: stochastic rounding] (ops/rounding.py)
+        if not isinstance(rule, UpdateRule):
+            raise TypeError(f"{owner}: rule must be an UpdateRule (runtime/update_rule.py), got "
+                            f"{type(rule).__name__}")
         self.hyper = hyper
-        self.adamw = adamw
+        self.rule = rule
         self.payloads = payloads
         self.grad_accum = grad_accum
         self.owner = owner
@@ -164,9 +172,9 @@ class ChunkGroup:
 
     @property
     def state_names(self) -> dict:
-        """Canonical optimizer-state key ("master", "exp_avg", "exp_avg_sq") -> payload name."""
-        p = self.payloads
-        return {"master": p.master, "exp_avg": p.exp_avg, "exp_avg_sq": p.exp_avg_sq}
+        """Optimizer-state key -> payload name: "master" and the rule's ``state_keys`` (Adam:
+        "exp_avg", "exp_avg_sq")."""
+        return {"master": self.payloads.master, **{k: k for k in self.rule.state_keys}}
 
     @contextlib.contextmanager
     def hold(self, chunk: GroupChunk, names: Sequence[str], *, write: bool = False, fresh: bool = False):
@@ -273,8 +281,9 @@ class ChunkGroup:
     # ---- the GPU share ([Note: GPU share]) ------------------------------------------------------
 
     def on_device(self, chunk: GroupChunk) -> bool:
-        """The chunk's optimizer state lives on the compute device (it is updated there)."""
-        return self.store.payload_spec(chunk.cid, self.payloads.exp_avg).home is Tier.GPU
+        """The chunk's optimizer state lives on the compute device (it is updated there; its
+        grads are homed there too, whatever state the rule keeps)."""
+        return self.store.payload_spec(chunk.cid, self.payloads.grads).home is Tier.GPU
 
     def device_submit(self, chunk: GroupChunk, slots: Iterable[GroupSlot], *, update: bool,
                       grad_scale: float = 1.0, stats: bool = False, stats_scale: float = 1.0,
@@ -322,28 +331,12 @@ class ChunkGroup:
         job = self._update_job(chunk, grad_scale)
         store, cid, p = self.store, chunk.cid, self.payloads
         src = store.get(cid, job.source, Tier.GPU)
-        names = [p.master, p.exp_avg, p.exp_avg_sq] + (
-            [p.lowp] if p.lowp and store.has_payload(cid, p.lowp) else [])  # OffloadAdam rounds itself
-        bufs = [store.get(cid, n, Tier.GPU, write=True) for n in names]
-        master, m, v = bufs[:3]
-        rounded = m.dtype is not torch.float32  # bf16 moments: widened, rounded back stochastically
-        for seg in job.segments:
-            a, sl = seg.args, slice(seg.start, seg.stop)
-            fused = torch._fused_adamw_ if a.adamw else torch._fused_adam_
-            step = torch.tensor(float(seg.step), dtype=torch.float32, device=master.device)
-            scale = (None if a.grad_scale == 1.0
-                     else torch.tensor(a.grad_scale, dtype=torch.float32, device=master.device))
-            m32, v32 = (m[sl].float(), v[sl].float()) if rounded else (m[sl], v[sl])
-            fused([master[sl]], [src[sl].float()], [m32], [v32], [], [step], lr=a.lr,
-                  beta1=a.betas[0], beta2=a.betas[1], weight_decay=a.weight_decay, eps=a.eps,
-                  amsgrad=False, maximize=False, grad_scale=scale, found_inf=None)
-            if rounded:
-                seed = update_seed(self.seed, chunk.cid, seg.step, seg.start)
-                m_bf16, v_bf16 = stochastic_round_moments_bf16(m32, v32, seed)
-                m[sl].copy_(m_bf16)
-                v[sl].copy_(v_bf16)
-            if len(bufs) > 3:
-                bufs[3][sl].copy_(master[sl])
+        lowp = p.lowp if p.lowp and store.has_payload(cid, p.lowp) else None  # OffloadAdam rounds itself
+        names = [p.master, *job.state] + ([lowp] if lowp else [])
+        bufs = dict(zip(names, (store.get(cid, n, Tier.GPU, write=True) for n in names)))
+        self.rule.device_step(StepBuffers(cid=cid, param=bufs[p.master], grad=src, seed=self.seed,
+                                          state={n: bufs[n] for n in job.state},
+                                          lowp=bufs[lowp] if lowp else None), job.segments)
         for n in names:
             store.mark_dirty(cid, n, Tier.GPU)
         if job.source == p.grads:
@@ -371,22 +364,33 @@ class ChunkGroup:
             chunk.to(ChunkPhase.IDLE)
 
     def _update_job(self, chunk: GroupChunk, grad_scale: float) -> UpdateJob:
-        """The update of the window's slots; advances their steps and ends the window."""
-        spans = []
-        for s in chunk.slots:
-            if s in chunk.window:
-                s.step += 1
-                spans.append((s.offset, s.stop, s.step, s.group))
+        """The update of the window's slots; advances their steps and ends the window. A rule
+        that is not elementwise gets one segment per slot, each a whole param with its shape."""
+        rule, window = self.rule, [s for s in chunk.slots if s in chunk.window]
+        if not rule.elementwise:
+            for s in window:
+                if s.shape is None or math.prod(s.shape) != s.stop - s.offset:
+                    raise ValueError(
+                        f"{self.owner}: {rule.name} updates whole parameters, but chunk {chunk.cid} "
+                        f"has a slot [{s.offset}, {s.stop}) that is not one whole parameter (a "
+                        f"data-parallel shard cut it, or its span covers padding); cut shards at "
+                        f"parameter boundaries (partition.shard_spans(align_to_params=True))")
         groups = self.hyper.param_groups
-        args = {g: adam_args(groups[g], adamw=self.adamw, grad_scale=grad_scale)
-                for g in {s.group for s in chunk.window}}
+        args = {g: rule.args(groups[g], grad_scale=grad_scale) for g in {s.group for s in window}}
+        for s in window:
+            s.step += 1
+        if rule.elementwise:
+            spans = update_segments((s.offset, s.stop, s.step, s.group) for s in window)
+            segments = tuple(Segment(lo, hi, step, args[g]) for lo, hi, step, g in spans)
+        else:
+            segments = tuple(Segment(s.offset, s.stop, s.step, args[s.group], tuple(s.shape))
+                             for s in window)
         chunk.window.clear()
         chunk.accumulating = False
         chunk.version += 1
         chunk.to(ChunkPhase.QUEUED)
-        segments = tuple(Segment(lo, hi, step, args[g]) for lo, hi, step, g in update_segments(spans))
         source = self.payloads.accum if self.grad_accum > 1 else self.payloads.grads
-        return UpdateJob(cid=chunk.cid, segments=segments, args=segments[0].args, source=source)
+        return UpdateJob(cid=chunk.cid, segments=segments, rule=rule, source=source)
 
     # ---- updated params ---------------------------------------------------------------------
 
@@ -482,11 +486,3 @@ def update_segments(spans: Iterable[tuple[int, int, int, Any]]) -> list[tuple[in
             out.append([lo, hi, step, key])
     return [tuple(r) for r in out]
 
-
-def adam_args(group: Mapping, *, adamw: bool, grad_scale: float = 1.0) -> AdamArgs:
-    """The ``AdamArgs`` of a torch param group, read now (an lr scheduler may have changed it);
-    a tensor lr (``torch.optim`` allows one) is unwrapped to a float."""
-    lr = group["lr"]
-    return AdamArgs(lr=float(lr.item() if hasattr(lr, "item") else lr),
-                    betas=tuple(float(b) for b in group["betas"]), eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]), adamw=adamw, grad_scale=grad_scale)

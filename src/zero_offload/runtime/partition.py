@@ -8,7 +8,17 @@ carry no gradient or optimizer payloads. Every slot starts at a multiple of ``AL
 elements, so kernels see aligned sub-buffers and the padding between slots is zeros.
 
 This module is pure bookkeeping (no store, no hooks): the engine builds it once at initialize
-and it never changes.
+and it never changes. Its packer, ``pack`` (items in order, by key, into chunks), is shared with
+``OffloadAdam``, which packs each param group's trainable params by dtype, unaligned.
+
+[Note: whole parameters] A chunk holds whole parameters (the packing above never splits one), so
+an update rule that is not elementwise (Muon's matrices, Adafactor's factors: runtime/
+update_rule.py) always finds a whole parameter inside one chunk. Two more things must align for
+it, and both are asked for with ``align_to_params``: the element range each slot's update
+covers (``update_spans``: the param's own elements, not the padding after it, so no update run
+spans two params) and the cut between data-parallel ranks (``shard_spans``: at parameter
+boundaries instead of equal shares). Elementwise rules (Adam) take the other choice of both:
+runs merge over the padding into one kernel call per chunk, and shards are equal.
 
 [Note: slot identity] The partition is the only place that maps a Parameter object to its slot;
 it is an index *derived* from the slot records (``Partition.slot_of``), built once, never
@@ -17,21 +27,21 @@ written to afterwards, and nothing is stored on the parameters themselves.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Hashable, Iterable, Sequence, TypeVar
 
 import torch
 from torch import nn
 
 from .vocab import round_up
 
-__all__ = ["ALIGN_ELEMS", "ParamSlot", "ChunkLayout", "Partition", "partition_parameters"]
+__all__ = ["ALIGN_ELEMS", "ChunkLayout", "Packed", "ParamSlot", "Partition", "pack", "partition_parameters",
+           "shard_spans", "update_spans"]
+
+T = TypeVar("T")
 
 ALIGN_ELEMS = 64
 """Slot offsets and chunk sizes are multiples of this many elements (128 B in bf16, 256 B in
 fp32: whole cache lines and SIMD vectors)."""
-
-
-def _align(n: int) -> int:
-    return round_up(n, ALIGN_ELEMS)
 
 
 @dataclass(frozen=True, eq=False)
@@ -94,57 +104,88 @@ class Partition:
         return tuple(out)
 
 
+@dataclass(frozen=True, eq=False)
+class Packed:
+    """One chunk ``pack`` made: items of one key, each at its first element."""
+
+    key: Hashable
+    members: tuple
+    """``(item, offset)`` in the order given; offsets are multiples of ``pack``'s ``align``."""
+    numel: int
+    """Elements of the chunk: the last member's end, rounded up to ``align``."""
+
+
+def pack(items: Iterable[T], *, chunk_numel: int, size: Callable[[T], int],
+         key: Callable[[T], Hashable] = lambda item: None, align: int = ALIGN_ELEMS) -> list[Packed]:
+    """Pack ``items``, in the order given, into chunks of about ``chunk_numel`` elements; the one
+    packer of both front ends (the engine's partition, OffloadAdam's chunks).
+
+    Items of one ``key`` share chunks, items of different keys never do (the engine keys by
+    trainable, OffloadAdam by dtype), with one open chunk per key, so an item of another key in
+    between does not close it. An item is never split: one larger than ``chunk_numel`` gets a
+    chunk of its own. Each item starts at a multiple of ``align`` elements; a chunk closes once
+    it is full. Chunks come in the order of their first item. ``size``: an item's elements (more
+    than 0).
+    """
+    if isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel <= 0:
+        raise ValueError(f"chunk_numel must be a positive int, got {chunk_numel!r}")
+    if isinstance(align, bool) or not isinstance(align, int) or align <= 0:
+        raise ValueError(f"align must be a positive int, got {align!r}")
+    open_: dict = {}  # key -> [members, fill, position of its first item]
+    closed: list = []  # (position of the first item, key, members, fill)
+
+    def close(k) -> None:
+        members, fill, first = open_.pop(k)
+        closed.append((first, k, members, fill))
+
+    for position, item in enumerate(items):
+        k, n = key(item), size(item)
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(f"pack: an item's size must be a positive int, got {n!r}")
+        need = round_up(n, align)
+        if k in open_ and open_[k][1] + need > chunk_numel:
+            close(k)
+        entry = open_.setdefault(k, [[], 0, position])
+        entry[0].append((item, entry[1]))
+        entry[1] += need
+        if entry[1] >= chunk_numel:
+            close(k)
+    for k in list(open_):
+        close(k)
+    closed.sort(key=lambda c: c[0])
+    return [Packed(key=k, members=tuple(members), numel=fill) for _, k, members, fill in closed]
+
+
 def partition_parameters(module: nn.Module, *, chunk_numel: int) -> Partition:
     """Pack ``module``'s distinct parameters into chunks of about ``chunk_numel`` elements.
 
-    Module order, trainable and frozen kept apart (one open chunk of each kind), no parameter
-    split, offsets aligned to ``ALIGN_ELEMS``.
+    Module order, trainable and frozen kept apart, no parameter split, offsets aligned to
+    ``ALIGN_ELEMS`` (``pack``).
     """
     if isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel <= 0:
         raise ValueError(f"chunk_numel must be a positive int, got {chunk_numel!r}")
     if not isinstance(module, nn.Module):
         raise TypeError(f"partition_parameters needs an nn.Module, got {type(module).__name__}")
 
-    open_slots: dict[bool, list] = {True: [], False: []}  # trainable -> [(name, param)]
-    open_fill: dict[bool, int] = {True: 0, False: 0}
-    groups: list[tuple[bool, list]] = []  # closed chunks, in closing order
-    empty = []
-    rank = {}  # id(param) -> slot index (module order)
-
-    def close(trainable: bool) -> None:
-        if open_slots[trainable]:
-            groups.append((trainable, open_slots[trainable]))
-        open_slots[trainable] = []
-        open_fill[trainable] = 0
-
+    empty, distinct, rank = [], [], {}  # rank: id(param) -> slot index (module order)
     for name, p in module.named_parameters():
         if p.numel() == 0:
             empty.append((name, p))
             continue
         rank[id(p)] = len(rank)
-        kind = bool(p.requires_grad)
-        need = _align(p.numel())
-        if open_slots[kind] and open_fill[kind] + need > chunk_numel:
-            close(kind)
-        open_slots[kind].append((name, p))
-        open_fill[kind] += need
-        if open_fill[kind] >= chunk_numel:
-            close(kind)
-    close(True)
-    close(False)
-    # Chunks are numbered in module order of their first parameter.
-    groups.sort(key=lambda g: rank[id(g[1][0][1])])
+        distinct.append((name, p))
+    packed = pack(distinct, chunk_numel=chunk_numel, size=lambda item: item[1].numel(),
+                  key=lambda item: bool(item[1].requires_grad))
 
     chunks, by_param = [], {}
-    for ci, (trainable, members) in enumerate(groups):
-        offset, chunk_slots = 0, []
-        for name, p in members:
+    for ci, c in enumerate(packed):
+        chunk_slots = []
+        for (name, p), offset in c.members:
             slot = ParamSlot(index=rank[id(p)], name=name, param=p, shape=p.shape, numel=p.numel(),
-                             trainable=trainable, chunk=ci, offset=offset)
+                             trainable=c.key, chunk=ci, offset=offset)
             chunk_slots.append(slot)
             by_param[id(p)] = slot
-            offset = _align(offset + p.numel())
-        chunks.append(ChunkLayout(index=ci, slots=tuple(chunk_slots), numel=offset, trainable=trainable))
+        chunks.append(ChunkLayout(index=ci, slots=tuple(chunk_slots), numel=c.numel, trainable=c.key))
     slots = sorted(by_param.values(), key=lambda s: s.index)
     names = {}
     for name, p in module.named_parameters(remove_duplicate=False):
@@ -153,3 +194,62 @@ def partition_parameters(module: nn.Module, *, chunk_numel: int) -> Partition:
             names[name] = s
     return Partition(chunks=tuple(chunks), slots=tuple(slots), names=names, empty=tuple(empty),
                      _by_param=by_param)
+
+
+def update_spans(layout: ChunkLayout, *, align_to_params: bool) -> tuple[tuple[int, int], ...]:
+    """Per slot of ``layout``, the elements ``[start, stop)`` of the chunk its update covers:
+    the param's own elements with ``align_to_params``, else the param and the padding after it,
+    up to the next slot or the chunk's end (touching spans then merge into one kernel call per
+    chunk). See [Note: whole parameters]."""
+    if align_to_params:
+        return tuple((s.offset, s.end) for s in layout.slots)
+    stops = [s.offset for s in layout.slots[1:]] + [layout.numel]
+    return tuple((s.offset, stop) for s, stop in zip(layout.slots, stops))
+
+
+def shard_spans(bounds: Sequence[int], world: int, *,
+                align_to_params: bool) -> tuple[tuple[tuple[int, int], ...], int]:
+    """``(spans, k)``: each rank's elements ``[lo, hi)`` of a chunk (rank order, contiguous,
+    covering the chunk; a span may be empty) and the shard size ``k`` every rank allocates.
+
+    ``bounds``: ``0 = b0 < b1 < ... < bm = numel``, where the chunk's slots start, then its end
+    (``[s.offset for s in layout.slots] + [layout.numel]``). Without ``align_to_params`` the
+    chunk is cut in equal shares, ``k = ceil(numel / world)`` (distributed.py, [Note: chunk
+    shards]), wherever that falls. With it, cuts fall only on ``bounds`` ([Note: whole
+    parameters]) and ``k`` is the smallest largest shard such a cut allows; a rank's span is
+    then shorter than ``k`` or empty, so an all-gather of the ranks' ``k``-element pieces holds
+    rank r's elements at ``[r*k, r*k + hi - lo)``, not at ``lo``."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"shard_spans: world must be a positive int, got {world!r}")
+    bounds = [int(b) for b in bounds]
+    if len(bounds) < 2 or bounds[0] != 0 or any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"shard_spans: bounds must rise strictly from 0 to the chunk's size, got "
+                         f"{bounds[:8]}{'...' if len(bounds) > 8 else ''}")
+    n = bounds[-1]
+    if not align_to_params:
+        k = -(-n // world)
+        spans = tuple((min(r * k, n), min((r + 1) * k, n)) for r in range(world))
+        return spans, k
+    pieces = [b - a for a, b in zip(bounds, bounds[1:])]
+
+    def cuts(cap: int) -> list:
+        """Greedy: each rank takes params while they fit ``cap``; the bounds it stops at."""
+        out, fill = [], 0
+        for i, p in enumerate(pieces):
+            if fill + p > cap:
+                out.append(bounds[i])
+                fill = 0
+            fill += p
+        return out
+
+    lo, hi = max(pieces), n  # the least cap that needs at most ``world`` shards
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(cuts(mid)) < world:
+            hi = mid
+        else:
+            lo = mid + 1
+    edges = [0, *cuts(lo)]
+    edges += [n] * (world + 1 - len(edges))
+    spans = tuple((a, b) for a, b in zip(edges, edges[1:]))
+    return spans, max(b - a for a, b in spans)

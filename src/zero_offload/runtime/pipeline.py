@@ -25,26 +25,28 @@ of waiting for all of them. One exception: a grad job whose grads are still in f
 has not reached the copy yet) does not hold the worker while another job could start at once;
 that one goes first (``_pick``), so the worker never idles on a move with work at hand.
 
-[Note: two jobs in flight] The worker does not run the kernels itself: it queues them on the
-native kernel thread (``cpu_adam.adam_step_async``) and, while a job's kernels run, completes the
-previous job (waits for its kernels, marks what they wrote, releases its buffers, writes back,
-calls ``on_update_done``/``on_chunk_idle``) and starts the next one (waits for its grads, pins
-its buffers, queues its kernels behind the running ones). So the cores go from one chunk's
-update to the next without waiting for Python, and the worker's bookkeeping and its re-takes
-of the GIL (up to the interpreter's switch interval each, while the main thread runs Python)
-are hidden behind the kernels. Measured on the H100 host before this: ~0.5-0.7 ms of bookkeeping
-per chunk outside the kernels, ~10% of a 1.3B step. A job still counts as queued (``busy``,
-``wait_chunk``) until it is complete. The worker never blocks on a grad move while a job is in
-flight: it completes that one first (``_pick(can_defer=True)``).
+[Note: two jobs in flight] The worker does not run the kernels itself: the rule's ``cpu_job``
+queues them on the native kernel thread (CPU-Adam: ``cpu_adam.adam_step_async``), and while a
+job's kernels run the worker completes the previous job (waits for its kernels, marks what they
+wrote, releases its buffers, writes back, calls ``on_update_done``/``on_chunk_idle``) and starts
+the next one (waits for its grads, pins its buffers, queues its kernels behind the running
+ones). So the cores go from one chunk's update to the next without waiting for Python, and the
+worker's bookkeeping and its re-takes of the GIL (up to the interpreter's switch interval each,
+while the main thread runs Python) are hidden behind the kernels. Measured on the H100 host
+before this: ~0.5-0.7 ms of bookkeeping per chunk outside the kernels, ~10% of a 1.3B step. A
+job still counts as queued (``busy``, ``wait_chunk``) until it is complete. The worker never
+blocks on a grad move while a job is in flight: it completes that one first
+(``_pick(can_defer=True)``).
 
 [Note: state read-ahead] Optimizer state homed off the CPU (NVMe) is read into host memory for
 the next ``prefetch_depth`` queued updates, in the order of [Note: job order] (the queue is the
 schedule, so no recorded order is needed), and written back home right after each update, its
 host copy dropped (write-behind: the store keeps the copy until the write has read it).
 
-[Note: what an update writes] ``adam_step`` updates ``master``, ``exp_avg`` and ``exp_avg_sq``
-in place in their CPU copies and, when ``lowp`` is set, writes the updated params rounded to
-the working dtype into the CPU copy of ``lowp`` (the buffer the next forward fetches). Every
+[Note: what an update writes] The job's rule (``UpdateJob.rule``, runtime/update_rule.py)
+updates ``master`` and its state payloads in place in their CPU copies and, when ``lowp`` is
+set, writes the updated params rounded to the working dtype into the CPU copy of ``lowp`` (the
+buffer the next forward fetches). Every
 written copy is marked dirty in the store, so stale copies elsewhere (a GPU copy of the params,
 an NVMe home) are refreshed by the next fetch or written back. A working copy homed off the CPU
 (GPU or NVMe) is flushed home right after the update and its CPU copy dropped, so host memory
@@ -83,10 +85,10 @@ import torch
 
 from .store import BudgetError, ChunkStore, Handle, StoreError, Tier
 from .trace import Trace
-from ..ops.rounding import update_seed
+from .update_rule import Segment, StepBuffers, UpdateRule
 
-__all__ = ["Accumulate", "AdamArgs", "GradJob", "PipelineError", "PipelinePayloads",
-           "PipelineStats", "Segment", "StepPipeline", "UpdateJob"]
+__all__ = ["Accumulate", "GradJob", "PipelineError", "PipelinePayloads", "PipelineStats", "Segment",
+           "StepPipeline", "UpdateJob"]
 
 
 class PipelineError(RuntimeError):
@@ -95,14 +97,13 @@ class PipelineError(RuntimeError):
 
 @dataclass(frozen=True, kw_only=True)
 class PipelinePayloads:
-    """Store payload names the pipeline reads and writes (one set for every chunk)."""
+    """Store payload names the pipeline reads and writes (one set for every chunk) beside the
+    rule's own state payloads (``UpdateRule.state_keys``)."""
 
     grads: str = "grads"
     """Grads in the working dtype; the worker reads their CPU copy."""
     master: str = "master"
     """fp32 params updated in place (the working copy itself when ``lowp`` is None)."""
-    exp_avg: str = "exp_avg"
-    exp_avg_sq: str = "exp_avg_sq"
     lowp: Optional[str] = "params"
     """bf16/fp16 working copy that receives the updated params (None: fp32 training). Used for
     the chunks that have a payload of this name; a chunk without one updates ``master`` only."""
@@ -119,39 +120,20 @@ class Accumulate(enum.Enum):
     HOLD = "hold"  # no new grads for this chunk: use accum as it is (``ready`` is not waited on)
 
 
-@dataclass(frozen=True)
-class Segment:
-    """Elements [start, stop) of a chunk updated by one kernel call with bias-correction step
-    ``step`` (1-based; params that missed steps keep their own count, as torch.optim does), and
-    with ``args`` when given (a param group's own hyperparameters) instead of the job's."""
-
-    start: int
-    stop: int
-    step: int
-    args: Optional["AdamArgs"] = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class AdamArgs:
-    """Hyperparameters of one update, read when it is submitted (an lr scheduler may change them
-    between steps)."""
-
-    lr: float
-    betas: tuple
-    eps: float
-    weight_decay: float
-    adamw: bool
-    grad_scale: float = 1.0
-    """The update applies ``grad / grad_scale``: loss scale divided by the clip coefficient."""
-
-
 @dataclass(frozen=True, kw_only=True)
 class UpdateJob:
     cid: int
     segments: tuple
-    args: AdamArgs
+    """``Segment``s of the chunk to update, each with its step count and the rule's arguments."""
+    rule: UpdateRule
+    """What the update does: its state payloads and its CPU job ([Note: update rules])."""
     source: str
     """Payload holding the grads to apply: ``payloads.grads`` or ``payloads.accum``."""
+
+    @property
+    def state(self) -> tuple:
+        """The payloads the update reads and writes besides the grads (and ``lowp``)."""
+        return self.rule.state_keys
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,9 +164,14 @@ class _Queued:
         return (self.priority, self.seq)
 
     @property
+    def update(self) -> Optional["UpdateJob"]:
+        """The update the job runs (an UpdateJob, or a GradJob's ``then``), or None."""
+        return self.job if isinstance(self.job, UpdateJob) else self.job.then
+
+    @property
     def updates(self) -> bool:
-        """Whether the job runs an update (an UpdateJob, or a GradJob with ``then``)."""
-        return isinstance(self.job, UpdateJob) or self.job.then is not None
+        """Whether the job runs an update."""
+        return self.update is not None
 
 
 @dataclass(eq=False)
@@ -215,7 +202,7 @@ def _wait_quietly(tickets) -> None:
 class PipelineStats:
     updates: int = 0
     adam_s: float = 0.0
-    """Seconds the CPU-Adam kernels ran (on the native kernel thread)."""
+    """Seconds the update kernels ran (the rules' CPU jobs: CPU-Adam on the native kernel thread)."""
     busy_s: float = 0.0
     """Seconds the worker thread spent on jobs: bookkeeping, waits for moves and for kernels
     (the time it waited for new jobs excluded)."""
@@ -230,7 +217,7 @@ class StepPipeline:
         store: the ChunkStore holding the payloads named in ``payloads``.
         payloads: payload names (see ``PipelinePayloads``).
         prefetch_depth: queued updates whose optimizer state is read ahead (NVMe homes).
-        threads: threads per ``adam_step`` call (None: all available cores).
+        threads: threads per kernel call of a rule's CPU job (None: all available cores).
         on_update_done: called on the worker thread with the chunk id after each update (e.g.
             to start copying the new params back to the GPU).
         on_chunk_idle: called on the worker thread, with no pipeline lock held, with the chunk
@@ -245,7 +232,7 @@ class StepPipeline:
                  prefetch_depth: int = 2, threads: Optional[int] = None,
                  on_update_done: Optional[Callable[[int], None]] = None,
                  on_chunk_idle: Optional[Callable[[int], None]] = None, seed: int = 0):
-        from ..ops import cpu_adam  # the native kernel; imported here so importing this module stays cheap
+        from ..ops import cpu_adam  # grad_sumsq; imported here so importing this module stays cheap
 
         self._adam = cpu_adam
         self.store = store
@@ -257,7 +244,6 @@ class StepPipeline:
         self.seed = seed
         self.stats = PipelineStats()
         self.trace: Optional[Trace] = None  # set to a Trace to record spans
-        self._state_names = (payloads.master, payloads.exp_avg, payloads.exp_avg_sq)
         self._cv = threading.Condition()
         self._queue: list[_Queued] = []  # submitted, not finished (the running one included)
         self._seq = itertools.count()
@@ -384,10 +370,11 @@ class StepPipeline:
         with self._cv:
             # Jobs already started hold their state (pinned); re-reading a chunk whose update just
             # ended would fetch back what its write-behind is sending home.
-            upcoming = [q.cid for q in sorted(self._queue, key=lambda q: q.key) if not q.running and q.updates]
+            upcoming = {q.cid: q.update for q in sorted(self._queue, key=lambda q: q.key)
+                        if not q.running and q.updates}
         try:
-            for cid in list(dict.fromkeys(upcoming))[:self.prefetch_depth]:
-                for name in self._state_names:
+            for cid, job in list(upcoming.items())[:self.prefetch_depth]:
+                for name in (self.payloads.master, *job.state):
                     if self.store.payload_spec(cid, name).home is not Tier.CPU:
                         self.store.fetch(cid, name, Tier.CPU)
         except BudgetError:
@@ -490,30 +477,23 @@ class StepPipeline:
         return job.then
 
     def _launch(self, job: UpdateJob, run: "_Running") -> None:
-        """Pin the update's buffers (held until ``_finish``) and queue its kernels."""
+        """Pin the update's buffers (held until ``_finish``) and start the rule's CPU job."""
         store, names, cid = self.store, self.payloads, job.cid
         held = run.held
         # use(): fetch (a no-op when home on the CPU or read ahead) and pin atomically, so a
         # concurrent fetch making room cannot evict a copy between the two.
-        master, exp_avg, exp_avg_sq = (held.enter_context(store.use(cid, n, Tier.CPU, write=True))
-                                       for n in self._state_names)
+        written = (names.master, *job.state)
+        master, *state = (held.enter_context(store.use(cid, n, Tier.CPU, write=True)) for n in written)
         grad = held.enter_context(store.use(cid, job.source, Tier.CPU))
         lowp = (self._lowp_buffer(cid, job, held)
                 if names.lowp is not None and store.has_payload(cid, names.lowp) else None)
         run.update = job
-        run.written = self._state_names + (() if lowp is None else (names.lowp,))
-        rounded = exp_avg.dtype is not torch.float32  # bf16 moments: [Note: stochastic rounding]
-        for seg in job.segments:
-            a = seg.args or job.args
-            sl = slice(seg.start, seg.stop)
-            seed = {"seed": update_seed(self.seed, cid, seg.step, seg.start)} if rounded else {}
-            run.tickets.append(self._adam.adam_step_async(
-                master[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], step=seg.step, lr=a.lr,
-                betas=a.betas, eps=a.eps, weight_decay=a.weight_decay, adamw=a.adamw,
-                grad_scale=a.grad_scale, out_lowp=None if lowp is None else lowp[sl],
-                threads=self.threads, **seed))
+        run.written = written + (() if lowp is None else (names.lowp,))
+        bufs = StepBuffers(cid=cid, param=master, grad=grad, state=dict(zip(job.state, state)),
+                           lowp=lowp, seed=self.seed)
         # Waited for before the buffers are released, whatever happens (ExitStack is LIFO).
         held.callback(_wait_quietly, run.tickets)
+        run.tickets.extend(job.rule.cpu_job(bufs, job.segments, threads=self.threads))
 
     def _complete(self, run: "_Running") -> None:
         store, job = self.store, run.update

@@ -16,13 +16,41 @@ next use in the recorded order is farthest away.
 
 ``ready`` (optional) holds the look-ahead back at the first chunk it says is not ready (e.g. its
 update is still queued: fetching it would copy bytes about to change); ``chunk_ready(cid)`` then
-issues the look-ahead once that chunk is ready.
+issues the look-ahead once that chunk is ready (on the consumer's stream: ``set_stream``).
+
+[Note: holds] Above ``use``/``release`` (pins), a consumer that maps chunks (the engine: params
+pointing into a chunk's device buffer) says only ``hold(cid)`` and ``unhold(cid)``; this
+prefetcher decides when a chunk is mapped (``Consumer.map``, at its first hold) and when it is let
+go (``Consumer.unmap``, then ``release``), by two policies, and is the one owner of "is chunk c on
+the device for its consumer" (the store keeps the bytes: [Note: residency] there).
+
+- Parked chunks: consecutive modules mostly share a chunk; letting it go when one module's
+  forward ends would page it out and in again per module (two thirds of a 350M GPT's forward,
+  when measured). So a chunk nobody holds stays mapped, in a list of ``park`` chunks; the oldest
+  is let go when the list overflows, and all are by ``release_idle`` (the engine: when backward
+  ends and before a step queues updates, which make the device copy stale). Parked chunks stay
+  pinned in the store and count in the working window (placement.py).
+- Kept copies: forward and backward use every chunk once each, so dropping a chunk's copy after
+  its forward use fetches the params twice per step. When the consumer will use it again
+  (``Consumer.reuse``: the engine's forward with grad enabled) and each target tier holds at most
+  ``keep_limit`` bytes (``placement.keep_limit``: at most half the GPU budget, never the working
+  window), a chunk let go is only unpinned (``release(keep=True)``): its copy stays valid for
+  backward, and a tier needing room evicts by farthest next use. Otherwise its copy is dropped,
+  and ``release_idle`` drops every kept copy not in use, so none outlives the update that makes
+  it stale. A budget that only fits the working window keeps nothing.
+
+A chunk nobody holds that the consumer still needs mapped (``Consumer.busy``: the engine in
+backward while grads of the chunk are still to land) waits until ``settle(cid)``. Each chunk's
+``Use`` moves only as ``_USES`` lists; any other move (an ``unhold`` without a hold) raises.
 
 [Note: lock order] The store calls its eviction policy with its own lock held, and this
 prefetcher calls the store with its lock held: so ``next_use`` (the policy's query) takes no
 lock, else two threads (one in ``use``, one making room in the store) would deadlock. It reads
 the order without the lock: a momentarily stale answer only changes which copy is evicted first,
 never what is correct (the order and positions are replaced, never mutated in place, once frozen).
+The holds have a lock of their own, taken before the look-ahead's and never by ``chunk_ready``:
+``Consumer.map`` may wait for a worker (the engine waits for the chunk's update) whose
+``chunk_ready`` needs the look-ahead's lock.
 
 [Note: NVMe staging] A payload homed on NVMe reaches the GPU through a host copy (the store
 stages NVMe -> CPU -> GPU). That copy is staging, not a cache: ``drop`` (and so ``release``)
@@ -38,15 +66,74 @@ start of the next pass (the first chunks of the next step are fetched during thi
 from __future__ import annotations
 
 import contextlib
+import enum
 import itertools
 import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence
 
-from .store import BudgetError, ChunkStore, FarthestNextUsePolicy, Hop, Residency, StoreError, Tier
+import torch
 
-__all__ = ["Prefetcher", "PrefetchStats"]
+from .store import (BudgetError, ChunkStore, FarthestNextUsePolicy, Hop, IllegalTransition, Residency,
+                    StoreError, Tier)
+
+__all__ = ["Prefetcher", "PrefetchStats", "Consumer", "Use"]
+
+
+class Use(enum.Enum):
+    """Where a chunk stands with the consumer's holds; see [Note: holds]."""
+
+    IDLE = "idle"      # not mapped (its copies are the store's and the look-ahead's)
+    HELD = "held"      # mapped, and ``holds`` users need it
+    UNHELD = "unheld"  # mapped, nobody holds it, but the consumer still needs it (``busy``)
+    PARKED = "parked"  # mapped, nobody holds it: let go when the park list overflows, or at idle
+    KEPT = "kept"      # let go, its copies left valid (unpinned) for a use later in this pass
+
+
+_U = Use
+_USES: dict[Use, frozenset[Use]] = {
+    _U.IDLE: frozenset({_U.HELD}),
+    _U.HELD: frozenset({_U.UNHELD, _U.PARKED}),
+    _U.UNHELD: frozenset({_U.HELD, _U.PARKED, _U.IDLE, _U.KEPT}),
+    _U.PARKED: frozenset({_U.HELD, _U.IDLE, _U.KEPT}),
+    _U.KEPT: frozenset({_U.HELD, _U.IDLE}),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Consumer:
+    """What the holds ask of the code that maps the chunks (the engine); see [Note: holds]. Each
+    is called with the holds' lock held, and may call ``use``/``release``, not the holds."""
+
+    map: Callable[[int], None]
+    """Make chunk ``cid`` usable (its first hold): take its copies with ``use`` (or adopt a
+    ``use`` taken ahead) and point the consumer's views at them. If it raises, the chunk is not
+    mapped and the pin it took is let go. The pin is the prefetcher's to release after ``unmap``."""
+    unmap: Callable[[int], None]
+    """Drop the consumer's views into chunk ``cid``'s copies (the prefetcher then unpins it)."""
+    busy: Callable[[int], bool] = lambda cid: False
+    """Nobody holds chunk ``cid``, but the consumer still needs it mapped; asked again at
+    ``settle(cid)``."""
+    reuse: Callable[[], bool] = lambda: False
+    """A chunk let go now will be used again in this pass: keep its copies (within
+    ``keep_limit``)."""
+
+
+@dataclass(eq=False)
+class _Hold:
+    """One chunk's state with the consumer's holds."""
+
+    cid: int
+    state: Use = Use.IDLE
+    holds: int = 0
+
+    def to(self, state: Use) -> None:
+        if state not in _USES[self.state]:
+            raise IllegalTransition(
+                f"chunk {self.cid}: illegal use transition {self.state.name} -> {state.name} "
+                f"(legal from {self.state.name}: {sorted(s.name for s in _USES[self.state])})")
+        self.state = state
 
 
 @dataclass
@@ -97,11 +184,16 @@ class Prefetcher:
         ready: ``ready(cid) -> bool``; the look-ahead stops at the first chunk that is not ready
             (None: every chunk is). Called with this prefetcher's lock held: it must not call
             back into the prefetcher.
+        consumer: what ``hold``/``unhold`` map and unmap through (None: ``use``/``release``
+            only). See [Note: holds].
+        park: chunks nobody holds that stay mapped (the oldest is let go first).
+        keep_limit: bytes each target tier may hold for a chunk let go to keep its copies.
     """
 
     def __init__(self, store: ChunkStore, *, depth: int, hops: Sequence = (("params", Tier.GPU),),
                  nvme_depth: "int | None" = None, evict_after_use: bool = True,
-                 ready: "Callable[[int], bool] | None" = None):
+                 ready: "Callable[[int], bool] | None" = None, consumer: "Consumer | None" = None,
+                 park: int = 0, keep_limit: int = 0):
         if not isinstance(store, ChunkStore):
             raise TypeError(f"Prefetcher needs a ChunkStore, got {type(store).__name__}")
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
@@ -120,6 +212,11 @@ class Prefetcher:
             raise ValueError("a hop's target tier must be 'gpu' or 'cpu' (a use reads memory, not a file)")
         if ready is not None and not callable(ready):
             raise TypeError(f"ready must be a callable cid -> bool or None, got {ready!r}")
+        if consumer is not None and not isinstance(consumer, Consumer):
+            raise TypeError(f"consumer must be a prefetch.Consumer or None, got {type(consumer).__name__}")
+        for name, value in (("park", park), ("keep_limit", keep_limit)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         self.store = store
         self.depth = depth
         self.nvme_depth = nvme_depth
@@ -133,6 +230,15 @@ class Prefetcher:
         self._pos = 0
         self._positions: dict[int, list[int]] = {}  # cid -> positions in the order (derived index)
         self._bytes0 = dict(store.stats.bytes_moved)
+        self._stream = None  # the consumer's CUDA stream (set_stream)
+        # [Note: holds]
+        self._consumer = consumer
+        self.park = park
+        self.keep_limit = keep_limit
+        self._targets = tuple(dict.fromkeys(t for _, t in hops))
+        self._hold_lock = threading.RLock()  # before self._lock: see [Note: lock order]
+        self._holds: dict[int, _Hold] = {}  # cid -> its record (made at its first hold)
+        self._parked: list[int] = []  # the PARKED chunks, oldest first (derived index)
         store.set_policy(FarthestNextUsePolicy(self.next_use))
 
     # ---- order --------------------------------------------------------------------------
@@ -279,12 +385,21 @@ class Prefetcher:
         finally:
             self.release(cid)
 
+    def set_stream(self, stream: "torch.cuda.Stream | None") -> None:
+        """The CUDA stream the consumer computes on (the engine: captured at each forward):
+        look-ahead that ``chunk_ready`` issues from another thread is queued on it, behind what
+        the consumer has issued. None: the calling thread's current stream."""
+        self._stream = stream
+
     def chunk_ready(self, cid: int) -> None:
         """Chunk ``cid`` became ready (see ``ready``): issue the look-ahead now if it is within
         the window. Thread-safe (e.g. called on a worker thread)."""
         if self._recording:
             return
-        with self._lock:
+        stream = self._stream
+        with (torch.cuda.device(stream.device) if stream is not None else contextlib.nullcontext()), \
+                (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()), \
+                self._lock:
             if cid in self._upcoming(self.depth):
                 self._issue_lookahead()
 
@@ -309,6 +424,98 @@ class Prefetcher:
             # The tier is full of copies in use or needed sooner: stop looking ahead for now;
             # the use itself fetches on demand (and raises there if it truly cannot fit).
             self.stats.budget_limited += 1
+
+    # ---- holds ([Note: holds]) --------------------------------------------------------------
+
+    def hold(self, cid: int) -> bool:
+        """A user needs chunk ``cid`` mapped: the consumer maps it unless it is, and the hold
+        counts until ``unhold``. Returns True when this call mapped it."""
+        with self._hold_lock:
+            h = self._holds.get(cid) or self._new_hold(cid)
+            if h.state is Use.HELD:
+                h.holds += 1
+                return False
+            mapping = h.state is Use.IDLE or h.state is Use.KEPT
+            if mapping:
+                self._consumer.map(cid)  # raises: nothing changed (the map let its pin go)
+            elif h.state is Use.PARKED:
+                self._parked.remove(cid)
+            h.to(Use.HELD)
+            h.holds = 1
+            return mapping
+
+    def unhold(self, cid: int) -> None:
+        """One user of chunk ``cid`` is done. After the last, the chunk is parked, or waits while
+        the consumer says it is ``busy``."""
+        with self._hold_lock:
+            h = self._holds.get(cid)
+            if h is None or h.state is not Use.HELD:
+                raise IllegalTransition(f"unhold: chunk {cid} is {h.state.name if h else 'IDLE'}, "
+                                        f"not held (an unhold without a matching hold)")
+            h.holds -= 1
+            if h.holds == 0:
+                self._settle(h)
+
+    def settle(self, cid: int) -> None:
+        """The consumer may no longer need chunk ``cid`` (e.g. its last grad landed): park it if
+        nobody holds it and it is not ``busy``. No-op otherwise."""
+        with self._hold_lock:
+            h = self._holds.get(cid)
+            if h is not None and h.state is Use.UNHELD:
+                self._settle(h)
+
+    def release_idle(self) -> None:
+        """Let go of every mapped chunk nobody holds (parked ones included, in chunk order), and
+        drop the copies kept for later: at the end of a pass, and before the copies' bytes may
+        change."""
+        with self._hold_lock:
+            self._parked.clear()
+            for cid in sorted(c for c, h in self._holds.items() if h.state in (Use.UNHELD, Use.PARKED)):
+                self._let_go(self._holds[cid])
+            kept = [c for c, h in self._holds.items() if h.state is Use.KEPT]
+            if kept:
+                self.drop(kept)
+                for c in kept:
+                    self._holds[c].to(Use.IDLE)
+
+    def forget_holds(self) -> None:
+        """After an error in the consumer's pass: nobody holds any chunk now (``release_idle``
+        lets them go)."""
+        with self._hold_lock:
+            for h in self._holds.values():
+                if h.state is Use.HELD:
+                    h.holds = 0
+                    h.to(Use.UNHELD)
+
+    def status(self, cid: int) -> Use:
+        """Chunk ``cid``'s state with the holds."""
+        h = self._holds.get(cid)
+        return h.state if h is not None else Use.IDLE
+
+    def _new_hold(self, cid: int) -> _Hold:
+        if self._consumer is None:
+            raise TypeError("hold/unhold need Prefetcher(consumer=...): what maps and unmaps a "
+                            "held chunk; without one, use use()/release()")
+        self._holds[cid] = h = _Hold(cid)
+        return h
+
+    def _settle(self, h: _Hold) -> None:
+        if self._consumer.busy(h.cid):
+            if h.state is not Use.UNHELD:
+                h.to(Use.UNHELD)
+            return
+        h.to(Use.PARKED)
+        self._parked.append(h.cid)
+        while len(self._parked) > self.park:
+            self._let_go(self._holds[self._parked.pop(0)])
+
+    def _let_go(self, h: _Hold) -> None:
+        """Unmap ``h``'s chunk and unpin it: its copies kept when the consumer uses it again soon
+        and the target tiers have room, else dropped."""
+        self._consumer.unmap(h.cid)
+        keep = self._consumer.reuse() and all(self.store.bytes(t) <= self.keep_limit for t in self._targets)
+        h.to(Use.KEPT if keep else Use.IDLE)
+        self.release(h.cid, keep=keep)
 
     def snapshot(self) -> PrefetchStats:
         """A copy of the stats with ``bytes_moved`` filled in from the store."""

@@ -54,7 +54,7 @@ from .vocab import ALIGNMENT, round_up
 __all__ = [
     "Tier", "Residency", "Hop", "PayloadSpec", "StoreConfig", "ChunkStore", "Handle", "StoreStats",
     "EvictionPolicy", "EvictionCandidate", "LRUPolicy", "FarthestNextUsePolicy",
-    "BudgetError", "IllegalTransition", "StoreError",
+    "BudgetError", "IllegalTransition", "StoreError", "resolve_budgets",
 ]
 
 
@@ -259,7 +259,9 @@ class StoreConfig:
 _NVME_AUTO_CAP = 64 << 30
 
 
-def _resolve_budgets(config: StoreConfig) -> dict[Tier, int]:
+def resolve_budgets(config: StoreConfig) -> dict[Tier, int]:
+    """Bytes per tier of ``config.budgets``, "auto" resolved as ``StoreConfig.budgets`` says (what
+    a store built from ``config`` now would get)."""
     reserve = config.auto_reserve_fraction
     out: dict[Tier, int] = {}
     for tier, value in config.budgets.items():
@@ -528,7 +530,7 @@ class ChunkStore:
             raise TypeError(f"ChunkStore(config) needs a StoreConfig, got {type(config).__name__}")
         self.config = config
         self.device = config.device
-        self.budgets: dict[Tier, int] = _resolve_budgets(config)
+        self.budgets: dict[Tier, int] = resolve_budgets(config)
         self.policy: EvictionPolicy = LRUPolicy()
         self.stats = StoreStats()
         self._lock = threading.RLock()
