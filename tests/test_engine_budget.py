@@ -14,7 +14,7 @@ def test_gpu_budget_holds_for_state_many_times_larger(tmp_path):
     cfg = config(params="nvme", optimizer="nvme", nvme_dir=str(tmp_path), prefetch_depth=1)
     # The smallest GPU budget initialize accepts: homes (none) + the working window.
     probe = zo.initialize(micro_gpt(d_model=32, n_layer=6), optimizer=spec, config=cfg, device=DEVICE)
-    gpu_budget = window_bytes(probe.partition, cfg)
+    gpu_budget = window_bytes(probe.plan.request)
     probe.close()
     state = 16 * sum(p.numel() for p in model.parameters())  # params, grads, 2 moments, fp32
     assert state >= 6 * gpu_budget
@@ -60,24 +60,15 @@ def test_auto_nvme_budget_rule(monkeypatch, tmp_path):
 def test_auto_nvme_budget_plans_against_free_space_and_preallocates_the_plan(tmp_path, monkeypatch):
     """initialize plans against the "auto" budget (uncapped, not a share of the total) and the swap
     file is preallocated to exactly what the plan needs; an int budget too."""
-    import zero_offload.engine as eng
     from zero_offload.runtime.store import Tier
     from zero_offload.runtime.swap_io import SWAP_FILE
     _disk(monkeypatch, total=3_800 * 10**9, free=300 * 10**9)
-    seen = {}
-    plan = eng.plan_placement
-
-    def spy(partition, cfg, budgets, **kw):
-        seen.update(budgets)
-        return plan(partition, cfg, budgets, **kw)
-
-    monkeypatch.setattr(eng, "plan_placement", spy)
     for budget in ("auto", "1GiB"):
         swap = tmp_path / budget
         engine = zo.initialize(mlp(), optimizer=zo.AdamW(), device=DEVICE,
                                config=config(optimizer="nvme", nvme_dir=str(swap), nvme_budget=budget))
-        try:
-            assert seen[Tier.NVME] == (300 * 10**9 - (4 << 30) if budget == "auto" else 1 << 30)
+        try:  # the budget the plan was made against
+            assert engine.plan.budgets[Tier.NVME] == (300 * 10**9 - (4 << 30) if budget == "auto" else 1 << 30)
             need = engine.plan.need[Tier.NVME]
             assert need > 0 and engine.store.budgets[Tier.NVME] == need
             train_engine(engine, mlp_batches(1), mlp_loss)

@@ -14,7 +14,7 @@ def _run(gpu_budget=None, **kw):
     cfg = config(params="cpu", optimizer="cpu", prefetch_depth=1, **kw)
     if gpu_budget == "tight":
         probe = zo.initialize(micro_gpt(n_layer=4), optimizer=spec, config=cfg, device=DEVICE)
-        gpu_budget = window_bytes(probe.partition, cfg)
+        gpu_budget = window_bytes(probe.plan.request)
         probe.close()
     if gpu_budget is not None:
         cfg = cfg.replace(gpu_budget=gpu_budget)

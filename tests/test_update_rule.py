@@ -333,13 +333,64 @@ def test_a_rule_that_is_not_elementwise_sees_whole_parameters_only(kw):
                 for p in params:
                     p.sub_(0.05 * p.grad / p.grad.norm().clamp_min(1e-12))
                     p.grad = None
-        # (state_dict waits for the queued updates: the worker writes ``log`` as it runs them)
-        assert_params_close(engine.state_dict(), {n: p.detach().cpu() for n, p in ref_model.named_parameters()},
-                            rtol=1e-5)
+        # the last step's updates may still run on the worker when step() returns: the state
+        # dict waits for them, before the log is read
+        got = engine.state_dict()
         # every segment the rule got is one whole parameter, with its shape; each param once a step
         seen = [(cid, lo, hi, tuple(shape) if shape is not None else None) for cid, lo, hi, shape in log]
         assert set(seen) == whole and len(seen) == 3 * len(whole), (sorted(set(seen) - whole), len(seen))
         assert all(math.prod(shape) == hi - lo for _, lo, hi, shape in seen)
+        assert_params_close(got, {n: p.detach().cpu() for n, p in ref_model.named_parameters()}, rtol=1e-5)
+    finally:
+        engine.close()
+
+
+@dataclass(frozen=True)
+class _NormSGDWithNorms(NormSGDRule):
+    """NormSGD with a state sized by the params' shapes, not by the chunk's elements (one fp32
+    per parameter, as Adafactor's factors are sized by rows and columns): placement must ask
+    the rule with the chunk's shapes, and the store must hold what it answered."""
+
+    state_keys = ("norms",)
+
+    def payloads(self, numel, shapes=()):
+        assert shapes, "a rule that is not elementwise was not given the params' shapes"
+        return {"norms": StateSpec(len(shapes), torch.float32)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class _NormsSpec(NormSGD):
+    def rule(self, config):
+        return _NormSGDWithNorms()
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(params="gpu", optimizer="auto", gpu_budget=220_000)],
+                         ids=["host", "share-partial"])
+def test_a_rule_sizes_its_state_by_the_params_shapes(kw):
+    model = mlp(hidden=40)
+    engine = zo.initialize(model, optimizer=_NormsSpec(lr=0.05), config=config(**kw), device=DEVICE)
+    try:
+        part, request = engine.partition, engine.plan.request
+        for c in part.chunks:
+            if not c.trainable:
+                continue
+            assert request.chunks[c.index].shapes == tuple(tuple(s.shape) for s in c.slots)
+            spec = engine.store.payload_spec(c.index, "norms")
+            assert (spec.numel, spec.dtype) == (len(c.slots), torch.float32)
+            assert engine.plan.payloads(c.index)["norms"].home is engine.plan.homes[c.index].optimizer
+        if "gpu_budget" in kw:
+            assert 0 < engine.plan.count(optimizer=Tier.GPU) < len(part.chunks)
+        ref_model = mlp(hidden=40).to(DEVICE)
+        batches = mlp_batches(2)
+        train_engine(engine, batches, mlp_loss)
+        for b in batches:
+            mlp_loss(ref_model, b).backward()
+            with torch.no_grad():
+                for p in ref_model.parameters():
+                    p.sub_(0.05 * p.grad / p.grad.norm().clamp_min(1e-12))
+                    p.grad = None
+        assert_params_close(engine.state_dict(), {n: p.detach().cpu() for n, p in ref_model.named_parameters()},
+                            rtol=1e-5)
     finally:
         engine.close()
 

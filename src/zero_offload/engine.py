@@ -135,11 +135,11 @@ from .param_guard import PHASES, ParamGuard, Phase
 from .runtime.chunk_group import ChunkGroup, GroupChunk, GroupSlot, Staging
 from .runtime.partition import ChunkLayout, ParamSlot, Partition, partition_parameters, update_spans
 from .runtime.pipeline import PipelinePayloads, StepPipeline
-from .runtime.placement import (PARKED_CHUNKS, FitError, PlacementPlan, keep_limit, optimizer_payloads,
-                                payload_specs, plan_placement)
+from .runtime.placement import (PARKED_CHUNKS, ChunkNeed, PlacementPlan, PlacementRequest, chunk_payloads,
+                                keep_limit, local_ranks, plan_placement, rank_budgets)
 from .runtime.prefetch import Consumer, Prefetcher
 from .runtime.shards import Gather, Shards
-from .runtime.store import ChunkStore, Hop, PayloadSpec, StoreConfig, Tier
+from .runtime.store import ChunkStore, Hop, StoreConfig, Tier
 from .runtime.trace import StatsWindow, Trace
 
 __all__ = ["Engine", "EngineStats", "Phase", "initialize"]
@@ -402,43 +402,32 @@ class Engine:
                 nvme_dir = prepare_swap_dir(os.path.join(nvme_dir, f"rank{self.shard.rank}"),
                                             name="OffloadConfig.nvme_dir")
             free_stale_spaces(nvme_dir)  # dead runs' spaces: before the free space is measured
-        store_budgets = {Tier.GPU: cfg.gpu_budget, Tier.CPU: cfg.cpu_budget,
-                         Tier.NVME: cfg.nvme_budget if nvme_dir is not None else 0}
+        # grad_sync="final": the window's fp32 sum of each whole chunk's grads on the device.
+        self._final_sync = cfg.grad_accum > 1 and not cfg.host_accum
+        # Placement sees the shards this rank holds ([Note: data parallel]) and this rank's
+        # share of the node's budgets; the plan refuses what does not fit, before anything is
+        # allocated.
+        budgets = rank_budgets(
+            {Tier.GPU: cfg.gpu_budget, Tier.CPU: cfg.cpu_budget, Tier.NVME: cfg.nvme_budget},
+            device=self.device, nvme_dir=nvme_dir, local_ranks=local_ranks() if self._ranked else 1,
+            freed_host=_handed_over(self.partition))  # the model's own host copy is freed as chunks fill
+        self.plan: PlacementPlan = plan_placement(PlacementRequest(
+            chunks=tuple(ChunkNeed(numel=self.shard.span(c.numel)[2], dtype=self.dtype, trainable=c.trainable,
+                                   shapes=() if self.rule.elementwise else tuple(s.shape for s in c.slots))
+                         for c in self.partition.chunks),  # (a rule that is not elementwise: one rank, whole chunks)
+            budgets=budgets, params=cfg.params, optimizer=cfg.optimizer, rule=self.rule,
+            accum=cfg.host_accum, nvme_dir=cfg.nvme_dir, prefetch_depth=cfg.prefetch_depth,
+            reserve=cfg.activation_reserve, gpu_optimizer=not self._ranked,
+            fp32_grads_window=self._final_sync, ranks=self.shard.world,
+            replicas=self._ranked and cfg.params == "gpu"))
+        # The swap file is preallocated to the NVMe budget: exactly what the plan needs (each
+        # payload's slot rounded up to 4096, as the plan counts it).
+        store_budgets = {**budgets.as_dict(), Tier.NVME: self.plan.need[Tier.NVME]}
         self.store = ChunkStore(StoreConfig(device=self.device, budgets=store_budgets,
                                             nvme_dir=nvme_dir, io_threads=cfg.io_threads,
                                             io_block_size=cfg.io_block_size,
                                             io_queue_depth=cfg.io_queue_depth))
         try:
-            local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)) if self._ranked else 1
-            if nvme_dir is not None and cfg.nvme_budget == "auto":
-                # Free space less a small reserve, with no cap (the store caps its own "auto": its
-                # swap file is preallocated to the budget); the swap file is sized to the plan below.
-                from .runtime.swap_io import auto_nvme_budget
-                self.store.set_budget(Tier.NVME, auto_nvme_budget(nvme_dir) // local_ranks)
-            for tier, value in store_budgets.items():  # "auto": this rank's share of the node's
-                if value == "auto" and local_ranks > 1 and tier is not Tier.NVME \
-                        and not (tier is Tier.GPU and self.device.type == "cuda"):
-                    self.store.set_budget(tier, self.store.budgets[tier] // local_ranks)
-            if cfg.cpu_budget == "auto":  # the model's own host copy is freed as the chunks fill
-                self.store.set_budget(Tier.CPU, self.store.budgets[Tier.CPU] + _handed_over(self.partition))
-            # Placement sees the shards this rank holds ([Note: data parallel]).
-            placed = dataclasses.replace(self.partition, chunks=tuple(
-                dataclasses.replace(c, numel=self.shard.span(c.numel)[2]) for c in self.partition.chunks))
-            # grad_sync="final": the window's fp32 sum of each whole chunk's grads on the device.
-            self._final_sync = cfg.grad_accum > 1 and not cfg.host_accum
-            window = (4 * sum(self.shard.span(c.numel)[2] * self.shard.world
-                              for c in self.partition.chunks if c.trainable)
-                      if self._final_sync else 0)
-            self.plan: PlacementPlan = plan_placement(placed, cfg, self.store.budgets, rule=self.rule,
-                                                      has_nvme=cfg.nvme_dir is not None,
-                                                      gpu_optimizer=not self._ranked, gpu_extra=window)
-            if self._ranked and cfg.params == "gpu":
-                _check_replicas(self.partition, self.plan, self.store.budgets[Tier.GPU], self.dtype,
-                                self.shard)
-            if nvme_dir is not None:
-                # The swap file is preallocated to the NVMe budget: exactly what the plan needs
-                # (each payload's slot rounded up to 4096, as the plan counts it).
-                self.store.set_budget(Tier.NVME, self.plan.need[Tier.NVME])
             self._build(lr_scheduler)
         except BaseException:
             if getattr(self, "group", None) is not None:
@@ -532,7 +521,7 @@ class Engine:
         self.prefetcher = Prefetcher(  # [Note: holds]: it decides what is on the device when
             self.store, depth=cfg.prefetch_depth, hops=[("params", Tier.GPU)],
             ready=lambda cid: not self.group.busy(cid), park=PARKED_CHUNKS,
-            keep_limit=keep_limit(self.partition, cfg, self.store.budgets[Tier.GPU]),
+            keep_limit=keep_limit(self.plan.request),
             consumer=Consumer(map=self._materialize, unmap=self._unmap,
                               busy=lambda cid: self._phase is Phase.BACKWARD and bool(self._chunks[cid].awaiting),
                               reuse=lambda: self._phase is Phase.FORWARD and torch.is_grad_enabled()))
@@ -567,18 +556,7 @@ class Engine:
             functools.partial(self._post_forward, rec), with_kwargs=True, always_call=True))
 
     def _add_chunk(self, layout: ChunkLayout, homes) -> _Chunk:
-        k = self.shard.span(layout.numel)[2]
-        opt = optimizer_payloads(self.config, self.rule)
-        specs = {}
-        shard = dataclasses.replace(layout, numel=k)  # this rank's shard ([Note: data parallel])
-        for name, spec in payload_specs(shard, self.config, self.rule).items():
-            if name == "params":
-                home = homes.params
-            elif name in opt or (name in ("accum", "grads") and homes.optimizer is Tier.GPU):
-                home = homes.optimizer  # (the GPU share keeps its grads and accumulation there too)
-            else:
-                home = Tier.CPU  # grads, accum
-            specs[name] = PayloadSpec(numel=spec.numel, dtype=spec.dtype, home=home)
+        specs = chunk_payloads(self.plan.request, self.plan.request.chunks[layout.index], homes)
         gslots = {}
         if layout.trainable:  # an elementwise rule's update covers the padding up to the next slot
             spans = update_spans(layout, align_to_params=not self.rule.elementwise)
@@ -1419,22 +1397,6 @@ def _adam_threads(cfg: OffloadConfig, device: torch.device, *, ranked: bool) -> 
     if device.type != "cuda":
         return None
     return max(1, available_cores() - 2)
-
-
-def _check_replicas(partition: Partition, plan: PlacementPlan, gpu_budget: int, dtype: torch.dtype,
-                    shard: Shards) -> None:
-    """params="gpu" with several ranks keeps a full replica of every chunk's params on each GPU
-    beside the rank's shards ([Note: data parallel]): refuse before anything is allocated when
-    the budget cannot hold both."""
-    replicas = sum(shard.span(c.numel)[2] * shard.world for c in partition.chunks) * dtype.itemsize
-    need = plan.need[Tier.GPU] + replicas
-    if need > gpu_budget:
-        raise FitError(
-            f"params='gpu' with {shard.world} ranks keeps a full replica of the params on every GPU "
-            f"({replicas / 2**30:.2f} GiB) beside this rank's shards and working window "
-            f"({plan.need[Tier.GPU] / 2**30:.2f} GiB): {need / 2**30:.2f} GiB > gpu_budget "
-            f"{gpu_budget / 2**30:.2f} GiB. Use params='auto' or 'cpu' (each GPU then holds 1/{shard.world} "
-            f"of the params and gathers a chunk while it is used), or raise gpu_budget")
 
 
 def _rank_device(device, *, ranked: bool) -> torch.device:

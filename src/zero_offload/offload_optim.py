@@ -74,18 +74,20 @@ after the grads copy of that update; the store orders the chunk's next update an
 of an NVMe master after them, and ``ChunkGroup.wait`` the caller's stream.
 
 [Note: GPU share of OffloadAdam] With ``state="auto", gpu_budget=G`` the chunks are placed in
-param order (``_place``): each chunk's fp32 master, moments and a flat buffer for its grads are
-homed on the params' device while they fit ``G`` (the first chunks: the first layers, which the
-next forward needs first; once one does not fit, the rest go to the host), then in host RAM,
-and, with ``nvme_dir``, on NVMe once ``cpu_budget`` less room to stage (``prefetch_depth`` + 1)
-chunks runs out (the swap space is sized to exactly those chunks). A chunk of the share never
-meets the worker: its grads are copied into the device buffer on the caller's stream as they
-come, and when the chunk's last grad is in, the chunk group runs torch's fused
-Adam(W) on the same segments and hyperparameters CPU-Adam gets, on that stream, and the params
-are written from the master (rounded for bf16/fp16 params, as CPU-Adam rounds them). The
-caller's stream orders it all: nothing to wait for in ``step()``, ``overlap_forward`` or the
-data-parallel all-gathers. The state dict and ``load_state_dict`` go through host copies as for
-the other homes, so a state moves between placements.
+param order by the runtime's planner (runtime/placement.py, [Note: GPU share placement]; each
+group's chunks within what the groups before left): each chunk's fp32 master, moments and a flat
+buffer for its grads are homed on the params' device while they fit ``G`` (the first chunks: the
+first layers, which the next forward needs first; once one does not fit, the rest go to the
+host), then in host RAM, and, with ``nvme_dir``, on NVMe once ``cpu_budget`` less the host
+buffers of every chunk and room to stage (``prefetch_depth`` + 1) chunks runs out (the swap
+space is sized to exactly those chunks). A chunk of the share never meets the worker: its grads
+are copied into the device buffer on the caller's stream as they come, and when the chunk's last
+grad is in, the chunk group runs torch's fused Adam(W) on the same segments and
+hyperparameters CPU-Adam gets, on that stream, and the params are written from the master
+(rounded for bf16/fp16 params, as CPU-Adam rounds them). The caller's stream orders it all:
+nothing to wait for in ``step()``, ``overlap_forward`` or the data-parallel all-gathers. The
+state dict and ``load_state_dict`` go through host copies as for the other homes, so a state
+moves between placements.
 
 [Note: data parallel] With several ranks (DDP scripts; ``process_group``), each rank's store
 holds only its shard of every chunk (runtime/shards.py, [Note: chunk shards]): fp32 master,
@@ -121,24 +123,27 @@ value, exactly as a fresh optimizer would start.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-import psutil
 import torch
 
 from .config import as_budget, as_float, as_int, parse_bytes
 from .runtime.distributed import is_dtensor, local, resolve_group, threads_per_rank
 from .runtime.chunk_group import ChunkGroup, ChunkPhase, GroupChunk, GroupSlot, ParamSink, Staging
+from .runtime.partition import Packed, pack
 from .runtime.pipeline import PipelinePayloads
+from .runtime.placement import (Budgets, ChunkNeed, PlacementPlan, PlacementRequest, local_ranks,
+                                plan_placement, rank_budgets)
 from .runtime.shards import Shards
-from .runtime.store import ChunkStore, Hop, PayloadSpec, StoreConfig, Tier
+from .runtime.store import ChunkStore, Hop, StoreConfig, Tier
 from .runtime.swap_io import prepare_swap_dir, swap_dir_problem
 from .runtime.trace import Trace
 from .runtime.update_rule import AdamRule
-from .runtime.vocab import ALIGNMENT, round_up
+from .runtime.vocab import ALIGNMENT, Placement
 
 __all__ = ["OffloadAdam", "OffloadAdamW", "OffloadStats"]
 
@@ -211,7 +216,9 @@ class OffloadAdam(torch.optim.Optimizer):
         grad_accum: backward passes per ``step()`` (``overlap=True`` only needs to know).
         prefetch_depth: NVMe chunks read ahead of the update being run.
         cpu_budget: bytes (or "auto") of pinned host memory the optimizer may use ("cpu" state
-            must fit whole; "nvme" state stages through it).
+            must fit whole; "nvme" state stages through it). "auto": the free memory less a
+            reserve; with several ranks on the node, this rank's share ([Note: rank budgets] in
+            runtime/placement.py), as the NVMe space is.
         gpu_budget: with ``state="auto"`` (and only then; required): bytes of the params'
             device the optimizer's GPU share may take (fp32 master, moments and a flat grads
             buffer: 12 + the param's item size bytes per element with fp32 moments).
@@ -292,10 +299,19 @@ class OffloadAdam(torch.optim.Optimizer):
         self._cpu_budget = as_budget(name, "cpu_budget", cpu_budget)
         # before anything changes: a difference raises on every rank
         self._shard.check_settings(self._rank_settings(params, groups, h, chunk_mb, state))
-        self._home = home  # Tier.GPU: state="auto" (each chunk's home is placed: ``_place``)
-        self._left: dict | None = None  # state="auto": bytes each tier has left ([Note: GPU share ...])
         # Last check before params get hooks: the swap directory exists (0700) and is writable.
         self._nvme_dir = None if nvme_dir is None else prepare_swap_dir(nvme_dir, name=f"{name} nvme_dir")
+        # Placement (runtime/placement.py): this rank's share of the node's "auto" budgets,
+        # resolved once; each group's chunks are planned, in order, within what the groups
+        # before it left ([Note: GPU share of OffloadAdam]).
+        budgets = rank_budgets({Tier.GPU: self._gpu_budget, Tier.CPU: self._cpu_budget, Tier.NVME: "auto"},
+                               nvme_dir=self._nvme_dir,
+                               local_ranks=local_ranks() if self._shard.world > 1 or fsdp2 else 1)
+        self._request = PlacementRequest(budgets=budgets, params=None, optimizer=Placement(state.lower()),
+                                         rule=self._rule, nvme_dir=self._nvme_dir,
+                                         prefetch_depth=self._depth, gpu_optimizer=True, owner=name,
+                                         state_option="state")
+        self._rest = budgets  # what the groups added so far left to the next
 
         # Filled by add_param_group (called by Optimizer.__init__ below).
         self._group: ChunkGroup | None = None   # the chunks, their updates and state (runtime/)
@@ -309,16 +325,12 @@ class OffloadAdam(torch.optim.Optimizer):
         self._closed = False
         self._steps = self._steps0 = 0
 
-        # the swap space is preallocated: size it for all groups' chunks, packed (state="auto":
-        # those that do not fit the GPU and host budgets, placed) here as add_param_group will
-        if auto:
-            self._left = {Tier.GPU: self._gpu_budget, Tier.CPU: (
-                _auto_host_bytes() if self._cpu_budget == "auto" else self._cpu_budget)
-                if nvme_dir is not None else None}
-            left = dict(self._left)
-            self._nvme_need = sum(b for g in groups for b in self._place(self._pack(g), left)[1])
-        else:
-            self._nvme_need = sum(self._state_nbytes(run) for g in groups for run in self._pack(g))
+        # The swap space is preallocated: sized for every group's chunks, planned here as
+        # add_param_group will plan them (a plan that does not fit raises before any change).
+        rest, self._nvme_need = budgets, 0
+        for g in groups:
+            plan = self._plan(g, rest)[1]
+            rest, self._nvme_need = plan.rest(), self._nvme_need + plan.need[Tier.NVME]
         defaults = dict(h, **self._rule.group_options)
         super().__init__(params, defaults)
 
@@ -360,24 +372,23 @@ class OffloadAdam(torch.optim.Optimizer):
         if len(self.param_groups) == n_before:
             return
         group = self.param_groups[-1]
-        runs = self._pack(group["params"])
-        if self._left is not None:
-            homes, nvme = self._place(runs, self._left)
-        else:
-            homes = [self._home] * len(runs)
-            nvme = [self._state_nbytes(run) for run in runs] if self._home is Tier.NVME else [0]
-        if self._store is not None and sum(nvme):
-            need = sum(nvme)
-            free = self._store.budgets[Tier.NVME] - self._store.bytes(Tier.NVME)
-            if need > free:
-                self.param_groups.pop()
-                raise ValueError(
-                    f"{type(self).__name__}(state='nvme'): the swap space was sized for the params "
-                    f"given to the constructor and has {free} bytes left, this group needs {need}; "
-                    f"pass every param group to the constructor")
+        try:
+            packed, plan = self._plan(group["params"], self._rest)
+            need = plan.need[Tier.NVME]
+            if self._store is not None and need:
+                free = self._store.budgets[Tier.NVME] - self._store.bytes(Tier.NVME)
+                if need > free:
+                    raise ValueError(
+                        f"{type(self).__name__}(state='nvme'): the swap space was sized for the params "
+                        f"given to the constructor and has {free} bytes left, this group needs {need}; "
+                        f"pass every param group to the constructor")
+        except BaseException:
+            self.param_groups.pop()  # nothing changed
+            raise
+        self._rest = plan.rest()
         if self._group is not None:
             self._group.drain()  # new chunks are written while no job runs
-        self._build_group(group, runs, homes)
+        self._build_group(group, packed, plan)
 
     def _check_group(self, group: dict) -> None:
         """Hyperparameters of a group (with defaults filled in), as torch.optim.Adam checks them."""
@@ -401,76 +412,32 @@ class OffloadAdam(torch.optim.Optimizer):
                 raise ValueError(f"{name}: all params must be on one device; got {device} and "
                                  f"{p.device}. Use one optimizer per device")
 
-    def _state_nbytes(self, run, *, grads: bool = False) -> int:
-        """Bytes of a chunk's state (fp32 master and the moments; ``grads``: and its grads
-        buffer), each payload padded to 4 KiB as the store holds it."""
-        k = self._shard.span(sum(local(p).numel() for p in run))[2]
-        out = round_up(4 * k, ALIGNMENT) + sum(round_up(s.numel * s.dtype.itemsize, ALIGNMENT)
-                                               for s in self._rule.payloads(k).values())
-        return out + (round_up(run[0].dtype.itemsize * k, ALIGNMENT) if grads else 0)
+    def _plan(self, params, budgets: Budgets) -> tuple[list[Packed], PlacementPlan]:
+        """A group's trainable params packed into chunks (by dtype, in order; each rank's shard
+        about ``chunk_mb``) and their homes, planned within ``budgets``."""
+        packed = pack([p for p in params if p.requires_grad and local(p).numel() > 0],
+                      chunk_numel=self._chunk_numel, size=lambda p: local(p).numel(),
+                      key=lambda p: p.dtype, align=1)
+        chunks = tuple(ChunkNeed(numel=self._shard.span(c.numel)[2], dtype=c.key) for c in packed)
+        return packed, plan_placement(dataclasses.replace(self._request, budgets=budgets, chunks=chunks))
 
-    def _place(self, runs, left: dict) -> tuple[list, list]:
-        """state="auto": the home of each chunk's state and its NVMe bytes, taking from ``left``
-        (bytes per tier; None for the host: no limit). See [Note: GPU share of OffloadAdam]."""
-        homes, nvme = [], []
-        for run in runs:
-            state, on_gpu = self._state_nbytes(run), self._state_nbytes(run, grads=True)
-            # host homes of a CPU or NVMe chunk: grads, and the rounded params of bf16/fp16 ones
-            host = (on_gpu - state) * (2 if run[0].dtype in _LOWP else 1)
-            if on_gpu <= left[Tier.GPU]:
-                left[Tier.GPU] -= on_gpu
-                homes.append(Tier.GPU)
-                nvme.append(0)
-                continue
-            left[Tier.GPU] = -1  # the share is the first chunks (the first the next forward needs)
-            # room left to stage the NVMe chunks' state through (prefetch_depth + 1 chunks)
-            fits = left[Tier.CPU] is None or host + state * (self._depth + 2) <= left[Tier.CPU]
-            if left[Tier.CPU] is not None:
-                left[Tier.CPU] -= host + (state if fits else 0)
-            homes.append(Tier.CPU if fits else Tier.NVME)
-            nvme.append(0 if fits else state)
-        return homes, nvme
-
-    def _pack(self, params) -> list[list[torch.Tensor]]:
-        """Consecutive trainable params of one dtype, in chunks of about ``chunk_numel``."""
-        runs: list[list[torch.Tensor]] = []
-        for p in params:
-            if not p.requires_grad or local(p).numel() == 0:
-                continue
-            last = runs[-1] if runs else None
-            if last and last[0].dtype == p.dtype and \
-                    sum(local(q).numel() for q in last) + local(p).numel() <= self._chunk_numel:
-                last.append(p)
-            else:
-                runs.append([p])
-        return runs
-
-    def _build_group(self, group: dict, runs: list[list[torch.Tensor]], homes: list) -> None:
+    def _build_group(self, group: dict, packed: list[Packed], plan: PlacementPlan) -> None:
         params = group["params"]
         self._frozen.extend(p for p in params if not p.requires_grad)
         if self._device is None and params:
             self._device = params[0].device  # one device for all params (_check_params)
-        if self._group is None and runs:
+        if self._group is None and packed:
             self._open()
         gi = len(self.param_groups) - 1
         index0 = sum(len(g["params"]) for g in self.param_groups[:-1])
         position = {id(p): index0 + i for i, p in enumerate(params)}
-        for run, home in zip(runs, homes):
-            slots, whole = [], 0
-            for p in run:
-                slots.append(GroupSlot(lo=whole, numel=local(p).numel(), group=gi, index=position[id(p)],
-                                       param=p))
-                whole += local(p).numel()
-            k = self._shard.span(whole)[2]  # this rank's elements; see [Note: data parallel]
-            on_gpu = home is Tier.GPU
-            payloads = {"grads": PayloadSpec(k, run[0].dtype, Tier.GPU if on_gpu else Tier.CPU)}
-            payloads["master"] = PayloadSpec(k, torch.float32, home)
-            payloads.update((n, PayloadSpec(spec.numel, spec.dtype, home))
-                            for n, spec in self._rule.payloads(k).items())
-            if run[0].dtype in _LOWP and not on_gpu:  # the device share rounds into the params
-                payloads["params"] = PayloadSpec(k, run[0].dtype, Tier.CPU)
-            chunk = self._group.add_chunk(payloads, slots, whole=whole)
-            for p in run:
+        for i, c in enumerate(packed):
+            # slots by their place in the whole chunk (c.members: (param, offset), no padding);
+            # the group cuts this rank's shard ([Note: data parallel])
+            slots = [GroupSlot(lo=o, numel=local(p).numel(), group=gi, index=position[id(p)], param=p)
+                     for p, o in c.members]
+            chunk = self._group.add_chunk(plan.payloads(i), slots, whole=c.numel)
+            for p, _ in c.members:
                 self._chunk_of[p] = chunk  # every rank knows every param's chunk (gathers)
             self._group.load_state(chunk, _initial_state(chunk))  # master = the params, moments = 0
             for slot in chunk.slots:
@@ -482,8 +449,8 @@ class OffloadAdam(torch.optim.Optimizer):
     def _open(self) -> None:
         """The store and the chunk group (with the first trainable param)."""
         device = self._device
-        budgets = {Tier.CPU: self._cpu_budget}
-        if self._left is not None:
+        budgets = {Tier.CPU: self._request.budgets.cpu}
+        if self._request.optimizer is Placement.AUTO:
             budgets[Tier.GPU] = self._gpu_budget
         if self._nvme_dir is not None:  # swap files are preallocated: exactly what the plan needs
             budgets[Tier.NVME] = max(ALIGNMENT, self._nvme_need) if self._nvme_need else 0
@@ -773,7 +740,7 @@ class OffloadAdam(torch.optim.Optimizer):
     def __repr__(self):
         n = sum(c.numel for c in self._chunks)
         return (f"{type(self).__name__}(params={n}, chunks={len(self._chunks)}, "
-                f"state={'auto' if self._left is not None else self._home.value!r}, overlap={self._overlap}, "
+                f"state={self._request.optimizer.value!r}, overlap={self._overlap}, "
                 f"overlap_forward={self._overlap_forward}, groups={len(self.param_groups)})")
 
 
@@ -866,9 +833,3 @@ def _groups_of(params) -> list:
         else [params]
     return [[t for t in ([ps] if isinstance(ps, torch.Tensor) else (ps or ())) if isinstance(t, torch.Tensor)]
             for ps in groups]
-
-
-def _auto_host_bytes() -> int:
-    """An "auto" host budget as the store resolves it: available memory less its reserve."""
-    vm = psutil.virtual_memory()
-    return max(0, int(vm.available - StoreConfig.auto_reserve_fraction * vm.total))

@@ -8,7 +8,8 @@ carry no gradient or optimizer payloads. Every slot starts at a multiple of ``AL
 elements, so kernels see aligned sub-buffers and the padding between slots is zeros.
 
 This module is pure bookkeeping (no store, no hooks): the engine builds it once at initialize
-and it never changes.
+and it never changes. Its packer, ``pack`` (items in order, by key, into chunks), is shared with
+``OffloadAdam``, which packs each param group's trainable params by dtype, unaligned.
 
 [Note: whole parameters] A chunk holds whole parameters (the packing above never splits one), so
 an update rule that is not elementwise (Muon's matrices, Adafactor's factors: runtime/
@@ -26,23 +27,21 @@ written to afterwards, and nothing is stored on the parameters themselves.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Hashable, Iterable, Sequence, TypeVar
 
 import torch
 from torch import nn
 
 from .vocab import round_up
 
-__all__ = ["ALIGN_ELEMS", "ParamSlot", "ChunkLayout", "Partition", "partition_parameters", "shard_spans",
-           "update_spans"]
+__all__ = ["ALIGN_ELEMS", "ChunkLayout", "Packed", "ParamSlot", "Partition", "pack", "partition_parameters",
+           "shard_spans", "update_spans"]
+
+T = TypeVar("T")
 
 ALIGN_ELEMS = 64
 """Slot offsets and chunk sizes are multiples of this many elements (128 B in bf16, 256 B in
 fp32: whole cache lines and SIMD vectors)."""
-
-
-def _align(n: int) -> int:
-    return round_up(n, ALIGN_ELEMS)
 
 
 @dataclass(frozen=True, eq=False)
@@ -105,57 +104,88 @@ class Partition:
         return tuple(out)
 
 
+@dataclass(frozen=True, eq=False)
+class Packed:
+    """One chunk ``pack`` made: items of one key, each at its first element."""
+
+    key: Hashable
+    members: tuple
+    """``(item, offset)`` in the order given; offsets are multiples of ``pack``'s ``align``."""
+    numel: int
+    """Elements of the chunk: the last member's end, rounded up to ``align``."""
+
+
+def pack(items: Iterable[T], *, chunk_numel: int, size: Callable[[T], int],
+         key: Callable[[T], Hashable] = lambda item: None, align: int = ALIGN_ELEMS) -> list[Packed]:
+    """Pack ``items``, in the order given, into chunks of about ``chunk_numel`` elements; the one
+    packer of both front ends (the engine's partition, OffloadAdam's chunks).
+
+    Items of one ``key`` share chunks, items of different keys never do (the engine keys by
+    trainable, OffloadAdam by dtype), with one open chunk per key, so an item of another key in
+    between does not close it. An item is never split: one larger than ``chunk_numel`` gets a
+    chunk of its own. Each item starts at a multiple of ``align`` elements; a chunk closes once
+    it is full. Chunks come in the order of their first item. ``size``: an item's elements (more
+    than 0).
+    """
+    if isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel <= 0:
+        raise ValueError(f"chunk_numel must be a positive int, got {chunk_numel!r}")
+    if isinstance(align, bool) or not isinstance(align, int) or align <= 0:
+        raise ValueError(f"align must be a positive int, got {align!r}")
+    open_: dict = {}  # key -> [members, fill, position of its first item]
+    closed: list = []  # (position of the first item, key, members, fill)
+
+    def close(k) -> None:
+        members, fill, first = open_.pop(k)
+        closed.append((first, k, members, fill))
+
+    for position, item in enumerate(items):
+        k, n = key(item), size(item)
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(f"pack: an item's size must be a positive int, got {n!r}")
+        need = round_up(n, align)
+        if k in open_ and open_[k][1] + need > chunk_numel:
+            close(k)
+        entry = open_.setdefault(k, [[], 0, position])
+        entry[0].append((item, entry[1]))
+        entry[1] += need
+        if entry[1] >= chunk_numel:
+            close(k)
+    for k in list(open_):
+        close(k)
+    closed.sort(key=lambda c: c[0])
+    return [Packed(key=k, members=tuple(members), numel=fill) for _, k, members, fill in closed]
+
+
 def partition_parameters(module: nn.Module, *, chunk_numel: int) -> Partition:
     """Pack ``module``'s distinct parameters into chunks of about ``chunk_numel`` elements.
 
-    Module order, trainable and frozen kept apart (one open chunk of each kind), no parameter
-    split, offsets aligned to ``ALIGN_ELEMS``.
+    Module order, trainable and frozen kept apart, no parameter split, offsets aligned to
+    ``ALIGN_ELEMS`` (``pack``).
     """
     if isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel <= 0:
         raise ValueError(f"chunk_numel must be a positive int, got {chunk_numel!r}")
     if not isinstance(module, nn.Module):
         raise TypeError(f"partition_parameters needs an nn.Module, got {type(module).__name__}")
 
-    open_slots: dict[bool, list] = {True: [], False: []}  # trainable -> [(name, param)]
-    open_fill: dict[bool, int] = {True: 0, False: 0}
-    groups: list[tuple[bool, list]] = []  # closed chunks, in closing order
-    empty = []
-    rank = {}  # id(param) -> slot index (module order)
-
-    def close(trainable: bool) -> None:
-        if open_slots[trainable]:
-            groups.append((trainable, open_slots[trainable]))
-        open_slots[trainable] = []
-        open_fill[trainable] = 0
-
+    empty, distinct, rank = [], [], {}  # rank: id(param) -> slot index (module order)
     for name, p in module.named_parameters():
         if p.numel() == 0:
             empty.append((name, p))
             continue
         rank[id(p)] = len(rank)
-        kind = bool(p.requires_grad)
-        need = _align(p.numel())
-        if open_slots[kind] and open_fill[kind] + need > chunk_numel:
-            close(kind)
-        open_slots[kind].append((name, p))
-        open_fill[kind] += need
-        if open_fill[kind] >= chunk_numel:
-            close(kind)
-    close(True)
-    close(False)
-    # Chunks are numbered in module order of their first parameter.
-    groups.sort(key=lambda g: rank[id(g[1][0][1])])
+        distinct.append((name, p))
+    packed = pack(distinct, chunk_numel=chunk_numel, size=lambda item: item[1].numel(),
+                  key=lambda item: bool(item[1].requires_grad))
 
     chunks, by_param = [], {}
-    for ci, (trainable, members) in enumerate(groups):
-        offset, chunk_slots = 0, []
-        for name, p in members:
+    for ci, c in enumerate(packed):
+        chunk_slots = []
+        for (name, p), offset in c.members:
             slot = ParamSlot(index=rank[id(p)], name=name, param=p, shape=p.shape, numel=p.numel(),
-                             trainable=trainable, chunk=ci, offset=offset)
+                             trainable=c.key, chunk=ci, offset=offset)
             chunk_slots.append(slot)
             by_param[id(p)] = slot
-            offset = _align(offset + p.numel())
-        chunks.append(ChunkLayout(index=ci, slots=tuple(chunk_slots), numel=offset, trainable=trainable))
+        chunks.append(ChunkLayout(index=ci, slots=tuple(chunk_slots), numel=c.numel, trainable=c.key))
     slots = sorted(by_param.values(), key=lambda s: s.index)
     names = {}
     for name, p in module.named_parameters(remove_duplicate=False):

@@ -1,52 +1,84 @@
-"""Where each chunk's payloads live (home tiers), and whether that fits the budgets.
+"""Where each chunk's payloads live (home tiers), and whether that fits the budgets: one planner
+for both front ends. A front end says what it needs in a ``PlacementRequest`` (its chunks, this
+rank's budgets from ``rank_budgets``, where it wants params and optimizer state); nothing of its
+config is read here. ``plan_placement`` gives a ``PlacementPlan``: a home per payload of every
+chunk (``PlacementPlan.payloads``: the store's ``PayloadSpec`` of each), or a ``FitError``.
 
-Payloads of a chunk (all flat, one element per parameter element, padding included):
+Payloads of a chunk (all flat; the runtime's own have ``ChunkNeed.numel`` elements, this rank's
+shard, padding included; the rule's state has the sizes the rule gives):
 
 =============  ======================  ==========================================================
 payload        dtype                   home
 =============  ======================  ==========================================================
-params         working (config.dtype)  ``OffloadConfig.params`` (auto: GPU, then CPU, then NVMe)
-grads          working                 CPU (written on the GPU in backward, flushed down; the
-                                       GPU for the GPU share, which updates it there)
-master         fp32                    ``OffloadConfig.optimizer``; only when dtype is not fp32
-                                       (in fp32 training ``params`` is the master copy)
-the rule's     the rule's (Adam:       ``OffloadConfig.optimizer`` (auto: the GPU share when the
-state          exp_avg, exp_avg_sq:    front end updates on the device, then CPU, then NVMe)
-               fp32, or bf16 with
-               ``moments_dtype="bf16"``)
-accum          fp32                    CPU (the GPU for the GPU share); only when ``grad_accum > 1``
-                                       and ``grad_sync="every"``
+params         the chunk's dtype       ``PlacementRequest.params`` (auto: GPU, then CPU, then
+                                       NVMe). A front end that keeps the params in its own
+                                       tensors (``params=None``: OffloadAdam) has one only in
+                                       bf16/fp16 chunks updated on the host: host memory the
+                                       host update writes the rounded params to, for the front
+                                       end to copy out; none with the GPU share
+grads          the chunk's dtype       where the update runs: CPU (written on the device in
+                                       backward, flushed down), the GPU for the GPU share
+master         fp32                    ``PlacementRequest.optimizer``; not when the params
+                                       payload is the master copy itself (fp32 params the store
+                                       pages)
+the rule's     the rule's (Adam:       ``PlacementRequest.optimizer`` (auto: the GPU share, then
+state          exp_avg, exp_avg_sq,    CPU, then NVMe)
+               fp32 or bf16: its
+               ``moments_dtype``)
+accum          fp32                    where the update runs; only with ``accum`` (the engine:
+                                       ``grad_accum > 1`` with ``grad_sync="every"``)
 =============  ======================  ==========================================================
 
-The update rule (runtime/update_rule.py) declares its state payloads, their sizes and dtypes
-(``UpdateRule.payloads``); the rest are the runtime's own.
+The update rule (``PlacementRequest.rule``, runtime/update_rule.py) declares its state payloads,
+their sizes and dtypes (``UpdateRule.payloads``: sized by the chunk's elements, or by its
+params' shapes, ``ChunkNeed.shapes``, for a rule that is not elementwise); the rest are the
+runtime's own. Nothing here names an optimizer.
 
-Frozen chunks (no trainable parameter) carry ``params`` only.
+Chunks that are not trainable carry ``params`` only.
 
-[Note: working window] Besides the home copies, the compute device must hold, at the worst
-moment of backward, a few chunks in use at once with their grads buffers: a chunk is held from
-its first grad until its last one lands, so the one backward is in and the one it straddles into
-stay, and so does the chunk of a tied embedding (its grad completes only at the very end); plus
-the look-ahead, and the chunks parked on the device after use (prefetch.py, [Note: holds]).
-``window_bytes`` sizes that as (prefetch_depth + 3 + PARKED_CHUNKS) params chunks plus three
-grads chunks of the largest size; initialize refuses a GPU budget below homes + window, with
-the numbers. When optimizer state or params live on NVMe, host memory needs a staging window
-of (prefetch_depth + 1) chunks of what is read ahead.
+[Note: GPU share placement] With ``gpu_optimizer`` (the front end updates chunks whose state is
+on the device there: [Note: GPU share] in chunk_group.py), "auto" optimizer state of chunks whose
+params live on the device (a front end's own params do) fills the device first, in chunk order,
+with the chunk's grads (and accumulation buffer) beside it, within the budget less ``reserve``:
+a prefix of the chunks (the first layers, which the next forward needs first). Once a chunk does
+not fit, the rest go to host memory, then NVMe.
+
+[Note: rank budgets] Several ranks on one node (``local_ranks``: torchrun's
+``LOCAL_WORLD_SIZE``) share its host memory and disk. An "auto" budget is this rank's share: the
+free memory (or disk) less the reserve, divided by the node's ranks, so the ranks together stay
+within what the node has. A CUDA device is each rank's own and is not divided; with no CUDA the
+"gpu" tier is host memory and is. ``rank_budgets`` is the one place this is written: both front
+ends plan against it.
+
+[Note: working window] Besides the home copies, a front end that pages params through the device
+(the engine) must hold there, at the worst moment of backward, a few chunks in use at once with
+their grads buffers: a chunk is held from its first grad until its last one lands, so the one
+backward is in and the one it straddles into stay, and so does the chunk of a tied embedding (its
+grad completes only at the very end); plus the look-ahead, and the chunks parked on the device
+after use (prefetch.py, [Note: holds]). ``window_bytes`` sizes that as (prefetch_depth + 3
++ PARKED_CHUNKS) params chunks plus three grads chunks of the largest size; the plan refuses a
+GPU budget below homes + window, with the numbers. When optimizer state or params live on NVMe,
+host memory needs a staging window of (prefetch_depth + 1) chunks of what is read ahead.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
 import shutil
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 
-from .partition import ChunkLayout, Partition
-from .store import Tier
+from .store import PayloadSpec, StoreConfig, Tier, resolve_budgets
+from .swap_io import NVME_AUTO_RESERVE, auto_nvme_budget, disk_holders
 from .update_rule import StateSpec, UpdateRule
 from .vocab import ALIGNMENT, Placement, round_up
 
-__all__ = ["ChunkHomes", "PlacementPlan", "plan_placement", "FitError", "keep_limit", "PARKED_CHUNKS"]
+__all__ = ["Budgets", "ChunkHomes", "ChunkNeed", "FitError", "PARKED_CHUNKS", "PlacementPlan",
+           "PlacementRequest", "keep_limit", "local_ranks", "plan_placement", "rank_budgets",
+           "window_bytes"]
 
 PARKED_CHUNKS = 2
 """Chunks kept on the device after their last user let go (prefetch.py, [Note: holds]); part of
@@ -61,118 +93,378 @@ class FitError(ValueError):
     """The configuration cannot fit the budgets; the message has the numbers and the fix."""
 
 
+# --------------------------------------------------------------------------------------------
+# Budgets: this rank's share of the node
+
+
+def local_ranks() -> int:
+    """Processes sharing this node's memory and disk: ``LOCAL_WORLD_SIZE`` (torchrun sets it),
+    1 without it. See [Note: rank budgets]."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "") or "1"
+    if not value.strip().isdigit():
+        raise ValueError(f"LOCAL_WORLD_SIZE={value!r} is not a number of processes; launch with "
+                         f"`torchrun --nproc-per-node N` (it sets it), or unset it")
+    return max(1, int(value))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Budgets:
+    """This rank's bytes per tier (``rank_budgets``; ``budgets[Tier.CPU]`` reads one)."""
+
+    gpu: int
+    cpu: int
+    nvme: int = 0
+    auto: frozenset = frozenset()
+    """Tiers whose budget was "auto" (resolved from free memory or disk); messages say so."""
+
+    def __post_init__(self):
+        for tier in Tier:
+            value = self[tier]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"Budgets.{tier.value} must be bytes as an int >= 0, got {value!r}")
+        object.__setattr__(self, "auto", frozenset(Tier.of(t) for t in self.auto))
+
+    def __getitem__(self, tier: Tier) -> int:
+        return getattr(self, Tier.of(tier).value)
+
+    def as_dict(self) -> dict:
+        return {t: self[t] for t in Tier}
+
+
+def rank_budgets(asked: Mapping, *, device=None, nvme_dir=None, local_ranks: int = 1,
+                 freed_host: int = 0) -> Budgets:
+    """This rank's budgets from what was asked (tier -> bytes or "auto"; a tier left out has 0):
+    see [Note: rank budgets]. "auto" GPU and CPU budgets are the free memory less the store's
+    reserve (``StoreConfig.auto_reserve_fraction``); an "auto" NVMe budget is the free disk space
+    of ``nvme_dir`` less a small reserve (``swap_io.auto_nvme_budget``), not capped (the swap file
+    is sized to the plan, not to the budget). ``device``: the compute device (its free memory for
+    an "auto" GPU budget). ``nvme_dir``: this rank's swap directory (None: no NVMe tier, 0).
+    ``freed_host``: host bytes the front end frees as its chunks fill (the engine hands the
+    model's own host copy over), added to an "auto" host budget."""
+    asked = {Tier.of(t): v for t, v in asked.items()}
+    auto = frozenset(t for t, v in asked.items() if v == "auto")
+    if isinstance(local_ranks, bool) or not isinstance(local_ranks, int) or local_ranks < 1:
+        raise ValueError(f"rank_budgets: local_ranks must be an int >= 1, got {local_ranks!r}")
+    memory = StoreConfig(device=device if Tier.GPU in auto else "cpu",
+                         budgets={Tier.GPU: asked.get(Tier.GPU, 0), Tier.CPU: asked.get(Tier.CPU, 0),
+                                  Tier.NVME: 0})
+    out = resolve_budgets(memory)
+    if nvme_dir is None:
+        out[Tier.NVME] = 0
+    elif Tier.NVME in auto:
+        out[Tier.NVME] = auto_nvme_budget(nvme_dir)
+    else:
+        out[Tier.NVME] = asked.get(Tier.NVME, 0)
+    for tier in auto:
+        if not (tier is Tier.GPU and memory.cuda):  # a CUDA device is each rank's own
+            out[tier] //= local_ranks
+    if Tier.CPU in auto:
+        out[Tier.CPU] += freed_host
+    return Budgets(gpu=out[Tier.GPU], cpu=out[Tier.CPU], nvme=out[Tier.NVME], auto=auto)
+
+
+# --------------------------------------------------------------------------------------------
+# The request and the plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkNeed:
+    """One chunk as placement sees it."""
+
+    numel: int
+    """Elements of each of its payloads on this rank (its shard of the chunk, padding included)."""
+    dtype: torch.dtype
+    """Dtype of its params and grads."""
+    trainable: bool = True
+    """False: it carries params only (no grads, no optimizer state)."""
+    shapes: tuple = ()
+    """Shapes of the whole params it holds, in order, for an update rule that is not elementwise
+    (its state may be sized by them: Adafactor's row and column factors); an elementwise rule's
+    state is sized by ``numel`` and a front end may leave this empty."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "shapes", tuple(tuple(int(d) for d in s) for s in self.shapes))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementRequest:
+    """What a front end asks of placement; built by each front end from its own settings."""
+
+    chunks: tuple = ()
+    """``ChunkNeed`` of every chunk, in order (the order "auto" fills the fastest tier in)."""
+    budgets: Budgets
+    """This rank's bytes per tier (``rank_budgets``)."""
+    params: "Placement | None"
+    """Home of the params payload; None: the front end keeps the params in its own tensors."""
+    optimizer: Placement
+    """Home of the optimizer state (the master and the rule's state)."""
+    rule: UpdateRule
+    """The update rule: its state payloads, their sizes and dtypes (``UpdateRule.payloads``)."""
+    accum: bool = False
+    """Trainable chunks have an fp32 accumulation buffer."""
+    nvme_dir: "str | os.PathLike | None" = None
+    """The swap directory (None: no NVMe tier); messages name it and its free space."""
+    prefetch_depth: int = 2
+    """Chunks read ahead (the working window on the device, the NVMe staging in host memory)."""
+    reserve: "int | str" = 0
+    """GPU bytes "auto" placements leave to what the store does not see (activations): bytes, or
+    "auto" (half the GPU budget)."""
+    gpu_optimizer: bool = False
+    """The front end updates chunks whose state is homed on the device there: "auto" optimizer
+    state may take the GPU share ([Note: GPU share placement])."""
+    fp32_grads_window: bool = False
+    """The front end sums every trainable chunk's whole grads in fp32 on the device over the
+    accumulation window (the engine's ``grad_sync="final"``), beside the homes."""
+    ranks: int = 1
+    """Ranks each chunk is split between (``ChunkNeed.numel`` is one rank's shard)."""
+    replicas: bool = False
+    """Every rank keeps a whole replica of the params on its device beside its shards (the
+    engine's params="gpu" with several ranks)."""
+    owner: str = ""
+    """Who asks, for messages (none: the message starts with the problem)."""
+    state_option: str = "optimizer"
+    """How the front end's user names the optimizer state's placement, for messages."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "chunks", tuple(self.chunks))
+        if not all(isinstance(c, ChunkNeed) for c in self.chunks):
+            raise TypeError("PlacementRequest.chunks must be ChunkNeed records")
+        if not isinstance(self.budgets, Budgets):
+            raise TypeError(f"PlacementRequest.budgets must be Budgets (rank_budgets), got {self.budgets!r}")
+        if self.params is not None and not isinstance(self.params, Placement):
+            raise TypeError(f"PlacementRequest.params must be a Placement or None, got {self.params!r}")
+        if not isinstance(self.optimizer, Placement):
+            raise TypeError(f"PlacementRequest.optimizer must be a Placement, got {self.optimizer!r}")
+        if not isinstance(self.rule, UpdateRule):
+            raise TypeError(f"PlacementRequest.rule must be an UpdateRule (runtime/update_rule.py), "
+                            f"got {type(self.rule).__name__}")
+        if not self.rule.elementwise and any(c.trainable and not c.shapes for c in self.chunks):
+            raise ValueError(f"{self._prefix}{self.rule.name} is not elementwise: its state is sized by "
+                             f"whole params, so every trainable ChunkNeed must carry their shapes")
+        if self.nvme_dir is None and Placement.NVME in (self.params, self.optimizer):
+            raise ValueError(f"{self._prefix}placing state on NVMe needs a swap directory (nvme_dir)")
+        if not (self.reserve == "auto" or (isinstance(self.reserve, int) and self.reserve >= 0)):
+            raise ValueError(f"PlacementRequest.reserve must be bytes >= 0 or 'auto', got {self.reserve!r}")
+        for name in ("prefetch_depth", "ranks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (name == "ranks"):
+                raise ValueError(f"PlacementRequest.{name} must be an int >= {int(name == 'ranks')}, "
+                                 f"got {value!r}")
+
+    @property
+    def _prefix(self) -> str:
+        return f"{self.owner}: " if self.owner else ""
+
+
 @dataclass(frozen=True)
 class ChunkHomes:
     """Home tier of each payload of one chunk."""
 
-    params: Tier
+    params: "Tier | None"
+    """Home of the params (None when the front end keeps them)."""
     optimizer: "Tier | None"
     """Home of master and the rule's state (None for frozen chunks)."""
 
 
 @dataclass(frozen=True)
 class PlacementPlan:
+    request: PlacementRequest
     homes: tuple
-    """One ChunkHomes per chunk of the partition."""
+    """One ChunkHomes per chunk of the request."""
     need: dict
     """Tier -> bytes the homes and working windows need."""
+    working: dict
+    """Tier -> the bytes of ``need`` that are working windows and staging, not homes."""
+    share_ended: bool = False
+    """A trainable chunk did not fit the GPU share ([Note: GPU share placement])."""
+
+    @property
+    def budgets(self) -> Budgets:
+        return self.request.budgets
 
     def count(self, *, params: "Tier | None" = None, optimizer: "Tier | None" = None) -> int:
         return sum(1 for h in self.homes
                    if (params is None or h.params is params)
                    and (optimizer is None or h.optimizer is optimizer))
 
+    def payloads(self, index: int) -> dict:
+        """name -> ``PayloadSpec`` of chunk ``index``'s payloads (the table above)."""
+        return chunk_payloads(self.request, self.request.chunks[index], self.homes[index])
 
-def payload_specs(chunk: ChunkLayout, config: OffloadConfig, rule: "UpdateRule | None") -> dict:
-    """name -> ``StateSpec`` (elements, dtype) of the payloads a chunk of ``chunk.numel``
-    elements carries (see the table above). ``rule``: the update rule, for its state (None: the
-    runtime's own payloads only)."""
-    work = config.torch_dtype
-    n = chunk.numel
+    def rest(self) -> Budgets:
+        """What a plan of chunks added later may take: the budgets less this plan's homes
+        (working windows and staging are shared: a later plan counts them itself), and no GPU
+        share once this one's ended (the share is a prefix of the chunks)."""
+        b = self.budgets
+        left = {t: max(0, b[t] - (self.need[t] - self.working[t])) for t in Tier}
+        return dataclasses.replace(b, gpu=0 if self.share_ended else left[Tier.GPU],
+                                   cpu=left[Tier.CPU], nvme=left[Tier.NVME])
+
+
+_RUNTIME_PAYLOADS = ("params", "grads", "master", "accum")
+"""Payloads the runtime keeps for every rule; a rule's state takes other names."""
+
+
+def optimizer_payloads(chunk: ChunkNeed, request: PlacementRequest) -> tuple:
+    """Payloads homed by ``PlacementRequest.optimizer``: the fp32 master and the rule's state
+    (fp32 params that the store pages are the master copy themselves and stay where
+    ``PlacementRequest.params`` puts them)."""
+    keys = tuple(request.rule.state_keys)
+    if request.params is not None and chunk.dtype is torch.float32:
+        return keys
+    return ("master", *keys)
+
+
+def payload_specs(chunk: ChunkNeed, request: PlacementRequest) -> dict:
+    """name -> ``StateSpec`` (elements, dtype) of the payloads a chunk carries (see the table
+    above): the runtime's own, ``chunk.numel`` elements each, and the rule's state as
+    ``rule.payloads`` declares it."""
+    work, n = chunk.dtype, chunk.numel
+    out = {"params": StateSpec(n, work)} if request.params is not None else {}
     if not chunk.trainable:
-        return {"params": StateSpec(n, work)}
-    out = {"params": StateSpec(n, work), "grads": StateSpec(n, work)}
-    if work is not torch.float32:
+        return out
+    out["grads"] = StateSpec(n, work)
+    keys = optimizer_payloads(chunk, request)
+    if "master" in keys:
         out["master"] = StateSpec(n, torch.float32)
-    if rule is not None:
-        out.update(rule.payloads(n, tuple(tuple(s.shape) for s in chunk.slots)))
-    if config.host_accum:
+    out.update(_rule_payloads(chunk, request.rule))
+    if request.accum:
         out["accum"] = StateSpec(n, torch.float32)
+    if request.params is None and work is not torch.float32:
+        out["params"] = StateSpec(n, work)  # the host update's rounded params, copied out by the front end
     return out
 
 
-def optimizer_payloads(config: OffloadConfig, rule: UpdateRule) -> tuple:
-    """Payloads homed by ``OffloadConfig.optimizer``: the master and the rule's state (fp32
-    training: the params are the master copy and stay where ``OffloadConfig.params`` puts them)."""
-    if config.torch_dtype is torch.float32:
-        return tuple(rule.state_keys)
-    return ("master", *rule.state_keys)
+def _rule_payloads(chunk: ChunkNeed, rule: UpdateRule) -> dict:
+    """``rule.payloads`` of ``chunk``, checked: exactly its ``state_keys``, none named as a
+    payload of the runtime, each a ``StateSpec`` of a size >= 0."""
+    specs = dict(rule.payloads(chunk.numel, chunk.shapes))
+    keys = tuple(rule.state_keys)
+    clash = [k for k in keys if k in _RUNTIME_PAYLOADS]
+    if set(specs) != set(keys) or clash or len(set(keys)) != len(keys):
+        raise ValueError(f"update rule {rule.name}: its payloads {sorted(specs)} must be its state_keys "
+                         f"{list(keys)}, distinct and none of {list(_RUNTIME_PAYLOADS)} (the runtime's "
+                         f"own); fix the rule's payloads()")
+    for k, spec in specs.items():
+        if not (isinstance(spec, StateSpec) and isinstance(spec.numel, int) and spec.numel >= 0
+                and isinstance(spec.dtype, torch.dtype)):
+            raise ValueError(f"update rule {rule.name}: payload {k!r} must be a StateSpec(numel >= 0, "
+                             f"torch.dtype), got {spec!r}; fix the rule's payloads()")
+    return specs
 
 
-def chunk_bytes(chunk: ChunkLayout, config: OffloadConfig, names,
-                rule: "UpdateRule | None" = None) -> int:
-    """Bytes of the payloads ``names`` of a chunk, each padded as the store holds it (a name the
-    chunk does not carry counts 0; the rule's state counts only when ``rule`` is given)."""
-    specs = payload_specs(chunk, config, rule)
+def payload_dtypes(chunk: ChunkNeed, request: PlacementRequest) -> dict:
+    """name -> dtype of the payloads a chunk carries (``payload_specs`` without the sizes)."""
+    return {name: spec.dtype for name, spec in payload_specs(chunk, request).items()}
+
+
+def chunk_payloads(request: PlacementRequest, chunk: ChunkNeed, homes: ChunkHomes) -> dict:
+    """name -> ``PayloadSpec`` of one chunk's payloads with ``homes`` (the table above)."""
+    state = optimizer_payloads(chunk, request)
+    on_device = homes.optimizer is Tier.GPU  # the GPU share: the update runs on the device
+    out = {}
+    for name, spec in payload_specs(chunk, request).items():
+        if name == "params" and request.params is not None:
+            home = homes.params
+        elif name in state:
+            home = homes.optimizer
+        elif name == "params":  # the host update's copy out: none when the device updates
+            if on_device:
+                continue
+            home = Tier.CPU
+        else:  # grads, accum: where the update runs
+            home = Tier.GPU if on_device else Tier.CPU
+        out[name] = PayloadSpec(numel=spec.numel, dtype=spec.dtype, home=home)
+    return out
+
+
+def chunk_bytes(chunk: ChunkNeed, request: PlacementRequest, names) -> int:
+    """Bytes of the named payloads of ``chunk`` (those it has), each rounded up to 4 KiB as the
+    store holds it."""
+    specs = payload_specs(chunk, request)
     return sum(round_up(specs[n].numel * specs[n].dtype.itemsize, ALIGNMENT) for n in names if n in specs)
 
 
-def window_bytes(partition: Partition, config: OffloadConfig) -> int:
-    """GPU bytes beyond the homes that training needs; see [Note: working window]."""
-    big_params = max(chunk_bytes(c, config, ("params",)) for c in partition.chunks)
-    trainable = [c for c in partition.chunks if c.trainable]
-    big_grads = max((chunk_bytes(c, config, ("grads",)) for c in trainable), default=0)
-    return (config.prefetch_depth + 3 + PARKED_CHUNKS) * big_params + 3 * big_grads
+def _params_bytes(chunk: ChunkNeed, request: PlacementRequest) -> int:
+    """Bytes of the params payload the store pages (0 when the front end keeps the params)."""
+    return chunk_bytes(chunk, request, ("params",)) if request.params is not None else 0
 
 
-def keep_limit(partition: Partition, config: OffloadConfig, gpu_budget: int) -> int:
+def _copy_out_bytes(chunk: ChunkNeed, request: PlacementRequest) -> int:
+    """Bytes of the host update's rounded params (a front end that keeps its params)."""
+    return chunk_bytes(chunk, request, ("params",)) if request.params is None else 0
+
+
+def window_bytes(request: PlacementRequest, *, whole: bool = False) -> int:
+    """GPU bytes beyond the homes that paging params needs; see [Note: working window] (0 when
+    the front end keeps the params: nothing is paged). ``whole``: of whole chunks (every rank's
+    shards: with several ranks a chunk in use is all-gathered on the device)."""
+    if request.params is None or not request.chunks:
+        return 0
+    chunks = request.chunks
+    if whole and request.ranks > 1:
+        chunks = [dataclasses.replace(c, numel=c.numel * request.ranks) for c in chunks]
+    big_params = max(chunk_bytes(c, request, ("params",)) for c in chunks)
+    big_grads = max((chunk_bytes(c, request, ("grads",)) for c in chunks if c.trainable), default=0)
+    return (request.prefetch_depth + 3 + PARKED_CHUNKS) * big_params + 3 * big_grads
+
+
+def keep_limit(request: PlacementRequest) -> int:
     """GPU-tier bytes held by the store up to which the engine keeps a chunk's params copy on the
     device after its forward use, for the backward (prefetch.py, [Note: holds]): at most
-    ``KEEP_SHARE`` of the budget, and never eating into the working window (a budget that only
-    fits homes + window gives 0: copies are released after use, as without keeping)."""
-    return max(0, min(int(KEEP_SHARE * gpu_budget), gpu_budget - window_bytes(partition, config)))
+    ``KEEP_SHARE`` of the budget, and never eating into the working window of whole chunks (a
+    budget that only fits homes + window gives 0: copies are released after use, as without
+    keeping)."""
+    gpu = request.budgets.gpu
+    return max(0, min(int(KEEP_SHARE * gpu), gpu - window_bytes(request, whole=True)))
 
 
-def plan_placement(partition: Partition, config: OffloadConfig, budgets: dict, *, rule: UpdateRule,
-                   has_nvme: bool, gpu_optimizer: bool = False,
-                   gpu_extra: int = 0) -> PlacementPlan:
-    """Home tiers per chunk for ``config`` within ``budgets`` (Tier -> bytes, resolved), or a
-    ``FitError`` naming the budget, the numbers and what to change.
+def _grads_window_bytes(request: PlacementRequest) -> int:
+    """Device bytes of ``fp32_grads_window``: 4 per element of every whole trainable chunk."""
+    if not request.fp32_grads_window:
+        return 0
+    return 4 * sum(c.numel * request.ranks for c in request.chunks if c.trainable)
 
-    "auto" params fill the GPU first, up to its budget less ``config.activation_reserve`` (left
-    to activations, which the store does not see; "auto": half the budget), then host memory,
-    then NVMe; "auto" optimizer state fills host memory first, then NVMe. With ``gpu_optimizer`` (the front end updates
-    such chunks on the device: [Note: GPU share]) "auto" optimizer state of chunks whose params
-    live on the GPU fills the GPU first, in chunk order (the first layers, which the next
-    forward needs first), within the same share: their state, accumulation buffer and the grads
-    the device keeps until the step. ``gpu_extra``: device bytes the front end holds beside the
-    homes and the working window (``grad_sync="final"``'s fp32 window), counted first. ``rule``:
-    the update rule, whose state is homed with the master.
+
+def plan_placement(request: PlacementRequest) -> PlacementPlan:
+    """Home tiers per chunk for ``request`` within its budgets, or a ``FitError`` naming the
+    budget, the numbers and what to change.
+
+    "auto" params fill the GPU first, up to its budget less ``reserve`` (left to activations,
+    which the store does not see), then host memory, then NVMe; "auto" optimizer state (the
+    master and the rule's state) takes the GPU share ([Note: GPU share placement]), then fills
+    host memory, then NVMe. Explicit homes are taken as they are. Device bytes the front end
+    holds beside the homes (the working window, ``fp32_grads_window``, ``replicas``) are counted
+    first.
     """
-    if not partition.chunks:
-        raise FitError("the model has no parameters to train or page; nothing to offload")
-    opt_names = optimizer_payloads(config, rule)
-    gpu_window = window_bytes(partition, config)
-    # Host memory every placement needs: grads (and accum) homes of trainable chunks.
-    host_fixed = sum(chunk_bytes(c, config, ("grads", "accum")) for c in partition.chunks if c.trainable)
-    staging_unit = max(chunk_bytes(c, config, ("params",) + opt_names, rule) for c in partition.chunks)
-    staging = (config.prefetch_depth + 1) * staging_unit
+    chunks, budgets, has_nvme = request.chunks, request.budgets, request.nvme_dir is not None
+    gpu_window = window_bytes(request)
+    gpu_extra = _grads_window_bytes(request)
+    # Host memory every placement needs: what the host update reads and writes beside the state
+    # (grads, accum, a copy out) of the trainable chunks; the GPU share takes it back.
+    host_fixed = sum(chunk_bytes(c, request, ("grads", "accum")) + _copy_out_bytes(c, request)
+                     for c in chunks if c.trainable)
+    staging_unit = max((_params_bytes(c, request) + chunk_bytes(c, request, optimizer_payloads(c, request))
+                        for c in chunks), default=0)
+    staging = (request.prefetch_depth + 1) * staging_unit
     need = {Tier.GPU: gpu_window + gpu_extra, Tier.CPU: host_fixed, Tier.NVME: 0}
-    reserve = config.activation_reserve
-    gpu_auto = budgets[Tier.GPU] - (budgets[Tier.GPU] // 2 if reserve == "auto" else reserve)
+    reserve = budgets.gpu // 2 if request.reserve == "auto" else request.reserve
+    gpu_auto = budgets.gpu - reserve
 
     def host_room(extra: int) -> bool:
-        return need[Tier.CPU] + extra + (staging if has_nvme else 0) <= budgets[Tier.CPU]
+        return need[Tier.CPU] + extra + (staging if has_nvme else 0) <= budgets.cpu
 
     homes = []
     # Explicit GPU params of the chunks not placed yet: the optimizer's GPU share must leave them room.
-    params_ahead = (sum(chunk_bytes(c, config, ("params",)) for c in partition.chunks)
-                    if config.params is Placement.GPU else 0)
-    for c in partition.chunks:
-        pbytes = chunk_bytes(c, config, ("params",))
-        if config.params is Placement.GPU:
-            params_ahead -= pbytes
-        if config.params is Placement.AUTO:
+    params_ahead = (sum(_params_bytes(c, request) for c in chunks)
+                    if request.params is Placement.GPU else 0)
+    share = request.optimizer is Placement.AUTO and request.gpu_optimizer
+    share_ended = False
+    for c in chunks:
+        pbytes = _params_bytes(c, request)
+        if request.params is None:
+            ptier = None  # the front end's own tensors (on its device)
+        elif request.params is Placement.AUTO:
             if need[Tier.GPU] + pbytes <= gpu_auto:
                 ptier = Tier.GPU
             elif host_room(pbytes) or not has_nvme:
@@ -180,63 +472,93 @@ def plan_placement(partition: Partition, config: OffloadConfig, budgets: dict, *
             else:
                 ptier = Tier.NVME
         else:
-            ptier = Tier(config.params.value)
-        need[ptier] += pbytes
+            ptier = Tier(request.params.value)
+        if request.params is Placement.GPU:
+            params_ahead -= pbytes
+        if ptier is not None:
+            need[ptier] += pbytes
         otier = None
         if c.trainable:
-            obytes = chunk_bytes(c, config, opt_names, rule)
-            fixed = chunk_bytes(c, config, ("grads", "accum"))
-            if config.optimizer is Placement.AUTO and gpu_optimizer and ptier is Tier.GPU \
-                    and need[Tier.GPU] + params_ahead + obytes + fixed <= gpu_auto:
-                otier, obytes = Tier.GPU, obytes + fixed
-                need[Tier.CPU] -= fixed  # its grads (and accum) home there too
-            elif config.optimizer is Placement.AUTO:
+            obytes = chunk_bytes(c, request, optimizer_payloads(c, request))
+            moves = chunk_bytes(c, request, ("grads", "accum"))  # with the update, to the device
+            if share and ptier in (None, Tier.GPU):
+                if need[Tier.GPU] + params_ahead + obytes + moves <= gpu_auto:
+                    otier, obytes = Tier.GPU, obytes + moves
+                    need[Tier.CPU] -= moves + _copy_out_bytes(c, request)
+                else:
+                    share, share_ended = False, True
+            if otier is None and request.optimizer is Placement.AUTO:
                 otier = Tier.CPU if (host_room(obytes) or not has_nvme) else Tier.NVME
-            else:
-                otier = Tier(config.optimizer.value)
+            elif otier is None:
+                otier = Tier(request.optimizer.value)
             need[otier] += obytes
         homes.append(ChunkHomes(params=ptier, optimizer=otier))
 
     uses_nvme = any(h.params is Tier.NVME or h.optimizer is Tier.NVME for h in homes)
-    if uses_nvme:
-        need[Tier.CPU] += staging
-    _check_fits(partition, config, budgets, need, gpu_window=gpu_window, gpu_extra=gpu_extra,
-                staging=staging if uses_nvme else 0)
-    return PlacementPlan(homes=tuple(homes), need=need)
+    working = {Tier.GPU: gpu_window + gpu_extra, Tier.CPU: staging if uses_nvme else 0, Tier.NVME: 0}
+    need[Tier.CPU] += working[Tier.CPU]
+    _check_fits(request, need, gpu_window=gpu_window, gpu_extra=gpu_extra, staging=working[Tier.CPU])
+    plan = PlacementPlan(request=request, homes=tuple(homes), need=need, working=working,
+                         share_ended=share_ended)
+    if request.replicas:
+        _check_replicas(plan)
+    return plan
 
 
-def _check_fits(partition, config, budgets, need, *, gpu_window, gpu_extra, staging) -> None:
-    big = max(partition.chunks, key=lambda c: c.numel)
-    big_bytes = chunk_bytes(big, config, ("params",))
-    if need[Tier.GPU] > budgets[Tier.GPU]:
+def _check_fits(request: PlacementRequest, need: dict, *, gpu_window: int, gpu_extra: int,
+                staging: int) -> None:
+    budgets, prefix = request.budgets, request._prefix
+    if need[Tier.GPU] > budgets.gpu:
+        big_bytes = max(_params_bytes(c, request) for c in request.chunks)
         home = need[Tier.GPU] - gpu_window - gpu_extra
         raise FitError(
-            f"gpu_budget={budgets[Tier.GPU]} bytes cannot hold the working set: {home} bytes of "
+            f"{prefix}gpu_budget={budgets.gpu} bytes cannot hold the working set: {home} bytes of "
             f"params homed on the compute device + "
             + (f"{gpu_extra} bytes of fp32 grads window (grad_sync='final'; 'every' keeps it in host "
                f"memory) + " if gpu_extra else "")
             + f"a working window of {gpu_window} bytes "
-            f"((prefetch_depth {config.prefetch_depth} + {3 + PARKED_CHUNKS}) params chunks + 3 grads chunks; the "
-            f"largest chunk holds {big_bytes} bytes of params) = {need[Tier.GPU]} bytes. Raise gpu_budget to at "
-            f"least {need[Tier.GPU]}, or lower chunk_mb (now {config.chunk_mb}) or prefetch_depth"
-            + (", or place params on 'cpu'" if home else ""))
-    if need[Tier.CPU] > budgets[Tier.CPU]:
+            f"((prefetch_depth {request.prefetch_depth} + {3 + PARKED_CHUNKS}) params chunks + 3 grads "
+            f"chunks; the largest chunk holds {big_bytes} bytes of params) = {need[Tier.GPU]} bytes. "
+            f"Raise gpu_budget to at least {need[Tier.GPU]}, or lower chunk_mb or prefetch_depth"
+            + (", or place params on 'cpu'" if home and request.params is not None else ""))
+    if need[Tier.CPU] > budgets.cpu:
+        params = request.params is not None
         raise FitError(
-            f"cpu_budget={budgets[Tier.CPU]} bytes is too small: the host-memory homes (grads"
-            f"{', accumulation buffers' if config.host_accum else ''}, params and optimizer "
-            f"state placed on 'cpu') plus {staging} bytes of NVMe staging need {need[Tier.CPU]} "
-            f"bytes. Raise cpu_budget, or place optimizer state (optimizer='nvme') or params "
-            f"(params='nvme') on NVMe with nvme_dir set, or lower chunk_mb / prefetch_depth")
-    if need[Tier.NVME] > budgets[Tier.NVME]:
-        from .swap_io import NVME_AUTO_RESERVE, disk_holders
+            f"{prefix}cpu_budget={budgets.cpu} bytes is too small: the host-memory homes (grads"
+            f"{', accumulation buffers' if request.accum else ''}, {'params and ' if params else ''}"
+            f"optimizer state placed on 'cpu') plus {staging} bytes of NVMe staging need "
+            f"{need[Tier.CPU]} bytes. Raise cpu_budget, or place optimizer state "
+            f"({request.state_option}='nvme')" + (" or params (params='nvme')" if params else "")
+            + " on NVMe with nvme_dir set, or lower chunk_mb / prefetch_depth")
+    if need[Tier.NVME] > budgets.nvme:
         free, holders = "", ""
-        if config.nvme_dir is not None:
+        if request.nvme_dir is not None:
             with contextlib.suppress(OSError):
-                free = f"; {shutil.disk_usage(config.nvme_dir).free} bytes are free there"
-            holders = disk_holders(config.nvme_dir)
+                free = f"; {shutil.disk_usage(request.nvme_dir).free} bytes are free there"
+            holders = disk_holders(request.nvme_dir)
+        auto = Tier.NVME in budgets.auto
+        what = ("'auto': free space less a reserve of at most "
+                f"{NVME_AUTO_RESERVE >> 30} GiB" if auto else f"nvme_budget={budgets.nvme}")
         raise FitError(
-            f"the NVMe directory {config.nvme_dir!r} is too small: the state placed there needs "
-            f"{need[Tier.NVME]} bytes ({need[Tier.NVME] / 2**30:.2f} GiB) but its budget is "
-            f"{budgets[Tier.NVME]} bytes (nvme_budget={config.nvme_budget!r}; 'auto' = free space "
-            f"less a reserve of at most {NVME_AUTO_RESERVE >> 30} GiB){free}{holders}. Free space there, point nvme_dir at a "
-            f"larger disk, raise nvme_budget, or keep more state in host memory (optimizer='cpu' or 'auto')")
+            f"{prefix}the NVMe directory {os.fspath(request.nvme_dir)!r} is too small: the state "
+            f"placed there needs {need[Tier.NVME]} bytes ({need[Tier.NVME] / 2**30:.2f} GiB) but its "
+            f"budget is {budgets.nvme} bytes ({what}){free}{holders}. Free space there, point "
+            f"nvme_dir at a larger disk, {'' if auto else 'raise nvme_budget, '}or keep more state "
+            f"in host memory ({request.state_option}='cpu' or 'auto')")
+
+
+def _check_replicas(plan: PlacementPlan) -> None:
+    """params="gpu" with several ranks keeps a full replica of every chunk's params on each GPU
+    beside the rank's shards (engine.py, [Note: data parallel]): refuse before anything is
+    allocated when the budget cannot hold both."""
+    request, gpu = plan.request, plan.budgets.gpu
+    world = request.ranks
+    replicas = sum(c.numel * world * c.dtype.itemsize for c in request.chunks)
+    need = plan.need[Tier.GPU] + replicas
+    if need > gpu:
+        raise FitError(
+            f"{request._prefix}params='gpu' with {world} ranks keeps a full replica of the params on "
+            f"every GPU ({replicas / 2**30:.2f} GiB) beside this rank's shards and working window "
+            f"({plan.need[Tier.GPU] / 2**30:.2f} GiB): {need / 2**30:.2f} GiB > gpu_budget "
+            f"{gpu / 2**30:.2f} GiB. Use params='auto' or 'cpu' (each GPU then holds 1/{world} "
+            f"of the params and gathers a chunk while it is used), or raise gpu_budget")

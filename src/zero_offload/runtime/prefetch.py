@@ -52,6 +52,14 @@ The holds have a lock of their own, taken before the look-ahead's and never by `
 ``Consumer.map`` may wait for a worker (the engine waits for the chunk's update) whose
 ``chunk_ready`` needs the look-ahead's lock.
 
+[Note: NVMe staging] A payload homed on NVMe reaches the GPU through a host copy (the store
+stages NVMe -> CPU -> GPU). That copy is staging, not a cache: ``drop`` (and so ``release``)
+evicts it once the chunk's use is over, unless the NVMe look-ahead (``nvme_depth``) needs the
+chunk again soon. Kept, every chunk read once would stay in (pinned) host memory up to the CPU
+budget, which is the memory the user moved the payload to NVMe to save: host memory for
+NVMe-homed params is the look-ahead window, whatever the model's size. A copy that is the only
+newest one (an update wrote it) is written home first, by the store's eviction.
+
 [Note: wrap-around] The order is cyclic: near the end of a pass the look-ahead continues with the
 start of the next pass (the first chunks of the next step are fetched during this one).
 """
@@ -67,7 +75,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .store import BudgetError, ChunkStore, FarthestNextUsePolicy, Hop, IllegalTransition, Residency, Tier
+from .store import (BudgetError, ChunkStore, FarthestNextUsePolicy, Hop, IllegalTransition, Residency,
+                    StoreError, Tier)
 
 __all__ = ["Prefetcher", "PrefetchStats", "Consumer", "Use"]
 
@@ -350,17 +359,27 @@ class Prefetcher:
 
     def drop(self, cids) -> None:
         """Drop the non-home target copies of the unpinned chunks ``cids`` that were kept by
-        ``release(cid, keep=True)``, except those the look-ahead window needs soon. The caller
-        must not hold (``use``) any of them."""
+        ``release(cid, keep=True)``, except those the look-ahead window needs soon, and the
+        host staging copies of NVMe-homed ones ([Note: NVMe staging]). The caller must not hold
+        (``use``) any of them."""
         store = self.store
         with self._lock:
             soon = set(self._upcoming(self.depth))
+            staged_soon = set(self._upcoming(self.nvme_depth))
             for cid in cids:
-                if cid in soon:
-                    continue
                 for name, tier in self.hops:
-                    if store.payload_spec(cid, name).home is not tier:
+                    home = store.payload_spec(cid, name).home
+                    if home is not tier and cid not in soon:
                         store.evict(cid, name, tier)
+                    if home is Tier.NVME and tier is Tier.GPU and cid not in staged_soon:
+                        self._drop_staging(cid, name)
+
+    def _drop_staging(self, cid: int, name: str) -> None:
+        """See [Note: NVMe staging]: the host copy an NVMe -> GPU fetch staged through, unless
+        something else uses it now (pinned, e.g. a CPU update) or a move into it is in flight."""
+        if self.store.state(cid, name, Tier.CPU) is Residency.VALID:
+            with contextlib.suppress(StoreError):  # pinned: its user keeps it; evicted at a later drop
+                self.store.evict(cid, name, Tier.CPU)
 
     @contextlib.contextmanager
     def chunk(self, cid: int) -> Iterator[dict]:

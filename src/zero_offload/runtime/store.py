@@ -42,7 +42,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping, NamedTuple, Protocol, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, Protocol, Sequence
 
 import psutil
 import torch
@@ -54,7 +54,7 @@ from .vocab import ALIGNMENT, round_up
 __all__ = [
     "Tier", "Residency", "Hop", "PayloadSpec", "StoreConfig", "ChunkStore", "Handle", "StoreStats",
     "EvictionPolicy", "EvictionCandidate", "LRUPolicy", "FarthestNextUsePolicy",
-    "BudgetError", "IllegalTransition", "StoreError",
+    "BudgetError", "IllegalTransition", "StoreError", "resolve_budgets",
 ]
 
 
@@ -259,7 +259,9 @@ class StoreConfig:
 _NVME_AUTO_CAP = 64 << 30
 
 
-def _resolve_budgets(config: StoreConfig) -> dict[Tier, int]:
+def resolve_budgets(config: StoreConfig) -> dict[Tier, int]:
+    """Bytes per tier of ``config.budgets``, "auto" resolved as ``StoreConfig.budgets`` says (what
+    a store built from ``config`` now would get)."""
     reserve = config.auto_reserve_fraction
     out: dict[Tier, int] = {}
     for tier, value in config.budgets.items():
@@ -528,7 +530,7 @@ class ChunkStore:
             raise TypeError(f"ChunkStore(config) needs a StoreConfig, got {type(config).__name__}")
         self.config = config
         self.device = config.device
-        self.budgets: dict[Tier, int] = _resolve_budgets(config)
+        self.budgets: dict[Tier, int] = resolve_budgets(config)
         self.policy: EvictionPolicy = LRUPolicy()
         self.stats = StoreStats()
         self._lock = threading.RLock()
@@ -813,13 +815,17 @@ class ChunkStore:
             self._settle(copy)
             return copy.state
 
-    def bytes(self, tier: "Tier | str") -> int:
-        """Bytes the tier holds now, summed over the copy records."""
+    def bytes(self, tier: "Tier | str", *, cids: "Iterable[int] | None" = None) -> int:
+        """Bytes the tier holds now, summed over the copy records (of the chunks ``cids`` only,
+        when given: e.g. what a model's frozen chunks cost in host memory)."""
         tier = Tier.of(tier)
         with self._lock:
             for c in [c for c in self._held[tier] if c.state is Residency.EVICTING]:
                 self._settle(c)  # memory whose last reader finished is free again
-            return sum(c.nbytes for c in self._held[tier])
+            if cids is None:
+                return sum(c.nbytes for c in self._held[tier])
+            wanted = {self._chunk(cid).cid for cid in cids}  # (an unknown id raises)
+            return sum(c.nbytes for c in self._held[tier] if c.payload.cid in wanted)
 
     def set_budget(self, tier: "Tier | str", nbytes: int) -> None:
         """Change ``tier``'s budget (e.g. to what a placement plan needs). Refused below the bytes
