@@ -228,3 +228,13 @@ def reference_bf16(model, spec, batches, *, device: str = "cuda"):
         losses.append(loss.item())
     names = [n for n, _ in work.named_parameters()]
     return losses, {n: m.detach().cpu() for n, m in zip(names, masters)}
+
+
+# Tiny Hugging Face configs (built locally, no downloads) for the engine and Trainer tests.
+HF_TINY_CONFIGS = {
+    "gpt2": dict(model_type="gpt2", vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "llama": dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                  max_position_embeddings=16, tie_word_embeddings=True),
+}

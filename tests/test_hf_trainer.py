@@ -18,13 +18,7 @@ from transformers import Trainer, TrainingArguments  # noqa: E402
 
 from zero_offload.integrations.hf import ENGINE_DIR, ZeroOffloadTrainer  # noqa: E402
 
-CONFIGS = {
-    "gpt2": dict(model_type="gpt2", vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
-                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-    "llama": dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
-                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                  max_position_embeddings=16, tie_word_embeddings=True),
-}
+from _engine_util import HF_TINY_CONFIGS as CONFIGS  # noqa: E402
 OFFLOAD = dict(params="cpu", optimizer="cpu", chunk_mb=0.01, gpu_budget=1 << 24, cpu_budget=1 << 26,
                threads=1)
 
