@@ -152,6 +152,28 @@ def test_thread_sweep_knob_is_capped_by_the_rule(tmp_path):
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "from 1 to 4" in r.stderr
 
 
+def test_tree_knob_runs_another_source_tree_and_names_it(tmp_path, monkeypatch):
+    """``tree=NAME`` (a before/after comparison in one call): the case imports zero_offload from
+    that tree, its row records the tree's path and commit; a tree that is not there stops the
+    plan before anything runs, in one line."""
+    src = Path(__file__).resolve().parents[1] / "src"
+    (tmp_path / "trees" / "other").mkdir(parents=True)
+    (tmp_path / "trees" / "other" / "src").symlink_to(src)
+    (tmp_path / "trees" / "other" / "COMMIT").write_text("feedc0de\n")
+    make_init(["--model", MODEL, "--seq", str(SEQ), "--init-std", str(STD), "--out", str(tmp_path / "init.pt")])
+    monkeypatch.setenv("FAIR_TREES", str(tmp_path / "trees"))  # the driver's children inherit it
+    r, rows, _ = _driver(tmp_path, "--plan", "engine:tree=other@1")
+    bad = subprocess.run([sys.executable, str(FAIR / "run.py"), "--plan", "engine:tree=gone@1", "--out",
+                          str(tmp_path / "bad"), "--device", "cpu", "--dry-run"], capture_output=True,
+                         text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    [row] = rows
+    assert row["error"] is None and row["label"] == "engine[tree=other]"
+    assert row["zero_offload_commit"] == "feedc0de" == row["versions"]["zero_offload_commit"]
+    assert str(tmp_path / "trees" / "other" / "src") in row["versions"]["zero_offload"]
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "tree=gone" in bad.stderr
+
+
 @pytest.mark.parametrize("text, labels", [
     ("n4", None),
     ("ds-zero3:prefetch=5e7,reduce=5e8@4; fsdp2:reshard=1@2",

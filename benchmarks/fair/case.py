@@ -317,7 +317,8 @@ def build_offload_adamw(args, cfg, device, world, sd):
     import zero_offload as zo
     model = _torch_model(args, cfg, device, sd)
     wrapped, info = _ddp(model, device, world)
-    kw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, threads=args.threads, overlap_forward=True)
+    kw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, threads=args.threads,
+              overlap_forward=args.overlap_forward == "1")
     opt = zo.OffloadAdamW(model.parameters(), **kw)
 
     def extra():
@@ -564,6 +565,8 @@ def parse_args(argv=None):
     ap.add_argument("--ds-sub-group", default=None)
     ap.add_argument("--ds-ratio", default="0.5")
     ap.add_argument("--fsdp-reshard", default="0", choices=("0", "1"))
+    ap.add_argument("--overlap-forward", default="1", choices=("0", "1"),
+                    help="offload-adamw: OffloadAdamW(overlap_forward=...)")
     return ap.parse_args(argv)
 
 

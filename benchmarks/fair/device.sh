@@ -18,7 +18,8 @@
 # csrc/ did not change), FAIR_TESTS a pytest command line run beside the setup (before any timed
 # case; FAIR_TESTS_TIMEOUT, default 240 s: `-m gpu tests` took more than 200 s on the x4 kind, so
 # give the GPU suite a call of its own: FAIR_TESTS="-m gpu tests" FAIR_TESTS_TIMEOUT=500 with a
-# short plan).
+# short plan). Carried .trees/NAME copies (tree.sh pack; the tree= knob of a plan item) are built
+# in place during the setup (carry: [".whl", ".trees"]).
 set -u -o pipefail
 START=$SECONDS
 BUDGET=${FAIR_BUDGET:-540}
@@ -64,6 +65,14 @@ ds_pid=$!
 ( [ -f "$INIT" ] || PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} timeout 300 python3 benchmarks/fair/make_init.py \
     --model "$model" --seq "$seq" --out "$INIT" ) > /tmp/make_init.log 2>&1 &
 init_pid=$!
+# carried .trees/NAME (tree.sh pack; the tree= knob): their extensions build beside the package
+trees_pid=
+if ls .trees/*/COMMIT >/dev/null 2>&1; then
+  ( for t in .trees/*/; do n=$(basename "$t")
+      if ls "$t"src/zero_offload/_C*.so >/dev/null 2>&1; then echo "tree $n already built"
+      else timeout 300 bash benchmarks/fair/tree.sh build "$n" 2>&1; fi; done ) > /tmp/trees.log 2>&1 &
+  trees_pid=$!
+fi
 if [ "${FAIR_SKIP_INSTALL:-0}" = 1 ]; then say "FAIR_SKIP_INSTALL=1: zero_offload as installed"
 elif ! timeout 300 python3 -m pip install --no-build-isolation --no-deps -e . > /tmp/zo_build.log 2>&1; then
   tail -20 /tmp/zo_build.log >> "$OUT/setup.log"
@@ -76,6 +85,7 @@ if [ -n "${FAIR_TESTS:-}" ]; then
     echo "pytest exit $?" >> "$OUT/tests.log" ) &
   tests_pid=$!
 fi
+if [ -n "$trees_pid" ]; then wait $trees_pid; cat /tmp/trees.log | tee -a "$OUT/setup.log"; fi
 wait $init_pid; cat /tmp/make_init.log | tee -a "$OUT/setup.log"
 wait $ds_pid; cat /tmp/ds_build.status | tee -a "$OUT/setup.log"
 if [ -n "${tests_pid:-}" ]; then wait $tests_pid; say "tests: $(tail -2 "$OUT/tests.log" | tr '\n' ' ')"; fi

@@ -52,8 +52,10 @@ CASES: dict[str, CaseInfo] = {
         "params=auto optimizer=auto",
         short=BF16_MASTER, startup_s=35, step_s={1: 0.35, 2: 0.40, 4: 0.45}),
     "offload-adamw": CaseInfo(
-        TORCH_AUTOCAST + " on the CPU (zero_offload OffloadAdamW, overlap_forward=True)",
-        short="fp32 + autocast", compute="autocast", startup_s=25, step_s={1: 0.5, 2: 0.45, 4: 0.45}),
+        TORCH_AUTOCAST + " on the CPU (zero_offload OffloadAdamW, overlap_forward=True; knob "
+        "overlap=0: overlap_forward=False)",
+        short="fp32 + autocast", compute="autocast", knobs=("overlap-forward",), startup_s=25,
+        step_s={1: 0.5, 2: 0.45, 4: 0.45}),
     "torchao": CaseInfo(
         TORCH_AUTOCAST + " on the CPU (torchao CPUOffloadOptimizer, AdamW fused, offload_gradients=True)",
         short="fp32 + autocast", compute="autocast", gpu_only=True, max_world=1,
@@ -78,12 +80,18 @@ CASES: dict[str, CaseInfo] = {
         startup_s=50, step_s={1: 0.9, 2: 0.9, 4: 0.9}),
 }
 
-COMMON_KNOBS = ("threads",)
-"""Knobs every case takes: ``threads=T`` runs the case with T CPU threads per rank instead of the
-run's rule (cores // N), for a thread sweep (``fsdp2:threads=8@2``): quote each engine at the best
-count it reached, never above cores // N, and name the count in the row."""
+COMMON_KNOBS = ("threads", "tree")
+"""Knobs every case takes, applied by the driver:
 
-KNOB_ALIASES = {"reshard": "fsdp-reshard", "prefetch": "ds-prefetch-bucket",
+- ``threads=T`` runs the case with T CPU threads per rank instead of the run's rule (cores // N),
+  for a thread sweep (``fsdp2:threads=8@2``): quote each engine at the best count it reached, never
+  above cores // N, and name the count in the row.
+- ``tree=NAME`` runs the case with zero_offload imported from ``.trees/NAME/src`` (another commit's
+  source with its extension built in place; ``benchmarks/fair/tree.sh`` makes one) instead of the
+  installed package: a before/after comparison of two commits in one call, interleaved in the
+  shuffled order (``engine:tree=before@1 engine@1``). The row records the path it imported."""
+
+KNOB_ALIASES = {"overlap": "overlap-forward", "reshard": "fsdp-reshard", "prefetch": "ds-prefetch-bucket",
                 "reduce": "ds-reduce-bucket", "ratio": "ds-ratio", "sub-group": "ds-sub-group"}
 
 # [Note: plan order is priority] (run.py): when a plan's expected time exceeds the deadline, its

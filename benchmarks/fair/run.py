@@ -61,6 +61,29 @@ def item_threads(item, rule: int) -> int:
     return int(knob)
 
 
+def tree_commit(src: str) -> str:
+    """The commit a ``.trees/NAME`` copy was made from (its COMMIT file, written by tree.sh)."""
+    try:
+        with open(os.path.join(os.path.dirname(src), "COMMIT")) as f:
+            return f.read().strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def item_tree(item) -> str | None:
+    """The ``src`` directory of an item's ``tree=`` knob (``.trees/NAME/src``, or under
+    ``$FAIR_TREES``), None without one;
+    ValueError (one line) when that tree is not there."""
+    name = dict(item.knobs).get("tree")
+    if name is None:
+        return None
+    src = os.path.join(os.environ.get("FAIR_TREES") or os.path.join(REPO, ".trees"), str(name), "src")
+    if not name.replace("-", "").replace("_", "").isalnum() or not os.path.isdir(os.path.join(src, "zero_offload")):
+        raise ValueError(f"{item.label}@{item.world}: tree={name}: no {src}/zero_offload (make it with "
+                         f"benchmarks/fair/tree.sh {name} <commit>)")
+    return src
+
+
 ANCHORS = ("engine", "ddp")
 """Cases whose rows every other row of the same N is compared with ([Note: anchors run whatever
 the order])."""
@@ -317,6 +340,10 @@ class Driver:
         env = {**os.environ, **DEVICE_ENV, "OMP_NUM_THREADS": str(row["threads"]),
                "MKL_NUM_THREADS": str(row["threads"]), "ZO_FAIR_COMMIT": self.commit,
                "FAIR_MEM_PERIOD": str(a.mem_period)}
+        tree = item_tree(item)
+        if tree is not None:  # another commit's source first on the path; the row names it
+            env["PYTHONPATH"] = tree + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+            env["ZO_FAIR_COMMIT"] = row["zero_offload_commit"] = tree_commit(tree)
         row["command"] = " ".join(cmd)
         time.sleep(a.settle)  # the previous case's memory is back with the node
         before = self.mem.window()
@@ -486,6 +513,7 @@ def main(argv=None) -> int:
         cores = args.cores or len(os.sched_getaffinity(0))
         for item in parse_plan(args.plan):
             item_threads(item, threads_for(item.world, cores, args.threads_per_rank))
+            item_tree(item)
     except ValueError as e:
         print(f"run.py: {e}", file=sys.stderr)
         return 2
