@@ -23,7 +23,7 @@ def _rank(rank, world):
     from zero_offload import OffloadAdamW
 
     device = torch.device("cuda", rank)
-    model = make_model(device=device)
+    model = make_model().to(device)  # the reference's weights: built on the CPU (the CUDA RNG differs)
     ddp = DDP(model, device_ids=[rank])
     opt = OffloadAdamW(model.parameters(), lr=3e-3, chunk_mb=0.01, threads=2)
     per = 2
