@@ -115,6 +115,16 @@ def _plan_text(rows: list) -> str:
                                       if r.get("knobs") else "") + f"@{r['world']}" for r in rows)
 
 
+def _commits(rows: list) -> str:
+    """The commit every row ran, or each commit with the labels that ran it (the tree= knob)."""
+    by: dict = {}
+    for r in rows:
+        by.setdefault(r.get("zero_offload_commit", "?"), []).append(f"{r.get('label', '?')}@{r.get('world', '?')}")
+    if len(by) == 1:
+        return next(iter(by))
+    return "; ".join(f"{c} ({', '.join(labels)})" for c, labels in by.items())
+
+
 def markdown(rows: list) -> str:
     out = ["# Fair training benchmark (benchmarks/fair)", ""]
     runs: dict = {}
@@ -130,7 +140,7 @@ def markdown(rows: list) -> str:
         out += [f"Run `{run_id}`: {v.get('gpu', first.get('device', '?'))}, driver {v.get('driver', '-')}, "
                 f"{v.get('cpu', '?')} ({v.get('cores', '?')} cores), torch {v.get('torch', '?')} CUDA "
                 f"{v.get('cuda', '-')}, deepspeed {version('deepspeed')}, torchao {version('torchao')}, "
-                f"zero_offload {first.get('zero_offload_commit', v.get('zero_offload_commit', '?'))}.", "",
+                "zero_offload " + _commits(rs) + ".", "",
                 f"Model {first.get('model', '?')} ({_f(first.get('params'), ',', '?')} params), "
                 f"{first.get('batch_per_rank', '?')} x {first.get('seq', '?')} tokens per rank, checkpointing "
                 f"{'on' if first.get('checkpointing') else 'off'}; one process group per (case, N), in "
