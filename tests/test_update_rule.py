@@ -143,9 +143,9 @@ def test_sgd_rule_trains_like_torch_sgd(kw, tmp_path):
         tol = 1e-5 if lowp is torch.float32 else 1e-2
         assert_params_close(engine.state_dict(), ref.master_state(), rtol=tol)
         if lowp is torch.bfloat16:  # the rule wrote the updated masters, rounded, into the bf16 params
-            for c in engine._chunks:
+            for c in engine.group.chunks:
                 if c.layout.trainable:
-                    work, master = (engine.group.read(c.g, n) for n in ("params", "master"))
+                    work, master = (engine.group.read(c, n) for n in ("params", "master"))
                     assert torch.equal(work, master.to(torch.bfloat16))
         # the rule's state payload is torch's momentum buffer, slot by slot
         masters = dict(zip((n for n, _ in ref.work.named_parameters()), ref.masters))

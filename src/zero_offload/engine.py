@@ -13,8 +13,8 @@ Usage::
 Ownership, outer to inner (docs/internals.md): ``Engine`` owns a ``Partition`` (which parameter
 lives where), a ``ChunkStore`` (bytes and tiers), a ``Prefetcher`` for the working params (which
 also decides what stays on the device: [Note: holds] there), a ``ParamGuard`` (param_guard.py) and
-a ``ChunkGroup`` (updates, over the CPU-Adam worker). It keeps one ``_Chunk`` per chunk and one
-``_ModuleRecord`` per module that holds parameters directly or reads other modules' ones
+a ``ChunkGroup`` (updates, over the CPU-Adam worker), whose ``GroupChunk`` is the one record of a
+chunk (its layout and device buffer included). It keeps one ``_ModuleRecord`` per module that holds parameters directly or reads other modules' ones
 ([Note: external parameters]). It writes nothing onto the user's modules or parameters but
 ``param.data``, the class of a parameter holding its placeholder and its hooks, all undone by
 ``close``.
@@ -133,7 +133,7 @@ from .runtime.distributed import (available_cores, bind_to_cores, rank_cores, re
 from .initial_values import InitialValues, set_values
 from .param_guard import PHASES, ParamGuard, Phase
 from .runtime.chunk_group import ChunkGroup, GroupChunk, GroupSlot, Staging
-from .runtime.partition import ChunkLayout, ParamSlot, Partition, partition_parameters, update_spans
+from .runtime.partition import ChunkLayout, Partition, partition_parameters, update_spans
 from .runtime.pipeline import PipelinePayloads, StepPipeline
 from .runtime.placement import (PARKED_CHUNKS, ChunkNeed, PlacementPlan, PlacementRequest, chunk_payloads,
                                 keep_limit, local_ranks, plan_placement, rank_budgets)
@@ -154,50 +154,6 @@ def _range(name: str):
 
 # --------------------------------------------------------------------------------------------
 # Records
-
-
-@dataclass(eq=False)
-class _Chunk:
-    """Engine-side state of one chunk: the device buffer its params point into. Whether it is on
-    the device is the prefetcher's ([Note: holds]); its grads, update, steps and window are the
-    chunk group's (``g``; runtime/chunk_group.py)."""
-
-    layout: ChunkLayout
-    g: GroupChunk
-    gslots: dict
-    """ParamSlot -> its GroupSlot in ``g`` (trainable chunks)."""
-    buffer: Optional[torch.Tensor] = None
-    """The device buffer the params point into while mapped (see [Note: parameter data])."""
-
-    @property
-    def cid(self) -> int:
-        return self.g.cid
-
-    @property
-    def steps(self) -> list:
-        """Optimizer step count per slot (torch.optim's state['step'])."""
-        return [self.gslots[s].step if s in self.gslots else 0 for s in self.layout.slots]
-
-    def expect(self, slot: ParamSlot) -> None:
-        """A grad of ``slot`` will land in this backward (the group counts it)."""
-        self.g.expect(self.gslots[slot])
-
-    def expects(self, slot: ParamSlot) -> bool:
-        g = self.gslots.get(slot)
-        return g is not None and g in self.g.expected
-
-    @property
-    def awaiting(self) -> set:
-        """Expected grads of this backward still to land (see [Note: backward hooks])."""
-        return self.g.awaiting
-
-    @property
-    def replica(self) -> Optional[torch.Tensor]:
-        return self.g.replica
-
-    @replica.setter
-    def replica(self, value: Optional[torch.Tensor]) -> None:
-        self.g.replica = value
 
 
 @dataclass(eq=False)
@@ -463,7 +419,6 @@ class Engine:
         self._lock = threading.RLock()
         self._phase = Phase.IDLE
         self._closed = False
-        self._chunks: list[_Chunk] = []
         # Where each param/buffer came from: close() puts the trained values back there.
         # (A model built on the meta device gets its values back on the CPU.)
         self._origins = tuple((_home_of(s.param), s.param.dtype) for s in self.partition.slots)
@@ -472,11 +427,6 @@ class Engine:
                                      for name, b in m._buffers.items() if b is not None)
         self._call_stack: list[_Call] = []  # the running module calls, innermost last
         self._records: dict = {}  # module -> its _ModuleRecord
-        self._guard = ParamGuard(  # see param_guard.py; the placeholders exist from here on
-            self.module, self.partition, self._chunks, device=self.device, dtype=self.dtype,
-            lock=self._lock, phase=lambda: self._phase, hold=self._hold, unhold=self._unhold,
-            innermost=lambda: self._call_stack[-1].record.module if self._call_stack else self.module,
-            covers=self._covers)
         # The scheduler factory runs before the weights move, so its errors change nothing.
         self.optimizer = _HyperParams(self.spec.hyperparameters(), self._group_overrides)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
@@ -499,16 +449,21 @@ class Engine:
                                 prefetch_depth=cfg.prefetch_depth,
                                 threads=_adam_threads(cfg, self.device, ranked=self._ranked),
                                 on_chunk_idle=self._chunk_ready)
+        self._guard = ParamGuard(  # see param_guard.py; the placeholders exist from here on
+            self.module, self.partition, self.group.chunks, device=self.device, dtype=self.dtype,
+            lock=self._lock, phase=lambda: self._phase, hold=self._hold, unhold=self._unhold,
+            innermost=lambda: self._call_stack[-1].record.module if self._call_stack else self.module,
+            covers=self._covers)
         with torch.no_grad():
             # Chunk by chunk: the model's own weights are freed as their chunk fills, so host
             # memory peaks at the homes plus what is not yet copied, not homes + whole model.
+            loaded = 0
             try:
                 for layout, homes in zip(self.partition.chunks, self.plan.homes):
-                    chunk = self._add_chunk(layout, homes)
-                    self._load_initial(chunk)
-                    self._chunks.append(chunk)
+                    self._load_initial(self._add_chunk(layout, homes))
+                    loaded += 1
             except BaseException:
-                self._give_weights_back()
+                self._give_weights_back(self.group.chunks[:loaded])
                 raise
         for name, p in self.partition.empty:
             set_values(p, torch.empty(p.shape, device=self.device, dtype=self.dtype))
@@ -523,14 +478,15 @@ class Engine:
             ready=lambda cid: not self.group.busy(cid), park=PARKED_CHUNKS,
             keep_limit=keep_limit(self.plan.request),
             consumer=Consumer(map=self._materialize, unmap=self._unmap,
-                              busy=lambda cid: self._phase is Phase.BACKWARD and bool(self._chunks[cid].awaiting),
+                              busy=lambda cid: self._phase is Phase.BACKWARD and bool(self.group.chunks[cid].awaiting),
                               reuse=lambda: self._phase is Phase.FORWARD and torch.is_grad_enabled()))
 
 
         self.global_step = 0
         self.skipped_steps = 0
         self._tokens: list[_BackwardToken] = []
-        self._gathers: dict[int, Gather] = {}  # cid -> its all-gather issued ahead; [Note: collectives ahead]
+        self._ahead: Optional[tuple[GroupChunk, Gather]] = None  # [Note: collectives ahead]
+        """The chunk whose all-gather was issued ahead (one at a time), and that gather."""
         self.last_grad_norm: Optional[float] = None
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._window = StatsWindow(self._counters)
@@ -542,11 +498,11 @@ class Engine:
                 continue
             self._add_record(_ModuleRecord(
                 module=m, slots=slots,
-                chunks=tuple(dict.fromkeys(self._chunks[s.chunk] for s in slots))))
+                chunks=tuple(dict.fromkeys(self.group.chunks[s.chunk] for s in slots))))
         for s in self.partition.slots:
             if s.trainable:
                 self._hook_handles.append(s.param.register_post_accumulate_grad_hook(
-                    functools.partial(self._grad_landed, s)))
+                    functools.partial(self._grad_landed, self.group.chunks[s.chunk].slot(s.index))))
 
     def _add_record(self, rec: _ModuleRecord) -> None:
         self._records[rec.module] = rec
@@ -555,18 +511,17 @@ class Engine:
         self._hook_handles.append(rec.module.register_forward_hook(
             functools.partial(self._post_forward, rec), with_kwargs=True, always_call=True))
 
-    def _add_chunk(self, layout: ChunkLayout, homes) -> _Chunk:
+    def _add_chunk(self, layout: ChunkLayout, homes) -> GroupChunk:
         specs = chunk_payloads(self.plan.request, self.plan.request.chunks[layout.index], homes)
-        gslots = {}
+        gslots = []
         if layout.trainable:  # an elementwise rule's update covers the padding up to the next slot
             spans = update_spans(layout, align_to_params=not self.rule.elementwise)
-            gslots = {s: GroupSlot(lo=s.offset, numel=s.numel, end=stop, name=s.name, index=s.index,
-                                   group=self._slot_group.get(s.index, 0), shape=tuple(s.shape))
-                      for s, (_, stop) in zip(layout.slots, spans)}
-        g = self.group.add_chunk(specs, tuple(gslots.values()), whole=layout.numel)
-        return _Chunk(layout=layout, g=g, gslots=gslots)
+            gslots = [GroupSlot(lo=s.offset, numel=s.numel, end=stop, name=s.name, index=s.index,
+                                group=self._slot_group.get(s.index, 0), shape=tuple(s.shape))
+                      for s, (_, stop) in zip(layout.slots, spans)]
+        return self.group.add_chunk(specs, gslots, whole=layout.numel, layout=layout)
 
-    def _give_weights_back(self) -> None:
+    def _give_weights_back(self, chunks: Sequence[GroupChunk]) -> None:
         """Put the values of every chunk (the fp32 master, or the params payload for fp32 and
         frozen chunks) back into the model's parameters, on the device and in the dtype each had
         at initialize, chunk by chunk, each chunk's memory freed in every tier as soon as its
@@ -575,19 +530,19 @@ class Engine:
         initialize fails part-way (the chunks loaded so far) and by ``close``: the store is
         closed right after."""
         self.group.drop_buffers()
-        for chunk in self._chunks:
-            flat = self.group.read_values(chunk.g, take=True)
+        for chunk in chunks:
+            flat = self.group.read_values(chunk, take=True)
             for s in chunk.layout.slots:
                 device, dtype = self._origins[s.index]
                 s.param.data = flat[s.offset:s.end].view(s.shape).to(device=device, dtype=dtype,
                                                                        copy=True)
 
-    def _load_initial(self, chunk: _Chunk) -> None:
+    def _load_initial(self, chunk: GroupChunk) -> None:
         """The chunk's first values (the model's, ``init``'s or the weights file's) written
         straight into its full-precision payload (this rank's shard of it), the working-dtype
         params rounded from it; then the model's own copies are let go."""
         layout = chunk.layout
-        self.group.write_values(chunk.g, functools.partial(self._values.fill, layout))
+        self.group.write_values(chunk, functools.partial(self._values.fill, layout))
         for s in layout.slots:
             set_values(s.param, self._guard.placeholders[s.index])
 
@@ -614,39 +569,35 @@ class Engine:
         who = f"rank {self.shard.rank} of {self.shard.world}" if self._ranked else "the engine"
         return f"{who} stopped after an error ({type(e).__name__}: {text})"
 
-    def _gather_params(self, chunk: _Chunk, shard: torch.Tensor, *, ahead: bool) -> Gather:
-        """The chunk's params on the device from this rank's ``shard`` (``ChunkGroup.params``)."""
-        return self.group.params(chunk.g, shard, ahead=ahead)
-
     def _gather_ahead(self) -> None:
         """See [Note: collectives ahead]: the all-gather of the next chunk of the recorded order,
         issued now so that it runs while this chunk computes."""
-        if self._gathers or self.prefetcher.depth == 0:
+        if self._ahead is not None or self.prefetcher.depth == 0:
             return
         for cid in self.prefetcher.peek(1):
-            chunk = self._chunks[cid]
-            if chunk.buffer is not None or chunk.g.replica_fresh:
+            chunk = self.group.chunks[cid]
+            if chunk.buffer is not None or chunk.replica_fresh:
                 return
             if chunk.layout.trainable:
-                self.group.wait(chunk.g)  # the update writing its params shard must finish
+                self.group.wait(chunk)  # the update writing its params shard must finish
             shard = self.prefetcher.use(cid)["params"]
             try:
-                self._gathers[cid] = self._gather_params(chunk, shard, ahead=True)
+                self._ahead = (chunk, self.group.params(chunk, shard, ahead=True))
             except BaseException:
                 self.prefetcher.release(cid)  # the pin is this call's ([Note: failed engine])
                 raise
 
     def _drop_gathers(self) -> None:
-        """Forget the all-gathers issued ahead whose chunk was not used (the pass ended or the
-        order changed): the device waits for them, their shards go back to the prefetcher."""
-        gathers, self._gathers = self._gathers, {}
+        """Forget the all-gather issued ahead if its chunk was not used (the pass ended or the
+        order changed): the device waits for it, its shard goes back to the prefetcher."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
         try:
-            for gathered in gathers.values():
-                if self._failed is None:  # (failed: they may never end)
-                    self.shard.finish(gathered)
-        finally:  # every pin let go, also after a failed wait ([Note: failed engine])
-            for cid in gathers:
-                self.prefetcher.release(cid)
+            if self._failed is None:  # (failed: it may never end)
+                self.shard.finish(ahead[1])
+        finally:  # the pin let go, also after a failed wait ([Note: failed engine])
+            self.prefetcher.release(ahead[0].cid)
 
     # ---- forward ----------------------------------------------------------------------------
 
@@ -709,7 +660,7 @@ class Engine:
                 rec = _ModuleRecord(module=module, slots=(), chunks=())
             ext = tuple(s for s in slots if s not in rec.slots and s not in rec.external)
             rec.external += ext
-            rec.chunks = tuple(dict.fromkeys(rec.chunks + tuple(self._chunks[s.chunk] for s in ext)))
+            rec.chunks = tuple(dict.fromkeys(rec.chunks + tuple(self.group.chunks[s.chunk] for s in ext)))
             if new:
                 self._add_record(rec)
 
@@ -734,7 +685,8 @@ class Engine:
                 return None
             for s in rec.slots + rec.external:
                 if s.trainable:
-                    self._chunks[s.chunk].expect(s)
+                    chunk = self.group.chunks[s.chunk]
+                    chunk.expect(chunk.slot(s.index))
             call.token = token = _BackwardToken(record=rec)
             if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
                 flat, spec = list(args), None  # the common case, without pytree's cost
@@ -774,14 +726,14 @@ class Engine:
 
     # ---- chunk residency on the compute device ([Note: holds] in runtime/prefetch.py) -------
 
-    def _hold(self, chunk: _Chunk) -> None:
+    def _hold(self, chunk: GroupChunk) -> None:
         if self.prefetcher.hold(chunk.cid) and self._ranked:
             self._gather_ahead()  # [Note: collectives ahead]: when a chunk is materialized
 
-    def _unhold(self, chunk: _Chunk) -> None:
+    def _unhold(self, chunk: GroupChunk) -> None:
         self.prefetcher.unhold(chunk.cid)
 
-    def _maybe_release(self, chunk: _Chunk) -> None:
+    def _maybe_release(self, chunk: GroupChunk) -> None:
         """The chunk may go once nobody holds it: see [Note: backward hooks]."""
         self.prefetcher.settle(chunk.cid)
 
@@ -795,17 +747,19 @@ class Engine:
     def _materialize(self, cid: int) -> None:
         """The prefetcher maps a chunk ([Note: holds]): its params on the device, the model's
         parameters pointing into them."""
-        chunk = self._chunks[cid]
+        chunk = self.group.chunks[cid]
         t0 = time.perf_counter()
-        gathered = self._gathers.pop(chunk.cid, None)
+        gathered = None
+        if self._ahead is not None and self._ahead[0] is chunk:
+            gathered, self._ahead = self._ahead[1], None
         pinned = gathered is not None  # (the gather issued ahead pinned the shard)
         try:
             if gathered is None:
                 if chunk.layout.trainable:
-                    self.group.wait(chunk.g)  # the update writing these params must finish
+                    self.group.wait(chunk)  # the update writing these params must finish
                 shard = self.prefetcher.use(cid)["params"]
                 pinned = True
-                gathered = self._gather_params(chunk, shard, ahead=False)
+                gathered = self.group.params(chunk, shard, ahead=False)
             buf = self.shard.finish(gathered)  # issued ahead: this stream waits for it (device-side)
         except BaseException:
             if pinned:  # the chunk is not materialized: nothing else lets this pin go
@@ -819,7 +773,7 @@ class Engine:
 
     def _unmap(self, cid: int) -> None:
         """The prefetcher lets a chunk go: the parameters hold their placeholders again."""
-        chunk = self._chunks[cid]
+        chunk = self.group.chunks[cid]
         self._guard.hide(chunk)
         chunk.buffer = None
 
@@ -890,7 +844,7 @@ class Engine:
             for c in token.record.chunks:
                 self._unhold(c)
 
-    def _grad_landed(self, slot: ParamSlot, param: torch.Tensor) -> None:
+    def _grad_landed(self, slot: GroupSlot, param: torch.Tensor) -> None:
         grad = param.grad
         if grad is None:
             return
@@ -898,9 +852,8 @@ class Engine:
         with self._lock, _range("zero_offload::grad_landed"):
             if self._phase is Phase.IDLE:
                 self._set_phase(Phase.BACKWARD)
-            chunk = self._chunks[slot.chunk]
-            self.group.grad(chunk.gslots[slot], grad)  # staged, reduced and sent on when complete
-            self._maybe_release(chunk)
+            self.group.grad(slot, grad)  # staged, reduced and sent on when complete
+            self._maybe_release(self.group.chunks[slot.cid])
 
     def _finish_backward(self) -> None:
         """End of backward: release what the hooks still hold, send incomplete grads down."""
@@ -993,8 +946,8 @@ class Engine:
     def _slot_values(self) -> Iterator[tuple]:
         """(slot, fp32 CPU tensor) for every slot, chunk by chunk."""
         self.synchronize()
-        for chunk in self._chunks:
-            flat = self.group.read_values(chunk.g).float()
+        for chunk in self.group.chunks:
+            flat = self.group.read_values(chunk).float()
             for s in chunk.layout.slots:
                 yield s, flat[s.offset:s.end].view(s.shape)
 
@@ -1119,21 +1072,21 @@ class Engine:
         """CPU copies of one chunk's state: ``state_keys`` (fp32; bf16 moments widened) for a
         trainable chunk, "frozen" (working dtype) otherwise, and "steps" (one per slot).
         Collective with several ranks."""
-        chunk = self._chunks[layout.index]
+        chunk = self.group.chunks[layout.index]
         if not layout.trainable:
-            return {"frozen": self.group.read_values(chunk.g), "steps": chunk.steps}
-        return self.group.state(chunk.g)  # (its slots are the layout's, in order)
+            return {"frozen": self.group.read_values(chunk), "steps": [0] * len(layout.slots)}
+        return self.group.state(chunk)  # (its slots are the layout's, in order)
 
     def load_chunk_state(self, layout: ChunkLayout, fill: Callable[[str, torch.Tensor], None],
                          steps: Sequence[int]) -> None:
         """Overwrite one chunk's state: ``fill(key, buf)`` writes the values of ``key`` (as
         ``chunk_state`` names them) into a zeroed flat buffer. bf16/fp16 working params become
         the master rounded, as the kernel writes them."""
-        chunk = self._chunks[layout.index]
+        chunk = self.group.chunks[layout.index]
         if layout.trainable:
-            self.group.load_state(chunk.g, fill, steps)
+            self.group.load_state(chunk, fill, steps)
         else:
-            self.group.write_values(chunk.g, functools.partial(fill, "frozen"))
+            self.group.write_values(chunk, functools.partial(fill, "frozen"))
 
     def agree(self, ok: bool) -> bool:
         """Whether every rank says ``ok`` (an all-reduce; ``ok`` itself without a group)."""
@@ -1210,7 +1163,7 @@ class Engine:
                         self._phase = Phase.IDLE
                     self._release_idle()
                     self.group.drain()
-                    self._give_weights_back()
+                    self._give_weights_back(self.group.chunks)
                     for p, device, dtype in self._empty_origins:
                         p.data = p.data.to(device=device, dtype=dtype)
                     for m, name, device in self._buffer_origins:
