@@ -139,8 +139,9 @@ from .runtime.placement import (PARKED_CHUNKS, ChunkNeed, PlacementPlan, Placeme
                                 keep_limit, local_ranks, plan_placement, rank_budgets)
 from .runtime.prefetch import Consumer, Prefetcher
 from .runtime.shards import Gather, Shards
-from .runtime.store import ChunkStore, Hop, StoreConfig, Tier
-from .runtime.trace import StatsWindow, Trace
+from .runtime.store import ChunkStore, StoreConfig, Tier
+from .runtime.stats import EngineStats, PhaseStats
+from .runtime.trace import Trace
 
 __all__ = ["Engine", "EngineStats", "Phase", "initialize"]
 
@@ -207,44 +208,6 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.callback()
         return (None,) + grads
-
-
-@dataclass
-class EngineStats:
-    """What ``Engine.stats()`` returns (plain values; ``as_dict`` for logging)."""
-
-    steps: int
-    skipped_steps: int
-    micro_steps: int
-    bytes_held: dict
-    """tier -> bytes the store holds now."""
-    peak_bytes: dict
-    """tier -> peak bytes held since the last ``reset_stats``."""
-    bytes_moved: dict
-    """hop ("cpu->gpu", ...) -> bytes moved since the last ``reset_stats``."""
-    forward_s: float
-    backward_s: float
-    step_s: float
-    fetch_stall_s: float
-    """Host time forward/backward waited for params to arrive on the device."""
-    update_stall_s: float
-    """Host time forward waited for a chunk's CPU update to finish."""
-    adam_s: float
-    """Seconds the CPU-Adam kernels ran."""
-    worker_busy_s: float
-    """Worker time on jobs of any kind (waits for grads to land and bookkeeping included)."""
-    gpu_stall_share: float
-    """(fetch + update stalls) / (forward + backward time): the share of compute time lost."""
-    prefetch_hit_rate: float
-    """Share of params uses whose copy had landed on the device before the use."""
-    prefetch_ahead_rate: float
-    """Share of params uses whose copy was fetched ahead (landed or in flight) before the use."""
-    loss_scale: Optional[float]
-    last_grad_norm: Optional[float]
-    lr: float
-
-    def as_dict(self) -> dict:
-        return dict(vars(self))
 
 
 # --------------------------------------------------------------------------------------------
@@ -488,8 +451,7 @@ class Engine:
         self._ahead: Optional[tuple[GroupChunk, Gather]] = None  # [Note: collectives ahead]
         """The chunk whose all-gather was issued ahead (one at a time), and that gather."""
         self.last_grad_norm: Optional[float] = None
-        self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
-        self._window = StatsWindow(self._counters)
+        self._stats = PhaseStats(self.store, self.group, self.prefetcher)
 
         self._hook_handles = []
         for m in self.module.modules():
@@ -633,7 +595,7 @@ class Engine:
             self._set_phase(Phase.IDLE)
             if not torch.is_grad_enabled():
                 self._release_idle()  # no backward follows: go idle now
-            self._span("forward", t0)
+            self._stats.span("forward", t0)
 
     # ---- external parameters ([Note: external parameters] in param_guard.py) ------------------
 
@@ -822,7 +784,7 @@ class Engine:
             self._set_phase(Phase.IDLE)
             raise self._guard.explain(e) from e
         self._finish_backward()
-        self._span("backward", t0)
+        self._stats.span("backward", t0)
 
     def _pre_backward(self, token: _BackwardToken, grad) -> None:
         with self._lock, _range("zero_offload::pre_backward"):
@@ -895,7 +857,7 @@ class Engine:
             self._fail(e)
             raise
         finally:
-            self._span("step", t0)
+            self._stats.span("step", t0)
 
     def _step(self) -> bool:
         if not self.group.end_micro_batch():
@@ -930,12 +892,6 @@ class Engine:
     def pipeline(self) -> StepPipeline:
         """The CPU-Adam worker (the chunk group's)."""
         return self.group.pipeline
-
-    def _span(self, phase: str, t0: float) -> None:
-        t1 = time.perf_counter()
-        self._times[phase] += t1 - t0
-        if self.group.trace is not None:
-            self.group.trace.span(phase, t0, t1)
 
     def synchronize(self) -> None:
         """Wait until every queued update has run and every move has landed."""
@@ -1022,38 +978,14 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """Counters since initialize (or ``reset_stats``); see ``EngineStats``."""
-        w = {**self._window.read(), **self.group.counters()}
-        fwd, bwd = self._times["forward"], self._times["backward"]
-        fetch_stall, update_stall = w["stall_s"], w["wait_chunk_s"]
-        compute = fwd + bwd
-        uses = w["uses"]
-        return EngineStats(
-            steps=self.global_step, skipped_steps=self.skipped_steps, micro_steps=self.group.micro,
-            bytes_held={t.value: self.store.bytes(t) for t in Tier},
-            peak_bytes={t.value: self.store.peak_bytes(t) for t in Tier},
-            bytes_moved={h.value: w[h] for h in Hop},
-            forward_s=fwd, backward_s=bwd, step_s=self._times["step"],
-            fetch_stall_s=fetch_stall, update_stall_s=update_stall,
-            adam_s=w["adam_s"], worker_busy_s=w["busy_s"],
-            gpu_stall_share=(fetch_stall + update_stall) / compute if compute > 0 else 0.0,
-            prefetch_hit_rate=w["hits"] / uses if uses else 0.0,
-            prefetch_ahead_rate=w["ahead"] / uses if uses else 0.0,
-            loss_scale=self.scaler.scale if self.scaler is not None else None,
-            last_grad_norm=self.last_grad_norm,
-            lr=float(self.optimizer.param_groups[0]["lr"]))
+        return self._stats.read(steps=self.global_step, skipped_steps=self.skipped_steps,
+                                loss_scale=self.scaler.scale if self.scaler is not None else None,
+                                last_grad_norm=self.last_grad_norm,
+                                lr=float(self.optimizer.param_groups[0]["lr"]))
 
     def reset_stats(self) -> None:
         """Restart the time and byte counters and the peaks (e.g. after warm-up steps)."""
-        self.store.reset_peak()
-        self._window.reset()
-        self.group.reset_counters()
-        self._times = {k: 0.0 for k in self._times}
-
-    def _counters(self) -> dict:
-        """The prefetcher's counters ``stats()`` reads through its window (the pipeline's and the
-        store's come through the chunk group's)."""
-        pf = self.prefetcher.stats
-        return {"stall_s": pf.stall_s, "uses": pf.uses, "hits": pf.hits, "ahead": pf.ahead}
+        self._stats.reset()
 
     # ---- state interface (checkpoint.py) --------------------------------------------------
 
