@@ -945,7 +945,7 @@ class Engine:
             writer = ShardedWriter(path, dtype=dtype, shard_size=shard_size, write=self.shard.rank == 0)
         except (ValueError, ImportError, OSError) as e:  # rank 0 checks the path: all ranks stop
             refused = e
-        if not self.agree(refused is None):
+        if not self.shard.agree(refused is None):
             if refused is not None:
                 raise refused
             raise RuntimeError(f"save_weights: rank 0 refused {path} (its error says why); nothing was written")
@@ -962,7 +962,7 @@ class Engine:
         except BaseException:
             writer.abort()
             raise
-        if not self.agree(writer.error is None) and writer.error is None:
+        if not self.shard.agree(writer.error is None) and writer.error is None:
             writer.abort()
             raise RuntimeError(f"save_weights: rank 0 could not write {path} (its error says why)")
         return writer.close()
@@ -987,42 +987,12 @@ class Engine:
         """Restart the time and byte counters and the peaks (e.g. after warm-up steps)."""
         self._stats.reset()
 
-    # ---- state interface (checkpoint.py) --------------------------------------------------
+    # ---- state interface (checkpoint.py: chunk_state/load_chunk_state read the group) --------
 
     @property
     def micro_step(self) -> int:
         """Micro-batches done in the current accumulation window."""
         return self.group.micro
-
-    @property
-    def state_keys(self) -> tuple:
-        """The keys ``chunk_state`` gives for a trainable chunk: "master" and the update rule's
-        state ("exp_avg", "exp_avg_sq" for Adam)."""
-        return tuple(self.group.state_names)
-
-    def chunk_state(self, layout: ChunkLayout) -> dict:
-        """CPU copies of one chunk's state: ``state_keys`` (fp32; bf16 moments widened) for a
-        trainable chunk, "frozen" (working dtype) otherwise, and "steps" (one per slot).
-        Collective with several ranks."""
-        chunk = self.group.chunks[layout.index]
-        if not layout.trainable:
-            return {"frozen": self.group.read_values(chunk), "steps": [0] * len(layout.slots)}
-        return self.group.state(chunk)  # (its slots are the layout's, in order)
-
-    def load_chunk_state(self, layout: ChunkLayout, fill: Callable[[str, torch.Tensor], None],
-                         steps: Sequence[int]) -> None:
-        """Overwrite one chunk's state: ``fill(key, buf)`` writes the values of ``key`` (as
-        ``chunk_state`` names them) into a zeroed flat buffer. bf16/fp16 working params become
-        the master rounded, as the kernel writes them."""
-        chunk = self.group.chunks[layout.index]
-        if layout.trainable:
-            self.group.load_state(chunk, fill, steps)
-        else:
-            self.group.write_values(chunk, functools.partial(fill, "frozen"))
-
-    def agree(self, ok: bool) -> bool:
-        """Whether every rank says ``ok`` (an all-reduce; ``ok`` itself without a group)."""
-        return self.shard.agree(ok)
 
     def load_progress(self, *, global_step: int, skipped_steps: int) -> None:
         """Set the step counters (from a checkpoint); any accumulation window is dropped."""
