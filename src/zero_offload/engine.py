@@ -130,7 +130,7 @@ from .config import PER_RANK_FIELDS, OffloadConfig, OptimizerSpec, load_config
 from .mixed_precision import LossScaler, cast_inputs
 from .runtime.distributed import (available_cores, bind_to_cores, rank_cores, resolve_group,
                                   start_default_group, threads_per_rank)
-from .initial_values import InitialValues, set_values
+from .initial_values import Handover, InitialValues, handed_over_bytes
 from .param_guard import PHASES, ParamGuard, Phase
 from .runtime.chunk_group import ChunkGroup, GroupChunk, GroupSlot, Staging
 from .runtime.partition import ChunkLayout, Partition, partition_parameters, update_spans
@@ -329,7 +329,7 @@ class Engine:
         budgets = rank_budgets(
             {Tier.GPU: cfg.gpu_budget, Tier.CPU: cfg.cpu_budget, Tier.NVME: cfg.nvme_budget},
             device=self.device, nvme_dir=nvme_dir, local_ranks=local_ranks() if self._ranked else 1,
-            freed_host=_handed_over(self.partition))  # the model's own host copy is freed as chunks fill
+            freed_host=handed_over_bytes(self.partition))  # the model's own host copy is freed as chunks fill
         self.plan: PlacementPlan = plan_placement(PlacementRequest(
             chunks=tuple(ChunkNeed(numel=self.shard.span(c.numel)[2], dtype=self.dtype, trainable=c.trainable,
                                    shapes=() if self.rule.elementwise else tuple(s.shape for s in c.slots))
@@ -382,12 +382,6 @@ class Engine:
         self._lock = threading.RLock()
         self._phase = Phase.IDLE
         self._closed = False
-        # Where each param/buffer came from: close() puts the trained values back there.
-        # (A model built on the meta device gets its values back on the CPU.)
-        self._origins = tuple((_home_of(s.param), s.param.dtype) for s in self.partition.slots)
-        self._empty_origins = tuple((p, _home_of(p), p.dtype) for _, p in self.partition.empty)
-        self._buffer_origins = tuple((m, name, _home_of(b)) for m in self.module.modules()
-                                     for name, b in m._buffers.items() if b is not None)
         self._call_stack: list[_Call] = []  # the running module calls, innermost last
         self._records: dict = {}  # module -> its _ModuleRecord
         # The scheduler factory runs before the weights move, so its errors change nothing.
@@ -417,24 +411,16 @@ class Engine:
             lock=self._lock, phase=lambda: self._phase, hold=self._hold, unhold=self._unhold,
             innermost=lambda: self._call_stack[-1].record.module if self._call_stack else self.module,
             covers=self._covers)
+        # The model's values go into the chunks (initial_values.py, [Note: hand-over]).
+        self._handover = Handover(self.module, self.partition, self._values, self._guard.placeholders)
         with torch.no_grad():
-            # Chunk by chunk: the model's own weights are freed as their chunk fills, so host
-            # memory peaks at the homes plus what is not yet copied, not homes + whole model.
-            loaded = 0
             try:
                 for layout, homes in zip(self.partition.chunks, self.plan.homes):
-                    self._load_initial(self._add_chunk(layout, homes))
-                    loaded += 1
+                    self._handover.take(self.group, self._add_chunk(layout, homes))
             except BaseException:
-                self._give_weights_back(self.group.chunks[:loaded])
+                self._handover.give_back(self.group)
                 raise
-        for name, p in self.partition.empty:
-            set_values(p, torch.empty(p.shape, device=self.device, dtype=self.dtype))
-        self._values.buffers()
-        for m in self.module.modules():
-            for bname, b in list(m._buffers.items()):
-                if b is not None:
-                    m._buffers[bname] = b.to(self.device)
+        self._handover.take_rest(self.device, self.dtype)
 
         self.prefetcher = Prefetcher(  # [Note: holds]: it decides what is on the device when
             self.store, depth=cfg.prefetch_depth, hops=[("params", Tier.GPU)],
@@ -482,31 +468,6 @@ class Engine:
                                 group=self._slot_group.get(s.index, 0), shape=tuple(s.shape))
                       for s, (_, stop) in zip(layout.slots, spans)]
         return self.group.add_chunk(specs, gslots, whole=layout.numel, layout=layout)
-
-    def _give_weights_back(self, chunks: Sequence[GroupChunk]) -> None:
-        """Put the values of every chunk (the fp32 master, or the params payload for fp32 and
-        frozen chunks) back into the model's parameters, on the device and in the dtype each had
-        at initialize, chunk by chunk, each chunk's memory freed in every tier as soon as its
-        values are out: host memory never holds the model's copy beside all the state (a 13B
-        model's 51 GB of fp32 values on top of its pinned state was an OOM kill). Used when
-        initialize fails part-way (the chunks loaded so far) and by ``close``: the store is
-        closed right after."""
-        self.group.drop_buffers()
-        for chunk in chunks:
-            flat = self.group.read_values(chunk, take=True)
-            for s in chunk.layout.slots:
-                device, dtype = self._origins[s.index]
-                s.param.data = flat[s.offset:s.end].view(s.shape).to(device=device, dtype=dtype,
-                                                                       copy=True)
-
-    def _load_initial(self, chunk: GroupChunk) -> None:
-        """The chunk's first values (the model's, ``init``'s or the weights file's) written
-        straight into its full-precision payload (this rank's shard of it), the working-dtype
-        params rounded from it; then the model's own copies are let go."""
-        layout = chunk.layout
-        self.group.write_values(chunk, functools.partial(self._values.fill, layout))
-        for s in layout.slots:
-            set_values(s.param, self._guard.placeholders[s.index])
 
     # ---- data parallel ([Note: data parallel]) ----------------------------------------------
 
@@ -1065,13 +1026,8 @@ class Engine:
                         self._phase = Phase.IDLE
                     self._release_idle()
                     self.group.drain()
-                    self._give_weights_back(self.group.chunks)
-                    for p, device, dtype in self._empty_origins:
-                        p.data = p.data.to(device=device, dtype=dtype)
-                    for m, name, device in self._buffer_origins:
-                        b = m._buffers.get(name)
-                        if isinstance(b, torch.Tensor):
-                            m._buffers[name] = b.to(device)
+                    self._handover.give_back(self.group)
+                    self._handover.give_rest_back()
             except Exception as e:  # noqa: BLE001 - reported below, after the cleanup
                 failure = e
             else:
@@ -1299,28 +1255,6 @@ def _check_not_managed(model: nn.Module) -> None:
             raise ValueError(f"{what} is already managed by an open zero_offload engine; call "
                              f"engine.close() first (it writes the trained values back into the "
                              f"model), then initialize again")
-
-
-def _handed_over(partition: Partition) -> int:
-    """Host bytes of the model's parameters that ``initialize`` frees (CPU tensors nothing but
-    the parameter holds: a storage the caller also references stays resident and is not
-    counted), so an "auto" host budget counts what is resident after the hand-over."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:  # pragma: no cover - a torch without it: count nothing
-        return 0
-    total = 0
-    for s in partition.slots:
-        p = s.param
-        if p.device.type == "cpu":
-            # The param holds its storage once; the temporary storage object once more.
-            if use_count(p.untyped_storage()._cdata) <= 2:
-                total += p.untyped_storage().nbytes()
-    return total
-
-
-def _home_of(t: torch.Tensor) -> torch.device:
-    """Where ``close`` puts a tensor's values back: its device, the CPU for a meta tensor."""
-    return torch.device("cpu") if t.is_meta else t.device
 
 
 def _check_model(model: nn.Module) -> None:
