@@ -113,7 +113,6 @@ import contextlib
 import dataclasses
 import functools
 import os
-import sys
 import threading
 import time
 import warnings
@@ -128,8 +127,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .config import PER_RANK_FIELDS, OffloadConfig, OptimizerSpec, load_config
 from .mixed_precision import LossScaler, cast_inputs
-from .runtime.distributed import (available_cores, bind_to_cores, rank_cores, resolve_group,
-                                  start_default_group, threads_per_rank)
+from .runtime.distributed import (announce_default_group, bind_to_cores, cpu_threads, rank_cores,
+                                  rank_device, resolve_group, start_default_group)
 from .initial_values import Handover, InitialValues, handed_over_bytes
 from .param_guard import PHASES, ParamGuard, Phase
 from .runtime.chunk_group import ChunkGroup, GroupChunk, GroupSlot, Staging
@@ -278,14 +277,16 @@ class Engine:
         """The update rule (runtime/update_rule.py) the spec runs under this config."""
         self.module = model
         if process_group == "auto":  # under a launcher without a group: start it
-            _announce(start_default_group("zero_offload.initialize", _rank_device(device, ranked=True),
-                                          fix="call torch.distributed.init_process_group() first, or "
-                                              "pass process_group=None to train this process alone"))
+            announce_default_group(
+                start_default_group("zero_offload.initialize", rank_device(device, ranked=True),
+                                    fix="call torch.distributed.init_process_group() first, or "
+                                        "pass process_group=None to train this process alone"),
+                owner="zero_offload.initialize", before="initialize")
         pg = resolve_group(process_group, "initialize")
         if pg is not None and not self.rule.elementwise:
             raise ValueError(f"initialize: {self.rule.name} updates whole parameters, and data-parallel "
                              f"shards cut them; train it on one rank (process_group=None)")
-        self.device = _rank_device(device, ranked=pg is not None)
+        self.device = rank_device(device, ranked=pg is not None)
         self._failed: Optional[BaseException] = None  # see [Note: failed engine]
         self.shard = Shards(pg, owner="engine", device=self.device, on_failure=self._fail,
                             refuse=self._refuse_if_failed)
@@ -404,7 +405,7 @@ class Engine:
                                 overlap=cfg.overlap and cfg.grad_clip is None and self.scaler is None,
                                 replicas=self._ranked and cfg.params == "gpu", owner="engine",
                                 prefetch_depth=cfg.prefetch_depth,
-                                threads=_adam_threads(cfg, self.device, ranked=self._ranked),
+                                threads=cpu_threads(cfg.threads, self.device, ranked=self._ranked),
                                 on_chunk_idle=self._chunk_ready)
         self._guard = ParamGuard(  # see param_guard.py; the placeholders exist from here on
             self.module, self.partition, self.group.chunks, device=self.device, dtype=self.dtype,
@@ -1194,55 +1195,6 @@ def _resolve_groups(groups, model: nn.Module, partition: Partition, spec: Optimi
                                  f"belongs to one group")
             slot_group[slot.index] = gi
     return overrides, slot_group
-
-
-def _adam_threads(cfg: OffloadConfig, device: torch.device, *, ranked: bool) -> Optional[int]:
-    """CPU-Adam threads: ``OffloadConfig.threads``; with several ranks this rank's share of the
-    node's cores (``threads_per_rank``); else by default every core this process may use minus
-    two when a GPU is driven (the Python thread issuing kernels and the autograd/copy threads
-    must not be preempted by the kernel's workers, or the GPU starves)."""
-    if cfg.threads is not None:
-        return cfg.threads
-    if ranked:
-        return threads_per_rank(device.type == "cuda")
-    if device.type != "cuda":
-        return None
-    return max(1, available_cores() - 2)
-
-
-def _rank_device(device, *, ranked: bool) -> torch.device:
-    """The compute device: ``device``; by default CUDA when available (with several ranks GPU
-    ``LOCAL_RANK``, as torchrun numbers them), else the CPU."""
-    if device is None and ranked and torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
-    return _resolve_device(device)
-
-
-def _announce(backend: "str | None") -> None:
-    """One line on rank 0 when ``initialize`` started the default process group."""
-    if backend is None:
-        return
-    import torch.distributed as dist
-    if dist.get_rank() == 0:
-        print(f"zero_offload.initialize: WORLD_SIZE={dist.get_world_size()} and no process group: "
-              f"started the default one from the environment ({backend}); call "
-              f"torch.distributed.init_process_group() before initialize to set it up yourself",
-              file=sys.stderr, flush=True)
-
-
-def _resolve_device(device) -> torch.device:
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("device='cuda' but torch.cuda.is_available() is False; use device='cpu'")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-    elif dev.type != "cpu":
-        raise ValueError(f"device={device!r} is not supported; use a CUDA device or 'cpu'")
-    return dev
 
 
 def _check_not_managed(model: nn.Module) -> None:
