@@ -351,8 +351,9 @@ class Engine:
             self._build(lr_scheduler)
         except BaseException:
             if getattr(self, "group", None) is not None:
-                self.group.close()
-            self.store.close()
+                self.group.close(store=True)
+            else:  # (not built yet: the store is closed here, where it was made)
+                self.store.close()
             raise
         ref = weakref.ref(self)
         for m in model.modules():
@@ -858,8 +859,7 @@ class Engine:
     def synchronize(self) -> None:
         """Wait until every queued update has run and every move has landed."""
         self._check_open()
-        self.group.drain()
-        self.store.synchronize()
+        self.group.synchronize()
 
     def _slot_values(self) -> Iterator[tuple]:
         """(slot, fp32 CPU tensor) for every slot, chunk by chunk."""
@@ -1043,13 +1043,9 @@ class Engine:
         for h in self._hook_handles:
             h.remove()
         self._hook_handles.clear()
-        try:
-            self.group.close()
-        finally:
-            # After a failure, what the store's last moves raise is its consequence: not raised
-            # over the error the caller saw (the store frees everything either way).
-            with contextlib.suppress(Exception) if failed is not None else contextlib.nullcontext():
-                self.store.close()
+        # After a failure, what the store's last moves raise is its consequence: not raised over
+        # the error the caller saw ([Note: failed engine]).
+        self.group.close(store=True, quiet=failed is not None)
         if failed is not None and write_back:
             why = ("that needs every rank; stop every rank and restart" if self._ranked
                    else "restore them")

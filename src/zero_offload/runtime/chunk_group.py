@@ -1069,9 +1069,22 @@ class ChunkGroup:
                             f"{type(trace).__name__}")
         self.pipeline.trace = trace
 
-    def close(self) -> None:
-        """Finish the queued jobs and stop the worker (idempotent; the store is the owner's)."""
-        self.pipeline.close()
+    def synchronize(self) -> None:
+        """Wait until every queued job has run and every move of the store has landed."""
+        self.drain()
+        self.store.synchronize()
+
+    def close(self, *, store: bool = False, quiet: bool = False) -> None:
+        """Finish the queued jobs and stop the worker (idempotent). The store is the owner's;
+        ``store``: close it too, also when stopping the worker raised (an owner that built it
+        for this group alone); ``quiet``: what its last moves raise is not raised (after a
+        failure that is its consequence; the store frees everything either way)."""
+        try:
+            self.pipeline.close()
+        finally:
+            if store:
+                with contextlib.suppress(Exception) if quiet else contextlib.nullcontext():
+                    self.store.close()
 
 
 def update_segments(spans: Iterable[tuple[int, int, int, Any]]) -> list[tuple[int, int, int, Any]]:
