@@ -14,23 +14,18 @@ Ownership, outer to inner (docs/internals.md): ``Engine`` owns a ``Partition`` (
 lives where), a ``ChunkStore`` (bytes and tiers), a ``Prefetcher`` for the working params (which
 also decides what stays on the device: [Note: holds] there), a ``ParamGuard`` (param_guard.py) and
 a ``ChunkGroup`` (updates, over the CPU-Adam worker), whose ``GroupChunk`` is the one record of a
-chunk (its layout and device buffer included). It keeps one ``_ModuleRecord`` per module that holds parameters directly or reads other modules' ones
-([Note: external parameters]). It writes nothing onto the user's modules or parameters but
-``param.data``, the class of a parameter holding its placeholder and its hooks, all undone by
-``close``.
+chunk (its layout and device buffer included), and ``ModuleHooks`` (module_hooks.py: one
+``ModuleRecord`` per module that holds parameters directly or reads other modules' ones, [Note:
+external parameters]; [Note: backward hooks], [Note: failed calls]). It writes nothing onto the
+user's modules or parameters but ``param.data``, the class of a parameter holding its
+placeholder and its hooks, all undone by ``close``. The model's values go into the chunks and
+back by ``Handover`` (initial_values.py, [Note: hand-over]); ``stats()`` reads
+runtime/stats.py's ``PhaseStats``, checkpoints are runtime/checkpoint.py's.
 
 The param guard owns what the parameters hold and how their reads are answered: [Note: parameter
 data] (a placeholder, guarded, while a chunk is off the device), [Note: external parameters]
-(reads outside the module holding the parameter, recorded; the engine's ``_ModuleRecord``s hold
+(reads outside the module holding the parameter, recorded; the hooks' ``ModuleRecord``s hold
 them) and [Note: saved parameter views], all in param_guard.py.
-
-[Note: backward hooks] Per module call with grad enabled, the pre-forward hook wraps the module's
-input tensors in ``_PostBackward`` (whose backward runs after the module's backward) and the
-post-forward hook puts a multi-grad hook on the outputs (runs before it): the second holds the
-module's chunks for backward, the first lets them go. Chunks whose post-backward never runs
-(inputs that need no grad, e.g. token ids) are let go when backward ends. A chunk is released in
-backward only once every grad it expects this pass has landed (``GroupChunk.awaiting``): the
-AccumulateGrad of a parameter may run after its module's post-backward and needs its real data.
 
 Device residency ([Note: holds] in runtime/prefetch.py): the engine only holds a chunk (module
 calls, backward, reads of the guard) and lets it go (``_hold``/``_unhold``); the prefetcher decides
@@ -38,14 +33,6 @@ when it is mapped (``_materialize``) and let go (``_unmap``): chunks nobody hold
 the device, and a copy let go in a forward with grad enabled is kept for backward, within
 ``placement.keep_limit``. ``_release_idle`` (end of backward, before a step's updates, idle) lets
 every chunk nobody holds go and drops the kept copies.
-
-[Note: failed calls] torch runs a module's post-forward hook (``always_call``) also when the call
-raised before its forward ran: in a user's pre-hook registered before ``initialize`` (it runs
-before the engine's), or in the engine's own pre-forward (a fetch failed). A model may catch that
-and go on (an optional branch). So the pre-forward pushes the call on ``_call_stack`` before it
-holds anything and counts the chunks it holds; the post-forward lets go only those, and does
-nothing when the innermost call is not its module's (its pre-forward never ran). Letting go of
-chunks never held left a chunk on the device across an update (stale params in the next step).
 
 [Note: lock order] Two threads use the store: the caller's (forward, backward hooks) and the
 CPU-Adam worker. The caller takes the engine's lock, then the prefetcher's (holds, then
@@ -117,19 +104,17 @@ import threading
 import time
 import warnings
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.profiler import record_function
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .config import PER_RANK_FIELDS, OffloadConfig, OptimizerSpec, load_config
 from .mixed_precision import LossScaler, cast_inputs
 from .runtime.distributed import (announce_default_group, bind_to_cores, cpu_threads, rank_cores,
                                   rank_device, resolve_group, start_default_group)
 from .initial_values import Handover, InitialValues, handed_over_bytes
+from .module_hooks import ModuleHooks
 from .param_guard import PHASES, ParamGuard, Phase
 from .runtime.chunk_group import ChunkGroup, GroupChunk, GroupSlot, Staging
 from .runtime.partition import ChunkLayout, Partition, partition_parameters, update_spans
@@ -140,73 +125,18 @@ from .runtime.prefetch import Consumer, Prefetcher
 from .runtime.shards import Gather, Shards
 from .runtime.store import ChunkStore, StoreConfig, Tier
 from .runtime.stats import EngineStats, PhaseStats
-from .runtime.trace import Trace
+from .runtime.trace import Trace, profile_range
 
 __all__ = ["Engine", "EngineStats", "Phase", "initialize"]
-
-
-def _range(name: str):
-    """A profiler range with a stable name (``zero_offload::pre_forward`` ...) while the torch
-    profiler records, nothing otherwise: the hooks run a few hundred times per step and an idle
-    ``record_function`` still costs microseconds each."""
-    return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 # --------------------------------------------------------------------------------------------
 # Records
 
 
-@dataclass(eq=False)
-class _ModuleRecord:
-    """A module whose forward uses parameters (its own, or external ones read in its forward;
-    see [Note: external parameters]), and the chunks they live in."""
-
-    module: nn.Module
-    slots: tuple
-    """Slots of the parameters the module holds directly."""
-    chunks: tuple
-    """Chunks of ``slots`` and ``external``, each once."""
-    external: tuple = ()
-    """Slots of other modules' parameters this module's forward reads (recorded)."""
-
-
 _OPEN_ENGINES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 """Every module of a model an open engine manages -> that engine (weakly): initialize refuses
 a model, or a model containing or inside one, that an open engine holds."""
-
-
-@dataclass(eq=False)
-class _Call:
-    """One running module call: what its pre-forward took ([Note: failed calls])."""
-
-    record: _ModuleRecord
-    held: int = 0
-    """How many of ``record.chunks`` (in order) it holds: all, unless a fetch raised."""
-    token: Optional["_BackwardToken"] = None
-    """Grad enabled: the call's backward token."""
-
-
-@dataclass(eq=False)
-class _BackwardToken:
-    """One module call with grad enabled: whether its chunks are held for its backward."""
-
-    record: _ModuleRecord
-    held: bool = False
-    done: bool = False
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a module's inputs whose backward runs after the module's backward."""
-
-    @staticmethod
-    def forward(ctx, callback, *inputs):
-        ctx.callback = callback
-        return inputs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.callback()
-        return (None,) + grads
 
 
 # --------------------------------------------------------------------------------------------
@@ -384,8 +314,6 @@ class Engine:
         self._lock = threading.RLock()
         self._phase = Phase.IDLE
         self._closed = False
-        self._call_stack: list[_Call] = []  # the running module calls, innermost last
-        self._records: dict = {}  # module -> its _ModuleRecord
         # The scheduler factory runs before the weights move, so its errors change nothing.
         self.optimizer = _HyperParams(self.spec.hyperparameters(), self._group_overrides)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
@@ -408,11 +336,13 @@ class Engine:
                                 prefetch_depth=cfg.prefetch_depth,
                                 threads=cpu_threads(cfg.threads, self.device, ranked=self._ranked),
                                 on_chunk_idle=self._chunk_ready)
+        self._hooks = ModuleHooks(  # module_hooks.py; installed once the chunks are built
+            self.module, self.partition, self.group.chunks, lock=self._lock, phase=lambda: self._phase,
+            to_backward=self._to_backward, hold=self._hold, unhold=self._unhold)
         self._guard = ParamGuard(  # see param_guard.py; the placeholders exist from here on
             self.module, self.partition, self.group.chunks, device=self.device, dtype=self.dtype,
             lock=self._lock, phase=lambda: self._phase, hold=self._hold, unhold=self._unhold,
-            innermost=lambda: self._call_stack[-1].record.module if self._call_stack else self.module,
-            covers=self._covers)
+            innermost=self._hooks.innermost, covers=self._hooks.covers)
         # The model's values go into the chunks (initial_values.py, [Note: hand-over]).
         self._handover = Handover(self.module, self.partition, self._values, self._guard.placeholders)
         with torch.no_grad():
@@ -435,31 +365,17 @@ class Engine:
 
         self.global_step = 0
         self.skipped_steps = 0
-        self._tokens: list[_BackwardToken] = []
         self._ahead: Optional[tuple[GroupChunk, Gather]] = None  # [Note: collectives ahead]
         """The chunk whose all-gather was issued ahead (one at a time), and that gather."""
         self.last_grad_norm: Optional[float] = None
         self._stats = PhaseStats(self.store, self.group, self.prefetcher)
 
-        self._hook_handles = []
-        for m in self.module.modules():
-            slots = self.partition.module_slots(m)
-            if not slots:
-                continue
-            self._add_record(_ModuleRecord(
-                module=m, slots=slots,
-                chunks=tuple(dict.fromkeys(self.group.chunks[s.chunk] for s in slots))))
+        self._hooks.install()
+        self._grad_hooks = []
         for s in self.partition.slots:
             if s.trainable:
-                self._hook_handles.append(s.param.register_post_accumulate_grad_hook(
+                self._grad_hooks.append(s.param.register_post_accumulate_grad_hook(
                     functools.partial(self._grad_landed, self.group.chunks[s.chunk].slot(s.index))))
-
-    def _add_record(self, rec: _ModuleRecord) -> None:
-        self._records[rec.module] = rec
-        self._hook_handles.append(rec.module.register_forward_pre_hook(
-            functools.partial(self._pre_forward, rec), with_kwargs=True))
-        self._hook_handles.append(rec.module.register_forward_hook(
-            functools.partial(self._post_forward, rec), with_kwargs=True, always_call=True))
 
     def _add_chunk(self, layout: ChunkLayout, homes) -> GroupChunk:
         specs = chunk_payloads(self.plan.request, self.plan.request.chunks[layout.index], homes)
@@ -544,9 +460,9 @@ class Engine:
         self._set_phase(Phase.FORWARD)
         t0 = time.perf_counter()
         try:
-            with self._guard.forward(), _range("zero_offload::forward"):
+            with self._guard.forward(), profile_range("zero_offload::forward"):
                 out = self.module(*args, **kwargs)
-            self._add_reads(self._guard.take_reads())
+            self._hooks.add_reads(self._guard.take_reads())
             return out
         except BaseException as e:
             self._fail(e)
@@ -570,84 +486,10 @@ class Engine:
         self._check_open()
         self._guard.record_reads()
 
-    def _covers(self, module: nn.Module) -> frozenset:
-        """The slots ``module``'s own hooks hold and expect (its own and recorded external)."""
-        rec = self._records.get(module)
-        return frozenset(rec.slots + rec.external) if rec is not None else frozenset()
-
-    def _add_reads(self, reads: dict) -> None:
-        """Give each module whose forward read other modules' parameters (``reads``: module ->
-        slots, from the guard) those reads."""
-        for module, slots in reads.items():
-            rec = self._records.get(module)
-            new = rec is None
-            if new:
-                rec = _ModuleRecord(module=module, slots=(), chunks=())
-            ext = tuple(s for s in slots if s not in rec.slots and s not in rec.external)
-            rec.external += ext
-            rec.chunks = tuple(dict.fromkeys(rec.chunks + tuple(self.group.chunks[s.chunk] for s in ext)))
-            if new:
-                self._add_record(rec)
-
     def _chunk_ready(self, cid: int) -> None:
         """On the CPU-Adam worker: see [Note: fetch on completion]."""
         if not self._closed:
             self.prefetcher.chunk_ready(cid)
-
-    def _pre_forward(self, rec: _ModuleRecord, module, args, kwargs):
-        if self._phase is Phase.IDLE:
-            raise RuntimeError(
-                f"{type(module).__name__} was called outside the engine: its parameters are paged "
-                f"by zero_offload, so run the model through the engine (loss = engine(batch)), not "
-                f"model(batch); use `with engine.gathered():` to read parameter values")
-        with self._lock, _range("zero_offload::pre_forward"):
-            call = _Call(record=rec)
-            self._call_stack.append(call)  # first: see [Note: failed calls]
-            for c in rec.chunks:
-                self._hold(c)
-                call.held += 1
-            if not torch.is_grad_enabled():
-                return None
-            for s in rec.slots + rec.external:
-                if s.trainable:
-                    chunk = self.group.chunks[s.chunk]
-                    chunk.expect(chunk.slot(s.index))
-            call.token = token = _BackwardToken(record=rec)
-            if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
-                flat, spec = list(args), None  # the common case, without pytree's cost
-            else:
-                flat, spec = tree_flatten((args, kwargs))
-            idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
-            if not idx:
-                return None
-            wrapped = _PostBackward.apply(functools.partial(self._post_backward, token),
-                                          *(flat[i] for i in idx))
-            for i, t in zip(idx, wrapped):
-                flat[i] = t
-            return (tuple(flat), kwargs) if spec is None else tree_unflatten(flat, spec)
-
-    def _post_forward(self, rec: _ModuleRecord, module, args, kwargs, output):
-        if self._phase is Phase.IDLE:
-            return None  # the pre-forward hook refused this call (always_call runs us anyway)
-        with self._lock, _range("zero_offload::post_forward"):
-            if not self._call_stack or self._call_stack[-1].record is not rec:
-                return None  # this call's pre-forward never ran: see [Note: failed calls]
-            call = self._call_stack.pop()
-            for c in rec.chunks[:call.held]:
-                self._unhold(c)
-            token = call.token
-            if token is None or output is None:
-                return None
-            if isinstance(output, torch.Tensor):
-                tensors = [output] if output.requires_grad else []
-            else:
-                tensors = [t for t in _tensors_in(output) if t.requires_grad]
-            if len(tensors) == 1:
-                tensors[0].register_hook(functools.partial(self._pre_backward, token))  # cheaper
-            elif tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, functools.partial(self._pre_backward, token), mode="any")
-            return None
 
     # ---- chunk residency on the compute device ([Note: holds] in runtime/prefetch.py) -------
 
@@ -659,7 +501,7 @@ class Engine:
         self.prefetcher.unhold(chunk.cid)
 
     def _maybe_release(self, chunk: GroupChunk) -> None:
-        """The chunk may go once nobody holds it: see [Note: backward hooks]."""
+        """The chunk may go once nobody holds it: see [Note: backward hooks] in module_hooks.py."""
         self.prefetcher.settle(chunk.cid)
 
     def _release_idle(self) -> None:
@@ -716,8 +558,7 @@ class Engine:
     def _reset_holds(self) -> None:
         """After an exception in forward/backward: let every chunk go, forget pending calls."""
         with self._lock:
-            self._call_stack.clear()
-            self._tokens.clear()
+            self._hooks.reset()
             self._guard.reset()
             self.prefetcher.forget_holds()
             self.group.drop_backward()
@@ -739,7 +580,7 @@ class Engine:
         self._set_phase(Phase.BACKWARD)
         t0 = time.perf_counter()
         try:
-            with _range("zero_offload::backward"):
+            with profile_range("zero_offload::backward"):
                 (loss * self.scaler.scale if self.scaler is not None else loss).backward()
         except BaseException as e:
             self._fail(e)
@@ -749,34 +590,18 @@ class Engine:
         self._finish_backward()
         self._stats.span("backward", t0)
 
-    def _pre_backward(self, token: _BackwardToken, grad) -> None:
-        with self._lock, _range("zero_offload::pre_backward"):
-            if self._phase is Phase.IDLE:
-                self._set_phase(Phase.BACKWARD)  # loss.backward() called directly
-            if token.held or token.done:
-                return
-            token.held = True
-            self._tokens.append(token)
-            for c in token.record.chunks:
-                self._hold(c)
-
-    def _post_backward(self, token: _BackwardToken) -> None:
-        with self._lock, _range("zero_offload::post_backward"):
-            if not token.held:
-                return
-            token.held = False
-            token.done = True
-            for c in token.record.chunks:
-                self._unhold(c)
+    def _to_backward(self) -> None:
+        """A backward hook ran: enter backward if idle (``loss.backward()`` called directly)."""
+        if self._phase is Phase.IDLE:
+            self._set_phase(Phase.BACKWARD)
 
     def _grad_landed(self, slot: GroupSlot, param: torch.Tensor) -> None:
         grad = param.grad
         if grad is None:
             return
         param.grad = None
-        with self._lock, _range("zero_offload::grad_landed"):
-            if self._phase is Phase.IDLE:
-                self._set_phase(Phase.BACKWARD)
+        with self._lock, profile_range("zero_offload::grad_landed"):
+            self._to_backward()
             self.group.grad(slot, grad)  # staged, reduced and sent on when complete
             self._maybe_release(self.group.chunks[slot.cid])
 
@@ -791,11 +616,8 @@ class Engine:
             raise
 
     def _finish_backward_locked(self) -> None:
-        with self._lock, _range("zero_offload::finish_backward"):
-            for token in self._tokens:
-                if token.held:
-                    self._post_backward(token)
-            self._tokens.clear()
+        with self._lock, profile_range("zero_offload::finish_backward"):
+            self._hooks.end_backward()
             self._guard.end_backward()
             self.group.end_backward()  # some expected grads never came (unused outputs)
             self._set_phase(Phase.IDLE)
@@ -814,7 +636,7 @@ class Engine:
         t0 = time.perf_counter()
         try:
             self._release_idle()  # updates rewrite params: nothing may keep pointing at old bytes
-            with _range("zero_offload::step"):
+            with profile_range("zero_offload::step"):
                 return self._step()
         except BaseException as e:
             self._fail(e)
@@ -1040,9 +862,10 @@ class Engine:
             ref = _OPEN_ENGINES.get(m)
             if ref is not None and ref() is self:
                 del _OPEN_ENGINES[m]
-        for h in self._hook_handles:
+        self._hooks.remove()
+        for h in self._grad_hooks:
             h.remove()
-        self._hook_handles.clear()
+        self._grad_hooks.clear()
         # After a failure, what the store's last moves raise is its consequence: not raised over
         # the error the caller saw ([Note: failed engine]).
         self.group.close(store=True, quiet=failed is not None)
@@ -1213,15 +1036,3 @@ def _check_model(model: nn.Module) -> None:
         if p.grad is not None:
             raise ValueError(f"parameter {name!r} already has a .grad; call model.zero_grad("
                              f"set_to_none=True) before initialize")
-
-
-def _tensors_in(obj) -> list:
-    """Tensors in a module output (tensors, tuples/lists, dicts, dataclass-like outputs)."""
-    flat, _ = tree_flatten(obj)
-    out = []
-    for x in flat:
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-        elif hasattr(x, "items") and callable(x.items):  # mappings pytree does not know
-            out.extend(_tensors_in(dict(x.items())))
-    return out
