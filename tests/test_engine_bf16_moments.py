@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import zero_offload as zo
+from zero_offload.runtime.checkpoint import chunk_state
 from zero_offload.runtime.store import Tier
 from _engine_util import (DEVICE, Reference, config, gpt_batches, gpt_loss, micro_gpt, rel_err,
                           train_engine)
@@ -24,7 +25,7 @@ def _moments(engine):
     out = []
     for layout in engine.partition.chunks:
         if layout.trainable:
-            st = engine.chunk_state(layout)
+            st = chunk_state(engine.group, layout)
             out.append((st["exp_avg"], st["exp_avg_sq"]))
     return out
 

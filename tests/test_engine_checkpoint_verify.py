@@ -20,7 +20,7 @@ def _engine(seed=0, **kw):
 def _snapshot(engine):
     return (engine.state_dict(), engine.global_step, engine.skipped_steps,
             [dict((k, v) for k, v in g.items() if k != "params") for g in engine.optimizer.param_groups],
-            [list(c.steps) for c in engine._chunks])
+            [list(c.steps) for c in engine.group.chunks])
 
 
 def _assert_unchanged(engine, before):
@@ -47,7 +47,7 @@ def test_manifest_and_marker(saved):
     engine, path = saved
     names = sorted(os.listdir(path))
     assert ".zero_offload" in names and "manifest.json" in names and "engine.pt" in names
-    assert len([n for n in names if n.startswith("chunk_")]) == len(engine._chunks) > 1
+    assert len([n for n in names if n.startswith("chunk_")]) == len(engine.group.chunks) > 1
     assert ckpt.is_zero_offload_checkpoint(path)
     assert ckpt.verify(path) == str(path)
 

@@ -39,7 +39,7 @@ def _engine_rank(rank, world, kw, steps, accum, nvme_dir, ckpt):
     engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=_config(nvme_dir, grad_accum=accum, **kw),
                            device="cpu")
     assert engine.shard.world == world and engine.shard.rank == rank
-    shard_elems = sum(c.g.numel for c in engine._chunks)
+    shard_elems = sum(c.numel for c in engine.group.chunks)
     norms = []
     for i, (x, y) in enumerate(gpt_batches(steps * accum, batch=2 * world)):
         sl = slice(2 * rank, 2 * rank + 2)  # this rank's half of the global batch
@@ -188,7 +188,7 @@ def _counting_rank(rank, world, kw, steps, accum):
             norms.append(engine.last_grad_norm)
     counts.append({"rs": 0, "ag": 0, "ahead": 0})  # state_dict's gathers, apart
     sd = engine.state_dict()
-    n_chunks = len(engine._chunks)
+    n_chunks = len(engine.group.chunks)
     engine.close()
     return sd, counts[:-1], norms, n_chunks
 

@@ -39,7 +39,7 @@ def _run(model, *, steps=STEPS, accum=1, cfg=None, spec=SPEC):
 def test_outside_reads_match_torch(reads):
     engine = _run(ext.model(reads))
     externals = {type(r.module).__name__: [s.name for s in r.external]
-                 for r in engine._records.values() if r.external}
+                 for r in engine._hooks.records.values() if r.external}
     if "tied" in reads:
         assert "tok.weight" in externals["ExternalReads"]
     if "shared" in reads:

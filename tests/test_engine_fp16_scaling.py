@@ -47,7 +47,7 @@ def test_forced_overflow_step_is_skipped():
         batches = mlp_batches(6)
         train_engine(engine, batches[:4], mlp_loss)
         before = engine.state_dict()
-        moments = [engine.group.read(c.g, "exp_avg") for c in engine._chunks]
+        moments = [engine.group.read(c, "exp_avg") for c in engine.group.chunks]
         steps, skipped, scale = engine.global_step, engine.skipped_steps, engine.stats().loss_scale
         x, y = batches[4]
         poisoned = (x.clone().index_fill_(0, torch.tensor([0]), 1e6), y)  # inf in fp16
@@ -60,8 +60,8 @@ def test_forced_overflow_step_is_skipped():
         after = engine.state_dict()
         for k in before:
             assert torch.equal(before[k], after[k]), k
-        for c, m in zip(engine._chunks, moments):
-            assert torch.equal(engine.group.read(c.g, "exp_avg"), m)
+        for c, m in zip(engine.group.chunks, moments):
+            assert torch.equal(engine.group.read(c, "exp_avg"), m)
         # Training goes on normally afterwards.
         loss = mlp_loss(engine, batches[5])
         engine.backward(loss)

@@ -17,7 +17,7 @@ def test_frozen_params_stay_and_have_no_state():
     ref = Reference(model, spec)
     engine = zo.initialize(model, optimizer=spec, config=config(), device=DEVICE)
     try:
-        frozen_chunks = [c for c in engine._chunks if not c.layout.trainable]
+        frozen_chunks = [c for c in engine.group.chunks if not c.layout.trainable]
         assert {s.name for c in frozen_chunks for s in c.layout.slots} == set(frozen)
         for c in frozen_chunks:
             for payload in ("grads", "master", "exp_avg", "exp_avg_sq"):

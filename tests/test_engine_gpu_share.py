@@ -48,9 +48,9 @@ def test_gpu_share_trains_like_torch(kw, budget):
         if budget == WHOLE:  # nothing goes down to the host: no grads, no state, no params
             assert engine.stats().bytes_moved["gpu->cpu"] == 0
             assert engine.store.bytes("cpu") == 0  # and nothing is homed there (grads included)
-        for c, h in zip(engine._chunks, engine.plan.homes):  # a share chunk's grads live on the device
+        for c, h in zip(engine.group.chunks, engine.plan.homes):  # a share chunk's grads live on the device
             if c.layout.trainable:
-                assert engine.store.payload_spec(c.g.cid, "grads").home is h.optimizer
+                assert engine.store.payload_spec(c.cid, "grads").home is h.optimizer
         # bf16: the recipe's rounding differs from torch's between kernels (on CUDA 1.1% after
         # three steps; test_engine_mixed_precision allows 3%), so the share is also held tightly
         # to the same engine with the whole optimizer on the host, which is the same recipe.

@@ -111,7 +111,7 @@ def _train_late(late: str, steps: int = 5, switch: int = 2) -> None:
         assert_params_close(engine.state_dict(), ref.master_state(), rtol=1e-5)
         assert late_reads[{switch}] > 0, late_reads          # fetched on the spot
         assert late_reads[{switch} + 1:] == [0] * ({steps} - {switch} - 1), late_reads  # prefetched
-        root = engine._records[model]
+        root = engine._hooks.records[model]
         assert any(s.name.startswith("blocks.0.") for s in root.external), root.external
         engine.close()
         print("OK")

@@ -29,8 +29,8 @@ def _run(gpu_budget=None, **kw):
         assert_losses_close(losses, ref_losses[1:], rtol=1e-5)
         assert_params_close(engine.state_dict(), ref.master_state(), rtol=1e-5)
         stats = engine.stats()
-        params_bytes = sum(engine.store.payload_spec(c.cid, "params").nbytes for c in engine._chunks)
-        assert len(engine._chunks) >= 6
+        params_bytes = sum(engine.store.payload_spec(c.cid, "params").nbytes for c in engine.group.chunks)
+        assert len(engine.group.chunks) >= 6
         return stats, params_bytes, len(batches) - 1, gpu_budget
     finally:
         engine.close()

@@ -182,7 +182,7 @@ def test_meta_buffers_come_from_the_weights(tmp_path):
 
 
 def test_auto_host_budget_counts_the_models_own_copy_as_freed():
-    from zero_offload.engine import _handed_over
+    from zero_offload.initial_values import handed_over_bytes as _handed_over
     from zero_offload.runtime.partition import partition_parameters
     model = micro_gpt()
     part = partition_parameters(model, chunk_numel=1024)

@@ -24,9 +24,9 @@ def test_bf16_matches_hand_recipe():
         # The working copy is the master rounded to bf16 (as the kernel's out_lowp writes it).
         with engine.gathered():
             pass
-        chunk = engine._chunks[0]
-        master = engine.group.read(chunk.g, "master")
-        work = engine.group.read(chunk.g, "params")
+        chunk = engine.group.chunks[0]
+        master = engine.group.read(chunk, "master")
+        work = engine.group.read(chunk, "params")
         assert torch.equal(work, master.to(torch.bfloat16))
     finally:
         engine.close()

@@ -9,7 +9,7 @@ from _engine_util import DEVICE, config, gpt_batches, gpt_loss, micro_gpt, train
 
 def _run(**kw):
     engine = zo.initialize(micro_gpt(), optimizer=zo.AdamW(lr=3e-3), config=config(**kw), device=DEVICE)
-    trainable = sum(c.layout.trainable for c in engine._chunks)
+    trainable = sum(c.layout.trainable for c in engine.group.chunks)
     batches = gpt_batches(3)
     updates_before_step = []
     for b in batches:

@@ -51,7 +51,7 @@ def test_params_without_grads_are_skipped_like_torch(accum):
         assert_params_close(sd, ref.master_state(), rtol=1e-5)
         assert not torch.equal(sd["side.weight"], side_before["side.weight"])
         side = engine.partition.names["side.weight"]
-        steps = engine._chunks[side.chunk].steps[engine._chunks[side.chunk].layout.slots.index(side)]
+        steps = engine.group.chunks[side.chunk].steps[engine.group.chunks[side.chunk].layout.slots.index(side)]
         assert steps == ref.opt.state[ref.masters[2]]["step"].item() < engine.global_step
     finally:
         engine.close()

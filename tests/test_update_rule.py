@@ -17,7 +17,7 @@ from _engine_util import (DEVICE, SMALL_CHUNK_MB, Reference, assert_params_close
                           gpt_loss, micro_gpt, mlp, mlp_batches, mlp_loss, train_engine)
 from zero_offload.config import OptimizerSpec
 from zero_offload.runtime.shards import Shards
-from zero_offload.runtime.checkpoint import CheckpointError
+from zero_offload.runtime.checkpoint import CheckpointError, chunk_state
 from zero_offload.runtime.partition import partition_parameters, shard_spans, update_spans
 from zero_offload.runtime.store import Tier
 from zero_offload.runtime.update_rule import AdamRule, Done, StateSpec, UpdateRule
@@ -128,7 +128,7 @@ def test_sgd_rule_trains_like_torch_sgd(kw, tmp_path):
         kw = dict(kw, nvme_dir=str(tmp_path / "swap"))
     engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=config(**kw), device=DEVICE)
     try:
-        assert engine.rule == SGDRule() and engine.state_keys == ("master", "momentum_buffer")
+        assert engine.rule == SGDRule() and tuple(engine.group.state_names) == ("master", "momentum_buffer")
         if kw.get("params") == "gpu":
             on_gpu = engine.plan.count(optimizer=Tier.GPU)
             assert on_gpu > 0, "no chunk in the GPU share: the device step is not exercised"
@@ -143,16 +143,16 @@ def test_sgd_rule_trains_like_torch_sgd(kw, tmp_path):
         tol = 1e-5 if lowp is torch.float32 else 1e-2
         assert_params_close(engine.state_dict(), ref.master_state(), rtol=tol)
         if lowp is torch.bfloat16:  # the rule wrote the updated masters, rounded, into the bf16 params
-            for c in engine._chunks:
+            for c in engine.group.chunks:
                 if c.layout.trainable:
-                    work, master = (engine.group.read(c.g, n) for n in ("params", "master"))
+                    work, master = (engine.group.read(c, n) for n in ("params", "master"))
                     assert torch.equal(work, master.to(torch.bfloat16))
         # the rule's state payload is torch's momentum buffer, slot by slot
         masters = dict(zip((n for n, _ in ref.work.named_parameters()), ref.masters))
         for layout in engine.partition.chunks:
             if not layout.trainable:
                 continue
-            state = engine.chunk_state(layout)
+            state = chunk_state(engine.group, layout)
             for s in layout.slots:
                 want = ref.opt.state[masters[s.name]]["momentum_buffer"].reshape(-1).cpu()
                 got = state["momentum_buffer"][s.offset:s.end]

@@ -595,7 +595,7 @@ def cmd_train(args) -> int:
                     _bar_postfix(bar, engine, loss_value, tokens_per_s(step_times[-_BAR_WINDOW:]))
                     bar.update(1)
                 # every rank stops at the same step (a signal may reach them at different ones)
-                stopping = stop.requested if world == 1 else not engine.agree(not stop.requested)
+                stopping = stop.requested if world == 1 else not engine.shard.agree(not stop.requested)
                 if _periodic_save(step, settings.steps, every) and not stopping:
                     _save(engine, out, step, state, args.keep, lead=rank == 0)
             if bar is not None:  # it ends on the whole run's figure, the one of the line below

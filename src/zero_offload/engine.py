@@ -13,24 +13,19 @@ Usage::
 Ownership, outer to inner (docs/internals.md): ``Engine`` owns a ``Partition`` (which parameter
 lives where), a ``ChunkStore`` (bytes and tiers), a ``Prefetcher`` for the working params (which
 also decides what stays on the device: [Note: holds] there), a ``ParamGuard`` (param_guard.py) and
-a ``ChunkGroup`` (updates, over the CPU-Adam worker). It keeps one ``_Chunk`` per chunk and one
-``_ModuleRecord`` per module that holds parameters directly or reads other modules' ones
-([Note: external parameters]). It writes nothing onto the user's modules or parameters but
-``param.data``, the class of a parameter holding its placeholder and its hooks, all undone by
-``close``.
+a ``ChunkGroup`` (updates, over the CPU-Adam worker), whose ``GroupChunk`` is the one record of a
+chunk (its layout and device buffer included), and ``ModuleHooks`` (module_hooks.py: one
+``ModuleRecord`` per module that holds parameters directly or reads other modules' ones, [Note:
+external parameters]; [Note: backward hooks], [Note: failed calls]). It writes nothing onto the
+user's modules or parameters but ``param.data``, the class of a parameter holding its
+placeholder and its hooks, all undone by ``close``. The model's values go into the chunks and
+back by ``Handover`` (initial_values.py, [Note: hand-over]); ``stats()`` reads
+runtime/stats.py's ``PhaseStats``, checkpoints are runtime/checkpoint.py's.
 
 The param guard owns what the parameters hold and how their reads are answered: [Note: parameter
 data] (a placeholder, guarded, while a chunk is off the device), [Note: external parameters]
-(reads outside the module holding the parameter, recorded; the engine's ``_ModuleRecord``s hold
+(reads outside the module holding the parameter, recorded; the hooks' ``ModuleRecord``s hold
 them) and [Note: saved parameter views], all in param_guard.py.
-
-[Note: backward hooks] Per module call with grad enabled, the pre-forward hook wraps the module's
-input tensors in ``_PostBackward`` (whose backward runs after the module's backward) and the
-post-forward hook puts a multi-grad hook on the outputs (runs before it): the second holds the
-module's chunks for backward, the first lets them go. Chunks whose post-backward never runs
-(inputs that need no grad, e.g. token ids) are let go when backward ends. A chunk is released in
-backward only once every grad it expects this pass has landed (``GroupChunk.awaiting``): the
-AccumulateGrad of a parameter may run after its module's post-backward and needs its real data.
 
 Device residency ([Note: holds] in runtime/prefetch.py): the engine only holds a chunk (module
 calls, backward, reads of the guard) and lets it go (``_hold``/``_unhold``); the prefetcher decides
@@ -38,14 +33,6 @@ when it is mapped (``_materialize``) and let go (``_unmap``): chunks nobody hold
 the device, and a copy let go in a forward with grad enabled is kept for backward, within
 ``placement.keep_limit``. ``_release_idle`` (end of backward, before a step's updates, idle) lets
 every chunk nobody holds go and drops the kept copies.
-
-[Note: failed calls] torch runs a module's post-forward hook (``always_call``) also when the call
-raised before its forward ran: in a user's pre-hook registered before ``initialize`` (it runs
-before the engine's), or in the engine's own pre-forward (a fetch failed). A model may catch that
-and go on (an optional branch). So the pre-forward pushes the call on ``_call_stack`` before it
-holds anything and counts the chunks it holds; the post-forward lets go only those, and does
-nothing when the innermost call is not its module's (its pre-forward never ran). Letting go of
-chunks never held left a chunk on the device across an update (stale params in the next step).
 
 [Note: lock order] Two threads use the store: the caller's (forward, backward hooks) and the
 CPU-Adam worker. The caller takes the engine's lock, then the prefetcher's (holds, then
@@ -113,182 +100,43 @@ import contextlib
 import dataclasses
 import functools
 import os
-import sys
 import threading
 import time
 import warnings
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.profiler import record_function
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .config import PER_RANK_FIELDS, OffloadConfig, OptimizerSpec, load_config
 from .mixed_precision import LossScaler, cast_inputs
-from .runtime.distributed import (available_cores, bind_to_cores, rank_cores, resolve_group,
-                                  start_default_group, threads_per_rank)
-from .initial_values import InitialValues, set_values
+from .runtime.distributed import (announce_default_group, bind_to_cores, cpu_threads, rank_cores,
+                                  rank_device, resolve_group, start_default_group)
+from .initial_values import Handover, InitialValues, handed_over_bytes
+from .module_hooks import ModuleHooks
 from .param_guard import PHASES, ParamGuard, Phase
 from .runtime.chunk_group import ChunkGroup, GroupChunk, GroupSlot, Staging
-from .runtime.partition import ChunkLayout, ParamSlot, Partition, partition_parameters, update_spans
+from .runtime.partition import ChunkLayout, Partition, partition_parameters, update_spans
 from .runtime.pipeline import PipelinePayloads, StepPipeline
 from .runtime.placement import (PARKED_CHUNKS, ChunkNeed, PlacementPlan, PlacementRequest, chunk_payloads,
                                 keep_limit, local_ranks, plan_placement, rank_budgets)
 from .runtime.prefetch import Consumer, Prefetcher
 from .runtime.shards import Gather, Shards
-from .runtime.store import ChunkStore, Hop, StoreConfig, Tier
-from .runtime.trace import StatsWindow, Trace
+from .runtime.store import ChunkStore, StoreConfig, Tier
+from .runtime.stats import EngineStats, PhaseStats
+from .runtime.trace import Trace, profile_range
 
 __all__ = ["Engine", "EngineStats", "Phase", "initialize"]
-
-
-def _range(name: str):
-    """A profiler range with a stable name (``zero_offload::pre_forward`` ...) while the torch
-    profiler records, nothing otherwise: the hooks run a few hundred times per step and an idle
-    ``record_function`` still costs microseconds each."""
-    return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 # --------------------------------------------------------------------------------------------
 # Records
 
 
-@dataclass(eq=False)
-class _Chunk:
-    """Engine-side state of one chunk: the device buffer its params point into. Whether it is on
-    the device is the prefetcher's ([Note: holds]); its grads, update, steps and window are the
-    chunk group's (``g``; runtime/chunk_group.py)."""
-
-    layout: ChunkLayout
-    g: GroupChunk
-    gslots: dict
-    """ParamSlot -> its GroupSlot in ``g`` (trainable chunks)."""
-    buffer: Optional[torch.Tensor] = None
-    """The device buffer the params point into while mapped (see [Note: parameter data])."""
-
-    @property
-    def cid(self) -> int:
-        return self.g.cid
-
-    @property
-    def steps(self) -> list:
-        """Optimizer step count per slot (torch.optim's state['step'])."""
-        return [self.gslots[s].step if s in self.gslots else 0 for s in self.layout.slots]
-
-    def expect(self, slot: ParamSlot) -> None:
-        """A grad of ``slot`` will land in this backward (the group counts it)."""
-        self.g.expect(self.gslots[slot])
-
-    def expects(self, slot: ParamSlot) -> bool:
-        g = self.gslots.get(slot)
-        return g is not None and g in self.g.expected
-
-    @property
-    def awaiting(self) -> set:
-        """Expected grads of this backward still to land (see [Note: backward hooks])."""
-        return self.g.awaiting
-
-    @property
-    def replica(self) -> Optional[torch.Tensor]:
-        return self.g.replica
-
-    @replica.setter
-    def replica(self, value: Optional[torch.Tensor]) -> None:
-        self.g.replica = value
-
-
-@dataclass(eq=False)
-class _ModuleRecord:
-    """A module whose forward uses parameters (its own, or external ones read in its forward;
-    see [Note: external parameters]), and the chunks they live in."""
-
-    module: nn.Module
-    slots: tuple
-    """Slots of the parameters the module holds directly."""
-    chunks: tuple
-    """Chunks of ``slots`` and ``external``, each once."""
-    external: tuple = ()
-    """Slots of other modules' parameters this module's forward reads (recorded)."""
-
-
 _OPEN_ENGINES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 """Every module of a model an open engine manages -> that engine (weakly): initialize refuses
 a model, or a model containing or inside one, that an open engine holds."""
-
-
-@dataclass(eq=False)
-class _Call:
-    """One running module call: what its pre-forward took ([Note: failed calls])."""
-
-    record: _ModuleRecord
-    held: int = 0
-    """How many of ``record.chunks`` (in order) it holds: all, unless a fetch raised."""
-    token: Optional["_BackwardToken"] = None
-    """Grad enabled: the call's backward token."""
-
-
-@dataclass(eq=False)
-class _BackwardToken:
-    """One module call with grad enabled: whether its chunks are held for its backward."""
-
-    record: _ModuleRecord
-    held: bool = False
-    done: bool = False
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a module's inputs whose backward runs after the module's backward."""
-
-    @staticmethod
-    def forward(ctx, callback, *inputs):
-        ctx.callback = callback
-        return inputs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.callback()
-        return (None,) + grads
-
-
-@dataclass
-class EngineStats:
-    """What ``Engine.stats()`` returns (plain values; ``as_dict`` for logging)."""
-
-    steps: int
-    skipped_steps: int
-    micro_steps: int
-    bytes_held: dict
-    """tier -> bytes the store holds now."""
-    peak_bytes: dict
-    """tier -> peak bytes held since the last ``reset_stats``."""
-    bytes_moved: dict
-    """hop ("cpu->gpu", ...) -> bytes moved since the last ``reset_stats``."""
-    forward_s: float
-    backward_s: float
-    step_s: float
-    fetch_stall_s: float
-    """Host time forward/backward waited for params to arrive on the device."""
-    update_stall_s: float
-    """Host time forward waited for a chunk's CPU update to finish."""
-    adam_s: float
-    """Seconds the CPU-Adam kernels ran."""
-    worker_busy_s: float
-    """Worker time on jobs of any kind (waits for grads to land and bookkeeping included)."""
-    gpu_stall_share: float
-    """(fetch + update stalls) / (forward + backward time): the share of compute time lost."""
-    prefetch_hit_rate: float
-    """Share of params uses whose copy had landed on the device before the use."""
-    prefetch_ahead_rate: float
-    """Share of params uses whose copy was fetched ahead (landed or in flight) before the use."""
-    loss_scale: Optional[float]
-    last_grad_norm: Optional[float]
-    lr: float
-
-    def as_dict(self) -> dict:
-        return dict(vars(self))
 
 
 # --------------------------------------------------------------------------------------------
@@ -359,14 +207,16 @@ class Engine:
         """The update rule (runtime/update_rule.py) the spec runs under this config."""
         self.module = model
         if process_group == "auto":  # under a launcher without a group: start it
-            _announce(start_default_group("zero_offload.initialize", _rank_device(device, ranked=True),
-                                          fix="call torch.distributed.init_process_group() first, or "
-                                              "pass process_group=None to train this process alone"))
+            announce_default_group(
+                start_default_group("zero_offload.initialize", rank_device(device, ranked=True),
+                                    fix="call torch.distributed.init_process_group() first, or "
+                                        "pass process_group=None to train this process alone"),
+                owner="zero_offload.initialize", before="initialize")
         pg = resolve_group(process_group, "initialize")
         if pg is not None and not self.rule.elementwise:
             raise ValueError(f"initialize: {self.rule.name} updates whole parameters, and data-parallel "
                              f"shards cut them; train it on one rank (process_group=None)")
-        self.device = _rank_device(device, ranked=pg is not None)
+        self.device = rank_device(device, ranked=pg is not None)
         self._failed: Optional[BaseException] = None  # see [Note: failed engine]
         self.shard = Shards(pg, owner="engine", device=self.device, on_failure=self._fail,
                             refuse=self._refuse_if_failed)
@@ -410,7 +260,7 @@ class Engine:
         budgets = rank_budgets(
             {Tier.GPU: cfg.gpu_budget, Tier.CPU: cfg.cpu_budget, Tier.NVME: cfg.nvme_budget},
             device=self.device, nvme_dir=nvme_dir, local_ranks=local_ranks() if self._ranked else 1,
-            freed_host=_handed_over(self.partition))  # the model's own host copy is freed as chunks fill
+            freed_host=handed_over_bytes(self.partition))  # the model's own host copy is freed as chunks fill
         self.plan: PlacementPlan = plan_placement(PlacementRequest(
             chunks=tuple(ChunkNeed(numel=self.shard.span(c.numel)[2], dtype=self.dtype, trainable=c.trainable,
                                    shapes=() if self.rule.elementwise else tuple(s.shape for s in c.slots))
@@ -431,8 +281,9 @@ class Engine:
             self._build(lr_scheduler)
         except BaseException:
             if getattr(self, "group", None) is not None:
-                self.group.close()
-            self.store.close()
+                self.group.close(store=True)
+            else:  # (not built yet: the store is closed here, where it was made)
+                self.store.close()
             raise
         ref = weakref.ref(self)
         for m in model.modules():
@@ -463,20 +314,6 @@ class Engine:
         self._lock = threading.RLock()
         self._phase = Phase.IDLE
         self._closed = False
-        self._chunks: list[_Chunk] = []
-        # Where each param/buffer came from: close() puts the trained values back there.
-        # (A model built on the meta device gets its values back on the CPU.)
-        self._origins = tuple((_home_of(s.param), s.param.dtype) for s in self.partition.slots)
-        self._empty_origins = tuple((p, _home_of(p), p.dtype) for _, p in self.partition.empty)
-        self._buffer_origins = tuple((m, name, _home_of(b)) for m in self.module.modules()
-                                     for name, b in m._buffers.items() if b is not None)
-        self._call_stack: list[_Call] = []  # the running module calls, innermost last
-        self._records: dict = {}  # module -> its _ModuleRecord
-        self._guard = ParamGuard(  # see param_guard.py; the placeholders exist from here on
-            self.module, self.partition, self._chunks, device=self.device, dtype=self.dtype,
-            lock=self._lock, phase=lambda: self._phase, hold=self._hold, unhold=self._unhold,
-            innermost=lambda: self._call_stack[-1].record.module if self._call_stack else self.module,
-            covers=self._covers)
         # The scheduler factory runs before the weights move, so its errors change nothing.
         self.optimizer = _HyperParams(self.spec.hyperparameters(), self._group_overrides)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
@@ -497,99 +334,58 @@ class Engine:
                                 overlap=cfg.overlap and cfg.grad_clip is None and self.scaler is None,
                                 replicas=self._ranked and cfg.params == "gpu", owner="engine",
                                 prefetch_depth=cfg.prefetch_depth,
-                                threads=_adam_threads(cfg, self.device, ranked=self._ranked),
+                                threads=cpu_threads(cfg.threads, self.device, ranked=self._ranked),
                                 on_chunk_idle=self._chunk_ready)
+        self._hooks = ModuleHooks(  # module_hooks.py; installed once the chunks are built
+            self.module, self.partition, self.group.chunks, lock=self._lock, phase=lambda: self._phase,
+            to_backward=self._to_backward, hold=self._hold, unhold=self._unhold)
+        self._guard = ParamGuard(  # see param_guard.py; the placeholders exist from here on
+            self.module, self.partition, self.group.chunks, device=self.device, dtype=self.dtype,
+            lock=self._lock, phase=lambda: self._phase, hold=self._hold, unhold=self._unhold,
+            innermost=self._hooks.innermost, covers=self._hooks.covers)
+        # The model's values go into the chunks (initial_values.py, [Note: hand-over]).
+        self._handover = Handover(self.module, self.partition, self._values, self._guard.placeholders)
         with torch.no_grad():
-            # Chunk by chunk: the model's own weights are freed as their chunk fills, so host
-            # memory peaks at the homes plus what is not yet copied, not homes + whole model.
             try:
                 for layout, homes in zip(self.partition.chunks, self.plan.homes):
-                    chunk = self._add_chunk(layout, homes)
-                    self._load_initial(chunk)
-                    self._chunks.append(chunk)
+                    self._handover.take(self.group, self._add_chunk(layout, homes))
             except BaseException:
-                self._give_weights_back()
+                self._handover.give_back(self.group)
                 raise
-        for name, p in self.partition.empty:
-            set_values(p, torch.empty(p.shape, device=self.device, dtype=self.dtype))
-        self._values.buffers()
-        for m in self.module.modules():
-            for bname, b in list(m._buffers.items()):
-                if b is not None:
-                    m._buffers[bname] = b.to(self.device)
+        self._handover.take_rest(self.device, self.dtype)
 
         self.prefetcher = Prefetcher(  # [Note: holds]: it decides what is on the device when
             self.store, depth=cfg.prefetch_depth, hops=[("params", Tier.GPU)],
             ready=lambda cid: not self.group.busy(cid), park=PARKED_CHUNKS,
             keep_limit=keep_limit(self.plan.request),
             consumer=Consumer(map=self._materialize, unmap=self._unmap,
-                              busy=lambda cid: self._phase is Phase.BACKWARD and bool(self._chunks[cid].awaiting),
+                              busy=lambda cid: self._phase is Phase.BACKWARD and bool(self.group.chunks[cid].awaiting),
                               reuse=lambda: self._phase is Phase.FORWARD and torch.is_grad_enabled()))
 
 
         self.global_step = 0
         self.skipped_steps = 0
-        self._tokens: list[_BackwardToken] = []
-        self._gathers: dict[int, Gather] = {}  # cid -> its all-gather issued ahead; [Note: collectives ahead]
+        self._ahead: Optional[tuple[GroupChunk, Gather]] = None  # [Note: collectives ahead]
+        """The chunk whose all-gather was issued ahead (one at a time), and that gather."""
         self.last_grad_norm: Optional[float] = None
-        self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
-        self._window = StatsWindow(self._counters)
+        self._stats = PhaseStats(self.store, self.group, self.prefetcher)
 
-        self._hook_handles = []
-        for m in self.module.modules():
-            slots = self.partition.module_slots(m)
-            if not slots:
-                continue
-            self._add_record(_ModuleRecord(
-                module=m, slots=slots,
-                chunks=tuple(dict.fromkeys(self._chunks[s.chunk] for s in slots))))
+        self._hooks.install()
+        self._grad_hooks = []
         for s in self.partition.slots:
             if s.trainable:
-                self._hook_handles.append(s.param.register_post_accumulate_grad_hook(
-                    functools.partial(self._grad_landed, s)))
+                self._grad_hooks.append(s.param.register_post_accumulate_grad_hook(
+                    functools.partial(self._grad_landed, self.group.chunks[s.chunk].slot(s.index))))
 
-    def _add_record(self, rec: _ModuleRecord) -> None:
-        self._records[rec.module] = rec
-        self._hook_handles.append(rec.module.register_forward_pre_hook(
-            functools.partial(self._pre_forward, rec), with_kwargs=True))
-        self._hook_handles.append(rec.module.register_forward_hook(
-            functools.partial(self._post_forward, rec), with_kwargs=True, always_call=True))
-
-    def _add_chunk(self, layout: ChunkLayout, homes) -> _Chunk:
+    def _add_chunk(self, layout: ChunkLayout, homes) -> GroupChunk:
         specs = chunk_payloads(self.plan.request, self.plan.request.chunks[layout.index], homes)
-        gslots = {}
+        gslots = []
         if layout.trainable:  # an elementwise rule's update covers the padding up to the next slot
             spans = update_spans(layout, align_to_params=not self.rule.elementwise)
-            gslots = {s: GroupSlot(lo=s.offset, numel=s.numel, end=stop, name=s.name, index=s.index,
-                                   group=self._slot_group.get(s.index, 0), shape=tuple(s.shape))
-                      for s, (_, stop) in zip(layout.slots, spans)}
-        g = self.group.add_chunk(specs, tuple(gslots.values()), whole=layout.numel)
-        return _Chunk(layout=layout, g=g, gslots=gslots)
-
-    def _give_weights_back(self) -> None:
-        """Put the values of every chunk (the fp32 master, or the params payload for fp32 and
-        frozen chunks) back into the model's parameters, on the device and in the dtype each had
-        at initialize, chunk by chunk, each chunk's memory freed in every tier as soon as its
-        values are out: host memory never holds the model's copy beside all the state (a 13B
-        model's 51 GB of fp32 values on top of its pinned state was an OOM kill). Used when
-        initialize fails part-way (the chunks loaded so far) and by ``close``: the store is
-        closed right after."""
-        self.group.drop_buffers()
-        for chunk in self._chunks:
-            flat = self.group.read_values(chunk.g, take=True)
-            for s in chunk.layout.slots:
-                device, dtype = self._origins[s.index]
-                s.param.data = flat[s.offset:s.end].view(s.shape).to(device=device, dtype=dtype,
-                                                                       copy=True)
-
-    def _load_initial(self, chunk: _Chunk) -> None:
-        """The chunk's first values (the model's, ``init``'s or the weights file's) written
-        straight into its full-precision payload (this rank's shard of it), the working-dtype
-        params rounded from it; then the model's own copies are let go."""
-        layout = chunk.layout
-        self.group.write_values(chunk.g, functools.partial(self._values.fill, layout))
-        for s in layout.slots:
-            set_values(s.param, self._guard.placeholders[s.index])
+            gslots = [GroupSlot(lo=s.offset, numel=s.numel, end=stop, name=s.name, index=s.index,
+                                group=self._slot_group.get(s.index, 0), shape=tuple(s.shape))
+                      for s, (_, stop) in zip(layout.slots, spans)]
+        return self.group.add_chunk(specs, gslots, whole=layout.numel, layout=layout)
 
     # ---- data parallel ([Note: data parallel]) ----------------------------------------------
 
@@ -614,39 +410,35 @@ class Engine:
         who = f"rank {self.shard.rank} of {self.shard.world}" if self._ranked else "the engine"
         return f"{who} stopped after an error ({type(e).__name__}: {text})"
 
-    def _gather_params(self, chunk: _Chunk, shard: torch.Tensor, *, ahead: bool) -> Gather:
-        """The chunk's params on the device from this rank's ``shard`` (``ChunkGroup.params``)."""
-        return self.group.params(chunk.g, shard, ahead=ahead)
-
     def _gather_ahead(self) -> None:
         """See [Note: collectives ahead]: the all-gather of the next chunk of the recorded order,
         issued now so that it runs while this chunk computes."""
-        if self._gathers or self.prefetcher.depth == 0:
+        if self._ahead is not None or self.prefetcher.depth == 0:
             return
         for cid in self.prefetcher.peek(1):
-            chunk = self._chunks[cid]
-            if chunk.buffer is not None or chunk.g.replica_fresh:
+            chunk = self.group.chunks[cid]
+            if chunk.buffer is not None or chunk.replica_fresh:
                 return
             if chunk.layout.trainable:
-                self.group.wait(chunk.g)  # the update writing its params shard must finish
+                self.group.wait(chunk)  # the update writing its params shard must finish
             shard = self.prefetcher.use(cid)["params"]
             try:
-                self._gathers[cid] = self._gather_params(chunk, shard, ahead=True)
+                self._ahead = (chunk, self.group.params(chunk, shard, ahead=True))
             except BaseException:
                 self.prefetcher.release(cid)  # the pin is this call's ([Note: failed engine])
                 raise
 
     def _drop_gathers(self) -> None:
-        """Forget the all-gathers issued ahead whose chunk was not used (the pass ended or the
-        order changed): the device waits for them, their shards go back to the prefetcher."""
-        gathers, self._gathers = self._gathers, {}
+        """Forget the all-gather issued ahead if its chunk was not used (the pass ended or the
+        order changed): the device waits for it, its shard goes back to the prefetcher."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
         try:
-            for gathered in gathers.values():
-                if self._failed is None:  # (failed: they may never end)
-                    self.shard.finish(gathered)
-        finally:  # every pin let go, also after a failed wait ([Note: failed engine])
-            for cid in gathers:
-                self.prefetcher.release(cid)
+            if self._failed is None:  # (failed: it may never end)
+                self.shard.finish(ahead[1])
+        finally:  # the pin let go, also after a failed wait ([Note: failed engine])
+            self.prefetcher.release(ahead[0].cid)
 
     # ---- forward ----------------------------------------------------------------------------
 
@@ -668,9 +460,9 @@ class Engine:
         self._set_phase(Phase.FORWARD)
         t0 = time.perf_counter()
         try:
-            with self._guard.forward(), _range("zero_offload::forward"):
+            with self._guard.forward(), profile_range("zero_offload::forward"):
                 out = self.module(*args, **kwargs)
-            self._add_reads(self._guard.take_reads())
+            self._hooks.add_reads(self._guard.take_reads())
             return out
         except BaseException as e:
             self._fail(e)
@@ -682,7 +474,7 @@ class Engine:
             self._set_phase(Phase.IDLE)
             if not torch.is_grad_enabled():
                 self._release_idle()  # no backward follows: go idle now
-            self._span("forward", t0)
+            self._stats.span("forward", t0)
 
     # ---- external parameters ([Note: external parameters] in param_guard.py) ------------------
 
@@ -694,95 +486,22 @@ class Engine:
         self._check_open()
         self._guard.record_reads()
 
-    def _covers(self, module: nn.Module) -> frozenset:
-        """The slots ``module``'s own hooks hold and expect (its own and recorded external)."""
-        rec = self._records.get(module)
-        return frozenset(rec.slots + rec.external) if rec is not None else frozenset()
-
-    def _add_reads(self, reads: dict) -> None:
-        """Give each module whose forward read other modules' parameters (``reads``: module ->
-        slots, from the guard) those reads."""
-        for module, slots in reads.items():
-            rec = self._records.get(module)
-            new = rec is None
-            if new:
-                rec = _ModuleRecord(module=module, slots=(), chunks=())
-            ext = tuple(s for s in slots if s not in rec.slots and s not in rec.external)
-            rec.external += ext
-            rec.chunks = tuple(dict.fromkeys(rec.chunks + tuple(self._chunks[s.chunk] for s in ext)))
-            if new:
-                self._add_record(rec)
-
     def _chunk_ready(self, cid: int) -> None:
         """On the CPU-Adam worker: see [Note: fetch on completion]."""
         if not self._closed:
             self.prefetcher.chunk_ready(cid)
 
-    def _pre_forward(self, rec: _ModuleRecord, module, args, kwargs):
-        if self._phase is Phase.IDLE:
-            raise RuntimeError(
-                f"{type(module).__name__} was called outside the engine: its parameters are paged "
-                f"by zero_offload, so run the model through the engine (loss = engine(batch)), not "
-                f"model(batch); use `with engine.gathered():` to read parameter values")
-        with self._lock, _range("zero_offload::pre_forward"):
-            call = _Call(record=rec)
-            self._call_stack.append(call)  # first: see [Note: failed calls]
-            for c in rec.chunks:
-                self._hold(c)
-                call.held += 1
-            if not torch.is_grad_enabled():
-                return None
-            for s in rec.slots + rec.external:
-                if s.trainable:
-                    self._chunks[s.chunk].expect(s)
-            call.token = token = _BackwardToken(record=rec)
-            if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
-                flat, spec = list(args), None  # the common case, without pytree's cost
-            else:
-                flat, spec = tree_flatten((args, kwargs))
-            idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
-            if not idx:
-                return None
-            wrapped = _PostBackward.apply(functools.partial(self._post_backward, token),
-                                          *(flat[i] for i in idx))
-            for i, t in zip(idx, wrapped):
-                flat[i] = t
-            return (tuple(flat), kwargs) if spec is None else tree_unflatten(flat, spec)
-
-    def _post_forward(self, rec: _ModuleRecord, module, args, kwargs, output):
-        if self._phase is Phase.IDLE:
-            return None  # the pre-forward hook refused this call (always_call runs us anyway)
-        with self._lock, _range("zero_offload::post_forward"):
-            if not self._call_stack or self._call_stack[-1].record is not rec:
-                return None  # this call's pre-forward never ran: see [Note: failed calls]
-            call = self._call_stack.pop()
-            for c in rec.chunks[:call.held]:
-                self._unhold(c)
-            token = call.token
-            if token is None or output is None:
-                return None
-            if isinstance(output, torch.Tensor):
-                tensors = [output] if output.requires_grad else []
-            else:
-                tensors = [t for t in _tensors_in(output) if t.requires_grad]
-            if len(tensors) == 1:
-                tensors[0].register_hook(functools.partial(self._pre_backward, token))  # cheaper
-            elif tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, functools.partial(self._pre_backward, token), mode="any")
-            return None
-
     # ---- chunk residency on the compute device ([Note: holds] in runtime/prefetch.py) -------
 
-    def _hold(self, chunk: _Chunk) -> None:
+    def _hold(self, chunk: GroupChunk) -> None:
         if self.prefetcher.hold(chunk.cid) and self._ranked:
             self._gather_ahead()  # [Note: collectives ahead]: when a chunk is materialized
 
-    def _unhold(self, chunk: _Chunk) -> None:
+    def _unhold(self, chunk: GroupChunk) -> None:
         self.prefetcher.unhold(chunk.cid)
 
-    def _maybe_release(self, chunk: _Chunk) -> None:
-        """The chunk may go once nobody holds it: see [Note: backward hooks]."""
+    def _maybe_release(self, chunk: GroupChunk) -> None:
+        """The chunk may go once nobody holds it: see [Note: backward hooks] in module_hooks.py."""
         self.prefetcher.settle(chunk.cid)
 
     def _release_idle(self) -> None:
@@ -795,17 +514,19 @@ class Engine:
     def _materialize(self, cid: int) -> None:
         """The prefetcher maps a chunk ([Note: holds]): its params on the device, the model's
         parameters pointing into them."""
-        chunk = self._chunks[cid]
+        chunk = self.group.chunks[cid]
         t0 = time.perf_counter()
-        gathered = self._gathers.pop(chunk.cid, None)
+        gathered = None
+        if self._ahead is not None and self._ahead[0] is chunk:
+            gathered, self._ahead = self._ahead[1], None
         pinned = gathered is not None  # (the gather issued ahead pinned the shard)
         try:
             if gathered is None:
                 if chunk.layout.trainable:
-                    self.group.wait(chunk.g)  # the update writing these params must finish
+                    self.group.wait(chunk)  # the update writing these params must finish
                 shard = self.prefetcher.use(cid)["params"]
                 pinned = True
-                gathered = self._gather_params(chunk, shard, ahead=False)
+                gathered = self.group.params(chunk, shard, ahead=False)
             buf = self.shard.finish(gathered)  # issued ahead: this stream waits for it (device-side)
         except BaseException:
             if pinned:  # the chunk is not materialized: nothing else lets this pin go
@@ -819,7 +540,7 @@ class Engine:
 
     def _unmap(self, cid: int) -> None:
         """The prefetcher lets a chunk go: the parameters hold their placeholders again."""
-        chunk = self._chunks[cid]
+        chunk = self.group.chunks[cid]
         self._guard.hide(chunk)
         chunk.buffer = None
 
@@ -837,8 +558,7 @@ class Engine:
     def _reset_holds(self) -> None:
         """After an exception in forward/backward: let every chunk go, forget pending calls."""
         with self._lock:
-            self._call_stack.clear()
-            self._tokens.clear()
+            self._hooks.reset()
             self._guard.reset()
             self.prefetcher.forget_holds()
             self.group.drop_backward()
@@ -860,7 +580,7 @@ class Engine:
         self._set_phase(Phase.BACKWARD)
         t0 = time.perf_counter()
         try:
-            with _range("zero_offload::backward"):
+            with profile_range("zero_offload::backward"):
                 (loss * self.scaler.scale if self.scaler is not None else loss).backward()
         except BaseException as e:
             self._fail(e)
@@ -868,39 +588,22 @@ class Engine:
             self._set_phase(Phase.IDLE)
             raise self._guard.explain(e) from e
         self._finish_backward()
-        self._span("backward", t0)
+        self._stats.span("backward", t0)
 
-    def _pre_backward(self, token: _BackwardToken, grad) -> None:
-        with self._lock, _range("zero_offload::pre_backward"):
-            if self._phase is Phase.IDLE:
-                self._set_phase(Phase.BACKWARD)  # loss.backward() called directly
-            if token.held or token.done:
-                return
-            token.held = True
-            self._tokens.append(token)
-            for c in token.record.chunks:
-                self._hold(c)
+    def _to_backward(self) -> None:
+        """A backward hook ran: enter backward if idle (``loss.backward()`` called directly)."""
+        if self._phase is Phase.IDLE:
+            self._set_phase(Phase.BACKWARD)
 
-    def _post_backward(self, token: _BackwardToken) -> None:
-        with self._lock, _range("zero_offload::post_backward"):
-            if not token.held:
-                return
-            token.held = False
-            token.done = True
-            for c in token.record.chunks:
-                self._unhold(c)
-
-    def _grad_landed(self, slot: ParamSlot, param: torch.Tensor) -> None:
+    def _grad_landed(self, slot: GroupSlot, param: torch.Tensor) -> None:
         grad = param.grad
         if grad is None:
             return
         param.grad = None
-        with self._lock, _range("zero_offload::grad_landed"):
-            if self._phase is Phase.IDLE:
-                self._set_phase(Phase.BACKWARD)
-            chunk = self._chunks[slot.chunk]
-            self.group.grad(chunk.gslots[slot], grad)  # staged, reduced and sent on when complete
-            self._maybe_release(chunk)
+        with self._lock, profile_range("zero_offload::grad_landed"):
+            self._to_backward()
+            self.group.grad(slot, grad)  # staged, reduced and sent on when complete
+            self._maybe_release(self.group.chunks[slot.cid])
 
     def _finish_backward(self) -> None:
         """End of backward: release what the hooks still hold, send incomplete grads down."""
@@ -913,11 +616,8 @@ class Engine:
             raise
 
     def _finish_backward_locked(self) -> None:
-        with self._lock, _range("zero_offload::finish_backward"):
-            for token in self._tokens:
-                if token.held:
-                    self._post_backward(token)
-            self._tokens.clear()
+        with self._lock, profile_range("zero_offload::finish_backward"):
+            self._hooks.end_backward()
             self._guard.end_backward()
             self.group.end_backward()  # some expected grads never came (unused outputs)
             self._set_phase(Phase.IDLE)
@@ -936,13 +636,13 @@ class Engine:
         t0 = time.perf_counter()
         try:
             self._release_idle()  # updates rewrite params: nothing may keep pointing at old bytes
-            with _range("zero_offload::step"):
+            with profile_range("zero_offload::step"):
                 return self._step()
         except BaseException as e:
             self._fail(e)
             raise
         finally:
-            self._span("step", t0)
+            self._stats.span("step", t0)
 
     def _step(self) -> bool:
         if not self.group.end_micro_batch():
@@ -978,23 +678,16 @@ class Engine:
         """The CPU-Adam worker (the chunk group's)."""
         return self.group.pipeline
 
-    def _span(self, phase: str, t0: float) -> None:
-        t1 = time.perf_counter()
-        self._times[phase] += t1 - t0
-        if self.group.trace is not None:
-            self.group.trace.span(phase, t0, t1)
-
     def synchronize(self) -> None:
         """Wait until every queued update has run and every move has landed."""
         self._check_open()
-        self.group.drain()
-        self.store.synchronize()
+        self.group.synchronize()
 
     def _slot_values(self) -> Iterator[tuple]:
         """(slot, fp32 CPU tensor) for every slot, chunk by chunk."""
         self.synchronize()
-        for chunk in self._chunks:
-            flat = self.group.read_values(chunk.g).float()
+        for chunk in self.group.chunks:
+            flat = self.group.read_values(chunk).float()
             for s in chunk.layout.slots:
                 yield s, flat[s.offset:s.end].view(s.shape)
 
@@ -1036,7 +729,7 @@ class Engine:
             writer = ShardedWriter(path, dtype=dtype, shard_size=shard_size, write=self.shard.rank == 0)
         except (ValueError, ImportError, OSError) as e:  # rank 0 checks the path: all ranks stop
             refused = e
-        if not self.agree(refused is None):
+        if not self.shard.agree(refused is None):
             if refused is not None:
                 raise refused
             raise RuntimeError(f"save_weights: rank 0 refused {path} (its error says why); nothing was written")
@@ -1053,7 +746,7 @@ class Engine:
         except BaseException:
             writer.abort()
             raise
-        if not self.agree(writer.error is None) and writer.error is None:
+        if not self.shard.agree(writer.error is None) and writer.error is None:
             writer.abort()
             raise RuntimeError(f"save_weights: rank 0 could not write {path} (its error says why)")
         return writer.close()
@@ -1069,75 +762,21 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """Counters since initialize (or ``reset_stats``); see ``EngineStats``."""
-        w = {**self._window.read(), **self.group.counters()}
-        fwd, bwd = self._times["forward"], self._times["backward"]
-        fetch_stall, update_stall = w["stall_s"], w["wait_chunk_s"]
-        compute = fwd + bwd
-        uses = w["uses"]
-        return EngineStats(
-            steps=self.global_step, skipped_steps=self.skipped_steps, micro_steps=self.group.micro,
-            bytes_held={t.value: self.store.bytes(t) for t in Tier},
-            peak_bytes={t.value: self.store.peak_bytes(t) for t in Tier},
-            bytes_moved={h.value: w[h] for h in Hop},
-            forward_s=fwd, backward_s=bwd, step_s=self._times["step"],
-            fetch_stall_s=fetch_stall, update_stall_s=update_stall,
-            adam_s=w["adam_s"], worker_busy_s=w["busy_s"],
-            gpu_stall_share=(fetch_stall + update_stall) / compute if compute > 0 else 0.0,
-            prefetch_hit_rate=w["hits"] / uses if uses else 0.0,
-            prefetch_ahead_rate=w["ahead"] / uses if uses else 0.0,
-            loss_scale=self.scaler.scale if self.scaler is not None else None,
-            last_grad_norm=self.last_grad_norm,
-            lr=float(self.optimizer.param_groups[0]["lr"]))
+        return self._stats.read(steps=self.global_step, skipped_steps=self.skipped_steps,
+                                loss_scale=self.scaler.scale if self.scaler is not None else None,
+                                last_grad_norm=self.last_grad_norm,
+                                lr=float(self.optimizer.param_groups[0]["lr"]))
 
     def reset_stats(self) -> None:
         """Restart the time and byte counters and the peaks (e.g. after warm-up steps)."""
-        self.store.reset_peak()
-        self._window.reset()
-        self.group.reset_counters()
-        self._times = {k: 0.0 for k in self._times}
+        self._stats.reset()
 
-    def _counters(self) -> dict:
-        """The prefetcher's counters ``stats()`` reads through its window (the pipeline's and the
-        store's come through the chunk group's)."""
-        pf = self.prefetcher.stats
-        return {"stall_s": pf.stall_s, "uses": pf.uses, "hits": pf.hits, "ahead": pf.ahead}
-
-    # ---- state interface (checkpoint.py) --------------------------------------------------
+    # ---- state interface (checkpoint.py: chunk_state/load_chunk_state read the group) --------
 
     @property
     def micro_step(self) -> int:
         """Micro-batches done in the current accumulation window."""
         return self.group.micro
-
-    @property
-    def state_keys(self) -> tuple:
-        """The keys ``chunk_state`` gives for a trainable chunk: "master" and the update rule's
-        state ("exp_avg", "exp_avg_sq" for Adam)."""
-        return tuple(self.group.state_names)
-
-    def chunk_state(self, layout: ChunkLayout) -> dict:
-        """CPU copies of one chunk's state: ``state_keys`` (fp32; bf16 moments widened) for a
-        trainable chunk, "frozen" (working dtype) otherwise, and "steps" (one per slot).
-        Collective with several ranks."""
-        chunk = self._chunks[layout.index]
-        if not layout.trainable:
-            return {"frozen": self.group.read_values(chunk.g), "steps": chunk.steps}
-        return self.group.state(chunk.g)  # (its slots are the layout's, in order)
-
-    def load_chunk_state(self, layout: ChunkLayout, fill: Callable[[str, torch.Tensor], None],
-                         steps: Sequence[int]) -> None:
-        """Overwrite one chunk's state: ``fill(key, buf)`` writes the values of ``key`` (as
-        ``chunk_state`` names them) into a zeroed flat buffer. bf16/fp16 working params become
-        the master rounded, as the kernel writes them."""
-        chunk = self._chunks[layout.index]
-        if layout.trainable:
-            self.group.load_state(chunk.g, fill, steps)
-        else:
-            self.group.write_values(chunk.g, functools.partial(fill, "frozen"))
-
-    def agree(self, ok: bool) -> bool:
-        """Whether every rank says ``ok`` (an all-reduce; ``ok`` itself without a group)."""
-        return self.shard.agree(ok)
 
     def load_progress(self, *, global_step: int, skipped_steps: int) -> None:
         """Set the step counters (from a checkpoint); any accumulation window is dropped."""
@@ -1210,13 +849,8 @@ class Engine:
                         self._phase = Phase.IDLE
                     self._release_idle()
                     self.group.drain()
-                    self._give_weights_back()
-                    for p, device, dtype in self._empty_origins:
-                        p.data = p.data.to(device=device, dtype=dtype)
-                    for m, name, device in self._buffer_origins:
-                        b = m._buffers.get(name)
-                        if isinstance(b, torch.Tensor):
-                            m._buffers[name] = b.to(device)
+                    self._handover.give_back(self.group)
+                    self._handover.give_rest_back()
             except Exception as e:  # noqa: BLE001 - reported below, after the cleanup
                 failure = e
             else:
@@ -1228,16 +862,13 @@ class Engine:
             ref = _OPEN_ENGINES.get(m)
             if ref is not None and ref() is self:
                 del _OPEN_ENGINES[m]
-        for h in self._hook_handles:
+        self._hooks.remove()
+        for h in self._grad_hooks:
             h.remove()
-        self._hook_handles.clear()
-        try:
-            self.group.close()
-        finally:
-            # After a failure, what the store's last moves raise is its consequence: not raised
-            # over the error the caller saw (the store frees everything either way).
-            with contextlib.suppress(Exception) if failed is not None else contextlib.nullcontext():
-                self.store.close()
+        self._grad_hooks.clear()
+        # After a failure, what the store's last moves raise is its consequence: not raised over
+        # the error the caller saw ([Note: failed engine]).
+        self.group.close(store=True, quiet=failed is not None)
         if failed is not None and write_back:
             why = ("that needs every rank; stop every rank and restart" if self._ranked
                    else "restore them")
@@ -1385,55 +1016,6 @@ def _resolve_groups(groups, model: nn.Module, partition: Partition, spec: Optimi
     return overrides, slot_group
 
 
-def _adam_threads(cfg: OffloadConfig, device: torch.device, *, ranked: bool) -> Optional[int]:
-    """CPU-Adam threads: ``OffloadConfig.threads``; with several ranks this rank's share of the
-    node's cores (``threads_per_rank``); else by default every core this process may use minus
-    two when a GPU is driven (the Python thread issuing kernels and the autograd/copy threads
-    must not be preempted by the kernel's workers, or the GPU starves)."""
-    if cfg.threads is not None:
-        return cfg.threads
-    if ranked:
-        return threads_per_rank(device.type == "cuda")
-    if device.type != "cuda":
-        return None
-    return max(1, available_cores() - 2)
-
-
-def _rank_device(device, *, ranked: bool) -> torch.device:
-    """The compute device: ``device``; by default CUDA when available (with several ranks GPU
-    ``LOCAL_RANK``, as torchrun numbers them), else the CPU."""
-    if device is None and ranked and torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
-    return _resolve_device(device)
-
-
-def _announce(backend: "str | None") -> None:
-    """One line on rank 0 when ``initialize`` started the default process group."""
-    if backend is None:
-        return
-    import torch.distributed as dist
-    if dist.get_rank() == 0:
-        print(f"zero_offload.initialize: WORLD_SIZE={dist.get_world_size()} and no process group: "
-              f"started the default one from the environment ({backend}); call "
-              f"torch.distributed.init_process_group() before initialize to set it up yourself",
-              file=sys.stderr, flush=True)
-
-
-def _resolve_device(device) -> torch.device:
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("device='cuda' but torch.cuda.is_available() is False; use device='cpu'")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-    elif dev.type != "cpu":
-        raise ValueError(f"device={device!r} is not supported; use a CUDA device or 'cpu'")
-    return dev
-
-
 def _check_not_managed(model: nn.Module) -> None:
     """Refuse a model that an open engine manages (or that contains or is inside one)."""
     for m in model.modules():
@@ -1446,28 +1028,6 @@ def _check_not_managed(model: nn.Module) -> None:
                              f"model), then initialize again")
 
 
-def _handed_over(partition: Partition) -> int:
-    """Host bytes of the model's parameters that ``initialize`` frees (CPU tensors nothing but
-    the parameter holds: a storage the caller also references stays resident and is not
-    counted), so an "auto" host budget counts what is resident after the hand-over."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:  # pragma: no cover - a torch without it: count nothing
-        return 0
-    total = 0
-    for s in partition.slots:
-        p = s.param
-        if p.device.type == "cpu":
-            # The param holds its storage once; the temporary storage object once more.
-            if use_count(p.untyped_storage()._cdata) <= 2:
-                total += p.untyped_storage().nbytes()
-    return total
-
-
-def _home_of(t: torch.Tensor) -> torch.device:
-    """Where ``close`` puts a tensor's values back: its device, the CPU for a meta tensor."""
-    return torch.device("cpu") if t.is_meta else t.device
-
-
 def _check_model(model: nn.Module) -> None:
     for name, p in model.named_parameters():
         if not p.is_floating_point():
@@ -1476,15 +1036,3 @@ def _check_model(model: nn.Module) -> None:
         if p.grad is not None:
             raise ValueError(f"parameter {name!r} already has a .grad; call model.zero_grad("
                              f"set_to_none=True) before initialize")
-
-
-def _tensors_in(obj) -> list:
-    """Tensors in a module output (tensors, tuples/lists, dicts, dataclass-like outputs)."""
-    flat, _ = tree_flatten(obj)
-    out = []
-    for x in flat:
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-        elif hasattr(x, "items") and callable(x.items):  # mappings pytree does not know
-            out.extend(_tensors_in(dict(x.items())))
-    return out

@@ -2,7 +2,7 @@
 holds a second full copy of the model:
 
 - the model's own tensors (a model built on the CPU or a GPU): each chunk copies them, then the
-  engine frees them (``Engine._load_initial``);
+  engine frees them (``Handover.take``);
 - a model built on the meta device (``with torch.device("meta"): model = ...``; no memory):
   ``init(name, tensor)`` fills an empty CPU tensor per parameter, called once per distinct
   parameter in ``named_parameters()`` order (a GPT-style initializer by name: the values equal
@@ -16,13 +16,24 @@ holds a second full copy of the model:
 
 Every check runs in ``check()`` before the engine allocates anything: missing or misshapen
 weights, meta parameters with no way to initialize them, buffers left on the meta device.
+
+[Note: hand-over] ``Handover`` moves the values between the model and the engine's chunks, one
+chunk at a time both ways, so host memory never holds the model's copy beside all the state (a
+13B model's 51 GB of fp32 values on top of its pinned state was an OOM kill): ``take`` writes a
+chunk's first values into its full-precision payload and lets the model's own copies go (the
+parameters then hold the guard's placeholders); ``give_back`` reads each chunk taken (the fp32
+master, or the params payload for fp32 and frozen chunks), frees its memory in every tier and
+puts the values back into the parameters, on the device and in the dtype each had at
+initialize (the CPU for a model built on the meta device). It runs when initialize fails part
+way (the chunks taken so far) and at ``close`` (the store is closed right after).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import warnings
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -30,7 +41,7 @@ from torch import nn
 from .runtime.partition import ChunkLayout, Partition
 from .weights import INDEX
 
-__all__ = ["InitialValues", "set_values"]
+__all__ = ["Handover", "InitialValues", "handed_over_bytes", "set_values"]
 
 
 def set_values(p: nn.Parameter, t: torch.Tensor) -> None:
@@ -147,6 +158,88 @@ class InitialValues:
         """state_dict name -> (module, buffer name) of the buffers on the meta device."""
         return {f"{m}.{n}" if m else n: (mod, n) for m, mod in self.model.named_modules()
                 for n, b in mod._buffers.items() if b is not None and b.is_meta}
+
+
+def handed_over_bytes(partition: Partition) -> int:
+    """Host bytes of the model's parameters that ``initialize`` frees (CPU tensors nothing but
+    the parameter holds: a storage the caller also references stays resident and is not
+    counted), so an "auto" host budget counts what is resident after the hand-over."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:  # pragma: no cover - a torch without it: count nothing
+        return 0
+    total = 0
+    for s in partition.slots:
+        p = s.param
+        if p.device.type == "cpu":
+            # The param holds its storage once; the temporary storage object once more.
+            if use_count(p.untyped_storage()._cdata) <= 2:
+                total += p.untyped_storage().nbytes()
+    return total
+
+
+def _home_of(t: torch.Tensor) -> torch.device:
+    """Where ``close`` puts a tensor's values back: its device, the CPU for a meta tensor."""
+    return torch.device("cpu") if t.is_meta else t.device
+
+
+class Handover:
+    """The model's values into the engine's chunks and back: [Note: hand-over]. Built before
+    anything of the model changes: it records where each parameter and buffer came from."""
+
+    def __init__(self, model: nn.Module, partition: Partition, values: InitialValues,
+                 placeholders: Sequence[torch.Tensor]):
+        self._model, self._partition, self._values = model, partition, values
+        self._placeholders = placeholders
+        """Each slot's zero-byte placeholder, by slot index (the guard's)."""
+        self._origins = tuple((_home_of(s.param), s.param.dtype) for s in partition.slots)
+        self._empty_origins = tuple((p, _home_of(p), p.dtype) for _, p in partition.empty)
+        self._buffer_origins = tuple((m, name, _home_of(b)) for m in model.modules()
+                                     for name, b in m._buffers.items() if b is not None)
+        self._taken: list = []
+        """The chunks (the chunk group's records) holding the model's values, in order."""
+
+    def take(self, group, chunk) -> None:
+        """The first values of ``chunk`` (a ``GroupChunk`` with its layout; the model's,
+        ``init``'s or the weights file's) written straight into its full-precision payload (this
+        rank's shard of it), the working-dtype params rounded from it; then the model's own
+        copies are let go."""
+        layout = chunk.layout
+        group.write_values(chunk, functools.partial(self._values.fill, layout))
+        for s in layout.slots:
+            set_values(s.param, self._placeholders[s.index])
+        self._taken.append(chunk)
+
+    def take_rest(self, device: torch.device, dtype: torch.dtype) -> None:
+        """What has no chunk: zero-element parameters get an empty ``dtype`` tensor on
+        ``device``; buffers their first values (``InitialValues.buffers``), moved to ``device``."""
+        for _, p in self._partition.empty:
+            set_values(p, torch.empty(p.shape, device=device, dtype=dtype))
+        self._values.buffers()
+        for m in self._model.modules():
+            for name, b in list(m._buffers.items()):
+                if b is not None:
+                    m._buffers[name] = b.to(device)
+
+    def give_back(self, group) -> None:
+        """The values of every chunk taken back into the model's parameters, each chunk's memory
+        freed as soon as its values are out (``group.read_values(take=True)``)."""
+        group.drop_buffers()
+        taken, self._taken = self._taken, []
+        for chunk in taken:
+            flat = group.read_values(chunk, take=True)
+            for s in chunk.layout.slots:
+                device, dtype = self._origins[s.index]
+                s.param.data = flat[s.offset:s.end].view(s.shape).to(device=device, dtype=dtype,
+                                                                       copy=True)
+
+    def give_rest_back(self) -> None:
+        """Zero-element parameters and buffers back where they were at initialize."""
+        for p, device, dtype in self._empty_origins:
+            p.data = p.data.to(device=device, dtype=dtype)
+        for m, name, device in self._buffer_origins:
+            b = m._buffers.get(name)
+            if isinstance(b, torch.Tensor):
+                m._buffers[name] = b.to(device)
 
 
 def _index(weights) -> dict:

@@ -88,16 +88,16 @@ PHASES = {
 
 
 class GuardedChunk(Protocol):
-    """What the guard reads of the engine's record of one chunk."""
+    """What the guard reads of the engine's record of one chunk (the chunk group's
+    ``GroupChunk``)."""
 
     layout: ChunkLayout
     buffer: Optional[torch.Tensor]
     """The device buffer its parameters point into while it is mapped; None otherwise."""
-    def expect(self, slot: ParamSlot) -> None:
-        """The grad of ``slot`` is expected in this pass."""
 
-    def expects(self, slot: ParamSlot) -> bool:
-        """The grad of ``slot`` is expected in this pass."""
+    def expects(self, index: int) -> bool:
+        """The grad of the parameter of slot ``index`` (``ParamSlot.index``) is expected in this
+        pass."""
 
 
 def _metadata_calls() -> frozenset:
@@ -342,7 +342,7 @@ class ParamGuard:
         if chunk.buffer is not None:
             if self._phase() is not Phase.FORWARD:
                 return
-            if self.recorded and (chunk.expects(slot) or not slot.trainable
+            if self.recorded and (chunk.expects(slot.index) or not slot.trainable
                                   or not torch.is_grad_enabled()):
                 return
         with self._lock:

@@ -78,6 +78,7 @@ from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
 from ..config import AdamW, OffloadConfig, load_config
+from ..runtime.checkpoint import chunk_state
 from ..engine import Engine, initialize
 
 __all__ = ["ZeroOffloadTrainer", "ENGINE_DIR", "ADAMW_OPTIMIZERS"]
@@ -249,7 +250,7 @@ class ZeroOffloadTrainer(Trainer):
         for layout in engine.partition.chunks:
             if not layout.trainable:
                 continue
-            flat = engine.chunk_state(layout)["master"]
+            flat = chunk_state(engine.group, layout)["master"]
             for s in layout.slots:
                 value = flat[s.offset:s.end].view(s.shape).clone()
                 for name in names[s.index]:

@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
+import functools
 import glob
 import io
 import itertools
@@ -62,7 +63,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-__all__ = ["save_checkpoint", "load_checkpoint", "verify", "read_client_state", "is_zero_offload_checkpoint", "replaceable",
+__all__ = ["save_checkpoint", "load_checkpoint", "chunk_state", "load_chunk_state", "verify", "read_client_state", "is_zero_offload_checkpoint", "replaceable",
            "remove_checkpoint", "save_in_progress", "CheckpointError", "CheckpointCorrupt", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
@@ -229,7 +230,7 @@ def _mount_point(path: str) -> str:
 
 def _estimated_bytes(engine) -> int:
     """fp32 master and rule state of trainable chunks, frozen ones in the working dtype."""
-    fp32 = 4 * len(engine.state_keys)
+    fp32 = 4 * len(engine.group.state_names)
     return sum(c.numel * (fp32 if c.trainable else engine.dtype.itemsize) for c in engine.partition.chunks)
 
 
@@ -273,8 +274,31 @@ def _buffers(module) -> dict:
     return out
 
 
+def chunk_state(group, layout) -> dict:
+    """CPU copies of one chunk's state (``group``: the engine's ``ChunkGroup``, ``layout``: the
+    chunk's ``ChunkLayout``): the group's ``state_names`` keys ("master" and the update rule's
+    state, e.g. "exp_avg", "exp_avg_sq"; fp32, bf16 moments widened) for a trainable chunk,
+    "frozen" (working dtype) otherwise, and "steps" (one per slot). Collective with several
+    ranks."""
+    chunk = group.chunks[layout.index]
+    if not layout.trainable:
+        return {"frozen": group.read_values(chunk), "steps": [0] * len(layout.slots)}
+    return group.state(chunk)  # (its slots are the layout's, in order)
+
+
+def load_chunk_state(group, layout, fill, steps) -> None:
+    """Overwrite one chunk's state: ``fill(key, buf)`` writes the values of ``key`` (as
+    ``chunk_state`` names them) into a zeroed flat buffer; ``steps``: one per slot. bf16/fp16
+    working params become the master rounded, as the kernel writes them."""
+    chunk = group.chunks[layout.index]
+    if layout.trainable:
+        group.load_state(chunk, fill, steps)
+    else:
+        group.write_values(chunk, functools.partial(fill, "frozen"))
+
+
 class _ChunkStates:
-    """``(layout, engine.chunk_state(layout))`` chunk by chunk; ``drain`` takes the rest, so every
+    """``(layout, chunk_state(engine.group, layout))`` chunk by chunk; ``drain`` takes the rest, so every
     rank takes part in every gather of a data-parallel engine whatever happened on one of them."""
 
     def __init__(self, engine):
@@ -285,7 +309,7 @@ class _ChunkStates:
         while self._next < len(chunks):
             layout = chunks[self._next]
             self._next += 1
-            yield layout, self._engine.chunk_state(layout)
+            yield layout, chunk_state(self._engine.group, layout)
 
     def drain(self) -> None:
         for _ in self:
@@ -316,7 +340,7 @@ def save_checkpoint(engine, path, *, client_state: Optional[dict] = None) -> Non
         error = e
     if engine.shard.world > 1:
         states.drain()
-        if not engine.agree(error is None) and error is None:
+        if not engine.shard.agree(error is None) and error is None:
             raise CheckpointError(f"rank 0 could not write the checkpoint {path} (its error says why); "
                                   f"the previous checkpoint there is unchanged")
     if error is not None:
@@ -622,7 +646,7 @@ def _plan_load(engine, path: str) -> tuple[str, dict, dict]:
         if files is not None and c["file"] not in files:
             raise _damaged(file, f"is named by {META} but not by {MANIFEST}")
         saved_chunk = _load_file(file, mmap=True, weights_only=True)
-        keys = engine.state_keys if c["trainable"] else ("frozen",)
+        keys = tuple(engine.group.state_names) if c["trainable"] else ("frozen",)
         if not isinstance(saved_chunk, dict) or not all(
                 isinstance(saved_chunk.get(k), torch.Tensor) and saved_chunk[k].dim() == 1 for k in keys):
             kind, ours_kind = (meta.get("spec") or {}).get("type"), engine.spec.to_dict().get("type")
@@ -667,7 +691,7 @@ def load_checkpoint(engine, path) -> None:
                     f, off, numel = where[s.name]
                     buf[s.offset:s.end].copy_(saved_values(f)[key][off:off + numel])
 
-            engine.load_chunk_state(layout, fill, [int(saved[s.name]["step"]) for s in layout.slots])
+            load_chunk_state(engine.group, layout, fill, [int(saved[s.name]["step"]) for s in layout.slots])
     cache.clear()
     engine.load_progress(global_step=meta["global_step"], skipped_steps=meta["skipped_steps"])
     engine.optimizer.load_state_dict(meta["optimizer_state"])

@@ -232,6 +232,32 @@ class GroupChunk:
     """Several ranks with replicas: the whole chunk's params kept on the device between uses,
     gathered again only after an update (``replica_version``)."""
     replica_version: int = -1
+    # -- the front end's view (the engine's; None for OffloadAdam) --
+    layout: Any = None
+    """The front end's layout of the chunk (the engine's ``partition.ChunkLayout``), or None."""
+    buffer: Optional[torch.Tensor] = None
+    """The device buffer of the whole chunk's params while the front end has them mapped (the
+    engine's; [Note: parameter data] in param_guard.py), None otherwise."""
+    _by_index: dict = field(default_factory=dict, repr=False)
+    """``GroupSlot.index`` -> its slot (``slot``), built from ``slots``."""
+
+    def __post_init__(self) -> None:
+        self._by_index = {s.index: s for s in self.slots}
+
+    def slot(self, index: int) -> Optional[GroupSlot]:
+        """Its slot of the front end's param ``index`` (``GroupSlot.index``); None if it has none
+        (a frozen param, or another chunk's)."""
+        return self._by_index.get(index)
+
+    def expects(self, index: int) -> bool:
+        """The grad of the front end's param ``index`` is expected in this pass."""
+        s = self._by_index.get(index)
+        return s is not None and s in self.expected
+
+    @property
+    def steps(self) -> list:
+        """Optimizer step count per slot, in order (torch.optim's ``state["step"]``)."""
+        return [s.step for s in self.slots]
 
     def to(self, phase: ChunkPhase) -> None:
         if phase not in _LEGAL[self.phase]:
@@ -378,11 +404,11 @@ class ChunkGroup:
     # ---- building ---------------------------------------------------------------------------
 
     def add_chunk(self, specs: Mapping[str, PayloadSpec], slots: Sequence[GroupSlot], *,
-                  whole: Optional[int] = None) -> GroupChunk:
+                  whole: Optional[int] = None, layout: Any = None) -> GroupChunk:
         """Register a chunk in the store (home copies allocated, this rank's shard of each
         payload: ``specs``) and in the group; its id is its index in ``chunks``. ``slots``: its
         params over the ``whole`` chunk (default: the shard's size), in order; each gets its
-        part of this rank's shard."""
+        part of this rank's shard. ``layout``: the front end's (``GroupChunk.layout``)."""
         cid = self.store.add_chunk(specs)
         if cid != len(self.chunks):
             raise RuntimeError(f"{self.owner}: the store has chunks the group does not own; give each "
@@ -399,7 +425,7 @@ class ChunkGroup:
                 s.shape = None  # this rank's part is not the whole param ([Note: update rules])
             if s.param is not None:
                 s.version = local(s.param)._version
-        chunk = GroupChunk(cid=cid, slots=tuple(slots), numel=numel, whole=whole)
+        chunk = GroupChunk(cid=cid, slots=tuple(slots), numel=numel, whole=whole, layout=layout)
         self._expect_all(chunk)
         self.chunks.append(chunk)
         return chunk
@@ -1043,9 +1069,22 @@ class ChunkGroup:
                             f"{type(trace).__name__}")
         self.pipeline.trace = trace
 
-    def close(self) -> None:
-        """Finish the queued jobs and stop the worker (idempotent; the store is the owner's)."""
-        self.pipeline.close()
+    def synchronize(self) -> None:
+        """Wait until every queued job has run and every move of the store has landed."""
+        self.drain()
+        self.store.synchronize()
+
+    def close(self, *, store: bool = False, quiet: bool = False) -> None:
+        """Finish the queued jobs and stop the worker (idempotent). The store is the owner's;
+        ``store``: close it too, also when stopping the worker raised (an owner that built it
+        for this group alone); ``quiet``: what its last moves raise is not raised (after a
+        failure that is its consequence; the store frees everything either way)."""
+        try:
+            self.pipeline.close()
+        finally:
+            if store:
+                with contextlib.suppress(Exception) if quiet else contextlib.nullcontext():
+                    self.store.close()
 
 
 def update_segments(spans: Iterable[tuple[int, int, int, Any]]) -> list[tuple[int, int, int, Any]]:

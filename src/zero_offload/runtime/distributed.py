@@ -11,11 +11,14 @@ import contextlib
 import glob
 import os
 import re
+import sys
+from typing import Optional
 
 import torch
 
-__all__ = ["PeerFailure", "available_cores", "bind_to_cores", "check_ranks_agree", "collective", "is_dtensor", "local",
-           "rank_cores", "resolve_group", "start_default_group", "threads_per_rank"]
+__all__ = ["PeerFailure", "announce_default_group", "available_cores", "bind_to_cores", "check_ranks_agree",
+           "collective", "cpu_threads", "is_dtensor", "local", "rank_cores", "rank_device", "resolve_device",
+           "resolve_group", "start_default_group", "threads_per_rank"]
 
 
 def is_dtensor(t) -> bool:
@@ -97,6 +100,44 @@ def start_default_group(owner: str, device: torch.device, *, fix: str) -> "str |
             f"and that every rank starts, or {fix}") from None
     atexit.register(_destroy_if_current, dist.group.WORLD)
     return backend
+
+
+def announce_default_group(backend: "str | None", *, owner: str, before: str) -> None:
+    """One line on rank 0 when ``owner`` started the default process group (``backend``, as
+    ``start_default_group`` returned it; None: nothing was started, nothing said)."""
+    if backend is None:
+        return
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        print(f"{owner}: WORLD_SIZE={dist.get_world_size()} and no process group: "
+              f"started the default one from the environment ({backend}); call "
+              f"torch.distributed.init_process_group() before {before} to set it up yourself",
+              file=sys.stderr, flush=True)
+
+
+def resolve_device(device) -> torch.device:
+    """The compute device ``device`` names (a CUDA device or the CPU; a CUDA device without an
+    index: the current one); None: CUDA when available, else the CPU."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch.cuda.is_available() is False; use device='cpu'")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise ValueError(f"device={device!r} is not supported; use a CUDA device or 'cpu'")
+    return dev
+
+
+def rank_device(device, *, ranked: bool) -> torch.device:
+    """The compute device: ``device``; by default CUDA when available (with several ranks GPU
+    ``LOCAL_RANK``, as torchrun numbers them), else the CPU."""
+    if device is None and ranked and torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return resolve_device(device)
 
 
 def _destroy_if_current(group) -> None:
@@ -205,6 +246,21 @@ def threads_per_rank(cuda: bool) -> int:
     cores = rank_cores()
     per = available_cores() if cores is None else len(cores)
     return max(1, per - (1 if cuda else 0))
+
+
+def cpu_threads(threads: Optional[int], device: torch.device, *, ranked: bool) -> Optional[int]:
+    """CPU-Adam threads: ``threads`` (``OffloadConfig.threads``) when set; with several ranks this
+    rank's share of the node's cores (``threads_per_rank``); else by default every core this
+    process may use minus two when a GPU is driven (the Python thread issuing kernels and the
+    autograd/copy threads must not be preempted by the kernel's workers, or the GPU starves);
+    None (the kernel's default) on the CPU."""
+    if threads is not None:
+        return threads
+    if ranked:
+        return threads_per_rank(device.type == "cuda")
+    if device.type != "cuda":
+        return None
+    return max(1, available_cores() - 2)
 
 
 def available_cores() -> int:
