@@ -2,7 +2,12 @@
 Lion over 20 steps on every ISA path, with bf16/fp16 grads, loss-scale unscale, the fused
 low-precision copy-out, tail sizes, thread counts and the async queue; every bad argument raises
 one clear line before any buffer changes."""
+import json
 import math
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -423,3 +428,21 @@ def test_native_entry_points_recheck_what_python_checked():
         _C.cpu_rules.lion_step(**{**common, "grad_dtype": 0, "exp_avg": p.data_ptr(), "beta1": 0.9, "beta2": 0.99,
                                   "weight_decay": 0.0, "grad_scale": 0.0})
     assert torch.equal(p, torch.zeros(8))
+
+
+def test_benchmark_script_checks_and_times(tmp_path):
+    """benchmarks/bench_cpu_rules.py runs end to end (its bit-for-bit check included) at a tiny size."""
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    out = tmp_path / "rules.json"
+    env = {**os.environ, "PYTHONPATH": str(repo / "src")}
+    r = subprocess.run([sys.executable, str(repo / "benchmarks" / "bench_cpu_rules.py"), "--numel", "5000",
+                        "--threads", "1", "--repeats", "20", "--warmup", "0", "--check-numel", "3001",
+                        "--json-out", str(out)], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "check passed" in r.stdout and "| sgd | ours |" in r.stdout and "| lion | torch ops |" in r.stdout
+    rows = json.loads(out.read_text())["results"]
+    assert {(row["rule"], row["row"]) for row in rows} >= {("sgd", "torch fused"), ("lion", "ours + copy-out")}
+    assert all(row["samples"] == 20 and row["median_ms"] > 0 for row in rows)
+    r = subprocess.run([sys.executable, str(repo / "benchmarks" / "bench_cpu_rules.py"), "--repeats", "5"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 2 and "--repeats must be >= 20" in r.stderr
