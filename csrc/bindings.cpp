@@ -6,11 +6,13 @@ namespace py = pybind11;
 
 namespace zero_offload {
 void register_cpu_adam(py::module_& m);  // csrc/cpu_adam.cpp
+void register_cpu_rules(py::module_& m); // csrc/cpu_rules.cpp
 void register_aio(py::module_& m);       // csrc/aio.cpp
 }  // namespace zero_offload
 
 PYBIND11_MODULE(_C, m) {
-    m.doc() = "zero_offload native core: vectorised CPU-Adam and O_DIRECT async I/O";
+    m.doc() = "zero_offload native core: vectorised CPU-Adam, SGD and Lion, and O_DIRECT async I/O";
     zero_offload::register_cpu_adam(m);
+    zero_offload::register_cpu_rules(m);
     zero_offload::register_aio(m);
 }

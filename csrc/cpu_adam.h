@@ -21,6 +21,11 @@ enum class Dtype : int {
   kFloat16 = 2,
 };
 
+namespace {  // each source its own copy ([Note: ISA isolation] in cpu_adam_kernel.h)
+// Bytes per element of a buffer of this type (kNone: never read).
+constexpr int64_t element_size(Dtype dtype) { return dtype == Dtype::kFloat32 ? 4 : 2; }
+}  // namespace
+
 // How weight decay enters the update (torch: ADAM_MODE::ORIGINAL vs ADAM_MODE::ADAMW).
 enum class Decay : int {
   kNone,       // weight_decay == 0: the term is skipped, exactly as torch skips it

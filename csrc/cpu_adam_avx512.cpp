@@ -1,9 +1,6 @@
-// CPU-Adam, AVX-512 path (F + BW + VL + DQ, FMA, F16C: setup.py compiles *_avx512.cpp so).
-// 16 fp32 lanes per vector. The loops are cpu_adam_kernel.h's; this file only says how one
-// vector is loaded, converted, computed and stored. Run only after cpuid says the CPU has
-// these features (cpu_adam.cpp checks; see [Note: ISA isolation] in cpu_adam_kernel.h).
-// GCC 12's own AVX-512 headers trip -Wmaybe-uninitialized on their `__Y = __Y` idiom for
-// "undefined" vectors (a false positive, fixed in later GCC); keep the build log readable.
+// CPU-Adam, AVX-512 (F + BW + VL + DQ) path (setup.py compiles *_avx512.cpp with those flags): the
+// loops of cpu_adam_kernel.h over the Avx512Trait of simd_avx512.h. Run only after cpuid says the
+// CPU has these features (cpu_runtime.cpp checks; see [Note: ISA isolation] in cpu_adam_kernel.h).
 // [Note: no FP contraction] (cpu_adam_kernel.h): GCC's default -ffp-contract=fast would fuse
 // a multiply and a following add into one FMA wherever it sees one, which changes the rounding
 // that [Note: formula order] reproduces. It must precede every include, intrinsics too, so all
@@ -13,119 +10,18 @@
 #elif defined(__GNUC__)
 #pragma GCC optimize("fp-contract=off")
 #endif
+// GCC 12's own AVX-512 headers trip -Wmaybe-uninitialized on their `__Y = __Y` idiom for
+// "undefined" vectors (a false positive, fixed in later GCC); keep the build log readable.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
-#include <immintrin.h>
-
-#include <cstdint>
-
-#include "cpu_adam.h"
-
-namespace zero_offload::cpu_adam {
-namespace {
-
-struct Avx512Trait {
-  static constexpr int kLanes = 16;
-  using F = __m512;
-  static F set1(float x) { return _mm512_set1_ps(x); }
-  static F load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
-  static F add(F a, F b) { return _mm512_add_ps(a, b); }
-  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
-  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  static F div(F a, F b) { return _mm512_div_ps(a, b); }
-  static F sqrt(F a) { return _mm512_sqrt_ps(a); }
-  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  static bool any_nan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0; }
-
-  template <Dtype D>
-  static F load_as(const void* base, int64_t i) {
-    if constexpr (D == Dtype::kFloat32) {
-      return _mm512_loadu_ps(static_cast<const float*>(base) + i);
-    } else {
-      const __m256i h = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i));
-      if constexpr (D == Dtype::kBFloat16) {  // bf16 is the top half of an fp32
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-      } else {
-        return _mm512_cvtph_ps(h);
-      }
-    }
-  }
-
-  template <Dtype D>
-  static void store_as(void* base, int64_t i, F x) {
-    __m256i* dst = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(base) + i);
-    if constexpr (D == Dtype::kBFloat16) {
-      // Round to nearest even: bits + 0x7FFF + (bit 16 of bits), keep the top half; NaN ->
-      // 0xFFFF as torch's vectorised conversion writes it.
-      const __m512i bits = _mm512_castps_si512(x);
-      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-      __m512i rounded = _mm512_srli_epi32(
-          _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-      rounded = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), rounded,
-                                        _mm512_set1_epi32(0xFFFF));
-      _mm256_storeu_si256(dst, _mm512_cvtepi32_epi16(rounded));
-    } else {
-      _mm256_storeu_si256(dst, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    }
-  }
-
-  // Stochastic rounding to bf16 ([Note: bf16 moments with stochastic rounding]): sr_hash gives
-  // lane k the hash of h0 + k * kSrIndexMul (its element's index), computed once per vector and
-  // used by both moments; store_bf16_stochastic adds the hash's low (exp_avg) or high
-  // (exp_avg_sq) 16 bits to the fp32 bits and keeps the top half; NaN -> kBf16CanonicalNan.
-  using SrHash = __m512i;
-  static SrHash sr_hash(uint32_t h0) {
-    const __m512i lanes = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32(static_cast<int>(kSrIndexMul)));
-    __m512i h = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(h0)), lanes);
-    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-    h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(kSrMix1)));
-    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 15));
-    h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(kSrMix2)));
-    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-    return h;
-  }
-  template <SrHalf H>
-  static void store_bf16_stochastic(void* base, int64_t i, F x, SrHash h) {
-    __m512i r;
-    if constexpr (H == SrHalf::kLow) {
-      r = _mm512_and_si512(h, _mm512_set1_epi32(0xFFFF));
-    } else {
-      r = _mm512_srli_epi32(h, 16);
-    }
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r), 16);
-    rounded = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), rounded,
-                                      _mm512_set1_epi32(kBf16CanonicalNan));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(base) + i),
-                        _mm512_cvtepi32_epi16(rounded));
-  }
-
-  // fp64 accumulation: the 16 lanes widen to two vectors of 8 doubles.
-  struct Acc {
-    __m512d lo, hi;
-  };
-  static Acc acc_zero() { return Acc{_mm512_setzero_pd(), _mm512_setzero_pd()}; }
-  static Acc acc_add_squares(Acc acc, F x) {
-    const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
-    const __m512d hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(x, 1));
-    return Acc{_mm512_fmadd_pd(lo, lo, acc.lo), _mm512_fmadd_pd(hi, hi, acc.hi)};
-  }
-  static double acc_total(Acc acc) { return _mm512_reduce_add_pd(_mm512_add_pd(acc.lo, acc.hi)); }
-};
-
-}  // namespace
-}  // namespace zero_offload::cpu_adam
-
+#include "simd_avx512.h"
 #include "cpu_adam_kernel.h"
 
 namespace zero_offload::cpu_adam {
 
 const Kernels& avx512_kernels() {
-  static const Kernels kernels = make_kernels<Avx512Trait>("avx512");
+  static const Kernels kernels = make_kernels<cpu_adam::Avx512Trait>("avx512");
   return kernels;
 }
 

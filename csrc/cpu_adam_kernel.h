@@ -1,17 +1,20 @@
 // The CPU-Adam loops, written once over a vector "trait" V and included by each ISA's source
-// (cpu_adam.cpp: 1-lane scalar; cpu_adam_avx2.cpp: 8 lanes; cpu_adam_avx512.cpp: 16 lanes).
-// One formula for every path, so the paths agree bit for bit with each other and with torch.
+// (cpu_adam.cpp: 1-lane scalar; cpu_adam_avx2.cpp: 8 lanes; cpu_adam_avx512.cpp: 16 lanes; the
+// traits are simd_scalar.h, simd_avx2.h, simd_avx512.h). One formula for every path, so the paths
+// agree bit for bit with each other and with torch.
 //
 // [Note: ISA isolation]
-// This header is compiled three times with three sets of ISA flags. Everything in it lives in
-// an anonymous namespace and uses no standard-library inline templates, so each translation
-// unit keeps its own copy: the linker never merges an AVX-512-compiled copy into the baseline
-// path (which would crash with SIGILL on a CPU without AVX-512). Include it only from a .cpp
-// file, after defining the trait, and export nothing but the `Kernels` table.
+// This header (like cpu_rules_kernel.h and the simd_*.h traits) is compiled three times with
+// three sets of ISA flags. Everything in it lives in an anonymous namespace and uses no
+// standard-library inline templates, so each translation unit keeps its own copy: the linker
+// never merges an AVX-512-compiled copy into the baseline path (which would crash with SIGILL on
+// a CPU without AVX-512). Include it only from a .cpp file, after the trait's header, and export
+// nothing but the `Kernels` table.
 //
-// A trait V provides, for `typename V::F` holding V::kLanes fp32 lanes:
+// The trait contract: a trait V provides, for `typename V::F` holding V::kLanes fp32 lanes:
 //   set1(float), load(const float*), store(float*, F), add, sub, mul, div, sqrt,
 //   fmadd(a, b, c) = a * b + c rounded once, any_nan(F) -> bool,
+//   sign(F) -> F: +1 / -1 per lane, +0 for +-0, NaN kept (Lion, cpu_rules_kernel.h),
 //   load_as<Dtype>(const void* base, int64_t i) -> F   (fp32 | bf16 | fp16 elements i..i+kLanes)
 //   store_as<Dtype>(void* base, int64_t i, F)          (bf16 | fp16: round to nearest even)
 //   SrHash, sr_hash(uint32_t h0) -> SrHash   (bf16 moments: lane k holds lowbias32(h0 + k *
@@ -27,8 +30,6 @@
 
 namespace zero_offload::cpu_adam {
 namespace {
-
-constexpr int64_t element_size(Dtype dtype) { return dtype == Dtype::kFloat32 ? 4 : 2; }
 
 // [Note: formula order]
 // Every operation below is the one torch's fused CPU Adam performs on its vectorised body

@@ -1,9 +1,10 @@
-"""Loading of the native CPU-Adam kernels (``zero_offload._C.cpu_adam``) and ISA selection.
+"""Loading of the native CPU kernels (``zero_offload._C.cpu_adam``, ``zero_offload._C.cpu_rules``)
+and ISA selection.
 
 The extension holds three builds of the same kernels (portable scalar, AVX2+FMA+F16C, AVX-512)
 and starts on the fastest one this CPU supports (cpuid). ``ZERO_OFFLOAD_ISA=scalar|avx2|avx512``
 forces a path for the whole process; ``set_isa`` switches at run time (the tests use it to run
-every path in one process).
+every path in one process). One switch serves every kernel family.
 """
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
     ) from exc
 
 kernels = _C.cpu_adam
+"""CPU-Adam, the grad reductions, and what every kernel family shares: the ISA switch
+(``set_isa``) and the kernel queue's ``kernel_wait`` / ``kernel_ready``."""
+
+rules = _C.cpu_rules
+"""SGD and Lion (``sgd_step``, ``lion_step`` and their ``_async`` forms)."""
 
 
 class Dtype(enum.IntEnum):

@@ -45,8 +45,8 @@ __all__ = [
     "default_threads",
 ]
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_LOWP_DTYPES = (torch.bfloat16, torch.float16)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+LOWP_DTYPES = (torch.bfloat16, torch.float16)
 _MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 _MAX_THREADS = 4096
 _SEED_LIMIT = 2**32
@@ -58,10 +58,12 @@ _set_version = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
 
 # ---------------------------------------------------------------------------------------------
 # Checks. Each raises TypeError (wrong kind of thing) or ValueError (right kind, bad value) with
-# the name of the offending argument and what to do instead.
+# the name of the offending argument and what to do instead. The public ones (check_threads,
+# as_float, check_grad_scale, check_buffer, check_no_overlap, bump_versions, FLOAT_DTYPES,
+# LOWP_DTYPES) are shared with the other kernels' wrappers (ops/cpu_rules.py).
 
 
-def _check_threads(threads: Optional[int]) -> Optional[int]:
+def check_threads(threads: Optional[int]) -> Optional[int]:
     if threads is None:
         return None
     if isinstance(threads, bool) or not isinstance(threads, Integral):
@@ -71,7 +73,7 @@ def _check_threads(threads: Optional[int]) -> Optional[int]:
     return int(threads)
 
 
-def _as_float(name: str, value: Any, what: str = "a number") -> float:
+def as_float(name: str, value: Any, what: str = "a number") -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"{name} must be a number or a one-element tensor, got shape {tuple(value.shape)}")
@@ -110,7 +112,7 @@ class AdamHyper:
 
         def number(name, value):
             try:
-                return _as_float(name, value)
+                return as_float(name, value)
             except (TypeError, ValueError) as e:
                 if owner is None:
                     raise
@@ -139,7 +141,7 @@ class AdamHyper:
 
 
 def _check_step(step: Any) -> float:
-    value = _as_float("step", step, "an int (the 1-based count of this update)")
+    value = as_float("step", step, "an int (the 1-based count of this update)")
     if not (math.isfinite(value) and value >= 1 and value == int(value)):
         raise ValueError(f"step must be a whole number >= 1 (the first update is step 1), got {value:g}")
     return value
@@ -154,28 +156,29 @@ def _check_seed(seed: Any) -> int:
     return int(seed)
 
 
-def _check_grad_scale(grad_scale: Any) -> float:
-    value = _as_float("grad_scale", grad_scale)
+def check_grad_scale(grad_scale: Any) -> float:
+    value = as_float("grad_scale", grad_scale)
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"grad_scale must be finite and > 0 (grads are divided by it), got {value}")
     return value
 
 
-def _check_buffer(name: str, tensor: Any, *, dtypes: tuple, numel: Optional[int] = None,
-                  any_dense_layout: bool = False) -> None:
+def check_buffer(name: str, tensor: Any, *, dtypes: tuple, numel: Optional[int] = None,
+                 any_dense_layout: bool = False) -> None:
     """A kernel operand: a dense CPU tensor of one of `dtypes`, contiguous (or, with
     ``any_dense_layout``, of any layout `_flat` can update)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.layout != torch.strided:
         raise ValueError(
-            f"{name} is a {tensor.layout} tensor; CPU-Adam needs dense tensors "
-            "(use torch.optim.SparseAdam for sparse grads, or call .to_dense())"
+            f"{name} is a {tensor.layout} tensor; the native CPU kernels need dense tensors "
+            "(call .to_dense(), or for sparse grads use torch.optim.SparseAdam / torch.optim.SGD)"
         )
     if tensor.device.type != "cpu":
         raise ValueError(
-            f"{name} is on {tensor.device}; CPU-Adam updates CPU tensors only "
-            "(keep the model's params on the CPU, or use torch.optim.Adam(fused=True) on the GPU)"
+            f"{name} is on {tensor.device}; the native CPU kernels update CPU tensors only "
+            "(keep the model's params on the CPU, or use the torch optimizer on the GPU, e.g. "
+            "torch.optim.Adam(fused=True))"
         )
     if tensor.dtype not in dtypes:
         allowed = ", ".join(str(d) for d in dtypes)
@@ -196,7 +199,7 @@ def _check_buffer(name: str, tensor: Any, *, dtypes: tuple, numel: Optional[int]
         raise ValueError(f"{name} has {tensor.numel()} elements but the param has {numel}; they must match")
 
 
-def _check_no_overlap(named: list[tuple[str, torch.Tensor]]) -> None:
+def check_no_overlap(named: list[tuple[str, torch.Tensor]]) -> None:
     """Written buffers must not share memory with any other operand."""
     spans = []
     for name, tensor in named:
@@ -254,7 +257,7 @@ def _check_buffer_any_layout(name: str, tensor: Any, *, dtypes: tuple, numel: in
     if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided:
         # The checks below on a flat view (or, with gaps, a copy: a copy is taken when used too).
         tensor = _flat(tensor) if _dense_layout(tensor) else tensor.contiguous()
-    _check_buffer(name, tensor, dtypes=dtypes, numel=numel)
+    check_buffer(name, tensor, dtypes=dtypes, numel=numel)
 
 
 def _checked_flat_call(param, grad, exp_avg, exp_avg_sq, out_lowp, *, step, lr, betas, eps,
@@ -262,20 +265,20 @@ def _checked_flat_call(param, grad, exp_avg, exp_avg_sq, out_lowp, *, step, lr, 
     """Every check of a flat-buffer call (raises before anything changes); returns the checked
     keyword arguments of ``_launch`` / ``_native_args``."""
     hyper = AdamHyper.checked(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw)
-    checked = dict(step=_check_step(step), hyper=hyper, grad_scale=_check_grad_scale(grad_scale),
-                   threads=_check_threads(threads), seed=_check_seed(seed))
-    _check_buffer("param", param, dtypes=(torch.float32,))
-    _check_buffer("grad", grad, dtypes=_FLOAT_DTYPES, numel=param.numel())
-    _check_buffer("exp_avg", exp_avg, dtypes=_MOMENT_DTYPES, numel=param.numel())
-    _check_buffer("exp_avg_sq", exp_avg_sq, dtypes=_MOMENT_DTYPES, numel=param.numel())
+    checked = dict(step=_check_step(step), hyper=hyper, grad_scale=check_grad_scale(grad_scale),
+                   threads=check_threads(threads), seed=_check_seed(seed))
+    check_buffer("param", param, dtypes=(torch.float32,))
+    check_buffer("grad", grad, dtypes=FLOAT_DTYPES, numel=param.numel())
+    check_buffer("exp_avg", exp_avg, dtypes=_MOMENT_DTYPES, numel=param.numel())
+    check_buffer("exp_avg_sq", exp_avg_sq, dtypes=_MOMENT_DTYPES, numel=param.numel())
     if exp_avg.dtype != exp_avg_sq.dtype:
         raise TypeError(f"exp_avg has dtype {exp_avg.dtype} but exp_avg_sq has dtype {exp_avg_sq.dtype}; "
                         "the moments must both be torch.float32 or both torch.bfloat16")
     named = [("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
     if out_lowp is not None:
-        _check_buffer("out_lowp", out_lowp, dtypes=_LOWP_DTYPES, numel=param.numel())
+        check_buffer("out_lowp", out_lowp, dtypes=LOWP_DTYPES, numel=param.numel())
         named.append(("out_lowp", out_lowp))
-    _check_no_overlap(named)
+    check_no_overlap(named)
     return checked
 
 
@@ -294,7 +297,7 @@ def _native_args(param, grad, exp_avg, exp_avg_sq, out_lowp, *, step: float, hyp
     )
 
 
-def _bump_versions(written: list) -> None:
+def bump_versions(written: list) -> None:
     """Tell autograd the kernel wrote these tensors (as an in-place torch op would)."""
     if _set_version is not None and written:
         _set_version(written, [t._version + 1 for t in written])
@@ -306,7 +309,7 @@ def _launch(param, grad, exp_avg, exp_avg_sq, out_lowp, **checked) -> float:
     if param.numel() == 0:
         return 0.0
     seconds = kernels.adam_step(**_native_args(param, grad, exp_avg, exp_avg_sq, out_lowp, **checked))
-    _bump_versions([param] if out_lowp is None else [param, out_lowp])
+    bump_versions([param] if out_lowp is None else [param, out_lowp])
     return seconds
 
 
@@ -360,7 +363,8 @@ def adam_step(
 
 
 class KernelTicket:
-    """A CPU-Adam call queued on the native kernel thread (``adam_step_async``). ``wait()``
+    """A kernel call queued on the native kernel thread (``adam_step_async``, and the rules'
+    ``sgd_step_async`` / ``lion_step_async`` in ops/cpu_rules.py: one queue, one order). ``wait()``
     blocks (GIL released) until it ran and returns its kernel seconds, or raises its error;
     ``ready()`` polls. The tensors it reads and writes stay referenced until ``wait`` returns;
     a ticket dropped unwaited waits in ``__del__`` before it lets them go."""
@@ -390,7 +394,7 @@ class KernelTicket:
                 self.start, self._seconds = kernels.kernel_wait(self._ticket)
             finally:
                 self._keep = ()
-            _bump_versions(self._written)
+            bump_versions(self._written)
             self._written = []
         return self._seconds
 
@@ -430,7 +434,7 @@ def grad_sumsq(grad: torch.Tensor, *, grad_scale: float = 1.0, threads: Optional
 
     ``grad``: a contiguous CPU fp32/bf16/fp16 tensor. inf/NaN grads give inf/NaN.
     """
-    scale = _check_grad_scale(grad_scale)
+    scale = check_grad_scale(grad_scale)
     return _grad_kernel(kernels.grad_sumsq, grad, threads, 0.0, grad_scale=scale)
 
 
@@ -441,8 +445,8 @@ def grad_nonfinite(grad: torch.Tensor, *, threads: Optional[int] = None) -> bool
 
 def _grad_kernel(kernel, grad, threads, empty, **scalars):
     """``kernel`` over a checked grad (``empty`` for a grad without elements)."""
-    threads = _check_threads(threads)
-    _check_buffer("grad", grad, dtypes=_FLOAT_DTYPES)
+    threads = check_threads(threads)
+    check_buffer("grad", grad, dtypes=FLOAT_DTYPES)
     if grad.numel() == 0:
         return empty
     return kernel(grad=grad.data_ptr(), dtype=int(TORCH_DTYPES[grad.dtype]), numel=grad.numel(),
@@ -516,7 +520,7 @@ class CPUAdam(Optimizer):
                         maximize=maximize, capturable=capturable, differentiable=differentiable,
                         decoupled_weight_decay=decoupled_weight_decay, **IMPLEMENTATION_OPTIONS)
         _group_hyper(defaults)
-        self.threads = _check_threads(threads)
+        self.threads = check_threads(threads)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -528,7 +532,7 @@ class CPUAdam(Optimizer):
             for index, item in enumerate(items):
                 tensor = item[1] if isinstance(item, tuple) and len(item) == 2 else item
                 if isinstance(tensor, torch.Tensor):  # anything else: torch's own TypeError below
-                    _check_buffer(f"params[{index}]", tensor, dtypes=_FLOAT_DTYPES, any_dense_layout=True)
+                    check_buffer(f"params[{index}]", tensor, dtypes=FLOAT_DTYPES, any_dense_layout=True)
         super().add_param_group(param_group)
 
     def __setstate__(self, state: dict) -> None:
@@ -580,15 +584,15 @@ class CPUAdam(Optimizer):
                 if p.grad is None:
                     continue
                 where = f"param_groups[{gi}]['params'][{pi}]"
-                _check_buffer(f"{where} param", p, dtypes=_FLOAT_DTYPES, any_dense_layout=True)
-                _check_buffer_any_layout(f"{where} grad", p.grad, dtypes=_FLOAT_DTYPES, numel=p.numel())
+                check_buffer(f"{where} param", p, dtypes=FLOAT_DTYPES, any_dense_layout=True)
+                _check_buffer_any_layout(f"{where} grad", p.grad, dtypes=FLOAT_DTYPES, numel=p.numel())
                 named = [(f"{where} param", p)] + ([(f"{where} grad", p.grad)] if _dense_layout(p.grad) else [])
                 state = self.state.get(p)
                 if state:
                     self._check_state(p, state, where)
                     named += [(f"{where} state['{k}']", state[k]) for k in ("exp_avg", "exp_avg_sq")
                               if _dense_layout(state[k])]
-                _check_no_overlap(named)
+                check_no_overlap(named)
                 updates.append((p, hyper))
         for p, hyper in updates:
             state = self.state[p]
