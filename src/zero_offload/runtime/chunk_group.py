@@ -969,7 +969,8 @@ class ChunkGroup:
         accumulated; micro-batches counted); None when no window is open."""
         if self.micro:
             return f"{self.micro} of {self.window} micro-batches of the accumulation window are done"
-        if any(c.landed or c.window or c.accumulating or c.total is not None for c in self.chunks):
+        if self._updated or any(c.landed or c.window or c.accumulating or c.total is not None
+                                for c in self.chunks):  # (_updated: overlap updated during backward)
             return "grads of a backward are waiting for step()"
         return None
 
