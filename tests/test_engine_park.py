@@ -114,22 +114,42 @@ def test_a_round_trip_changes_nothing_in_any_recipe(kw, tmp_path):
     engine.close()
 
 
-def test_many_round_trips_and_the_parking_memory_goes_back(tmp_path):
-    kw = PLACEMENTS["share-partial"]
+@pytest.mark.parametrize("keep", [False, True], ids=["free", "keep-host-memory"])
+def test_many_round_trips_and_the_parking_memory_goes_back(keep, tmp_path):
+    """Each resume frees the host memory the park took, or, with ``keep_host_memory``, keeps it
+    for the next park, which takes no new memory (the same buffers), until a resume without it."""
+    kw = dict(PLACEMENTS["share-partial"], nvme_dir=True)
     plain, parked = _build(kw, tmp_path), _build(kw, tmp_path)
+    store = parked.store
     try:
-        budgets = dict(parked.store.budgets)
+        budgets, buffers = dict(store.budgets), None
         for b in gpt_batches(4):
             for e in (plain, parked):
                 e.backward(gpt_loss(e, b))
                 e.step()
             parked.synchronize()
-            host = parked.store.bytes(Tier.CPU)
+            host = store.bytes(Tier.CPU)
             parked.park("cpu")
-            assert parked.store.bytes(Tier.CPU) == host + parked.store.gpu_home_bytes()
-            parked.resume()
-            assert parked.store.bytes(Tier.CPU) == host and parked.store.budgets == budgets
+            assert store.bytes(Tier.CPU) == host + store.gpu_home_bytes() and store.spare_bytes() == 0
+            now = [c.g.cid for c in parked._chunks]
+            held = sorted(store.get(cid, n, "cpu").data_ptr() for cid in now for n in ("master", "params")
+                          if store.has_payload(cid, n) and store.home(cid, n) is Tier.CPU
+                          and store.payload_spec(cid, n).home is Tier.GPU)
+            if keep and buffers is not None:
+                assert held == buffers  # the kept buffers, not new ones
+            buffers = held
+            parked.resume(keep_host_memory=keep)
+            assert store.bytes(Tier.CPU) == host and store.budgets == budgets
+            assert store.spare_bytes() == (store.gpu_home_bytes() if keep else 0)
         _assert_same(_state(parked), _state(plain))
+        if keep:
+            parked.park("nvme")  # a park elsewhere lets the kept host memory go
+            assert store.spare_bytes() == 0
+            parked.resume(keep_host_memory=True)
+            assert store.spare_bytes() == 0  # (nothing of an NVMe park is kept)
+            parked.park("cpu")
+            parked.resume()
+            assert store.spare_bytes() == 0
     finally:
         plain.close()
         parked.close()

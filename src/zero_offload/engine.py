@@ -993,13 +993,17 @@ class Engine:
         return self._parking.park(target, refusal=refusal, quiesce=self._quiesce, tensors=[
             b for m in self.module.modules() for b in m._buffers.values() if isinstance(b, torch.Tensor)])
 
-    def resume(self) -> ParkReport:
+    def resume(self, *, keep_host_memory: bool = False) -> ParkReport:
         """Bring back what ``park`` moved, where it was (the chunks homed on the device and the
         GPU share, the replicas, the model's buffers, and the look-ahead of the next forward).
         Raises, still parked, when the device has less free memory than the state needs (free
-        it first: e.g. put the inference engine to sleep). Collective with several ranks."""
+        it first: e.g. put the inference engine to sleep). ``keep_host_memory``: the pinned host
+        memory of a park on "cpu" stays reserved for the next park, which then only copies
+        (pinning fresh memory is most of a park's time; the host holds it meanwhile: freed by a
+        ``resume()`` without it, a park on "nvme", or ``close()``). Collective with several
+        ranks."""
         self._check_open()
-        return self._parking.resume()
+        return self._parking.resume(keep_host_memory=keep_host_memory)
 
     def _quiesce(self) -> None:
         """Before a park: every update done, every chunk let go of on the device."""

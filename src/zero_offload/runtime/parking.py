@@ -147,9 +147,10 @@ class Parking:
         if refusal is not None:
             return RuntimeError(f"{self.owner}.park: {refusal}"), None
         need = self.store.gpu_home_bytes() + sum(t.untyped_storage().nbytes() for t in tensors)
+        kept = self.store.spare_bytes()  # host memory a kept park holds already
         nvme_dir = self.store.config.nvme_dir
         vm = psutil.virtual_memory()
-        if target == "nvme" or (target == "auto" and vm.available - HOST_RESERVE * vm.total < need
+        if target == "nvme" or (target == "auto" and vm.available + kept - HOST_RESERVE * vm.total < need
                                 and nvme_dir is not None):
             if nvme_dir is None:
                 return ValueError(f"{self.owner}.park(target='nvme'): this {self.owner} has no NVMe tier; set "
@@ -159,7 +160,7 @@ class Parking:
                 return OSError(f"{self.owner}.park: the device holds {human_bytes(need)}, and the disk of "
                                f"{nvme_dir} has {human_bytes(free)} free; free disk space or park on 'cpu'"), None
             return None, Tier.NVME
-        room = vm.available - (HOST_RESERVE * vm.total if target == "auto" else 0)
+        room = vm.available + kept - (HOST_RESERVE * vm.total if target == "auto" else 0)
         if room < need:
             fix = ("set OffloadConfig.nvme_dir to park on NVMe, or free host memory" if target == "auto"
                    else "park on 'nvme' (OffloadConfig.nvme_dir), or free host memory")
@@ -188,8 +189,9 @@ class Parking:
 
     # ---- resume -----------------------------------------------------------------------------
 
-    def resume(self) -> ParkReport:
-        """Bring the device state back where it was (collective with several ranks)."""
+    def resume(self, *, keep_host_memory: bool = False) -> ParkReport:
+        """Bring the device state back where it was (collective with several ranks).
+        ``keep_host_memory``: see ``ChunkStore.unpark(keep=)``."""
         t0 = time.perf_counter()
         where = self.where
         problem = self._resume_problem()
@@ -199,7 +201,7 @@ class Parking:
         tier, error, nbytes = self.store.parked, None, 0
         tensors = list(self._tensors)
         try:
-            nbytes = self.store.unpark()
+            nbytes = self.store.unpark(keep=keep_host_memory)
             self._tensors = []
             for t, device in tensors:
                 t.data = t.data.to(device)

@@ -44,8 +44,10 @@ by what it takes in (and the CPU's by the staging, for NVMe) until ``unpark``. W
 every call naming the GPU tier raises; the other tiers work as before, so the state can be read
 (a checkpoint) or overwritten (a load) meanwhile: a write lands in the parked home. ``unpark()``
 copies each re-homed payload into a new GPU buffer, homes it there again and frees its parking
-copy, the parking space and the lent budget. A failure part-way through either moves back what
-was moved, then raises (the store is as before the call).
+copy, the parking space and the lent budget; ``unpark(keep=True)`` keeps each host buffer of a
+park on the CPU as its copy's ``spare`` instead, which the next park takes back (no fresh pinned
+memory: registering it is most of a park's time), until ``release_spares``. A failure part-way
+through either moves back what was moved, then raises (the store is as before the call).
 """
 from __future__ import annotations
 
@@ -406,6 +408,9 @@ class _Copy:
     """The SwapSpace slot (NVMe tier)."""
     space: object = None
     """The SwapSpace ``slot`` belongs to: the store's, or a park's ([Note: parking])."""
+    spare: "torch.Tensor | None" = None
+    """A host buffer a park used for this copy and ``unpark(keep=True)`` kept for the next park
+    ([Note: parking]); not counted in ``bytes`` (``spare_bytes``)."""
     pending: "Handle | None" = None
     """The move writing into this copy (LOADING / FLUSHING)."""
     readers: list = field(default_factory=list)
@@ -757,6 +762,7 @@ class ChunkStore:
                     r.wait()
                 c.readers = []
             for c in copies:
+                c.spare = None
                 if c.state is not Residency.ABSENT:
                     self._drop_memory(c, home=True)
                     c.to(Residency.ABSENT, self)
@@ -956,6 +962,8 @@ class ChunkStore:
             if to is Tier.NVME:
                 self._check_nvme()
             self.synchronize()
+            if to is Tier.NVME:
+                self.release_spares()  # host memory kept for a park on the host is not what this one uses
             gpu = list(self._held[Tier.GPU])
             for c in gpu:
                 if c.pins:
@@ -981,16 +989,21 @@ class ChunkStore:
                 raise
             return nbytes
 
-    def unpark(self) -> int:
+    def unpark(self, *, keep: bool = False) -> int:
         """Bring the parked payloads back into GPU buffers, homed there again, and free the
-        parking copies: see [Note: parking]. Returns the bytes moved back."""
+        parking copies: see [Note: parking]. ``keep``: the host buffers of a park on the CPU stay
+        with their copies for the next park (which then takes no fresh pinned memory: pinning is
+        most of a park's time), until ``release_spares`` or an ``unpark`` without it. Returns the
+        bytes moved back."""
         with self._lock:
             self._check_open()
             parking = self._parking
             if parking is None:
                 raise StoreError("unpark: the store is not parked")
+            if not keep:
+                self.release_spares()
             try:
-                self._move_back(parking.payloads)
+                self._move_back(parking.payloads, keep=keep)
             except BaseException as e:
                 self._undo(e, self._repark, parking)
                 raise
@@ -1016,9 +1029,26 @@ class ChunkStore:
                 for tier in (Tier.GPU, Tier.CPU) if to is Tier.NVME else (Tier.GPU,):
                     self._evict(p.copies[tier])  # not home now; valid at home: nothing written
 
-    def _move_back(self, payloads: list) -> None:
+    def release_spares(self) -> int:
+        """Free the host buffers ``unpark(keep=True)`` kept; returns their bytes."""
+        with self._lock:
+            freed = 0
+            for p in self._gpu_homed():
+                c = p.copies[Tier.CPU]
+                if c.spare is not None:
+                    freed += c.nbytes
+                    c.spare = None
+            return freed
+
+    def spare_bytes(self) -> int:
+        """Host bytes of the buffers ``unpark(keep=True)`` kept for the next park."""
+        with self._lock:
+            return sum(p.copies[Tier.CPU].nbytes for p in self._gpu_homed() if p.copies[Tier.CPU].spare is not None)
+
+    def _move_back(self, payloads: list, *, keep: bool = False) -> None:
         """Copy parked ``payloads`` into GPU buffers, home them there again and free their other
-        copies (the parking ones included)."""
+        copies (the parking ones included; ``keep``: a parking host buffer stays as the copy's
+        ``spare``)."""
         step = _PARK_BATCH if any(p.away is Tier.NVME for p in payloads) else max(1, len(payloads))
         for i in range(0, len(payloads), step):
             part = [p for p in payloads[i:i + step] if p.away is not None]
@@ -1026,9 +1056,13 @@ class ChunkStore:
                 self._ensure(p.copies[Tier.GPU], Residency.LOADING)
             for p in part:
                 self._await_quiet(p.copies[Tier.GPU])
-                p.away = None
+                home, p.away = p.away, None
+                cpu = p.copies[Tier.CPU]
+                spare = cpu.buffer if keep and home is Tier.CPU and cpu.pool_buffer is None else None
                 for tier in (Tier.CPU, Tier.NVME):
                     self._drop_copy(p.copies[tier])  # valid on the GPU now: nothing written
+                if spare is not None and cpu.state is Residency.ABSENT:
+                    cpu.spare = spare
 
     def _repark(self, parking: _Parking) -> None:
         """After a failed unpark: what came back goes to the park again, and the GPU copies still
@@ -1108,7 +1142,7 @@ class ChunkStore:
                 self._closed = True
                 self._executor.shutdown(wait=True)
                 for c in self._copies(self._chunks):
-                    c.buffer = None
+                    c.buffer = c.spare = None
                     c.pool_buffer = None
                     c.slot = None
                 self._chunks.clear()
@@ -1247,7 +1281,9 @@ class ChunkStore:
         if copy.tier is Tier.GPU:
             copy.buffer = torch.empty(spec.numel, dtype=spec.dtype, device=self.device)
         elif copy.tier is Tier.CPU:
-            if copy.is_home:
+            if copy.spare is not None:  # a park's kept buffer ([Note: parking])
+                copy.buffer, copy.spare = copy.spare, None
+            elif copy.is_home:
                 # Home copies live as long as the store: their own exact-size aligned allocation.
                 copy.buffer = aligned_empty(spec.nbytes, dtype=spec.dtype, pin=self.config.pin)
             else:
