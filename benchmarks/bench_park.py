@@ -110,6 +110,9 @@ def run_case(args) -> dict:
         device_bytes = engine.store.bytes("gpu")
         parked = engine.park(args.target)
         after_park = _memory(device)
+        if device.type == "cuda":  # what is left, less cuBLAS's per-stream workspaces (torch's own)
+            torch._C._cuda_clearCublasWorkspaces()
+            after_park["allocated_without_cublas_workspaces"] = torch.cuda.memory_allocated(device)
         resumed = engine.resume(keep_host_memory=args.case in KEEP)
         after_resume, sums_back = _memory(device), _checksum(engine)
         first_step_s = step(args.warmup + args.round_trips + k)  # the step right after the resume
@@ -124,11 +127,15 @@ def run_case(args) -> dict:
             trip["freed_reserved"] = before["reserved"] - after_park["reserved"]
             trip["freed_driver"] = after_park["driver_free"] - before["driver_free"]
             trip["left_allocated"] = after_park["allocated"] - base["allocated"]
+            trip["left_allocated_without_cublas"] = (after_park["allocated_without_cublas_workspaces"]
+                                                     - base["allocated"])
         trips.append(trip)
         print(f"[{args.case}] trip {k}: park {parked.seconds:.3f} s, resume {resumed.seconds:.3f} s, "
               f"{parked.nbytes / GiB:.2f} GiB parked on {parked.where}"
               + (f", freed {trip['freed_driver'] / GiB:.2f} GiB to the driver, "
-                 f"{trip['left_allocated'] / 2**20:.1f} MiB left allocated" if "freed_driver" in trip else "")
+                 f"{trip['left_allocated'] / 2**20:.1f} MiB left allocated "
+                 f"({trip['left_allocated_without_cublas'] / 2**20:.1f} MiB without cuBLAS's workspaces)"
+                 if "freed_driver" in trip else "")
               + f", checksum {'kept' if trip['checksum_kept'] else 'CHANGED'}", flush=True)
     engine.close()
 
@@ -144,7 +151,8 @@ def run_case(args) -> dict:
                "store_device_bytes_before": med("store_device_bytes_before"),
                "checksums_kept": all(t["checksum_kept"] for t in trips)}
     if device.type == "cuda":
-        for key in ("freed_allocated", "freed_reserved", "freed_driver", "left_allocated"):
+        for key in ("freed_allocated", "freed_reserved", "freed_driver", "left_allocated",
+                    "left_allocated_without_cublas"):
             summary[key] = med(key)
     return {"case": args.case, "placement": CASES[args.case], "keep_host_memory": args.case in KEEP,
             "target": args.target, "model": args.model,
