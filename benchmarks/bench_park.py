@@ -111,7 +111,9 @@ def run_case(args) -> dict:
         parked = engine.park(args.target)
         after_park = _memory(device)
         if device.type == "cuda":  # what is left, less cuBLAS's per-stream workspaces (torch's own)
-            torch._C._cuda_clearCublasWorkspaces()
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear is not None:
+                clear()
             after_park["allocated_without_cublas_workspaces"] = torch.cuda.memory_allocated(device)
         resumed = engine.resume(keep_host_memory=args.case in KEEP)
         after_resume, sums_back = _memory(device), _checksum(engine)
