@@ -117,6 +117,7 @@ from .initial_values import Handover, InitialValues, handed_over_bytes
 from .module_hooks import ModuleHooks
 from .param_guard import PHASES, ParamGuard, Phase
 from .runtime.chunk_group import ChunkGroup, GroupChunk, GroupSlot, Staging
+from .runtime.parking import ParkReport, Parking
 from .runtime.partition import ChunkLayout, Partition, partition_parameters, update_spans
 from .runtime.pipeline import PipelinePayloads, StepPipeline
 from .runtime.placement import (PARKED_CHUNKS, ChunkNeed, PlacementPlan, PlacementRequest, chunk_payloads,
@@ -361,7 +362,7 @@ class Engine:
             consumer=Consumer(map=self._materialize, unmap=self._unmap,
                               busy=lambda cid: self._phase is Phase.BACKWARD and bool(self.group.chunks[cid].awaiting),
                               reuse=lambda: self._phase is Phase.FORWARD and torch.is_grad_enabled()))
-
+        self._parking = Parking(self.store, self.group, self.prefetcher, self.shard, owner="engine")
 
         self.global_step = 0
         self.skipped_steps = 0
@@ -450,6 +451,7 @@ class Engine:
         Tensors in the inputs move to the compute device; floating-point ones are cast to the
         working dtype."""
         self._check_open()
+        self._parking.check("forward")
         if self._phase is Phase.BACKWARD:
             self._finish_backward()
         args, kwargs = cast_inputs((args, kwargs), dtype=self.dtype, device=self.device)
@@ -574,6 +576,7 @@ class Engine:
             raise ValueError(f"engine.backward needs the scalar loss tensor, got "
                              f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}; "
                              f"reduce it first (e.g. loss.mean())")
+        self._parking.check("backward")
         if self._phase is not Phase.IDLE:
             raise RuntimeError(f"engine.backward called during {self._phase.value}; call it after "
                                f"engine(...) has returned")
@@ -630,6 +633,7 @@ class Engine:
         clip (exact global norm), update (fp16: skipped on inf/NaN, as GradScaler), advance the
         lr scheduler. Returns True when the parameters were updated by this window."""
         self._check_open()
+        self._parking.check("step")
         if self._phase is Phase.FORWARD:
             raise RuntimeError("engine.step called during forward")
         self._finish_backward()
@@ -660,6 +664,51 @@ class Engine:
         self.optimizer.note_update()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+
+    # ---- park and resume ([Note: parking] in runtime/parking.py) -----------------------------
+
+    @property
+    def parked(self) -> Optional[str]:
+        """Where ``park`` moved the device state ("cpu" or "nvme"); None when not parked."""
+        return self._parking.where
+
+    def park(self, target: str = "auto") -> ParkReport:
+        """Move every byte the engine keeps on the compute device (params placed there, the
+        optimizer's GPU share with its grads, params copies paged in or fetched ahead, replicas,
+        the model's buffers) to host memory or NVMe, and give the memory back to the driver
+        (``torch.cuda.empty_cache()``): e.g. to lend the GPU to an inference engine between RL
+        updates. ``resume()`` brings it back; the next step equals one without the round trip.
+        ``target``: "cpu", "nvme" (a parking file in ``OffloadConfig.nvme_dir``) or "auto" (host
+        memory when it holds the state, else NVMe when configured). Between steps only: refused,
+        nothing changed, during forward/backward, while an accumulation window is open, or when
+        parked already. While parked, forward/backward/step raise and parameters read outside
+        the engine raise as always; ``gathered()``, ``state_dict()``, ``save_weights``,
+        checkpoints (save and load) and ``close()`` work. Collective with several ranks."""
+        self._check_open()
+        refusal = self.group.open_window()
+        if self._phase is not Phase.IDLE:
+            refusal = f"called during {self._phase.value}; park between steps (after engine.step())"
+        elif refusal is not None:
+            refusal += "; park after the engine.step() that ends the window"
+        return self._parking.park(target, refusal=refusal, quiesce=self._quiesce, tensors=[
+            b for m in self.module.modules() for b in m._buffers.values() if isinstance(b, torch.Tensor)])
+
+    def resume(self, *, keep_host_memory: bool = False) -> ParkReport:
+        """Bring back what ``park`` moved, where it was (the chunks homed on the device and the
+        GPU share, the replicas, the model's buffers, and the look-ahead of the next forward).
+        Raises, still parked, when the device has less free memory than the state needs (free
+        it first: e.g. put the inference engine to sleep). ``keep_host_memory``: the pinned host
+        memory of a park on "cpu" stays reserved for the next park, which then only copies
+        (pinning fresh memory is most of a park's time; the host holds it meanwhile: freed by a
+        ``resume()`` without it, a park on "nvme", or ``close()``). Collective with several
+        ranks."""
+        self._check_open()
+        return self._parking.resume(keep_host_memory=keep_host_memory)
+
+    def _quiesce(self) -> None:
+        """Before a park: every update done, every chunk let go of on the device."""
+        self.group.drain()
+        self._release_idle()
 
     # ---- inspection -------------------------------------------------------------------------
 

@@ -446,7 +446,7 @@ class ChunkGroup:
         CPU are written home when changed and dropped after the block."""
         self.wait(chunk)
         store, cid = self.store, chunk.cid
-        away = [n for n in names if store.payload_spec(cid, n).home is not Tier.CPU]
+        away = [n for n in names if store.home(cid, n) is not Tier.CPU]  # (parked: [Note: parking] in store.py)
         with contextlib.ExitStack() as held:
             bufs = []
             for name in names:
@@ -973,6 +973,32 @@ class ChunkGroup:
         """The device buffers kept between uses (replicas, window sums) are let go."""
         for c in self.chunks:
             c.replica = c.total = None
+
+    def drop_replicas(self) -> list:
+        """Park ([Note: parking] in parking.py): every replica is let go. Returns the chunks whose
+        replica held the latest params (the same on every rank), for ``regather``."""
+        fresh = [c for c in self.chunks if c.replica_fresh]
+        for c in self.chunks:
+            c.replica = None
+        return fresh
+
+    def regather(self, chunks: Iterable[GroupChunk]) -> None:
+        """Resume: the replicas of ``chunks`` gathered again from this rank's params shards on the
+        device (collective, in the given order: the same on every rank)."""
+        name = self.payloads.lowp or self.payloads.master  # the working params
+        for c in chunks:
+            with self.store.use(c.cid, name, Tier.GPU) as shard:
+                self.shards.finish(self.params(c, shard))
+
+    def open_window(self) -> Optional[str]:
+        """What of the current accumulation window is pending, in words (grads staged, summed or
+        accumulated; micro-batches counted); None when no window is open."""
+        if self.micro:
+            return f"{self.micro} of {self.window} micro-batches of the accumulation window are done"
+        if self._updated or any(c.landed or c.window or c.accumulating or c.total is not None
+                                for c in self.chunks):  # (_updated: overlap updated during backward)
+            return "grads of a backward are waiting for step()"
+        return None
 
     def gather_updates(self, chunks: Optional[Iterable[GroupChunk]] = None) -> None:
         """Several ranks, TENSORS sink: every rank's updated elements of ``chunks`` (default:

@@ -408,6 +408,16 @@ class Prefetcher:
             if cid in self._upcoming(self.depth):
                 self._issue_lookahead()
 
+    def lookahead(self) -> None:
+        """Issue the look-ahead from the current position now, on the consumer's stream: after
+        the device came back from a park ([Note: parking] in parking.py), the next pass finds its
+        first chunks fetched, as it would without the park."""
+        stream = self._stream
+        with (torch.cuda.device(stream.device) if stream is not None else contextlib.nullcontext()), \
+                (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()), \
+                self._lock:
+            self._issue_lookahead()
+
     def _issue_lookahead(self) -> None:
         store = self.store
         ahead = self._upcoming(max(self.depth, self.nvme_depth))

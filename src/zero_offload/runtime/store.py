@@ -31,6 +31,23 @@ the store looks at it (under the lock), so the records are only ever changed by 
 [Note: accounting] ``bytes(tier)`` is the sum of the sizes of the copies that hold memory in that
 tier (any state but ``ABSENT``), kept as a set of records updated only inside ``_Copy.to``. The
 peak is taken there too. Budgets are checked before a buffer is taken.
+
+[Note: parking] ``park(to)`` empties the GPU tier for a while (the device is lent to another
+user between training steps: an inference engine generating rollouts between RL updates).
+Every non-home copy there is evicted (written home first when it holds the only newest bytes),
+and every payload homed on the GPU is *re-homed* to ``to`` (``_Payload.away``): the CPU (an
+exact-size buffer of its own, pinned when the store pins) or NVMe (a slot of a parking swap
+space made for the park in ``nvme_dir``, staged through host memory ``_PARK_BATCH`` payloads at
+a time); its bytes are copied there and its GPU copy is freed. ``payload_spec`` keeps the plan's
+home; ``home(cid, name)`` says where the authoritative bytes are now. The budget of ``to`` grows
+by what it takes in (and the CPU's by the staging, for NVMe) until ``unpark``. While parked,
+every call naming the GPU tier raises; the other tiers work as before, so the state can be read
+(a checkpoint) or overwritten (a load) meanwhile: a write lands in the parked home. ``unpark()``
+copies each re-homed payload into a new GPU buffer, homes it there again and frees its parking
+copy, the parking space and the lent budget; ``unpark(keep=True)`` keeps each host buffer of a
+park on the CPU as its copy's ``spare`` instead, which the next park takes back (no fresh pinned
+memory: registering it is most of a park's time), until ``release_spares``. A failure part-way
+through either moves back what was moved, then raises (the store is as before the call).
 """
 from __future__ import annotations
 
@@ -258,6 +275,9 @@ class StoreConfig:
 
 _NVME_AUTO_CAP = 64 << 30
 
+_PARK_BATCH = 8
+"""Payloads a park to NVMe (or its unpark) stages through host memory at once ([Note: parking])."""
+
 
 def resolve_budgets(config: StoreConfig) -> dict[Tier, int]:
     """Bytes per tier of ``config.budgets``, "auto" resolved as ``StoreConfig.budgets`` says (what
@@ -386,6 +406,11 @@ class _Copy:
     """The pool extent behind ``buffer`` (non-home CPU copies), returned when dropped."""
     slot: object = None
     """The SwapSpace slot (NVMe tier)."""
+    space: object = None
+    """The SwapSpace ``slot`` belongs to: the store's, or a park's ([Note: parking])."""
+    spare: "torch.Tensor | None" = None
+    """A host buffer a park used for this copy and ``unpark(keep=True)`` kept for the next park
+    ([Note: parking]); not counted in ``bytes`` (``spare_bytes``)."""
     pending: "Handle | None" = None
     """The move writing into this copy (LOADING / FLUSHING)."""
     readers: list = field(default_factory=list)
@@ -404,7 +429,7 @@ class _Copy:
 
     @property
     def is_home(self) -> bool:
-        return self.tier is self.payload.spec.home
+        return self.tier is self.payload.home
 
     def where(self) -> str:
         return f"chunk {self.payload.cid} payload {self.payload.name!r} in tier {self.tier.value!r}"
@@ -432,6 +457,13 @@ class _Payload:
     spec: PayloadSpec
     copies: dict = field(default_factory=dict)
     """Tier -> _Copy, one record per tier (all three always exist)."""
+    away: "Tier | None" = None
+    """Where the bytes of a GPU-homed payload are while the store is parked ([Note: parking])."""
+
+    @property
+    def home(self) -> Tier:
+        """The tier of the authoritative copy now: the spec's home, unless parked away."""
+        return self.spec.home if self.away is None else self.away
 
     def valid(self) -> list[_Copy]:
         return [c for c in self.copies.values() if c.state is Residency.VALID]
@@ -444,6 +476,22 @@ class _Chunk:
     """name -> _Payload."""
     discarded: bool = False
     """``discard`` freed every copy; the chunk can no longer be used."""
+
+
+@dataclass(eq=False)
+class _Parking:
+    """One park of the GPU tier ([Note: parking])."""
+
+    tier: Tier
+    """Where the GPU-homed payloads went."""
+    payloads: list
+    """The re-homed ``_Payload``s, in chunk order."""
+    lent: dict
+    """Tier -> bytes added to its budget for the park."""
+    space: object = None
+    """The parking SwapSpace (NVMe), closed at ``unpark``."""
+    engine: object = None
+    """Its AioEngine."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -548,6 +596,7 @@ class ChunkStore:
                 self._streams = _Streams(h2d=torch.cuda.Stream(), d2h=torch.cuda.Stream())
         self._swap = None
         self._zeros: "torch.Tensor | None" = None  # read-only zero buffer for NVMe home init
+        self._parking: "_Parking | None" = None  # [Note: parking]
 
     # ---- public API --------------------------------------------------------------------
 
@@ -562,6 +611,8 @@ class ChunkStore:
             if not isinstance(spec, PayloadSpec):
                 raise TypeError(f"payload {name!r}: expected a PayloadSpec, got {type(spec).__name__}")
         with self._lock:
+            if self._parking is not None and any(spec.home is Tier.GPU for spec in payloads.values()):
+                raise StoreError("add_chunk: the GPU tier is parked (ChunkStore.park); unpark() first")
             # Check the whole chunk fits before taking anything (no half-added chunk).
             need = {t: 0 for t in Tier}
             for spec in payloads.values():
@@ -583,7 +634,7 @@ class ChunkStore:
                 if home.tier is Tier.NVME:
                     home.to(Residency.FLUSHING, self)
                     home.pending = Handle(host=self._io_after((), functools.partial(
-                        self._swap_space().write, home.slot, self._zero_source(p.spec.nbytes))))
+                        home.space.write, home.slot, self._zero_source(p.spec.nbytes))))
                 else:
                     home.buffer.zero_()
                     home.to(Residency.VALID, self)
@@ -602,7 +653,7 @@ class ChunkStore:
         """Write the newest bytes to ``tier`` (default: the payload's home), asynchronously
         (write-behind). GPU → CPU runs on the D2H stream."""
         with self._lock:
-            tier = self._payload(cid, name).spec.home if tier is None else tier
+            tier = self._payload(cid, name).home if tier is None else tier
             return self._ensure(self._copy(cid, name, tier), Residency.FLUSHING)
 
     def allocate(self, cid: int, name: str, tier: "Tier | str") -> torch.Tensor:
@@ -711,6 +762,7 @@ class ChunkStore:
                     r.wait()
                 c.readers = []
             for c in copies:
+                c.spare = None
                 if c.state is not Residency.ABSENT:
                     self._drop_memory(c, home=True)
                     c.to(Residency.ABSENT, self)
@@ -875,6 +927,196 @@ class ChunkStore:
         with self._lock:
             self.policy = policy
 
+    # ---- parking ([Note: parking]) -----------------------------------------------------
+
+    def home(self, cid: int, name: str) -> Tier:
+        """Where the payload's authoritative copy is now: its spec's home, or, while the store is
+        parked, where a GPU-homed payload's bytes were parked."""
+        with self._lock:
+            return self._payload(cid, name).home
+
+    @property
+    def parked(self) -> "Tier | None":
+        """Where ``park`` put the GPU tier's home copies; None when not parked."""
+        parking = self._parking
+        return parking.tier if parking is not None else None
+
+    def gpu_home_bytes(self) -> int:
+        """Bytes of the payloads the plan homes on the GPU tier (each rounded to 4 KiB as it is
+        held): what ``park`` moves off it (its other copies are dropped, written home first when
+        newest) and ``unpark`` back."""
+        with self._lock:
+            return sum(p.copies[Tier.GPU].nbytes for p in self._gpu_homed())
+
+    def park(self, to: "Tier | str") -> int:
+        """Empty the GPU tier: see [Note: parking]. ``to``: "cpu" or "nvme" (needs ``nvme_dir``).
+        Every GPU copy must be unpinned. Returns the bytes moved (``gpu_home_bytes``)."""
+        to = Tier.of(to)
+        if to is Tier.GPU:
+            raise ValueError("park(to=...) takes 'cpu' or 'nvme': where the GPU tier's bytes go")
+        with self._lock:
+            self._check_open()
+            if self._parking is not None:
+                raise StoreError(f"park: the GPU tier is parked on {self._parking.tier.value} already; "
+                                 f"unpark() first")
+            if to is Tier.NVME:
+                self._check_nvme()
+            self.synchronize()
+            if to is Tier.NVME:
+                self.release_spares()  # host memory kept for a park on the host is not what this one uses
+            gpu = list(self._held[Tier.GPU])
+            for c in gpu:
+                if c.pins:
+                    raise StoreError(f"park: {c.where()} is in use ({c.pins} pin(s)); unpin every GPU "
+                                     f"copy first")
+            payloads = self._gpu_homed()
+            nbytes = sum(p.copies[Tier.GPU].nbytes for p in payloads)
+            lent = {to: nbytes}
+            parking = _Parking(tier=to, payloads=payloads, lent=lent)
+            if to is Tier.NVME and payloads:  # the space first: a full disk raises before anything moves
+                parking.space, parking.engine = self._parking_space(nbytes)
+                lent[Tier.CPU] = _PARK_BATCH * max(p.copies[Tier.CPU].nbytes for p in payloads)
+            self._parking = parking
+            for tier, n in lent.items():
+                self.budgets[tier] += n
+            try:
+                for c in gpu:
+                    if not c.is_home:
+                        self._evict(c)  # a cache: dropped (written home first when newest)
+                self._move_away(payloads, to)
+            except BaseException as e:
+                self._undo(e, self._end_park, parking)
+                raise
+            return nbytes
+
+    def unpark(self, *, keep: bool = False) -> int:
+        """Bring the parked payloads back into GPU buffers, homed there again, and free the
+        parking copies: see [Note: parking]. ``keep``: the host buffers of a park on the CPU stay
+        with their copies for the next park (which then takes no fresh pinned memory: pinning is
+        most of a park's time), until ``release_spares`` or an ``unpark`` without it. Returns the
+        bytes moved back."""
+        with self._lock:
+            self._check_open()
+            parking = self._parking
+            if parking is None:
+                raise StoreError("unpark: the store is not parked")
+            if not keep:
+                self.release_spares()
+            try:
+                self._move_back(parking.payloads, keep=keep)
+            except BaseException as e:
+                self._undo(e, self._repark, parking)
+                raise
+            self._end_park(parking)
+            return sum(p.copies[Tier.GPU].nbytes for p in parking.payloads)
+
+    def _gpu_homed(self) -> list:
+        return [p for chunk in self._chunks if not chunk.discarded
+                for p in chunk.payloads.values() if p.spec.home is Tier.GPU]
+
+    def _move_away(self, payloads: list, to: Tier) -> None:
+        """Re-home ``payloads`` (GPU-homed, their GPU copies unpinned) to ``to``: their bytes
+        are copied there (NVMe: staged through host memory, ``_PARK_BATCH`` payloads at a time)
+        and their GPU copies freed."""
+        step = _PARK_BATCH if to is Tier.NVME else max(1, len(payloads))
+        for i in range(0, len(payloads), step):
+            part = payloads[i:i + step]
+            for p in part:  # issued together: the copies overlap
+                p.away = to
+                self._ensure(p.copies[to], Residency.FLUSHING)
+            for p in part:
+                self._await_quiet(p.copies[to])
+                for tier in (Tier.GPU, Tier.CPU) if to is Tier.NVME else (Tier.GPU,):
+                    self._evict(p.copies[tier])  # not home now; valid at home: nothing written
+
+    def release_spares(self) -> int:
+        """Free the host buffers ``unpark(keep=True)`` kept; returns their bytes."""
+        with self._lock:
+            freed = 0
+            for p in self._gpu_homed():
+                c = p.copies[Tier.CPU]
+                if c.spare is not None:
+                    freed += c.nbytes
+                    c.spare = None
+            return freed
+
+    def spare_bytes(self) -> int:
+        """Host bytes of the buffers ``unpark(keep=True)`` kept for the next park."""
+        with self._lock:
+            return sum(p.copies[Tier.CPU].nbytes for p in self._gpu_homed() if p.copies[Tier.CPU].spare is not None)
+
+    def _move_back(self, payloads: list, *, keep: bool = False) -> None:
+        """Copy parked ``payloads`` into GPU buffers, home them there again and free their other
+        copies (the parking ones included; ``keep``: a parking host buffer stays as the copy's
+        ``spare``)."""
+        step = _PARK_BATCH if any(p.away is Tier.NVME for p in payloads) else max(1, len(payloads))
+        for i in range(0, len(payloads), step):
+            part = [p for p in payloads[i:i + step] if p.away is not None]
+            for p in part:
+                self._ensure(p.copies[Tier.GPU], Residency.LOADING)
+            for p in part:
+                self._await_quiet(p.copies[Tier.GPU])
+                home, p.away = p.away, None
+                cpu = p.copies[Tier.CPU]
+                spare = cpu.buffer if keep and home is Tier.CPU and cpu.pool_buffer is None else None
+                for tier in (Tier.CPU, Tier.NVME):
+                    self._drop_copy(p.copies[tier])  # valid on the GPU now: nothing written
+                if spare is not None and cpu.state is Residency.ABSENT:
+                    cpu.spare = spare
+
+    def _repark(self, parking: _Parking) -> None:
+        """After a failed unpark: what came back goes to the park again, and the GPU copies still
+        arriving are dropped."""
+        for p in parking.payloads:
+            if p.away is not None:
+                self._drop_copy(p.copies[Tier.GPU])
+        self._move_away([p for p in parking.payloads if p.away is None], parking.tier)
+
+    def _drop_copy(self, copy: _Copy) -> None:
+        """Evict a non-home copy; one whose move into it failed is dropped by settling it."""
+        try:
+            self._evict(copy)
+        except Exception:
+            if copy.state is not Residency.ABSENT:
+                raise
+
+    def _end_park(self, parking: _Parking) -> None:
+        """Every payload is home on the GPU again: give back the lent budget and the space."""
+        self._move_back(parking.payloads)  # (after a failed park: what moved comes back)
+        for tier, n in parking.lent.items():
+            self.budgets[tier] -= n
+        self._parking = None
+        self._close_parking_space(parking)
+
+    def _undo(self, error: BaseException, undo: Callable, *args) -> None:
+        """After ``error`` part-way through a park or unpark: ``undo(*args)`` moves back what
+        moved. A failure of that is noted on ``error`` (raised by the caller), never raised
+        over it; the store is then in an unknown state and takes no further calls."""
+        try:
+            undo(*args)
+        except BaseException as again:  # noqa: BLE001 - noted on the cause
+            error.add_note(f"zero_offload: moving the parked bytes back failed too ({type(again).__name__}: "
+                           f"{again}); this store is closed")
+            with contextlib.suppress(Exception):
+                self.close()
+
+    def _parking_space(self, nbytes: int) -> tuple:
+        from .swap_io import AioEngine, SwapSpace
+        engine = AioEngine(threads=self.config.io_threads, block_size=self.config.io_block_size,
+                           queue_depth=self.config.io_queue_depth)
+        try:
+            return SwapSpace(self.config.nvme_dir, capacity_bytes=nbytes, engine=engine), engine
+        except BaseException:
+            engine.close()
+            raise
+
+    @staticmethod
+    def _close_parking_space(parking: _Parking) -> None:
+        if parking.space is not None:
+            parking.space.close()
+            parking.engine.close()
+            parking.space = parking.engine = None
+
     def synchronize(self) -> None:
         """Wait (host) for every move in flight (``copy_in`` / ``copy_out`` too) and settle all
         records."""
@@ -900,7 +1142,7 @@ class ChunkStore:
                 self._closed = True
                 self._executor.shutdown(wait=True)
                 for c in self._copies(self._chunks):
-                    c.buffer = None
+                    c.buffer = c.spare = None
                     c.pool_buffer = None
                     c.slot = None
                 self._chunks.clear()
@@ -909,6 +1151,9 @@ class ChunkStore:
                 if self._swap is not None:
                     self._swap.close()
                     self._swap = None
+                if self._parking is not None:
+                    parking, self._parking = self._parking, None
+                    self._close_parking_space(parking)
 
     def __enter__(self):
         return self
@@ -950,6 +1195,9 @@ class ChunkStore:
         copy = self._payload(cid, name).copies[Tier.of(tier)]
         if copy.tier is Tier.NVME:
             self._check_nvme()
+        elif copy.tier is Tier.GPU and self._parking is not None:
+            raise StoreError(f"{copy.where()}: the GPU tier is parked on {self._parking.tier.value} "
+                             f"(ChunkStore.park); call unpark() before using it")
         return copy
 
     def _check_nvme(self) -> None:
@@ -1033,14 +1281,18 @@ class ChunkStore:
         if copy.tier is Tier.GPU:
             copy.buffer = torch.empty(spec.numel, dtype=spec.dtype, device=self.device)
         elif copy.tier is Tier.CPU:
-            if copy.is_home:
+            if copy.spare is not None:  # a park's kept buffer ([Note: parking])
+                copy.buffer, copy.spare = copy.spare, None
+            elif copy.is_home:
                 # Home copies live as long as the store: their own exact-size aligned allocation.
                 copy.buffer = aligned_empty(spec.nbytes, dtype=spec.dtype, pin=self.config.pin)
             else:
                 copy.pool_buffer = self._pool.acquire(spec.nbytes)
                 copy.buffer = copy.pool_buffer.view(spec.dtype, spec.numel)
-        else:
-            copy.slot = self._swap_space().alloc(copy.nbytes)
+        else:  # a payload parked on NVMe takes a slot of the park's space ([Note: parking])
+            space = self._parking.space if copy.payload.away is Tier.NVME else self._swap_space()
+            copy.slot = space.alloc(copy.nbytes)
+            copy.space = space
 
     def _drop_memory(self, copy: _Copy, *, home: bool = False) -> None:
         if copy.is_home and not home:
@@ -1049,8 +1301,8 @@ class ChunkStore:
             self._pool.release(copy.pool_buffer)
             copy.pool_buffer = None
         if copy.slot is not None:
-            self._swap_space().free(copy.slot)
-            copy.slot = None
+            copy.space.free(copy.slot)
+            copy.slot = copy.space = None
         copy.buffer = None
 
     def _swap_space(self):
@@ -1125,7 +1377,7 @@ class ChunkStore:
         p = copy.payload
         if copy.state is Residency.VALID and p.valid() == [copy] and \
                 not any(c.state in _IN_FLIGHT for c in p.copies.values()):
-            self._ensure(p.copies[p.spec.home], Residency.FLUSHING)  # write it back home first
+            self._ensure(p.copies[p.home], Residency.FLUSHING)  # write it back home first
         self.stats.evictions += 1
         if copy.tier is Tier.GPU and self._streams is not None:
             # The caching allocator must not hand this memory out again before the copy streams
@@ -1187,9 +1439,8 @@ class ChunkStore:
         move (RAW), dst's readers (WAR). See [Note: hazards]."""
         deps = [h for h in ([src.pending] + dst.readers) if h is not None and not h.finished()]
         if Tier.NVME in (src.tier, dst.tier):
-            swap = self._swap_space()
-            io = (functools.partial(swap.write, dst.slot, self._raw(src)) if dst.tier is Tier.NVME
-                  else functools.partial(swap.read, src.slot, self._raw(dst)))
+            io = (functools.partial(dst.space.write, dst.slot, self._raw(src)) if dst.tier is Tier.NVME
+                  else functools.partial(src.space.read, src.slot, self._raw(dst)))
             return Handle(host=self._io_after(deps, io))
         if self._streams is None:
             def host_copy():
