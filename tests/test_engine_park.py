@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import zero_offload as zo
+from zero_offload.runtime.checkpoint import chunk_state
 from zero_offload.runtime import parking
 from zero_offload.runtime.store import Residency, Tier
 from zero_offload.runtime.vocab import round_up
@@ -45,7 +46,7 @@ def _state(engine) -> dict:
     the counters, the loss scale."""
     out = {f"param {k}": v for k, v in engine.state_dict().items()}
     for layout in engine.partition.chunks:
-        for k, v in engine.chunk_state(layout).items():
+        for k, v in chunk_state(engine.group, layout).items():
             out[f"chunk {layout.index} {k}"] = v
     out["progress"] = (engine.global_step, engine.skipped_steps, engine.stats().loss_scale)
     return out
@@ -129,9 +130,9 @@ def test_many_round_trips_and_the_parking_memory_goes_back(keep, tmp_path):
                 e.backward(gpt_loss(e, b))
                 e.step()
             parked.synchronize()
-            homed = [(c.g.cid, n) for c in parked._chunks for n in ("params", "grads", "master", "exp_avg",
+            homed = [(c.cid, n) for c in parked.group.chunks for n in ("params", "grads", "master", "exp_avg",
                                                                       "exp_avg_sq")
-                     if store.has_payload(c.g.cid, n) and store.payload_spec(c.g.cid, n).home is Tier.GPU]
+                     if store.has_payload(c.cid, n) and store.payload_spec(c.cid, n).home is Tier.GPU]
             # A host copy of a device-homed payload (a CPU update's staging, written home behind)
             # may still be there: the park takes it as the parked copy, the resume drops it.
             cached = sum(round_up(store.payload_spec(cid, n).nbytes) for cid, n in homed

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import zero_offload as zo
+from zero_offload.runtime.checkpoint import chunk_state
 from _dist_util import run_ranks, values
 from _engine_util import SMALL_CHUNK_MB, gpt_batches, micro_gpt
 from zero_offload.runtime.store import Tier
@@ -40,7 +41,7 @@ def _train(engine, rank, batches) -> list:
 def _state(engine) -> dict:
     out = dict(engine.state_dict())
     for layout in engine.partition.chunks:
-        for k, v in engine.chunk_state(layout).items():
+        for k, v in chunk_state(engine.group, layout).items():
             out[f"chunk {layout.index} {k}"] = v
     return out
 
@@ -58,7 +59,7 @@ def _park_rank(rank, world, kw, nvme_dir, target, fault):
     engine = _engine(kw, nvme_dir and f"{nvme_dir}/parked")
     seen = {}
     got = _train(engine, rank, batches[:2])
-    replicated = [c.g.cid for c in engine._chunks if c.g.replica_fresh]
+    replicated = [c.cid for c in engine.group.chunks if c.replica_fresh]
     virtual_memory = parking.psutil.virtual_memory
     if fault == "refuse" and rank == 1:  # this rank's host memory cannot hold the state
         now = virtual_memory()
@@ -67,7 +68,7 @@ def _park_rank(rank, world, kw, nvme_dir, target, fault):
         store = engine.store
         real_park, real_unpark = store.park, store.unpark
 
-        def fail(*args):
+        def fail(*args, **kwargs):
             raise OSError("injected on rank 1")
         if fault == "fail-park":
             store.park = fail
@@ -82,7 +83,7 @@ def _park_rank(rank, world, kw, nvme_dir, target, fault):
         engine.store.park = real_park
     seen["parked"] = engine.parked
     seen["device bytes parked"] = engine.store.bytes(Tier.GPU)
-    seen["replicas parked"] = [c.g.cid for c in engine._chunks if c.g.replica is not None]
+    seen["replicas parked"] = [c.cid for c in engine.group.chunks if c.replica is not None]
     if engine.parked is not None:
         try:
             engine.resume()
@@ -93,7 +94,7 @@ def _park_rank(rank, world, kw, nvme_dir, target, fault):
         seen["parked after a failed resume"] = engine.parked
         if engine.parked is not None:
             engine.resume()
-    seen["replicas back"] = [c.g.cid for c in engine._chunks if c.g.replica_fresh] == replicated
+    seen["replicas back"] = [c.cid for c in engine.group.chunks if c.replica_fresh] == replicated
     seen["replicated"] = replicated
     got += _train(engine, rank, batches[2:])
     state = _state(engine)

@@ -11,6 +11,7 @@ from torch import nn
 import torch.nn.functional as F
 
 import zero_offload as zo
+from zero_offload.runtime.checkpoint import chunk_state
 from zero_offload.runtime.store import Tier
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -52,7 +53,7 @@ def _train(engine, batches) -> list:
 def _state(engine) -> dict:
     out = {f"param {k}": v for k, v in engine.state_dict().items()}
     for layout in engine.partition.chunks:
-        for k, v in engine.chunk_state(layout).items():
+        for k, v in chunk_state(engine.group, layout).items():
             out[f"chunk {layout.index} {k}"] = v
     return out
 
