@@ -135,11 +135,12 @@ from .param_guard import PHASES, ParamGuard, Phase
 from .runtime.chunk_group import ChunkGroup, GroupChunk, GroupSlot, Staging
 from .runtime.partition import ChunkLayout, ParamSlot, Partition, partition_parameters, update_spans
 from .runtime.pipeline import PipelinePayloads, StepPipeline
-from .runtime.placement import (PARKED_CHUNKS, ChunkNeed, PlacementPlan, PlacementRequest, chunk_payloads,
-                                keep_limit, local_ranks, plan_placement, rank_budgets)
+from .runtime.placement import (PARKED_CHUNKS, ChunkNeed, Measured, PlacementPlan, PlacementRequest,
+                                chunk_payloads, grow_share, keep_limit, local_ranks, measure_device,
+                                plan_placement, rank_budgets)
 from .runtime.prefetch import Consumer, Prefetcher
 from .runtime.shards import Gather, Shards
-from .runtime.store import ChunkStore, Hop, StoreConfig, Tier
+from .runtime.store import BudgetError, ChunkStore, Hop, StoreConfig, Tier
 from .runtime.trace import StatsWindow, Trace
 
 __all__ = ["Engine", "EngineStats", "Phase", "initialize"]
@@ -286,6 +287,9 @@ class EngineStats:
     loss_scale: Optional[float]
     last_grad_norm: Optional[float]
     lr: float
+    placement: dict = dataclasses.field(default_factory=dict)
+    """This rank's placement and why (``PlacementPlan.report``: bytes per tier and payload kind,
+    the GPU share, the step measurement it was grown by, why it ends where it does)."""
 
     def as_dict(self) -> dict:
         return dict(vars(self))
@@ -417,7 +421,7 @@ class Engine:
                          for c in self.partition.chunks),  # (a rule that is not elementwise: one rank, whole chunks)
             budgets=budgets, params=cfg.params, optimizer=cfg.optimizer, rule=self.rule,
             accum=cfg.host_accum, nvme_dir=cfg.nvme_dir, prefetch_depth=cfg.prefetch_depth,
-            reserve=cfg.activation_reserve, gpu_optimizer=not self._ranked,
+            reserve=cfg.activation_reserve, gpu_optimizer=True,
             fp32_grads_window=self._final_sync, ranks=self.shard.world,
             replicas=self._ranked and cfg.params == "gpu"))
         # The swap file is preallocated to the NVMe budget: exactly what the plan needs (each
@@ -960,6 +964,29 @@ class Engine:
         self.optimizer.note_update()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+        if self.global_step == 1 and self.plan.measured is None:  # [Note: measured share]
+            measured = measure_device(self.device, store_peak=self.store.peak_bytes(Tier.GPU))
+            if measured is not None:
+                self.grow_share(measured)
+
+    def grow_share(self, measured: Measured) -> PlacementPlan:
+        """Grow the GPU share of the optimizer by what ``measured`` leaves free (placement.py,
+        [Note: measured share]); the first step does this by itself on CUDA. Between windows.
+        A chunk whose move fails stays on the host with the ones after it (``plan.report()``
+        says so). Returns the new plan (``self.plan``)."""
+        self._check_open()
+        self._require_idle("grow_share")
+        if self.group.micro:
+            raise RuntimeError("grow_share: call it between accumulation windows (after step())")
+        plan = grow_share(self.plan, measured)
+        for i in plan.grown:
+            try:
+                self.group.rehome(self._chunks[i].g, Tier.GPU)
+            except (torch.OutOfMemoryError, BudgetError) as e:
+                plan = plan.fall_back(i, e)
+                break
+        self.plan = plan
+        return plan
 
     # ---- inspection -------------------------------------------------------------------------
 
@@ -1087,7 +1114,8 @@ class Engine:
             prefetch_ahead_rate=w["ahead"] / uses if uses else 0.0,
             loss_scale=self.scaler.scale if self.scaler is not None else None,
             last_grad_norm=self.last_grad_norm,
-            lr=float(self.optimizer.param_groups[0]["lr"]))
+            lr=float(self.optimizer.param_groups[0]["lr"]),
+            placement={"rank": self.shard.rank, **self.plan.report()})
 
     def reset_stats(self) -> None:
         """Restart the time and byte counters and the peaks (e.g. after warm-up steps)."""
