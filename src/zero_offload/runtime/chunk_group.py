@@ -643,7 +643,11 @@ class ChunkGroup:
             self._release_device_buffer(chunk)  # the pin taken above ([Note: collective failures])
             raise
         with self.shards.after_reduce():
-            return self._send_down(chunk)
+            handle = self._send_down(chunk)
+        if self._on_device(chunk) and self.shards.streams is not None:
+            # [Note: GPU share]: the update reads the shard on the caller's stream, after the reduce.
+            torch.cuda.current_stream(self.store.device).wait_stream(self.shards.streams.reduce)
+        return handle
 
     def _send_down(self, chunk: GroupChunk) -> Optional[Handle]:
         """The staged GPU copy of "grads" goes home (D2H, async; the returned handle) and is
