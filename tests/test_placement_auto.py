@@ -148,3 +148,23 @@ def test_measured_checks_its_numbers():
         Measured(device_limit=1, device_peak=0, margin=-5)
     m = Measured(device_limit=10 * GiB, device_peak=4 * GiB, store_peak=3 * GiB, margin=0)
     assert (m.headroom, m.activation_peak) == (6 * GiB, 1 * GiB)
+
+
+def test_the_share_leaves_room_for_the_replicas():
+    """params="gpu" with 2 ranks keeps a whole replica of the params on each GPU beside the
+    shards: the share stops short of them (before, the share took their room and the replicas'
+    check refused the plan), in the first plan and the grown one."""
+    chunks = tuple(ChunkNeed(numel=WHOLE // 2, dtype=BF16) for _ in range(CHUNKS))
+
+    def request(gpu):
+        return PlacementRequest(chunks=chunks, budgets=Budgets(gpu=gpu, cpu=512 * GiB), params=Placement.GPU,
+                                optimizer=Placement.AUTO, rule=AdamRule(), prefetch_depth=2, reserve=0,
+                                gpu_optimizer=True, ranks=2, replicas=True)
+
+    replicas, shards, share_chunk = CHUNKS * WHOLE * 2, CHUNKS * WHOLE, 7 * WHOLE
+    gpu = replicas + shards + window_bytes(request(1), whole=True) + 3 * share_chunk
+    plan = plan_placement(request(gpu))
+    assert sum(_share(plan)) == 3 and _share(plan)[:3] == [True] * 3
+    assert plan.need[Tier.GPU] + replicas <= gpu
+    grown = grow_share(plan, Measured(device_limit=1 << 50, device_peak=0))
+    assert grown.grown == () and "gpu_budget" in grown.why

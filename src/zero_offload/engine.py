@@ -964,7 +964,7 @@ class Engine:
         self.optimizer.note_update()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        if self.global_step == 1 and self.plan.measured is None:  # [Note: measured share]
+        if self.plan.measured is None and self.device.type == "cuda":  # [Note: measured share]: once
             measured = measure_device(self.device, store_peak=self.store.peak_bytes(Tier.GPU))
             if measured is not None:
                 self.grow_share(measured)

@@ -604,6 +604,7 @@ def plan_placement(request: PlacementRequest) -> PlacementPlan:
     # GPU params of the chunks not placed yet: the optimizer's GPU share must leave them room.
     params_ahead = (sum(_params_bytes(c, request) for c in chunks) if request.params is Placement.GPU
                     else sum(_params_bytes(chunks[i], request) for i in auto_gpu))
+    replicas = _replica_bytes(request)  # beside the homes: the share leaves them room
     share = request.optimizer is Placement.AUTO and request.gpu_optimizer
     share_ended, why = False, ""
     for i, c in enumerate(chunks):
@@ -628,7 +629,7 @@ def plan_placement(request: PlacementRequest) -> PlacementPlan:
             obytes = chunk_bytes(c, request, optimizer_payloads(c, request))
             moves = chunk_bytes(c, request, ("grads", "accum"))  # with the update, to the device
             if share and ptier in (None, Tier.GPU):
-                if need[Tier.GPU] + params_ahead + obytes + moves <= gpu_auto:
+                if need[Tier.GPU] + params_ahead + replicas + obytes + moves <= gpu_auto:
                     otier, obytes = Tier.GPU, obytes + moves
                     need[Tier.CPU] -= moves + _copy_out_bytes(c, request)
                 else:
@@ -675,8 +676,8 @@ def grow_share(plan: PlacementPlan, measured: Measured) -> PlacementPlan:
     request = plan.request
     if not (request.optimizer is Placement.AUTO and request.gpu_optimizer):
         return dataclasses.replace(plan, measured=measured, grown=())
-    budget_room = plan.budgets.gpu - plan.need[Tier.GPU]
-    room = min(measured.headroom, budget_room)
+    budget_room = plan.budgets.gpu - plan.need[Tier.GPU] - _replica_bytes(request)
+    room = max(0, min(measured.headroom, budget_room))
     homes, need, grown, why = list(plan.homes), dict(plan.need), [], ""
     for i, (c, h) in enumerate(zip(request.chunks, homes)):
         if not c.trainable or h.optimizer is Tier.GPU:
@@ -749,13 +750,20 @@ def _check_fits(request: PlacementRequest, need: dict, *, gpu_window: int, gpu_e
             f"in host memory ({request.state_option}='cpu' or 'auto')")
 
 
+def _replica_bytes(request: PlacementRequest) -> int:
+    """Device bytes of the whole params replicas beside the homes (``PlacementRequest.replicas``)."""
+    if not request.replicas:
+        return 0
+    return sum(c.numel * request.ranks * c.dtype.itemsize for c in request.chunks)
+
+
 def _check_replicas(plan: PlacementPlan) -> None:
     """params="gpu" with several ranks keeps a full replica of every chunk's params on each GPU
     beside the rank's shards (engine.py, [Note: data parallel]): refuse before anything is
     allocated when the budget cannot hold both."""
     request, gpu = plan.request, plan.budgets.gpu
     world = request.ranks
-    replicas = sum(c.numel * world * c.dtype.itemsize for c in request.chunks)
+    replicas = _replica_bytes(request)
     need = plan.need[Tier.GPU] + replicas
     if need > gpu:
         raise FitError(
