@@ -23,6 +23,8 @@ Cases (fp32 params, bf16 autocast, batch ``--batch`` sequences per rank, AdamW l
 - ``engine-largest``: ``engine`` with ``optimizer="auto"`` (host memory first, then NVMe files
   under ``--nvme-dir``, each rank its share of both) for the largest model of the node (use
   ``--checkpointing``);
+- ``engine-auto``: ``engine`` with params and optimizer "auto" (the device first: each rank's
+  shard of the state on its GPU where it fits, the share grown after the first step);
 - ``ds-zero3``: DeepSpeed ZeRO-3 with params and optimizer offloaded to the CPU (the config of
   ../shared/BASELINES.md; its wheel: ../shared/wheels/README.md).
 Rank 0 prints one line per case and writes the JSON: median step time over ``--steps`` timed
@@ -86,15 +88,16 @@ class EngineStep:
 
 def build(case, cfg, device, world, args):
     torch.manual_seed(0)
-    if case in ("engine", "engine-gpu", "engine-bind", "engine-largest"):
+    if case in ("engine", "engine-gpu", "engine-bind", "engine-largest", "engine-auto"):
         import zero_offload as zo
         model = GPT(cfg, device="meta")  # no memory: initialize fills the tiers chunk by chunk
         model.set_activation_checkpointing(args.checkpointing)
         largest = case == "engine-largest"
         engine = zo.initialize(model, optimizer=zo.AdamW(lr=1e-4, weight_decay=0.1), device=device,
                                init=model.init_param,
-                               config=zo.OffloadConfig(params="gpu" if case == "engine-gpu" else "cpu",
-                                                       optimizer="auto" if largest else "cpu", dtype="bf16",
+                               config=zo.OffloadConfig(params={"engine-gpu": "gpu", "engine-auto": "auto"}.get(case, "cpu"),
+                                                       optimizer="auto" if largest or case == "engine-auto" else "cpu",
+                                                       dtype="bf16",
                                                        nvme_dir=args.nvme_dir if largest else None,
                                                        bind_cores=case == "engine-bind"))
         wrapped = EngineStep(engine)

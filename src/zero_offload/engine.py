@@ -120,11 +120,12 @@ from .runtime.chunk_group import ChunkGroup, GroupChunk, GroupSlot, Staging
 from .runtime.parking import ParkReport, Parking
 from .runtime.partition import ChunkLayout, Partition, partition_parameters, update_spans
 from .runtime.pipeline import PipelinePayloads, StepPipeline
-from .runtime.placement import (PARKED_CHUNKS, ChunkNeed, PlacementPlan, PlacementRequest, chunk_payloads,
-                                keep_limit, local_ranks, plan_placement, rank_budgets)
+from .runtime.placement import (PARKED_CHUNKS, ChunkNeed, Measured, PlacementPlan, PlacementRequest,
+                                chunk_payloads, grow_share, keep_limit, local_ranks, measure_device,
+                                plan_placement, rank_budgets)
 from .runtime.prefetch import Consumer, Prefetcher
 from .runtime.shards import Gather, Shards
-from .runtime.store import ChunkStore, StoreConfig, Tier
+from .runtime.store import BudgetError, ChunkStore, StoreConfig, Tier
 from .runtime.stats import EngineStats, PhaseStats
 from .runtime.trace import Trace, profile_range
 
@@ -268,7 +269,7 @@ class Engine:
                          for c in self.partition.chunks),  # (a rule that is not elementwise: one rank, whole chunks)
             budgets=budgets, params=cfg.params, optimizer=cfg.optimizer, rule=self.rule,
             accum=cfg.host_accum, nvme_dir=cfg.nvme_dir, prefetch_depth=cfg.prefetch_depth,
-            reserve=cfg.activation_reserve, gpu_optimizer=not self._ranked,
+            reserve=cfg.activation_reserve, gpu_optimizer=True,
             fp32_grads_window=self._final_sync, ranks=self.shard.world,
             replicas=self._ranked and cfg.params == "gpu"))
         # The swap file is preallocated to the NVMe budget: exactly what the plan needs (each
@@ -664,6 +665,29 @@ class Engine:
         self.optimizer.note_update()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+        if self.plan.measured is None and self.device.type == "cuda":  # [Note: measured share]: once
+            measured = measure_device(self.device, store_peak=self.store.peak_bytes(Tier.GPU))
+            if measured is not None:
+                self.grow_share(measured)
+
+    def grow_share(self, measured: Measured) -> PlacementPlan:
+        """Grow the GPU share of the optimizer by what ``measured`` leaves free (placement.py,
+        [Note: measured share]); the first step does this by itself on CUDA. Between windows.
+        A chunk whose move fails stays on the host with the ones after it (``plan.report()``
+        says so). Returns the new plan (``self.plan``)."""
+        self._check_open()
+        self._require_idle("grow_share")
+        if self.group.micro:
+            raise RuntimeError("grow_share: call it between accumulation windows (after step())")
+        plan = grow_share(self.plan, measured)
+        for i in plan.grown:
+            try:
+                self.group.rehome(self.group.chunks[i], Tier.GPU)
+            except (torch.OutOfMemoryError, BudgetError) as e:
+                plan = plan.fall_back(i, e)
+                break
+        self.plan = plan
+        return plan
 
     # ---- park and resume ([Note: parking] in runtime/parking.py) -----------------------------
 
@@ -814,7 +838,8 @@ class Engine:
         return self._stats.read(steps=self.global_step, skipped_steps=self.skipped_steps,
                                 loss_scale=self.scaler.scale if self.scaler is not None else None,
                                 last_grad_norm=self.last_grad_norm,
-                                lr=float(self.optimizer.param_groups[0]["lr"]))
+                                lr=float(self.optimizer.param_groups[0]["lr"]),
+                                placement={"rank": self.shard.rank, **self.plan.report()})
 
     def reset_stats(self) -> None:
         """Restart the time and byte counters and the peaks (e.g. after warm-up steps)."""

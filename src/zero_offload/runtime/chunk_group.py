@@ -669,7 +669,11 @@ class ChunkGroup:
             self._release_device_buffer(chunk)  # the pin taken above ([Note: collective failures])
             raise
         with self.shards.after_reduce():
-            return self._send_down(chunk)
+            handle = self._send_down(chunk)
+        if self._on_device(chunk) and self.shards.streams is not None:
+            # [Note: GPU share]: the update reads the shard on the caller's stream, after the reduce.
+            torch.cuda.current_stream(self.store.device).wait_stream(self.shards.streams.reduce)
+        return handle
 
     def _send_down(self, chunk: GroupChunk) -> Optional[Handle]:
         """The staged GPU copy of "grads" goes home (D2H, async; the returned handle) and is
@@ -885,6 +889,35 @@ class ChunkGroup:
             self._device_sumsq = sq if self._device_sumsq is None else self._device_sumsq + sq
         if update:
             self._update_on_device(chunk, grad_scale)
+
+    def rehome(self, chunk: GroupChunk, tier: Tier) -> None:
+        """Move where the chunk is updated to ``tier`` ('gpu': it joins the GPU share; 'cpu': it
+        leaves it): its master, the rule's state, its grads and accumulation buffer homed there
+        (``ChunkStore.rehome``), from the next window on. Between windows only (no grad staged,
+        no job: it waits for the chunk's last one); synchronous. The STORE sink only (the
+        engine's params stay where placement put them; a TENSORS front end's copy-out payload
+        would have to come and go)."""
+        if self.sink is not ParamSink.STORE:
+            raise ValueError(f"{self.owner}: rehome serves the engine's chunks (ParamSink.STORE)")
+        self.wait(chunk)
+        if chunk.phase is not ChunkPhase.IDLE or chunk.window or chunk.landed or chunk.total is not None:
+            raise RuntimeError(f"{self.owner}: chunk {chunk.cid} has grads of this window; rehome it "
+                               f"between windows (after step())")
+        p, store = self.payloads, self.store
+        # "grads" last: its home says where the chunk is updated (``_on_device``).
+        names = [n for n in dict.fromkeys([p.master, *self.rule.state_keys, p.accum, p.grads])
+                 if n is not None and store.has_payload(chunk.cid, n)]
+        before = {n: store.payload_spec(chunk.cid, n).home for n in names}
+        moved = []
+        try:
+            for name in names:
+                store.rehome(chunk.cid, name, tier)
+                moved.append(name)
+        except BaseException:  # all or nothing: what moved goes back (never raising over the cause)
+            for name in reversed(moved):
+                with contextlib.suppress(Exception):
+                    store.rehome(chunk.cid, name, before[name])
+            raise
 
     def _take_device_stats(self) -> float:
         """The device share's sum of squares of this window (a host sync), then reset."""

@@ -41,7 +41,28 @@ on the device there: [Note: GPU share] in chunk_group.py), "auto" optimizer stat
 params live on the device (a front end's own params do) fills the device first, in chunk order,
 with the chunk's grads (and accumulation buffer) beside it, within the budget less ``reserve``:
 a prefix of the chunks (the first layers, which the next forward needs first). Once a chunk does
-not fit, the rest go to host memory, then NVMe.
+not fit, the rest go to host memory, then NVMe. "auto" params of every chunk are placed on the
+device before any of the share (``params_ahead``): a resident params chunk saves its fetch in
+every forward and backward, the share's state only the update's traffic. With several ranks the
+share is each rank's shard of each chunk (its state, grads shard and accumulation buffer), updated
+on the device after the grads' reduce-scatter; nothing the ranks do together depends on it.
+
+Why a prefix: backward produces the last chunks' grads first, so the host updates them while
+backward still runs over the first chunks, whose updates, on the device, take a few ms when their
+grads land; with clipping (updates after backward) the next forward uses the first chunks first,
+and the host works through the rest meanwhile. Either way the host's part starts earliest and the
+two finish together when the host's part takes no longer than the GPU time it hides behind
+(``PlacementPlan.report``: the measured balance). A larger share only shortens the host's part,
+so the share is as large as memory allows.
+
+[Note: measured share] The first plan cannot know the activations: it leaves ``reserve`` ("auto":
+half the GPU budget) to them, a conservative share. After the first step the front end measures
+the device (``Measured``: the allocator's peak over the step and the bytes it may reach) and
+``grow_share`` extends the share by what the peak leaves free, less a margin for fragmentation
+and step-to-step variation, within ``gpu_budget``: the step's other allocations stay as they
+were, so its new peak is the old one plus the bytes added. A chunk whose move then fails (out of
+memory after all) stays on the host, and so do the ones after it (``PlacementPlan.fall_back``:
+the report says so); the training goes on.
 
 [Note: rank budgets] Several ranks on one node (``local_ranks``: torchrun's
 ``LOCAL_WORLD_SIZE``) share its host memory and disk. An "auto" budget is this rank's share: the
@@ -56,8 +77,9 @@ their grads buffers: a chunk is held from its first grad until its last one land
 backward is in and the one it straddles into stay, and so does the chunk of a tied embedding (its
 grad completes only at the very end); plus the look-ahead, and the chunks parked on the device
 after use (prefetch.py, [Note: holds]). ``window_bytes`` sizes that as (prefetch_depth + 3
-+ PARKED_CHUNKS) params chunks plus three grads chunks of the largest size; the plan refuses a
-GPU budget below homes + window, with the numbers. When optimizer state or params live on NVMe,
++ PARKED_CHUNKS) params chunks plus three grads chunks of the largest size, of whole chunks with
+several ranks (a chunk in use is all-gathered, its grads summed whole before the reduce-scatter);
+the plan refuses a GPU budget below homes + window, with the numbers. When optimizer state or params live on NVMe,
 host memory needs a staging window of (prefetch_depth + 1) chunks of what is read ahead.
 """
 from __future__ import annotations
@@ -76,9 +98,9 @@ from .swap_io import NVME_AUTO_RESERVE, auto_nvme_budget, disk_holders
 from .update_rule import StateSpec, UpdateRule
 from .vocab import ALIGNMENT, Placement, round_up
 
-__all__ = ["Budgets", "ChunkHomes", "ChunkNeed", "FitError", "PARKED_CHUNKS", "PlacementPlan",
-           "PlacementRequest", "keep_limit", "local_ranks", "plan_placement", "rank_budgets",
-           "window_bytes"]
+__all__ = ["Budgets", "ChunkHomes", "ChunkNeed", "FitError", "Measured", "PARKED_CHUNKS", "PlacementPlan",
+           "PlacementRequest", "grow_share", "keep_limit", "local_ranks", "measure_device", "plan_placement",
+           "rank_budgets", "window_bytes"]
 
 PARKED_CHUNKS = 2
 """Chunks kept on the device after their last user let go (prefetch.py, [Note: holds]); part of
@@ -161,6 +183,66 @@ def rank_budgets(asked: Mapping, *, device=None, nvme_dir=None, local_ranks: int
     if Tier.CPU in auto:
         out[Tier.CPU] += freed_host
     return Budgets(gpu=out[Tier.GPU], cpu=out[Tier.CPU], nvme=out[Tier.NVME], auto=auto)
+
+
+MARGIN_SHARE = 0.04
+"""Share of the bytes the allocator may reach that the grown GPU share leaves free beyond the
+measured peak (fragmentation, step-to-step variation); at least ``MARGIN_MIN``."""
+MARGIN_MIN = 1 << 30
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measured:
+    """What a training step showed on the device ([Note: measured share]); ``measure_device``
+    reads it from CUDA, a test gives its own numbers."""
+
+    device_limit: int
+    """Bytes this process's allocator may hold on the device: what it holds now plus what the
+    device has free."""
+    device_peak: int
+    """The allocator's peak of bytes held over the measured step (activations, temporaries, the
+    store's copies, the collectives' buffers, fragmentation)."""
+    store_peak: int = 0
+    """The store's GPU-tier peak over the step; ``device_peak`` less it is the activation peak
+    (the report's; the share is sized from ``device_peak`` alone)."""
+    margin: "int | None" = None
+    """Bytes left free beyond the peak; None: ``MARGIN_SHARE`` of ``device_limit``, at least
+    ``MARGIN_MIN``."""
+
+    def __post_init__(self):
+        for name in ("device_limit", "device_peak", "store_peak"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"Measured.{name} must be bytes as an int >= 0, got {value!r}")
+        if self.margin is not None and (isinstance(self.margin, bool) or not isinstance(self.margin, int)
+                                        or self.margin < 0):
+            raise ValueError(f"Measured.margin must be bytes >= 0 or None, got {self.margin!r}")
+
+    @property
+    def margin_bytes(self) -> int:
+        if self.margin is not None:
+            return self.margin
+        return max(MARGIN_MIN, int(MARGIN_SHARE * self.device_limit))
+
+    @property
+    def headroom(self) -> int:
+        """Bytes the share may add: the limit less the peak and the margin."""
+        return max(0, self.device_limit - self.device_peak - self.margin_bytes)
+
+    @property
+    def activation_peak(self) -> int:
+        return max(0, self.device_peak - self.store_peak)
+
+
+def measure_device(device, *, store_peak: int = 0) -> "Measured | None":
+    """The CUDA allocator's peak since ``torch.cuda.reset_peak_memory_stats`` and what it may
+    reach now (None on a device that is not CUDA: nothing to measure)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return Measured(device_limit=int(free + torch.cuda.memory_reserved(device)),
+                    device_peak=int(torch.cuda.max_memory_reserved(device)), store_peak=int(store_peak))
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,6 +359,14 @@ class PlacementPlan:
     """Tier -> the bytes of ``need`` that are working windows and staging, not homes."""
     share_ended: bool = False
     """A trainable chunk did not fit the GPU share ([Note: GPU share placement])."""
+    why: str = ""
+    """Why the GPU share ends where it does (or why there is none), for the report."""
+    measured: "Measured | None" = None
+    """The step measurement the share was grown by ([Note: measured share]); None: not yet."""
+    grown: tuple = ()
+    """Chunks ``grow_share`` moved into the share (the front end rehomes them)."""
+    fell_back: tuple = ()
+    """Chunks whose move into the share failed and that stayed on the host (``fall_back``)."""
 
     @property
     def budgets(self) -> Budgets:
@@ -290,6 +380,55 @@ class PlacementPlan:
     def payloads(self, index: int) -> dict:
         """name -> ``PayloadSpec`` of chunk ``index``'s payloads (the table above)."""
         return chunk_payloads(self.request, self.request.chunks[index], self.homes[index])
+
+    def fall_back(self, index: int, error: BaseException) -> "PlacementPlan":
+        """This plan with the grown chunks from ``index`` on back on the host (their move into
+        the share failed with ``error``: [Note: measured share])."""
+        back = tuple(i for i in self.grown if i >= index)
+        homes, need = list(self.homes), dict(self.need)
+        for i in back:
+            delta = _share_bytes(self.request.chunks[i], self.request)
+            homes[i] = dataclasses.replace(homes[i], optimizer=Tier.CPU)
+            need[Tier.GPU] -= delta
+            need[Tier.CPU] += delta + _copy_out_bytes(self.request.chunks[i], self.request)
+        line = str(error).splitlines()[0] if str(error) else ""
+        return dataclasses.replace(
+            self, homes=tuple(homes), need=need, share_ended=True,
+            grown=tuple(i for i in self.grown if i < index), fell_back=back,
+            why=f"fell back to host memory at chunk {index} ({type(error).__name__}: {line[:200]}); "
+                f"{len(back)} chunk(s) stay on the host")
+
+    def report(self) -> dict:
+        """Where this rank's bytes are and why (plain values, for ``stats`` and logs): per tier
+        the homes by payload kind, the working window and the budget; the GPU share in chunks,
+        elements and bytes; the measurement it was sized by; why it ends where it does."""
+        request = self.request
+        tiers = {t.value: {"params": 0, "optimizer": 0, "grads": 0, "other": 0} for t in Tier}
+        share = {"chunks": 0, "elements": 0, "host_chunks": 0, "host_elements": 0, "nvme_chunks": 0}
+        for i, (c, h) in enumerate(zip(request.chunks, self.homes)):
+            state = optimizer_payloads(c, request)
+            for name, spec in self.payloads(i).items():
+                kind = ("params" if name == "params" else "optimizer" if name in state
+                        else "grads" if name == "grads" else "other")
+                tiers[spec.home.value][kind] += round_up(spec.numel * spec.dtype.itemsize, ALIGNMENT)
+            if c.trainable:
+                key = {Tier.GPU: "", Tier.CPU: "host_", Tier.NVME: "nvme_"}[h.optimizer]
+                share[f"{key}chunks"] += 1
+                if h.optimizer is not Tier.NVME:
+                    share[f"{key}elements"] += c.numel
+        for t in Tier:
+            row = tiers[t.value]
+            row["homes"] = sum(row.values())
+            row["working"] = self.working[t]
+            row["need"] = self.need[t]
+            row["budget"] = self.budgets[t]
+        m = self.measured
+        return {"ranks": request.ranks, "tiers": tiers, "share": share,
+                "measured": None if m is None else {
+                    "device_limit": m.device_limit, "device_peak": m.device_peak,
+                    "activation_peak": m.activation_peak, "margin": m.margin_bytes,
+                    "headroom": m.headroom},
+                "grown": len(self.grown), "fell_back": len(self.fell_back), "why": self.why}
 
     def rest(self) -> Budgets:
         """What a plan of chunks added later may take: the budgets less this plan's homes
@@ -438,7 +577,7 @@ def plan_placement(request: PlacementRequest) -> PlacementPlan:
     first.
     """
     chunks, budgets, has_nvme = request.chunks, request.budgets, request.nvme_dir is not None
-    gpu_window = window_bytes(request)
+    gpu_window = window_bytes(request, whole=True)  # gathers hold whole chunks ([Note: working window])
     gpu_extra = _grads_window_bytes(request)
     # Host memory every placement needs: what the host update reads and writes beside the state
     # (grads, accum, a copy out) of the trainable chunks; the GPU share takes it back.
@@ -455,17 +594,25 @@ def plan_placement(request: PlacementRequest) -> PlacementPlan:
         return need[Tier.CPU] + extra + (staging if has_nvme else 0) <= budgets.cpu
 
     homes = []
-    # Explicit GPU params of the chunks not placed yet: the optimizer's GPU share must leave them room.
-    params_ahead = (sum(_params_bytes(c, request) for c in chunks)
-                    if request.params is Placement.GPU else 0)
+    # "auto" params on the device first, every chunk's before any of the GPU share.
+    auto_gpu, used = set(), need[Tier.GPU]
+    if request.params is Placement.AUTO:
+        for i, c in enumerate(chunks):
+            if used + _params_bytes(c, request) <= gpu_auto:
+                auto_gpu.add(i)
+                used += _params_bytes(c, request)
+    # GPU params of the chunks not placed yet: the optimizer's GPU share must leave them room.
+    params_ahead = (sum(_params_bytes(c, request) for c in chunks) if request.params is Placement.GPU
+                    else sum(_params_bytes(chunks[i], request) for i in auto_gpu))
+    replicas = _replica_bytes(request)  # beside the homes: the share leaves them room
     share = request.optimizer is Placement.AUTO and request.gpu_optimizer
-    share_ended = False
-    for c in chunks:
+    share_ended, why = False, ""
+    for i, c in enumerate(chunks):
         pbytes = _params_bytes(c, request)
         if request.params is None:
             ptier = None  # the front end's own tensors (on its device)
         elif request.params is Placement.AUTO:
-            if need[Tier.GPU] + pbytes <= gpu_auto:
+            if i in auto_gpu:
                 ptier = Tier.GPU
             elif host_room(pbytes) or not has_nvme:
                 ptier = Tier.CPU
@@ -473,7 +620,7 @@ def plan_placement(request: PlacementRequest) -> PlacementPlan:
                 ptier = Tier.NVME
         else:
             ptier = Tier(request.params.value)
-        if request.params is Placement.GPU:
+        if ptier is Tier.GPU and request.params is not None:
             params_ahead -= pbytes
         if ptier is not None:
             need[ptier] += pbytes
@@ -482,11 +629,17 @@ def plan_placement(request: PlacementRequest) -> PlacementPlan:
             obytes = chunk_bytes(c, request, optimizer_payloads(c, request))
             moves = chunk_bytes(c, request, ("grads", "accum"))  # with the update, to the device
             if share and ptier in (None, Tier.GPU):
-                if need[Tier.GPU] + params_ahead + obytes + moves <= gpu_auto:
+                if need[Tier.GPU] + params_ahead + replicas + obytes + moves <= gpu_auto:
                     otier, obytes = Tier.GPU, obytes + moves
                     need[Tier.CPU] -= moves + _copy_out_bytes(c, request)
                 else:
                     share, share_ended = False, True
+                    why = (f"chunk {i}'s state and grads ({obytes + moves} bytes) do not fit the GPU "
+                           f"budget {budgets.gpu} less the reserve {reserve} left to activations"
+                           + (" until the first step is measured" if request.reserve == "auto" else ""))
+            elif share:
+                share, share_ended = False, True
+                why = f"chunk {i}'s params are not on the device (the share needs them there)"
             if otier is None and request.optimizer is Placement.AUTO:
                 otier = Tier.CPU if (host_room(obytes) or not has_nvme) else Tier.NVME
             elif otier is None:
@@ -498,11 +651,61 @@ def plan_placement(request: PlacementRequest) -> PlacementPlan:
     working = {Tier.GPU: gpu_window + gpu_extra, Tier.CPU: staging if uses_nvme else 0, Tier.NVME: 0}
     need[Tier.CPU] += working[Tier.CPU]
     _check_fits(request, need, gpu_window=gpu_window, gpu_extra=gpu_extra, staging=working[Tier.CPU])
+    if not why:
+        why = ("every trainable chunk's state is on the device" if share and homes else
+               "optimizer state is not 'auto'" if request.optimizer is not Placement.AUTO else
+               "the front end updates on the host only" if not request.gpu_optimizer else "")
     plan = PlacementPlan(request=request, homes=tuple(homes), need=need, working=working,
-                         share_ended=share_ended)
+                         share_ended=share_ended, why=why)
     if request.replicas:
         _check_replicas(plan)
     return plan
+
+
+def _share_bytes(chunk: ChunkNeed, request: PlacementRequest) -> int:
+    """Device bytes a chunk of the GPU share takes: its optimizer payloads, grads and accumulation
+    buffer (the same bytes leave host memory, with the host update's copy out)."""
+    return chunk_bytes(chunk, request, (*optimizer_payloads(chunk, request), "grads", "accum"))
+
+
+def grow_share(plan: PlacementPlan, measured: Measured) -> PlacementPlan:
+    """``plan`` with its GPU share grown by what ``measured`` leaves free ([Note: measured
+    share]): the trainable chunks after the share whose params are on the device and whose state
+    is in host memory join it in order, while their bytes fit both the measured headroom and the
+    GPU budget less the plan's needs. Pure: the front end moves the chunks in ``grown``."""
+    request = plan.request
+    if not (request.optimizer is Placement.AUTO and request.gpu_optimizer):
+        return dataclasses.replace(plan, measured=measured, grown=())
+    budget_room = plan.budgets.gpu - plan.need[Tier.GPU] - _replica_bytes(request)
+    room = max(0, min(measured.headroom, budget_room))
+    homes, need, grown, why = list(plan.homes), dict(plan.need), [], ""
+    for i, (c, h) in enumerate(zip(request.chunks, homes)):
+        if not c.trainable or h.optimizer is Tier.GPU:
+            continue
+        if h.params not in (None, Tier.GPU):
+            why = f"chunk {i}'s params are not on the device (the share needs them there)"
+            break
+        if h.optimizer is not Tier.CPU:
+            why = f"chunk {i}'s state is on NVMe (the share grows from host memory)"
+            break
+        delta = _share_bytes(c, request)
+        if delta > room:
+            bound = ("gpu_budget" if budget_room < measured.headroom else
+                     "the measured headroom (device limit - step peak - margin)")
+            why = (f"chunk {i}'s state and grads ({delta} bytes) do not fit the {room} bytes left by "
+                   f"{bound}")
+            break
+        room -= delta
+        need[Tier.GPU] += delta
+        need[Tier.CPU] -= delta + _copy_out_bytes(c, request)
+        homes[i] = dataclasses.replace(h, optimizer=Tier.GPU)
+        grown.append(i)
+    if not why:
+        why = "every trainable chunk's state is on the device"
+    return dataclasses.replace(plan, homes=tuple(homes), need=need, share_ended=bool(why) and
+                               any(c.trainable and h.optimizer is not Tier.GPU
+                                   for c, h in zip(request.chunks, homes)),
+                               why=why, measured=measured, grown=tuple(grown))
 
 
 def _check_fits(request: PlacementRequest, need: dict, *, gpu_window: int, gpu_extra: int,
@@ -547,13 +750,20 @@ def _check_fits(request: PlacementRequest, need: dict, *, gpu_window: int, gpu_e
             f"in host memory ({request.state_option}='cpu' or 'auto')")
 
 
+def _replica_bytes(request: PlacementRequest) -> int:
+    """Device bytes of the whole params replicas beside the homes (``PlacementRequest.replicas``)."""
+    if not request.replicas:
+        return 0
+    return sum(c.numel * request.ranks * c.dtype.itemsize for c in request.chunks)
+
+
 def _check_replicas(plan: PlacementPlan) -> None:
     """params="gpu" with several ranks keeps a full replica of every chunk's params on each GPU
     beside the rank's shards (engine.py, [Note: data parallel]): refuse before anything is
     allocated when the budget cannot hold both."""
     request, gpu = plan.request, plan.budgets.gpu
     world = request.ranks
-    replicas = sum(c.numel * world * c.dtype.itemsize for c in request.chunks)
+    replicas = _replica_bytes(request)
     need = plan.need[Tier.GPU] + replicas
     if need > gpu:
         raise FitError(

@@ -4,6 +4,7 @@ prefetcher's stalls and hits, the chunk group's worker and store moves, the stor
 and peaks), so a front end neither reads the store nor keeps counters of its own."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -52,6 +53,9 @@ class EngineStats:
     loss_scale: Optional[float]
     last_grad_norm: Optional[float]
     lr: float
+    placement: dict = dataclasses.field(default_factory=dict)
+    """This rank's placement and why (``PlacementPlan.report``: bytes per tier and payload kind,
+    the GPU share, the step measurement it was grown by, why it ends where it does)."""
 
     def as_dict(self) -> dict:
         return dict(vars(self))
@@ -90,7 +94,7 @@ class PhaseStats:
         return {"stall_s": pf.stall_s, "uses": pf.uses, "hits": pf.hits, "ahead": pf.ahead}
 
     def read(self, *, steps: int, skipped_steps: int, loss_scale: Optional[float],
-             last_grad_norm: Optional[float], lr: float) -> EngineStats:
+             last_grad_norm: Optional[float], lr: float, placement: Optional[dict] = None) -> EngineStats:
         """The counters now, with the front end's own values (its step counts, loss scale, last
         grad norm and lr)."""
         w = {**self._window.read(), **self._group.counters()}
@@ -109,4 +113,4 @@ class PhaseStats:
             gpu_stall_share=(fetch_stall + update_stall) / compute if compute > 0 else 0.0,
             prefetch_hit_rate=w["hits"] / uses if uses else 0.0,
             prefetch_ahead_rate=w["ahead"] / uses if uses else 0.0,
-            loss_scale=loss_scale, last_grad_norm=last_grad_norm, lr=lr)
+            loss_scale=loss_scale, last_grad_norm=last_grad_norm, lr=lr, placement=dict(placement or {}))

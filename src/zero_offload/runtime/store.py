@@ -58,7 +58,7 @@ import functools
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, Protocol, Sequence
 
 import psutil
@@ -767,6 +767,60 @@ class ChunkStore:
                     self._drop_memory(c, home=True)
                     c.to(Residency.ABSENT, self)
             chunk.discarded = True
+
+    def rehome(self, cid: int, name: str, tier: "Tier | str") -> None:
+        """Make ``tier`` (GPU or CPU memory) the payload's home: its newest bytes copied into a
+        home buffer there (within the tier's budget, evicting by policy), the old home's memory
+        freed. For an owner changing placement while nothing uses the payload (no pin, no job);
+        waits for moves still touching it. Synchronous, rare: the GPU share grown after the
+        first step (placement.py, [Note: measured share]). Raises before any change when the
+        room or the memory is missing (``BudgetError``, a CUDA out-of-memory error)."""
+        tier = Tier.of(tier)
+        if tier is Tier.NVME:
+            raise StoreError("rehome moves a home between memory tiers ('gpu', 'cpu'); an NVMe home "
+                             "is set when the chunk is added")
+        with self._lock:
+            p = self._payload(cid, name)
+            old = p.copies[p.spec.home]
+            if old.tier is tier:
+                return
+            for c in p.copies.values():
+                if c.pins:
+                    raise StoreError(f"rehome: {c.where()} is in use ({c.pins} pin(s)); finish its "
+                                     f"jobs and let it go first")
+            for c in p.copies.values():
+                self._await_quiet(c)
+                for r in c.readers:
+                    r.wait()
+                c.readers = []
+            if old.tier is Tier.NVME:
+                raise StoreError(f"rehome: {old.where()} is on NVMe; rehome moves homes in memory")
+            if old.state is not Residency.VALID:  # the newest bytes home first (a cache copy's)
+                self._ensure(old, Residency.FLUSHING).wait()
+                self._settle(old, force=True)
+            target = p.copies[tier]
+            self._evict(target)  # a cache copy there: the home is valid, nothing is written back
+            self._await_quiet(target)
+            self._make_room(tier, old.nbytes, for_what=f"the new home of {target.where()}")
+            spec = p.spec
+            p.spec = replace(spec, home=tier)
+            try:
+                buf = (torch.empty(spec.numel, dtype=spec.dtype, device=self.device) if tier is Tier.GPU
+                       else aligned_empty(spec.nbytes, dtype=spec.dtype, pin=self.config.pin))
+            except BaseException:
+                p.spec = spec  # nothing changed
+                raise
+            buf.copy_(old.buffer)
+            if self._streams is not None:
+                torch.cuda.current_stream(self.device).synchronize()  # every stream sees the bytes
+            self._drop_memory(old, home=True)  # the old home is an ordinary copy now: freed
+            old.to(Residency.ABSENT, self)
+            for c in p.copies.values():
+                if c.state is Residency.VALID:
+                    c.to(Residency.STALE, self)  # (none is newer than the new home)
+            target.buffer = buf
+            target.to(Residency.VALID, self)
+            target.last_use = self._tick()
 
     def pin(self, cid: int, name: str, tier: "Tier | str") -> None:
         """Keep the copy in ``tier`` from being evicted until ``unpin``."""

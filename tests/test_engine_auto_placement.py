@@ -1,0 +1,136 @@
+"""optimizer="auto" in the engine, end to end ([Note: GPU share placement], [Note: measured
+share] in runtime/placement.py): with 2 ranks each rank's shard of the optimizer state is homed on
+the device tier and updated there (the "device" is the CPU here: its tier is host memory with its
+own budget, the same code path), the share grown mid-training from a measured step
+(``Engine.grow_share``; the first step does it by itself on CUDA), and a move that fails falls
+back to the host; all against torch AdamW on the same global batch."""
+import pytest
+import torch
+
+import zero_offload as zo
+from zero_offload.runtime.placement import Measured
+from zero_offload.runtime.store import Tier
+from _dist_util import run_ranks, values
+from _engine_util import (SMALL_CHUNK_MB, Reference, assert_params_close, config, gpt_batches, gpt_loss,
+                          micro_gpt, train_engine)
+
+WORLD = 2
+SPEC = zo.AdamW(lr=3e-3, weight_decay=0.1)
+STEPS = 3
+PARTIAL = dict(gpu_budget=1 << 20, activation_reserve=(1 << 20) - 140_000)
+"""A device tier whose first plan holds the params and some chunks' state (the rest on the host)."""
+ALL = dict(gpu_budget=1 << 22)
+
+
+@pytest.fixture(autouse=True)
+def _reference_on_the_cpu(monkeypatch):
+    import _engine_util
+    monkeypatch.setattr(_engine_util, "DEVICE", "cpu")
+
+
+def _cfg(kw):
+    base = dict(params="auto", optimizer="auto", dtype="fp32", chunk_mb=SMALL_CHUNK_MB,
+                cpu_budget=1 << 26, threads=1, prefetch_depth=1)
+    return zo.OffloadConfig(**{**base, **kw})
+
+
+def _shares(engine):
+    """(chunks updated on the device, trainable chunks), from the store's homes."""
+    on = [engine.store.payload_spec(c.g.cid, "grads").home is Tier.GPU
+          for c in engine._chunks if c.layout.trainable]
+    return sum(on), len(on)
+
+
+def _rank(rank, world, kw, grow):
+    engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=_cfg(kw), device="cpu")
+    assert engine.shard.world == world
+    shares = [_shares(engine)]
+    for i, (x, y) in enumerate(gpt_batches(STEPS * kw.get("grad_accum", 1), batch=2 * world)):
+        sl = slice(2 * rank, 2 * rank + 2)  # this rank's half of the global batch
+        loss = engine(x[sl], y[sl])
+        engine.backward(loss / kw.get("grad_accum", 1))
+        if engine.step() and engine.global_step == 1 and grow:
+            engine.grow_share(Measured(device_limit=1 << 40, device_peak=0, margin=0))
+            shares.append(_shares(engine))
+    report = engine.stats().placement
+    sd = engine.state_dict()
+    engine.close()
+    return sd, shares, report
+
+
+def _reference(kw):
+    accum = kw.get("grad_accum", 1)
+    ref = Reference(micro_gpt(), SPEC, accum=accum, grad_clip=kw.get("grad_clip"))
+    for b in gpt_batches(STEPS * accum, batch=2 * WORLD):
+        ref.step(b, gpt_loss)
+    return ref
+
+
+@pytest.mark.parametrize("kw", [dict(ALL), dict(ALL, grad_clip=0.05, grad_accum=2)], ids=["plain", "clip-accum"])
+def test_ranks_update_their_shards_on_the_device(kw, tmp_path):
+    """Before: with ranks "auto" never homed optimizer state on the device."""
+    out = values(run_ranks(_rank, WORLD, tmp_path, kw, False, timeout_s=120))
+    ref = _reference(kw)
+    for rank, (sd, shares, report) in enumerate(out):
+        on, n = shares[0]
+        assert on == n > 0, (rank, shares, report["why"])
+        assert report["rank"] == rank and report["ranks"] == WORLD
+        assert report["share"]["chunks"] == n and report["tiers"]["cpu"]["optimizer"] == 0
+        assert_params_close(sd, ref.master_state(), rtol=1e-5)
+
+
+def test_ranks_grow_the_share_after_a_measured_step(tmp_path):
+    out = values(run_ranks(_rank, WORLD, tmp_path, dict(PARTIAL), True, timeout_s=120))
+    ref = _reference(PARTIAL)
+    for sd, shares, report in out:
+        (before, n), (after, _) = shares
+        assert 0 < before < n and after == n, shares
+        assert report["grown"] == n - before and report["measured"]["headroom"] == 1 << 40
+        assert_params_close(sd, ref.master_state(), rtol=1e-5)
+
+
+def test_a_move_that_fails_falls_back_to_the_host(monkeypatch):
+    """The third payload move runs out of memory: the chunk's moved payloads go back, it and the
+    chunks after it stay on the host, the report says so, and training matches torch."""
+    engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=_cfg(PARTIAL), device="cpu")
+    before, n = _shares(engine)
+    assert 0 < before < n - 1
+    batches = gpt_batches(STEPS)
+    ref = Reference(micro_gpt(), SPEC)
+    for b in batches:
+        ref.step(b, gpt_loss)
+    train_engine(engine, batches[:1], gpt_loss)
+    real, calls = engine.store.rehome, []
+
+    def rehome(cid, name, tier):
+        calls.append((cid, name, tier))
+        if len({c for c, _, _ in calls}) == 2 and name == "exp_avg_sq":  # the second chunk's
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 KiB")
+        return real(cid, name, tier)
+
+    monkeypatch.setattr(engine.store, "rehome", rehome)
+    plan = engine.grow_share(Measured(device_limit=1 << 40, device_peak=0, margin=0))
+    monkeypatch.setattr(engine.store, "rehome", real)
+    assert len(plan.grown) == 1 and plan.fell_back and _shares(engine) == (before + 1, n)
+    failed = calls[-1][0]
+    assert (failed, "exp_avg", Tier.CPU) in calls  # moved before the failure: back home
+    for name in ("exp_avg", "exp_avg_sq", "grads"):
+        assert engine.store.payload_spec(failed, name).home is Tier.CPU
+    report = engine.stats().placement
+    assert report["fell_back"] == len(plan.fell_back) and "OutOfMemoryError" in report["why"]
+    train_engine(engine, batches[1:], gpt_loss)
+    assert_params_close(engine.state_dict(), ref.master_state(), rtol=1e-5)
+    engine.close()
+
+
+def test_grow_share_between_windows_only():
+    engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=_cfg(dict(PARTIAL, grad_accum=2)),
+                           device="cpu")
+    try:
+        x, y = gpt_batches(1)[0]
+        engine.backward(engine(x, y))
+        engine.step()  # the first of two micro-batches
+        with pytest.raises(RuntimeError, match="between accumulation windows"):
+            engine.grow_share(Measured(device_limit=1 << 40, device_peak=0, margin=0))
+    finally:
+        engine.close()

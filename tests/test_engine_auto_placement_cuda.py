@@ -1,0 +1,111 @@
+"""optimizer="auto" on real GPUs ([Note: measured share] in runtime/placement.py): the first step
+measures the CUDA allocator and grows the GPU share by what it leaves free, within gpu_budget;
+with 2 GPUs (NCCL) each rank's shard of the state is on its GPU; a nearly full device trains
+without running out of memory; parity with torch AdamW."""
+import pytest
+import torch
+
+import zero_offload as zo
+from zero_offload.models import GPT, GPTConfig
+from zero_offload.runtime.store import Tier
+from _dist_util import run_ranks, values
+from _engine_util import Reference, assert_params_close, gpt_batches, gpt_loss, micro_gpt
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+SPEC = zo.AdamW(lr=3e-3, weight_decay=0.1)
+CHUNK_MB = 2 * 4096 / 2**20
+"""8 KiB chunks (2048 fp32 elements): the micro GPT (about 7k params) spans several."""
+
+
+def _config(**kw):
+    return zo.OffloadConfig(**{**dict(params="auto", optimizer="auto", dtype="fp32", chunk_mb=CHUNK_MB,
+                                      threads=2, prefetch_depth=2), **kw})
+
+
+def _on_gpu(engine):
+    return [engine.store.payload_spec(c.g.cid, "grads").home is Tier.GPU
+            for c in engine._chunks if c.layout.trainable]
+
+
+def _train(engine, batches, device, *, rank=0):
+    for x, y in batches:
+        sl = slice(2 * rank, 2 * rank + 2)
+        engine.backward(engine(x[sl].to(device), y[sl].to(device)))
+        engine.step()
+
+
+def test_the_first_step_grows_the_share_on_one_gpu():
+    """A first plan that leaves almost the whole budget to activations holds no state on the
+    device; the first step measures the allocator and the share grows to every chunk."""
+    device = torch.device("cuda", 0)
+    engine = zo.initialize(micro_gpt(), optimizer=SPEC, device=device,
+                           config=_config(gpu_budget=1 << 26, activation_reserve=(1 << 26) - (1 << 17)))
+    try:  # 128 KiB for the params (40 KiB) and the window (80 KiB) and no chunk's state (24 KiB)
+        assert all(h.params is Tier.GPU for h in engine.plan.homes) and not any(_on_gpu(engine))
+        batches = gpt_batches(3, batch=2)
+        _train(engine, batches[:1], device)
+        assert all(_on_gpu(engine)) and engine.plan.measured is not None
+        report = engine.stats().placement
+        assert report["grown"] == len(_on_gpu(engine)) and report["measured"]["device_peak"] > 0
+        assert report["tiers"]["cpu"]["optimizer"] == 0
+        _train(engine, batches[1:], device)
+        ref = Reference(micro_gpt(), SPEC)
+        for b in batches:
+            ref.step(b, gpt_loss)
+        assert_params_close(engine.state_dict(), ref.master_state(), rtol=1e-4)
+    finally:
+        engine.close()
+
+
+def test_a_nearly_full_gpu_trains_without_running_out_of_memory():
+    """Another tenant holds all but 12 GiB of the card: "auto" budgets what is free, the first
+    step measures, the share grows only by what the step leaves, and the steps after it run."""
+    device = torch.device("cuda", 0)
+    free, total = torch.cuda.mem_get_info(device)
+    blocker = torch.empty(max(0, free - (12 << 30)), dtype=torch.uint8, device=device)
+    try:
+        cfg = GPTConfig(vocab_size=32000, n_layer=8, n_head=16, d_model=1024, seq_len=512)
+        torch.manual_seed(0)
+        model = GPT(cfg)  # about 0.17B params: 2 GB of fp32 state, more than fits at first
+        engine = zo.initialize(model, optimizer=SPEC, device=device,
+                               config=zo.OffloadConfig(params="auto", optimizer="auto", dtype="bf16"))
+        try:
+            g = torch.Generator().manual_seed(0)
+            for _ in range(4):
+                ids = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len + 1), generator=g).to(device)
+                engine.backward(engine(ids[:, :-1], ids[:, 1:]))
+                engine.step()
+            engine.synchronize()
+            report = engine.stats().placement
+            assert engine.plan.measured is not None and report["share"]["chunks"] > 0, report
+            assert torch.cuda.max_memory_reserved(device) <= report["measured"]["device_limit"]
+        finally:
+            engine.close()
+    finally:
+        del blocker
+        torch.cuda.empty_cache()  # (the allocator would keep the card's memory from the tests after)
+
+
+def _rank(rank, world):
+    device = torch.device("cuda", rank)
+    engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=_config(), device=device)
+    first = _on_gpu(engine)
+    _train(engine, gpt_batches(3, batch=2 * world), device, rank=rank)
+    report = engine.stats().placement
+    sd = engine.state_dict()
+    engine.close()
+    return first, report, sd
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or not torch.distributed.is_nccl_available(),
+                    reason="needs 2 CUDA devices and NCCL")
+def test_two_gpus_hold_their_shards_of_the_state(tmp_path):
+    """Before: with ranks "auto" kept the whole optimizer on the host."""
+    out = values(run_ranks(_rank, 2, tmp_path, backend="nccl", timeout_s=300))
+    ref = Reference(micro_gpt(), SPEC)
+    for b in gpt_batches(3, batch=4):
+        ref.step(b, gpt_loss)
+    for rank, (first, report, sd) in enumerate(out):
+        assert first and all(first), (rank, report["why"])
+        assert report["rank"] == rank and report["tiers"]["cpu"]["optimizer"] == 0
+        assert_params_close(sd, ref.master_state(), rtol=1e-4)

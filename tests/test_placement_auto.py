@@ -1,0 +1,170 @@
+""""auto" placement for speed (runtime/placement.py, [Note: GPU share placement] and [Note:
+measured share]), as a pure function of the budgets and the measured step: optimizer state on the
+device first for 1, 2 and 4 ranks (each rank its shard), then host memory; every chunk's "auto"
+params on the device before any of the share; the share a prefix grown after the first step by
+the measured headroom within gpu_budget; a failed move falls back to the host; the working window
+of whole chunks with ranks; the report of what is where and why."""
+import pytest
+import torch
+
+from zero_offload.runtime.placement import (MARGIN_MIN, Budgets, ChunkNeed, FitError, Measured,
+                                            PlacementRequest, grow_share, plan_placement, window_bytes)
+from zero_offload.runtime.store import Tier
+from zero_offload.runtime.update_rule import AdamRule
+from zero_offload.runtime.vocab import Placement
+
+GiB = 1 << 30
+MiB = 1 << 20
+BF16 = torch.bfloat16
+WHOLE = 32 * MiB
+"""Elements of a whole chunk: 64 MiB of bf16 params (the default chunk_mb)."""
+CHUNKS = 40
+"""A 1.34B-element model in whole chunks: 2.5 GiB of bf16 params, 15 GiB of fp32 state, 2.5 GiB
+of bf16 grads."""
+
+
+def _request(ranks, *, gpu, cpu=512 * GiB, reserve="auto", params=Placement.AUTO, chunks=CHUNKS,
+             **kw):
+    """The engine's request on one of ``ranks`` ranks: each chunk's shard, "auto" everything."""
+    need = tuple(ChunkNeed(numel=WHOLE // ranks, dtype=BF16) for _ in range(chunks))
+    return PlacementRequest(chunks=need, budgets=Budgets(gpu=gpu, cpu=cpu), params=params,
+                            optimizer=Placement.AUTO, rule=AdamRule(), prefetch_depth=2,
+                            reserve=reserve, ranks=ranks, **{"gpu_optimizer": True, **kw})
+
+
+def _share(plan):
+    return [h.optimizer is Tier.GPU for h in plan.homes]
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_a_card_that_holds_the_shards_gets_all_the_state(ranks):
+    """72 GiB of an 80 GiB card (the "auto" budget), half left to the first step's activations:
+    each rank's shard of the 1.34B model's state (17.5 GiB with grads on one rank) fits and goes
+    on the device, params too (before the change a ranked engine planned no state there)."""
+    plan = plan_placement(_request(ranks, gpu=72 * GiB))
+    assert all(h.params is Tier.GPU for h in plan.homes)
+    share = _share(plan)
+    assert all(share), plan.why
+    assert plan.need[Tier.CPU] == 0  # nothing is homed on the host
+    assert plan.why == "every trainable chunk's state is on the device"
+    report = plan.report()
+    assert report["share"]["chunks"] == sum(share)
+    assert report["share"]["elements"] == sum(share) * (WHOLE // ranks)
+    gpu = report["tiers"]["gpu"]
+    assert gpu["homes"] + gpu["working"] == plan.need[Tier.GPU] <= plan.budgets.gpu
+    assert gpu["homes"] == gpu["params"] + gpu["optimizer"] + gpu["grads"] + gpu["other"]
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_the_share_grows_by_what_the_first_step_leaves_free(ranks):
+    """The measured step peaked at 30 GiB of the 79 GiB the allocator may reach: the share grows
+    by what the peak leaves free less the margin, in chunk order, and never past it."""
+    plan = plan_placement(_request(ranks, gpu=72 * GiB, chunks=4 * CHUNKS * ranks))  # not all fits
+    measured = Measured(device_limit=79 * GiB, device_peak=30 * GiB)
+    grown = grow_share(plan, measured)
+    added = grown.need[Tier.GPU] - plan.need[Tier.GPU]
+    room = min(measured.headroom, plan.budgets.gpu - plan.need[Tier.GPU])
+    assert measured.headroom == 79 * GiB - 30 * GiB - max(MARGIN_MIN, int(0.04 * 79 * GiB))
+    assert 0 < added <= room
+    assert list(grown.grown) == [i for i, (a, b) in enumerate(zip(_share(plan), _share(grown))) if b and not a]
+    share = _share(grown)
+    assert share == sorted(share, reverse=True)  # still a prefix
+    per_chunk = added // len(grown.grown)
+    if not all(share):  # the next chunk would not have fit
+        assert added + per_chunk > room
+        assert ("measured headroom" if room == measured.headroom else "gpu_budget") in grown.why
+    assert grown.need[Tier.CPU] < plan.need[Tier.CPU]
+    assert grown.report()["measured"]["headroom"] == measured.headroom
+
+
+def test_a_partial_share_is_a_prefix_of_the_chunks():
+    """A 5.4B model on one rank: half of 72 GiB holds the params and the first chunks' state."""
+    plan = plan_placement(_request(1, gpu=72 * GiB, chunks=4 * CHUNKS))
+    share = _share(plan)
+    assert 0 < sum(share) < 4 * CHUNKS and share == sorted(share, reverse=True)
+    assert "until the first step is measured" in plan.why and plan.share_ended
+
+
+def test_gpu_budget_still_bounds_the_grown_share():
+    """A step that leaves 60 GiB free grows the share only to gpu_budget (12 GiB)."""
+    plan = plan_placement(_request(1, gpu=12 * GiB))
+    grown = grow_share(plan, Measured(device_limit=79 * GiB, device_peak=10 * GiB))
+    assert plan.need[Tier.GPU] < grown.need[Tier.GPU] <= 12 * GiB
+    assert not all(_share(grown)) and "gpu_budget" in grown.why
+
+
+def test_a_step_with_no_headroom_grows_nothing():
+    plan = plan_placement(_request(1, gpu=72 * GiB, chunks=4 * CHUNKS))
+    grown = grow_share(plan, Measured(device_limit=79 * GiB, device_peak=78 * GiB))
+    assert grown.grown == () and grown.homes == plan.homes and grown.need == plan.need
+    assert grown.measured is not None
+
+
+def test_a_failed_move_falls_back_to_the_host():
+    """The chunks from the one whose move failed on stay on the host, the needs move back, and
+    the report says so."""
+    plan = plan_placement(_request(1, gpu=72 * GiB, chunks=4 * CHUNKS))
+    grown = grow_share(plan, Measured(device_limit=79 * GiB, device_peak=20 * GiB))
+    assert len(grown.grown) >= 3
+    at = grown.grown[2]
+    back = grown.fall_back(at, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate"))
+    assert back.grown == grown.grown[:2] and back.fell_back == grown.grown[2:]
+    assert [h.optimizer for h in back.homes[at:]] == [Tier.CPU] * (4 * CHUNKS - at)
+    assert back.need[Tier.GPU] < grown.need[Tier.GPU] and back.need[Tier.CPU] > grown.need[Tier.CPU]
+    report = back.report()
+    assert report["fell_back"] == len(grown.grown) - 2 and "OutOfMemoryError" in report["why"]
+
+
+def test_auto_params_are_placed_before_the_share():
+    """Every chunk's "auto" params go on the device before any optimizer state: the share takes
+    what the params leave, not the room of the later chunks' params."""
+    chunk_params, chunk_share = 2 * WHOLE, 14 * WHOLE  # bf16 params; fp32 state and bf16 grads
+    # Half of it (the first step's reserve) holds every params chunk, the window and 3 chunks' state.
+    gpu = 2 * (CHUNKS * chunk_params + window_bytes(_request(1, gpu=1)) + 3 * chunk_share)
+    plan = plan_placement(_request(1, gpu=gpu))
+    assert all(h.params is Tier.GPU for h in plan.homes)  # before: the share took the last ones' room
+    assert _share(plan) == [True] * 3 + [False] * (CHUNKS - 3)
+
+
+def test_the_working_window_counts_whole_chunks_with_ranks():
+    """With 4 ranks a chunk in use is all-gathered whole on the device: a budget that holds the
+    homes and a window of shard-sized chunks but not one of whole chunks is refused up front,
+    not an out-of-memory in the first forward."""
+    req = _request(4, gpu=1, params=Placement.GPU, reserve=0)
+    shards, whole = window_bytes(req), window_bytes(req, whole=True)
+    assert whole == 4 * shards
+    homes = plan_placement(_request(4, gpu=1 << 50, params=Placement.GPU, reserve=0,
+                                    gpu_optimizer=False)).need[Tier.GPU] - whole
+    tight = homes + shards + (whole - shards) // 2
+    with pytest.raises(FitError, match="working window"):
+        plan_placement(_request(4, gpu=tight, params=Placement.GPU, reserve=0, gpu_optimizer=False))
+    plan_placement(_request(4, gpu=homes + whole, params=Placement.GPU, reserve=0, gpu_optimizer=False))
+
+
+def test_measured_checks_its_numbers():
+    with pytest.raises(ValueError, match="device_peak"):
+        Measured(device_limit=1, device_peak=-1)
+    with pytest.raises(ValueError, match="margin"):
+        Measured(device_limit=1, device_peak=0, margin=-5)
+    m = Measured(device_limit=10 * GiB, device_peak=4 * GiB, store_peak=3 * GiB, margin=0)
+    assert (m.headroom, m.activation_peak) == (6 * GiB, 1 * GiB)
+
+
+def test_the_share_leaves_room_for_the_replicas():
+    """params="gpu" with 2 ranks keeps a whole replica of the params on each GPU beside the
+    shards: the share stops short of them (before, the share took their room and the replicas'
+    check refused the plan), in the first plan and the grown one."""
+    chunks = tuple(ChunkNeed(numel=WHOLE // 2, dtype=BF16) for _ in range(CHUNKS))
+
+    def request(gpu):
+        return PlacementRequest(chunks=chunks, budgets=Budgets(gpu=gpu, cpu=512 * GiB), params=Placement.GPU,
+                                optimizer=Placement.AUTO, rule=AdamRule(), prefetch_depth=2, reserve=0,
+                                gpu_optimizer=True, ranks=2, replicas=True)
+
+    replicas, shards, share_chunk = CHUNKS * WHOLE * 2, CHUNKS * WHOLE, 7 * WHOLE
+    gpu = replicas + shards + window_bytes(request(1), whole=True) + 3 * share_chunk
+    plan = plan_placement(request(gpu))
+    assert sum(_share(plan)) == 3 and _share(plan)[:3] == [True] * 3
+    assert plan.need[Tier.GPU] + replicas <= gpu
+    grown = grow_share(plan, Measured(device_limit=1 << 50, device_peak=0))
+    assert grown.grown == () and "gpu_budget" in grown.why
