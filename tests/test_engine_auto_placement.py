@@ -36,8 +36,8 @@ def _cfg(kw):
 
 def _shares(engine):
     """(chunks updated on the device, trainable chunks), from the store's homes."""
-    on = [engine.store.payload_spec(c.g.cid, "grads").home is Tier.GPU
-          for c in engine._chunks if c.layout.trainable]
+    on = [engine.store.payload_spec(c.cid, "grads").home is Tier.GPU
+          for c in engine.group.chunks if c.layout.trainable]
     return sum(on), len(on)
 
 

@@ -23,8 +23,8 @@ def _config(**kw):
 
 
 def _on_gpu(engine):
-    return [engine.store.payload_spec(c.g.cid, "grads").home is Tier.GPU
-            for c in engine._chunks if c.layout.trainable]
+    return [engine.store.payload_spec(c.cid, "grads").home is Tier.GPU
+            for c in engine.group.chunks if c.layout.trainable]
 
 
 def _train(engine, batches, device, *, rank=0):
