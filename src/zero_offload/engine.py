@@ -363,9 +363,6 @@ class Engine:
                                           fix="call torch.distributed.init_process_group() first, or "
                                               "pass process_group=None to train this process alone"))
         pg = resolve_group(process_group, "initialize")
-        if pg is not None and not self.rule.elementwise:
-            raise ValueError(f"initialize: {self.rule.name} updates whole parameters, and data-parallel "
-                             f"shards cut them; train it on one rank (process_group=None)")
         self.device = _rank_device(device, ranked=pg is not None)
         self._failed: Optional[BaseException] = None  # see [Note: failed engine]
         self.shard = Shards(pg, owner="engine", device=self.device, on_failure=self._fail,
@@ -388,8 +385,15 @@ class Engine:
         if not any(s.trainable for s in self.partition.slots):
             raise ValueError("the model has no trainable parameter (requires_grad=True); the engine "
                              "trains parameters. Unfreeze some, or run inference without the engine")
-        self._group_overrides, self._slot_group = _resolve_groups(param_groups, model, self.partition,
-                                                                  spec, self.rule.hyper_keys)
+        self._group_overrides, self._slot_group, rules = _resolve_groups(param_groups, model, self.partition,
+                                                                         spec, cfg)
+        # Chunks by update rule (param groups may name their own optimizer); a rule that is not
+        # elementwise gets shards cut at parameter boundaries ([Note: whole parameters]).
+        rule_of = {s.index: rules[self._slot_group.get(s.index, 0)] for s in self.partition.slots}
+        _check_shapes(self.partition, rule_of)
+        self.partition = partition_parameters(
+            model, chunk_numel=chunk_numel, key=lambda name, p: rule_of[self.partition.slot_of(p).index],
+            world=self.shard.world, whole=lambda rule: not rule.elementwise)
         if self._ranked:  # before anything is allocated: a difference raises on every rank
             self.shard.check_settings(self._rank_settings(), owner="zero_offload.initialize")
         self._values = InitialValues(model, self.partition, init=init, weights=weights)
@@ -412,9 +416,7 @@ class Engine:
             device=self.device, nvme_dir=nvme_dir, local_ranks=local_ranks() if self._ranked else 1,
             freed_host=_handed_over(self.partition))  # the model's own host copy is freed as chunks fill
         self.plan: PlacementPlan = plan_placement(PlacementRequest(
-            chunks=tuple(ChunkNeed(numel=self.shard.span(c.numel)[2], dtype=self.dtype, trainable=c.trainable,
-                                   shapes=() if self.rule.elementwise else tuple(s.shape for s in c.slots))
-                         for c in self.partition.chunks),  # (a rule that is not elementwise: one rank, whole chunks)
+            chunks=tuple(self._need(c) for c in self.partition.chunks),
             budgets=budgets, params=cfg.params, optimizer=cfg.optimizer, rule=self.rule,
             accum=cfg.host_accum, nvme_dir=cfg.nvme_dir, prefetch_depth=cfg.prefetch_depth,
             reserve=cfg.activation_reserve, gpu_optimizer=not self._ranked,
@@ -456,6 +458,17 @@ class Engine:
         out["the model's parameters (name, shape, trainable)"] = [
             (s.name, tuple(s.shape), s.trainable) for s in self.partition.slots]
         return out
+
+    def _need(self, layout: ChunkLayout) -> ChunkNeed:
+        """What placement must know of a chunk: this rank's shard of it, and for a rule that is not
+        elementwise the shapes of the params this rank holds (its state may be sized by them)."""
+        k = self.shard.span(layout.numel)[2]
+        if not layout.trainable:
+            return ChunkNeed(numel=k, dtype=self.dtype, trainable=False)
+        rule = layout.key
+        mine = None if rule.elementwise else tuple(
+            tuple(s.shape) for s in layout.slots if s.offset // k == self.shard.rank)
+        return ChunkNeed(numel=k, dtype=self.dtype, shapes=mine, rule=rule)
 
     def _build(self, lr_scheduler) -> None:
         cfg = self.config
@@ -558,12 +571,13 @@ class Engine:
     def _add_chunk(self, layout: ChunkLayout, homes) -> _Chunk:
         specs = chunk_payloads(self.plan.request, self.plan.request.chunks[layout.index], homes)
         gslots = {}
+        rule = layout.key if layout.trainable else None
         if layout.trainable:  # an elementwise rule's update covers the padding up to the next slot
-            spans = update_spans(layout, align_to_params=not self.rule.elementwise)
+            spans = update_spans(layout, align_to_params=not rule.elementwise)
             gslots = {s: GroupSlot(lo=s.offset, numel=s.numel, end=stop, name=s.name, index=s.index,
                                    group=self._slot_group.get(s.index, 0), shape=tuple(s.shape))
                       for s, (_, stop) in zip(layout.slots, spans)}
-        g = self.group.add_chunk(specs, tuple(gslots.values()), whole=layout.numel)
+        g = self.group.add_chunk(specs, tuple(gslots.values()), whole=layout.numel, rule=rule)
         return _Chunk(layout=layout, g=g, gslots=gslots)
 
     def _give_weights_back(self) -> None:
@@ -1111,9 +1125,17 @@ class Engine:
 
     @property
     def state_keys(self) -> tuple:
-        """The keys ``chunk_state`` gives for a trainable chunk: "master" and the update rule's
-        state ("exp_avg", "exp_avg_sq" for Adam)."""
+        """The keys ``chunk_state`` gives for a trainable chunk of the spec's rule: "master" and
+        the update rule's state ("exp_avg", "exp_avg_sq" for Adam); ``chunk_spans`` for any chunk."""
         return tuple(self.group.state_names)
+
+    def chunk_spans(self, layout: ChunkLayout) -> dict:
+        """The keys ``chunk_state`` gives for ``layout`` ("frozen" for a frozen chunk), each with
+        every slot's ``(lo, hi)`` in its flat tensor (runtime/chunk_group.py, [Note: state layout])."""
+        if not layout.trainable:
+            return {"frozen": tuple((s.offset, s.end) for s in layout.slots)}
+        g = self._chunks[layout.index].g
+        return {k: self.group.spans(g, k) for k in self.group.names(g)}
 
     def chunk_state(self, layout: ChunkLayout) -> dict:
         """CPU copies of one chunk's state: ``state_keys`` (fp32; bf16 moments widened) for a
@@ -1124,10 +1146,10 @@ class Engine:
             return {"frozen": self.group.read_values(chunk.g), "steps": chunk.steps}
         return self.group.state(chunk.g)  # (its slots are the layout's, in order)
 
-    def load_chunk_state(self, layout: ChunkLayout, fill: Callable[[str, torch.Tensor], None],
-                         steps: Sequence[int]) -> None:
-        """Overwrite one chunk's state: ``fill(key, buf)`` writes the values of ``key`` (as
-        ``chunk_state`` names them) into a zeroed flat buffer. bf16/fp16 working params become
+    def load_chunk_state(self, layout: ChunkLayout, fill: Callable[..., None], steps: Sequence[int]) -> None:
+        """Overwrite one chunk's state: ``fill(key, buf, spans)`` writes the values of ``key`` (as
+        ``chunk_state`` names them) into a zeroed flat buffer, slot i at ``spans[i]`` (a frozen
+        chunk: ``fill("frozen", buf)``, at the slots' offsets). bf16/fp16 working params become
         the master rounded, as the kernel writes them."""
         chunk = self._chunks[layout.index]
         if layout.trainable:
@@ -1337,12 +1359,15 @@ def _resolve_config(config, optimizer) -> tuple:
 
 
 def _resolve_groups(groups, model: nn.Module, partition: Partition, spec: OptimizerSpec,
-                    keys: Sequence[str]) -> tuple:
+                    config: OffloadConfig) -> tuple:
     """Check ``initialize(param_groups=...)`` (before anything changes) and return
-    (hyperparameter overrides per listed group, {slot index: group index}); group 0 is the
-    default group of every trainable param not listed."""
+    (hyperparameters per listed group, {slot index: group index}, the update rule of each group,
+    group 0 first); group 0 is the default group of every trainable param not listed. A group may
+    name its own optimizer spec (``"optimizer": zo.AdamW(...)``): its hyperparameters are that
+    spec's, with the group's overrides."""
+    rules = [spec.rule(config)]
     if groups is None:
-        return [], {}
+        return [], {}, rules
     if isinstance(groups, dict) or not isinstance(groups, (list, tuple)):
         raise TypeError(f"param_groups must be a list of dicts like [{{'params': [...], "
                         f"'weight_decay': 0.0}}], got {type(groups).__name__}")
@@ -1353,14 +1378,22 @@ def _resolve_groups(groups, model: nn.Module, partition: Partition, spec: Optimi
         where = f"param_groups[{gi - 1}]"
         if not isinstance(group, dict) or "params" not in group:
             raise TypeError(f"{where} must be a dict with a 'params' list (and optional "
-                            f"{', '.join(keys)})")
-        unknown = sorted(set(group) - {"params", *keys})
+                            f"{', '.join(rules[0].hyper_keys)}, or 'optimizer': a spec of its own)")
+        own = group.get("optimizer", spec)
+        if not isinstance(own, OptimizerSpec):
+            raise TypeError(f"{where}['optimizer'] must be a zero_offload optimizer spec (e.g. "
+                            f"zo.AdamW(lr=3e-4)), got {type(own).__name__}")
+        keys = own.rule(config).hyper_keys
+        unknown = sorted(set(group) - {"params", "optimizer", *keys})
         if unknown:
             raise ValueError(f"{where} has unknown keys {unknown}; a group may set only "
-                             f"{', '.join(keys)} (the optimizer kind comes from the spec)")
+                             f"{', '.join(keys)} (the optimizer kind comes from the spec, or from the "
+                             f"group's 'optimizer')")
         override = {k: group[k] for k in keys if k in group}
-        checked = dataclasses.replace(spec, **override)  # validates; the error names the field
-        overrides.append({k: getattr(checked, k) for k in override})
+        checked = dataclasses.replace(own, **override)  # validates; the error names the field
+        rules.append(checked.rule(config))
+        overrides.append({k: getattr(checked, k) for k in override} if own is spec
+                         else {**checked.hyperparameters(), "optimizer": checked.to_dict()["type"]})
         params = group["params"]
         if isinstance(params, (torch.Tensor, str)):
             params = [params]
@@ -1382,7 +1415,21 @@ def _resolve_groups(groups, model: nn.Module, partition: Partition, spec: Optimi
                                  f"param_groups[{slot_group[slot.index] - 1}]; a parameter "
                                  f"belongs to one group")
             slot_group[slot.index] = gi
-    return overrides, slot_group
+    return overrides, slot_group, rules
+
+
+def _check_shapes(partition: Partition, rule_of: dict) -> None:
+    """Every trainable param's rule can update its shape (Muon: 2-D only), else one error naming
+    the param and the way out."""
+    from .runtime.update_rule import shape_problem
+    for s in partition.slots:
+        problem = shape_problem(rule_of[s.index], tuple(s.shape)) if s.trainable else None
+        if problem is not None:
+            raise ValueError(f"initialize: parameter {s.name!r} of shape {tuple(s.shape)} is in a "
+                             f"{rule_of[s.index].name} group, but {problem}; put it in a param group "
+                             f"with another optimizer: param_groups=[{{'params': [...], 'optimizer': "
+                             f"zo.AdamW(...)}}] (torch's Muon recipe: AdamW for embeddings, norms, "
+                             f"biases and the head)")
 
 
 def _adam_threads(cfg: OffloadConfig, device: torch.device, *, ranked: bool) -> Optional[int]:

@@ -794,7 +794,7 @@ def _read_once(params):
 
 def _initial_state(chunk: GroupChunk) -> Callable:
     """``ChunkGroup.load_state``'s ``fill`` of a new chunk: master = the params, moments = 0."""
-    def fill(key: str, buf: torch.Tensor) -> None:
+    def fill(key: str, buf: torch.Tensor, spans=None) -> None:
         if key == "master":
             for s in chunk.slots:
                 buf[s.lo:s.lo + s.numel].copy_(local(s.param).detach().reshape(-1))
@@ -804,7 +804,7 @@ def _initial_state(chunk: GroupChunk) -> Callable:
 def _loaded_state(chunk: GroupChunk, entries: dict) -> Callable:
     """``ChunkGroup.load_state``'s ``fill`` from a state dict's ``entries`` (param index -> its
     state): a param without one starts afresh, one without a "master" takes its own value."""
-    def fill(key: str, buf: torch.Tensor) -> None:
+    def fill(key: str, buf: torch.Tensor, spans=None) -> None:
         for s in chunk.slots:
             entry = entries.get(s.index)
             if key == "master":
