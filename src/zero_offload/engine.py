@@ -306,9 +306,9 @@ def initialize(model: nn.Module, *, optimizer: Optional[OptimizerSpec] = None,
         model: an ``nn.Module`` on the CPU or a GPU (its parameters' storage is taken over and
             freed chunk by chunk), or built on the meta device (no memory; see ``init`` and
             ``weights``): the host then never holds a full copy of the model beside the tiers.
-        optimizer: ``zero_offload.Adam(...)`` or ``zero_offload.AdamW(...)`` (a spec; the engine
-            builds the state). May be omitted when ``config`` is a DeepSpeed config with an
-            ``optimizer`` section.
+        optimizer: ``zero_offload.AdamW(...)``, ``Adam``, ``SGD``, ``Lion``, ``Adafactor`` or
+            ``Muon`` (a spec; the engine builds the state). May be omitted when ``config`` is a
+            DeepSpeed config with an ``optimizer`` section.
         config: ``OffloadConfig``, a dict of its fields, a path to a JSON file, or a DeepSpeed
             config (dict/path). None = ``OffloadConfig()``.
         lr_scheduler: a callable taking the engine's optimizer (``engine.optimizer``, a
@@ -323,7 +323,9 @@ def initialize(model: nn.Module, *, optimizer: Optional[OptimizerSpec] = None,
             rule's ``hyper_keys``). Every trainable parameter not listed is in the
             default group (group 0: the ``optimizer`` spec's values); ``engine.optimizer``'s
             ``param_groups`` are group 0 followed by these, in order, so an lr scheduler can
-            drive each (e.g. ``LambdaLR`` with one function per group).
+            drive each (e.g. ``LambdaLR`` with one function per group). A group may name its own
+            optimizer, ``{"params": [...], "optimizer": zo.AdamW(...)}`` (its keys are then that
+            spec's): torch's Muon recipe, Muon on the matrices and AdamW on the rest.
         process_group: data parallelism (see [Note: data parallel]): "auto" (default) takes
             the default group when ``torch.distributed`` is initialized with several ranks; under
             a launcher (``torchrun``: ``WORLD_SIZE`` > 1) without one, it is started from the
@@ -1352,7 +1354,7 @@ def _resolve_config(config, optimizer) -> tuple:
         raise ValueError("initialize needs an optimizer spec: optimizer=zero_offload.AdamW(lr=...) "
                          "(or zero_offload.Adam), or a DeepSpeed config with an 'optimizer' section")
     if not isinstance(spec, OptimizerSpec):
-        raise TypeError(f"optimizer must be zero_offload.Adam(...) or zero_offload.AdamW(...), got "
+        raise TypeError(f"optimizer must be a zero_offload optimizer spec (zo.AdamW(...), zo.Muon(...), ...), got "
                         f"{type(spec).__name__}; a torch.optim optimizer cannot be used (the engine "
                         f"builds the optimizer state itself, where the config places it)")
     return cfg, spec

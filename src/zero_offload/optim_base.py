@@ -609,7 +609,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                         entry[key] = whole[key][lo:hi].clone().view(torch_shape)
                 if s.param.dtype in _LOWP:
                     entry["master"] = whole["master"][s.lo:s.lo + s.numel].clone().view(shape)
-                state[s.index] = entry
+                if entry:  # (torch's SGD without momentum keeps no state)
+                    state[s.index] = entry
         groups, start = [], 0
         for g in self.param_groups:
             packed = {k: v for k, v in g.items() if k != "params"}
