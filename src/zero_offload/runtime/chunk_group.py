@@ -101,7 +101,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -210,6 +209,7 @@ class StateLayout:
     """Per slot, its ``(lo, hi)`` in the whole-chunk layout (``world * piece`` elements)."""
     mine: tuple
     """Per slot, its ``(lo, hi)`` in this rank's payload (``(0, 0)`` where it holds none)."""
+
 
 @dataclass(eq=False)
 class GroupChunk:
