@@ -207,3 +207,17 @@ def test_memory_sampler_walks_no_page_table_during_the_timed_steps(monkeypatch):
     assert reads == [] and sampler.timed_samples == 3 and sampler.rss_peak_timed > 0
     sampler.leave_timed()  # and one right after them
     assert reads == ["pss"]
+
+
+def test_the_opt_knob_picks_the_rule_of_the_cases_that_take_it():
+    """Issue 25's table: each rule offloaded (engine, offload-adamw) vs the same torch optimizer
+    without offload (torch-opt) vs AdamW offloaded, in one plan."""
+    from fairplan import parse_plan
+    items = parse_plan("engine:opt=muon@1 torch-opt:opt=muon@1 engine@1 offload-adamw:opt=adafactor@2")
+    assert [(i.label, i.world) for i in items] == [("engine[opt=muon]", 1), ("torch-opt[opt=muon]", 1),
+                                                   ("engine", 1), ("offload-adamw[opt=adafactor]", 2)]
+    assert items[0].case_args() == ["--opt", "muon"] and items[2].case_args() == []
+    with pytest.raises(ValueError, match="opt=rmsprop is not a rule; choose from adamw, sgd, lion, adafactor, muon"):
+        parse_plan("engine:opt=rmsprop@1")
+    with pytest.raises(ValueError, match="case ddp takes no knob 'opt'"):
+        parse_plan("ddp:opt=sgd@1")

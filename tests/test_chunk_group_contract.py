@@ -93,7 +93,7 @@ class Front:
                      for n in ("grads", "master", "exp_avg", "exp_avg_sq") + ((accum,) if accum else ())}
             chunk = self.group.add_chunk(specs, slots, whole=lo)
 
-            def fill(key, buf, chunk=chunk):  # master = the params, moments = 0
+            def fill(key, buf, spans, chunk=chunk):  # master = the params, moments = 0
                 if key == "master":
                     for s in chunk.slots:
                         buf[s.lo:s.lo + s.numel].copy_(s.param.reshape(-1))
@@ -129,7 +129,7 @@ class Front:
 
     def load(self, state: dict) -> None:
         for chunk in self.group.chunks:
-            def fill(key, buf, chunk=chunk):
+            def fill(key, buf, spans, chunk=chunk):
                 for s in chunk.slots:
                     buf[s.lo:s.lo + s.numel].copy_(state[s.name][key].reshape(-1))
             self.group.load_state(chunk, fill, [state[s.name]["step"] for s in chunk.slots])

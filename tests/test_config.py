@@ -139,8 +139,10 @@ def test_load_config_our_dict_with_optimizer():
     assert type(spec) is Adam
     cfg, spec = load_config({"optim": AdamW(lr=0.5).to_dict()})
     assert spec == AdamW(lr=0.5) and type(spec) is AdamW
-    with pytest.raises(ValueError, match="optimizer type 'sgd'"):
-        load_config({"optim": {"type": "sgd"}})
+    cfg, spec = load_config({"optim": {"type": "sgd", "lr": 0.1, "momentum": 0.9}})  # (issue 25's rules)
+    assert type(spec).__name__ == "SGD" and (spec.lr, spec.momentum) == (0.1, 0.9)
+    with pytest.raises(ValueError, match="optimizer type 'rmsprop' is not supported: use one of 'adam', 'adamw', 'sgd'"):
+        load_config({"optim": {"type": "rmsprop"}})
 
 
 def test_load_config_errors(tmp_path):

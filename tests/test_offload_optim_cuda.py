@@ -100,7 +100,6 @@ def test_cuda_copy_back_outlives_slow_h2d(state, tmp_path, slow_h2d):
     """fp32 params: the copies back read the host master. With NVMe state the pipeline writes it
     home and evicts it before those copies ran; the store keeps its memory (EVICTING) until they
     are done, and frees it after."""
-    from zero_offload.offload_optim import _STATE
     from zero_offload.store import Residency
 
     model, reference = make_model("cuda"), make_model("cuda")
@@ -117,7 +116,7 @@ def test_cuda_copy_back_outlives_slow_h2d(state, tmp_path, slow_h2d):
     if state == "nvme":
         opt._store.synchronize()
         assert all(opt._store.state(c.cid, n, "cpu") is Residency.ABSENT
-                   for c in opt._chunks for n in _STATE)
+                   for c in opt._chunks for n in opt._group.names(c).values())
     opt.close()
 
 

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from _offload_optim_util import batches, make_model, max_rel_diff, train
-from zero_offload.offload_optim import _STATE as STATE
 from zero_offload.offload_optim import OffloadAdamW
 from zero_offload.store import Residency
 
@@ -14,7 +13,7 @@ from zero_offload.store import Residency
 def _state_on_host(opt):
     """(chunk, payload) of the optimizer state copies resident in host RAM (settled first)."""
     opt._store.synchronize()  # writes in flight land, their source copies are freed
-    return [(c.cid, n) for c in opt._chunks for n in STATE
+    return [(c.cid, n) for c in opt._chunks for n in opt._group.names(c).values()
             if opt._store.state(c.cid, n, "cpu") is not Residency.ABSENT]
 
 

@@ -227,11 +227,17 @@ def _sgd_rank(rank, world):
 
 
 def _whole_params_rank(rank, world):
-    try:
-        zo.initialize(mlp(), optimizer=NormSGD(log=None), config=config(), device="cpu")
-    except ValueError as e:
-        return str(e)
-    return None
+    log: list = []
+    engine = zo.initialize(mlp(hidden=40), optimizer=NormSGD(lr=0.05, log=log), config=config(), device="cpu")
+    for x, y in mlp_batches(3, batch=8 * world):
+        loss = mlp_loss(engine, (x[8 * rank:8 * rank + 8], y[8 * rank:8 * rank + 8]))
+        engine.backward(loss)
+        engine.step()
+    sd = engine.state_dict()  # (waits for the updates: the log is whole after it)
+    slots = {s.name: (s.chunk, s.offset, tuple(s.shape)) for s in engine.partition.slots}
+    chunks = [(c.numel, [(s.name, s.offset) for s in c.slots]) for c in engine.partition.chunks]
+    engine.close()
+    return sd, [(cid, lo, hi, tuple(shape)) for cid, lo, hi, shape in log], slots, chunks
 
 
 def test_two_ranks_with_the_sgd_rule_train_like_one_torch_process(tmp_path, monkeypatch):
@@ -243,11 +249,33 @@ def test_two_ranks_with_the_sgd_rule_train_like_one_torch_process(tmp_path, monk
         ref.step(b, gpt_loss)
     for sd in out:
         assert_params_close(sd, ref.master_state(), rtol=1e-5)
-    # a rule that needs whole parameters is refused while the shards cut them (shard_spans with
-    # align_to_params is for the data-parallel code to use)
-    said = values(run_ranks(_whole_params_rank, 2, tmp_path / "b", timeout_s=120))
-    assert said == ["initialize: NormSGD updates whole parameters, and data-parallel shards cut them; "
-                    "train it on one rank (process_group=None)"] * 2
+
+
+def test_two_ranks_with_a_rule_that_is_not_elementwise_cut_shards_at_parameter_boundaries(tmp_path, monkeypatch):
+    """Each rank updates whole params only (the chunks are laid out for the ranks: [Note: whole
+    parameters] in partition.py), every param exactly once a step between them, and the result
+    equals one torch process on the whole batch."""
+    import _engine_util
+    monkeypatch.setattr(_engine_util, "DEVICE", "cpu")
+    out = values(run_ranks(_whole_params_rank, 2, tmp_path, timeout_s=120))
+    ref_model = mlp(hidden=40)
+    for b in mlp_batches(3, batch=16):
+        mlp_loss(ref_model, b).backward()
+        with torch.no_grad():
+            for p in ref_model.parameters():
+                p.sub_(0.05 * p.grad / p.grad.norm().clamp_min(1e-12))
+                p.grad = None
+    want = {n: p.detach() for n, p in ref_model.named_parameters()}
+    (sd0, log0, slots, chunks), (sd1, log1, _, _) = out
+    for sd in (sd0, sd1):
+        assert_params_close(sd, want, rtol=1e-5)
+    whole = {(c, lo, lo + math.prod(shape), shape) for c, lo, shape in slots.values()}
+    assert log0 and log1, "a rank updated nothing: the shards are not balanced"
+    # (the ranks' logs hold offsets in their own shards; rank r's shard starts at r * k)
+    ks = {cid: numel // 2 for cid, (numel, _) in enumerate(chunks)}
+    seen = [(cid, lo + r * ks[cid], hi + r * ks[cid], shape) for r, log in enumerate((log0, log1))
+            for cid, lo, hi, shape in log]
+    assert sorted(seen) == sorted(list(whole) * 3)  # each param whole, once a step, on one rank
 
 
 # ---- a rule that is not elementwise -----------------------------------------------------------------
@@ -355,7 +383,7 @@ class _NormSGDWithNorms(NormSGDRule):
 
     def payloads(self, numel, shapes=()):
         assert shapes, "a rule that is not elementwise was not given the params' shapes"
-        return {"norms": StateSpec(len(shapes), torch.float32)}
+        return {"norms": StateSpec(len(shapes), torch.float32, tuple((i, i + 1) for i in range(len(shapes))))}
 
 
 @dataclass(frozen=True, kw_only=True)

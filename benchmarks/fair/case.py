@@ -30,6 +30,11 @@ Cases and their recipes (the row's "recipe" says it; fairplan.CASES is the table
 - ``engine-auto``: the same with params="auto", optimizer="auto" (NVMe spill under --nvme-dir).
 - ``offload-adamw``: DDP (plain model at N=1) + ``zero_offload.OffloadAdamW(overlap_forward=
   True)``, fp32 params + bf16 autocast (ddp's and torchao's recipe).
+- ``torch-opt``: the ``ddp`` recipe with the ``--opt`` rule's torch optimizer on the GPU (no
+  offload): the ceiling each offloaded rule is compared with (issue 25). ``--opt`` (the plan's
+  ``opt=`` knob) also picks the rule of ``engine`` and ``offload-adamw``: adamw (default), sgd
+  (momentum 0.9), lion, adafactor, muon (torch's recipe: Muon on the blocks' matrices, AdamW on
+  embeddings, norms, biases and the head); lr 1e-4 and weight decay 0.1 for all (SGD: L2).
 - ``torchao``: ``torchao.optim.CPUOffloadOptimizer(AdamW, fused=True, offload_gradients=True)``,
   fp32 params + autocast; one GPU only.
 - ``fsdp2``: ``fully_shard`` per block and the root with ``CPUOffloadPolicy(pin_memory=True)``,
@@ -277,9 +282,63 @@ def _ddp(model, device, world):
     return DDP(model, **kw), info
 
 
-def build_ddp(args, cfg, device, world, sd, bf16_params=False):
+def _hidden(name: str, p) -> bool:
+    """The params Muon takes in torch's recipe: the blocks' matrices."""
+    return name.startswith("blocks.") and p.dim() == 2
+
+
+def _rule_kwargs(opt: str) -> dict:
+    """The hyperparameters of the ``--opt`` rule (torch's names; the same for every case)."""
+    return {"adamw": dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD),
+            "sgd": dict(lr=LR, momentum=0.9, weight_decay=WD),
+            "lion": dict(lr=LR, weight_decay=WD),
+            "adafactor": dict(lr=LR, weight_decay=WD),
+            "muon": dict(lr=LR, weight_decay=WD)}[opt]
+
+
+class _Both:
+    """Two optimizers stepped as one (Muon + AdamW)."""
+
+    def __init__(self, *opts):
+        self.opts = opts
+
+    def step(self):
+        for o in self.opts:
+            o.step()
+
+    def zero_grad(self, set_to_none=True):
+        for o in self.opts:
+            o.zero_grad(set_to_none=set_to_none)
+
+
+def _torch_rule(opt: str, model):
+    """The ``--opt`` rule as torch's optimizer on the model's device (AdamW fused)."""
+    if opt == "adamw":
+        return torch.optim.AdamW(model.parameters(), **_rule_kwargs(opt), fused=True)
+    if opt == "muon":
+        named = list(model.named_parameters())
+        return _Both(torch.optim.Muon([p for n, p in named if _hidden(n, p)], **_rule_kwargs(opt)),
+                     torch.optim.AdamW([p for n, p in named if not _hidden(n, p)], **_rule_kwargs("adamw"),
+                                       fused=True))
+    if opt == "lion":
+        raise CaseError("opt=lion has no torch.optim rule: torch-opt runs torch's optimizers only")
+    cls = {"sgd": torch.optim.SGD, "adafactor": torch.optim.Adafactor}[opt]
+    return cls(model.parameters(), **_rule_kwargs(opt))
+
+
+def build_ddp(args, cfg, device, world, sd, bf16_params=False, rule=False):
     model = _torch_model(args, cfg, device, sd, dtype=torch.bfloat16 if bf16_params else None)
     wrapped, info = _ddp(model, device, world)
+    if rule:  # torch-opt
+        opt = _torch_rule(args.opt, model)
+        first = opt.opts[0] if isinstance(opt, _Both) else opt
+        return Runner(step=_torch_loop(wrapped, opt, device, autocast=True),
+                      config={**info, "params_dtype": "fp32", "autocast": "bf16", "opt": args.opt,
+                              "optimizer": f"torch.optim.{type(first).__name__}"
+                                           + (" + AdamW(fused)" if args.opt == "muon" else "")
+                                           + f" on {device.type}", "optimizer_kwargs": _rule_kwargs(args.opt)},
+                      threads={"optimizer": "n/a (GPU optimizer)" if device.type == "cuda"
+                               else f"torch intra-op ({torch.get_num_threads()})"})
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
     return Runner(step=_torch_loop(wrapped, opt, device, autocast=not bf16_params),
                   config={**info, "params_dtype": "bf16" if bf16_params else "fp32",
@@ -298,8 +357,14 @@ def build_engine(args, cfg, device, world, sd, auto=False):
     ocfg = zo.OffloadConfig(params="auto" if auto else "cpu", optimizer="auto" if auto else "cpu",
                             dtype="bf16", threads=args.threads,
                             nvme_dir=args.nvme_dir if auto and args.nvme_dir else None)
-    engine = zo.initialize(model, optimizer=zo.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD),
-                           config=ocfg, device=device, init=lambda name, t: t.copy_(sd[name]))
+    spec = {"adamw": zo.AdamW, "sgd": zo.SGD, "lion": zo.Lion, "adafactor": zo.Adafactor,
+            "muon": zo.Muon}[args.opt](**_rule_kwargs(args.opt))
+    groups = None
+    if args.opt == "muon":  # torch's recipe: AdamW for what is not a hidden matrix
+        groups = [{"params": [n for n, p in model.named_parameters() if not _hidden(n, p)],
+                   "optimizer": zo.AdamW(**_rule_kwargs("adamw"))}]
+    engine = zo.initialize(model, optimizer=spec, config=ocfg, device=device, param_groups=groups,
+                           init=lambda name, t: t.copy_(sd[name]))
 
     step = _engine_step(engine)
 
@@ -308,8 +373,9 @@ def build_engine(args, cfg, device, world, sd, auto=False):
         return {"engine_stats": _jsonable(st.as_dict()),
                 "engine_held_gib": {str(k): v / GiB for k, v in st.bytes_held.items()}}
     return Runner(step=step, finish=engine.synchronize, close=engine.close, on_timed=engine.reset_stats,
-                  extra=extra, config={"offload_config": _jsonable(engine.config.to_dict()),
-                                       "optimizer": "zero_offload.AdamW (native CPU-Adam)"},
+                  extra=extra, config={"offload_config": _jsonable(engine.config.to_dict()), "opt": args.opt,
+                                       "optimizer": f"zero_offload.{type(spec).__name__}"
+                                                    + (" + AdamW" if args.opt == "muon" else "")},
                   threads={"engine_cpu_adam": engine.config.threads})
 
 
@@ -317,18 +383,29 @@ def build_offload_adamw(args, cfg, device, world, sd):
     import zero_offload as zo
     model = _torch_model(args, cfg, device, sd)
     wrapped, info = _ddp(model, device, world)
-    kw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, threads=args.threads,
-              overlap_forward=args.overlap_forward == "1")
-    opt = zo.OffloadAdamW(model.parameters(), **kw)
+    kw = dict(threads=args.threads, overlap_forward=args.overlap_forward == "1")
+    cls = {"adamw": zo.OffloadAdamW, "sgd": zo.OffloadSGD, "lion": zo.OffloadLion,
+           "adafactor": zo.OffloadAdafactor, "muon": zo.OffloadMuon}[args.opt]
+    if args.opt == "muon":  # torch's recipe: AdamW for what is not a hidden matrix
+        named = list(model.named_parameters())
+        opts = [cls([p for n, p in named if _hidden(n, p)], **_rule_kwargs(args.opt), **kw),
+                zo.OffloadAdamW([p for n, p in named if not _hidden(n, p)], **_rule_kwargs("adamw"), **kw)]
+    else:
+        opts = [cls(model.parameters(), **_rule_kwargs(args.opt), **kw)]
+    opt = _Both(*opts) if len(opts) > 1 else opts[0]
+    kw = {**kw, **_rule_kwargs(args.opt)}
+
+    def each(method: str) -> Callable:
+        return lambda: [getattr(o, method)() for o in opts] and None
 
     def extra():
-        s = opt.stats
-        return {"offload_adamw_stats": _jsonable(dataclasses.asdict(s) if dataclasses.is_dataclass(s)
-                                                 else vars(s))}
-    return Runner(step=_torch_loop(wrapped, opt, device, autocast=True), finish=opt.synchronize,
-                  close=opt.close, on_timed=opt.reset_stats, extra=extra,
-                  config={**info, "params_dtype": "fp32", "autocast": "bf16",
-                          "optimizer": "zero_offload.OffloadAdamW", "optimizer_kwargs": _jsonable(kw)},
+        stats = [_jsonable(dataclasses.asdict(o.stats)) for o in opts]
+        return {"offload_adamw_stats": stats[0], **({"offload_stats_per_optimizer": stats} if len(stats) > 1 else {})}
+    return Runner(step=_torch_loop(wrapped, opt, device, autocast=True), finish=each("synchronize"),
+                  close=each("close"), on_timed=each("reset_stats"), extra=extra,
+                  config={**info, "params_dtype": "fp32", "autocast": "bf16", "opt": args.opt,
+                          "optimizer": f"zero_offload.{cls.__name__}" + (" + OffloadAdamW" if len(opts) > 1 else ""),
+                          "optimizer_kwargs": _jsonable(kw)},
                   threads={"offload_adamw_cpu_adam": args.threads})
 
 
@@ -464,6 +541,7 @@ def build_deepspeed(args, cfg, device, world, sd, case):
 BUILDERS = {
     "ddp": build_ddp,
     "ddp-bf16": lambda *a: build_ddp(*a, bf16_params=True),
+    "torch-opt": lambda *a: build_ddp(*a, rule=True),
     "engine": build_engine,
     "engine-auto": lambda *a: build_engine(*a, auto=True),
     "offload-adamw": build_offload_adamw,
@@ -567,6 +645,8 @@ def parse_args(argv=None):
     ap.add_argument("--fsdp-reshard", default="0", choices=("0", "1"))
     ap.add_argument("--overlap-forward", default="1", choices=("0", "1"),
                     help="offload-adamw: OffloadAdamW(overlap_forward=...)")
+    ap.add_argument("--opt", default="adamw", choices=("adamw", "sgd", "lion", "adafactor", "muon"),
+                    help="the update rule of engine, offload-adamw and torch-opt (issue 25)")
     return ap.parse_args(argv)
 
 

@@ -46,16 +46,21 @@ CASES: dict[str, CaseInfo] = {
     "engine": CaseInfo(
         "bf16 working params (no autocast), fp32 master + moments on the CPU; zero_offload engine "
         "params=cpu optimizer=cpu",
-        short=BF16_MASTER, startup_s=35, step_s={1: 0.45, 2: 0.40, 4: 0.65}),
+        short=BF16_MASTER, knobs=("opt",), startup_s=35, step_s={1: 0.45, 2: 0.40, 4: 0.65}),
     "engine-auto": CaseInfo(
         "bf16 working params (no autocast), fp32 master + moments on the CPU; zero_offload engine "
         "params=auto optimizer=auto",
         short=BF16_MASTER, startup_s=35, step_s={1: 0.35, 2: 0.40, 4: 0.45}),
     "offload-adamw": CaseInfo(
         TORCH_AUTOCAST + " on the CPU (zero_offload OffloadAdamW, overlap_forward=True; knob "
-        "overlap=0: overlap_forward=False)",
-        short="fp32 + autocast", compute="autocast", knobs=("overlap-forward",), startup_s=25,
+        "overlap=0: overlap_forward=False; knob opt=: the rule's offload optimizer)",
+        short="fp32 + autocast", compute="autocast", knobs=("overlap-forward", "opt"), startup_s=25,
         step_s={1: 0.5, 2: 0.45, 4: 0.45}),
+    "torch-opt": CaseInfo(
+        "fp32 params + bf16 autocast, the opt= knob's torch.optim rule on the GPU (no offload; muon: "
+        "torch.optim.Muon on the hidden matrices + AdamW fused on the rest)",
+        short="fp32 + autocast", compute="autocast", knobs=("opt",), startup_s=20,
+        step_s={1: 0.25, 2: 0.25, 4: 0.25}),
     "torchao": CaseInfo(
         TORCH_AUTOCAST + " on the CPU (torchao CPUOffloadOptimizer, AdamW fused, offload_gradients=True)",
         short="fp32 + autocast", compute="autocast", gpu_only=True, max_world=1,
@@ -90,6 +95,10 @@ COMMON_KNOBS = ("threads", "tree")
   source with its extension built in place; ``benchmarks/fair/tree.sh`` makes one) instead of the
   installed package: a before/after comparison of two commits in one call, interleaved in the
   shuffled order (``engine:tree=before@1 engine@1``). The row records the path it imported."""
+
+OPTS = ("adamw", "sgd", "lion", "adafactor", "muon")
+"""Values of the ``opt=`` knob (engine, offload-adamw, torch-opt): the update rule of the case
+(issue 25: each rule offloaded vs the same torch optimizer without offload vs AdamW offloaded)."""
 
 KNOB_ALIASES = {"overlap": "overlap-forward", "reshard": "fsdp-reshard", "prefetch": "ds-prefetch-bucket",
                 "reduce": "ds-reduce-bucket", "ratio": "ds-ratio", "sub-group": "ds-sub-group"}
@@ -180,6 +189,8 @@ def parse_item(text: str) -> Item:
         if k not in info.knobs + COMMON_KNOBS:
             raise ValueError(f"plan item {text!r}: case {name} takes no knob {k!r}; its knobs: "
                              f"{', '.join(info.knobs) or 'none'}")
+        if k == "opt" and v.strip() not in OPTS:
+            raise ValueError(f"plan item {text!r}: opt={v.strip()} is not a rule; choose from {', '.join(OPTS)}")
         knobs.append((k, v.strip()))
     return Item(case=name, world=int(n), knobs=tuple(knobs))
 

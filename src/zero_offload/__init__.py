@@ -29,10 +29,19 @@ _EXPORTS = {
     "OffloadConfig": "config",
     "Adam": "config",
     "AdamW": "config",
+    # optimizers beyond Adam (issue 25)
+    "SGD": "config",
+    "Lion": "config",
+    "Adafactor": "config",
+    "Muon": "config",
     "initialize": "engine",
     "Engine": "engine",
     "OffloadAdam": "offload_optim",
     "OffloadAdamW": "offload_optim",
+    "OffloadSGD": "offload_optim",
+    "OffloadLion": "offload_optim",
+    "OffloadAdafactor": "offload_optim",
+    "OffloadMuon": "offload_optim",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

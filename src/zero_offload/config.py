@@ -1,7 +1,7 @@
 """Validated configuration: where training state lives, how it moves, and the optimizer spec.
 
-``OffloadConfig`` and the optimizer specs ``Adam`` / ``AdamW`` (hyperparameters only, no
-state) are frozen, keyword-only dataclasses. ``load_config(obj)`` reads any accepted form (a
+``OffloadConfig`` and the optimizer specs ``Adam`` / ``AdamW`` / ``SGD`` / ``Lion`` /
+``Adafactor`` / ``Muon`` (hyperparameters only, no state) are frozen, keyword-only dataclasses. ``load_config(obj)`` reads any accepted form (a
 config, a dict or JSON file of field names, a DeepSpeed config) into ``(OffloadConfig, Adam | None)``.
 
 Every field is checked in ``__post_init__``; a bad value raises before anything is built, with a
@@ -25,8 +25,8 @@ import torch
 
 from .runtime.vocab import Placement, round_up
 
-__all__ = ["Adam", "AdamW", "DeepSpeedTranslation", "OffloadConfig", "OptimizerSpec", "Placement", "Precision",
-           "load_config", "parse_bytes", "translate_deepspeed"]
+__all__ = ["Adafactor", "Adam", "AdamW", "DeepSpeedTranslation", "Lion", "Muon", "OffloadConfig", "OptimizerSpec",
+           "Placement", "Precision", "SGD", "load_config", "parse_bytes", "translate_deepspeed"]
 
 Budget = Union[int, str]
 """A tier budget: bytes as an int, or "auto" (the store sizes it from free memory)."""
@@ -236,15 +236,175 @@ class AdamW(Adam):
         return True
 
 
-def spec_from_dict(d: Mapping[str, Any]) -> Adam:
-    """An ``Adam`` or ``AdamW`` from ``{"type": "adam"|"adamw", "lr": ..., ...}``."""
+@dataclass(frozen=True, kw_only=True)
+class _RuleSpec(OptimizerSpec):
+    """A spec whose fields are its rule's hyperparameters, checked by the rule's validator (one per
+    rule, in runtime/rules.py; the torch front end checks its groups with the same one)."""
+
+    _type = ""
+
+    def __post_init__(self):
+        checked = self._check({f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+                              owner=type(self).__name__)
+        for k, v in checked.items():
+            object.__setattr__(self, k, v)
+
+    def _check(self, values: dict, *, owner: str) -> dict:
+        raise NotImplementedError
+
+    def _rule(self):
+        raise NotImplementedError
+
+    def rule(self, config: "OffloadConfig"):
+        if config.moments_dtype != "fp32":
+            raise ValueError(f"OffloadConfig.moments_dtype={config.moments_dtype!r} applies to Adam and "
+                             f"AdamW only; {type(self).__name__} keeps its state in fp32: use "
+                             f"moments_dtype='fp32'")
+        return self._rule()
+
+    def hyperparameters(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Field values plus ``"type"``; ``spec_from_dict`` reads it back."""
+        return {"type": self._type, **{k: list(v) if isinstance(v, tuple) else v
+                                       for k, v in self.hyperparameters().items()}}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]):
+        """Build from a dict of field names (no ``"type"`` key; see ``spec_from_dict``)."""
+        return _from_mapping(cls, {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+
+@dataclass(frozen=True, kw_only=True)
+class SGD(_RuleSpec):
+    """SGD, ``torch.optim.SGD`` semantics (momentum, dampening, Nesterov, L2 weight decay added to
+    the grad). With ``momentum=0`` no state is kept but the fp32 master; else one momentum buffer
+    (4 bytes per param). Runs on the host (native kernel) or, for the GPU share, on the device."""
+
+    lr: float = 1e-3
+    """Learning rate, >= 0."""
+    momentum: float = 0.0
+    """Momentum factor, >= 0 (0: plain SGD, no buffer)."""
+    dampening: float = 0.0
+    """Dampening of the momentum."""
+    weight_decay: float = 0.0
+    """L2 penalty (added to the grad), >= 0."""
+    nesterov: bool = False
+    """Nesterov momentum (needs momentum > 0 and dampening 0)."""
+
+    _type = "sgd"
+
+    def _check(self, values, *, owner):
+        from .runtime.rules import check_sgd
+        return check_sgd(values, owner=owner)
+
+    def _rule(self):
+        from .runtime.rules import SGDRule
+        return SGDRule(buffer=self.momentum != 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lion(_RuleSpec):
+    """Lion (Chen et al. 2023): the sign of an interpolated momentum, decoupled weight decay, one
+    moment (4 bytes per param). Take lr 3-10x smaller and weight decay 3-10x larger than AdamW's."""
+
+    lr: float = 1e-4
+    """Learning rate, >= 0."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """Interpolation of the update (beta1) and decay of the moment (beta2), each in [0, 1]."""
+    weight_decay: float = 0.0
+    """Decoupled decay coefficient, >= 0."""
+
+    _type = "lion"
+
+    def _check(self, values, *, owner):
+        from .runtime.rules import check_lion
+        return check_lion(values, owner=owner)
+
+    def _rule(self):
+        from .runtime.rules import LionRule
+        return LionRule()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Adafactor(_RuleSpec):
+    """Adafactor, ``torch.optim.Adafactor`` semantics: factored second moment (a row and a column
+    vector per matrix) for params of 2 or more dims, full for the others; relative step size.
+    Needs whole params: its chunks and rank shards are cut at parameter boundaries."""
+
+    lr: float = 1e-2
+    """Learning rate (the step size is ``min(lr, 1/sqrt(t))`` relative to the param's RMS), >= 0."""
+    beta2_decay: float = -0.8
+    """Decay of the second moment: ``1 - beta2_t = t ** beta2_decay``, <= 0."""
+    eps: tuple = (None, 1e-3)
+    """(eps1: floor of the second moment, None: the dtype's machine epsilon; eps2: floor of the
+    param's RMS in the step size)."""
+    d: float = 1.0
+    """Clipping threshold of the update's RMS, >= 1."""
+    weight_decay: float = 0.0
+    """Decoupled decay coefficient, >= 0."""
+
+    _type = "adafactor"
+
+    def _check(self, values, *, owner):
+        from .runtime.rules import check_adafactor
+        return check_adafactor(values, owner=owner)
+
+    def _rule(self):
+        from .runtime.rules import AdafactorRule
+        return AdafactorRule()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Muon(_RuleSpec):
+    """Muon, ``torch.optim.Muon`` semantics: momentum, orthogonalised by Newton-Schulz iterations,
+    decoupled weight decay. 2-D params only: give the others (embeddings, norms, biases, the head)
+    a param group of their own with ``"optimizer": zo.AdamW(...)``, as torch's recipe does. The
+    iterations run on the GPU (runtime/rules.py, [Note: where each rule runs])."""
+
+    lr: float = 1e-3
+    """Learning rate, >= 0 (adjusted per matrix shape by ``adjust_lr_fn``)."""
+    weight_decay: float = 0.1
+    """Decoupled decay coefficient, >= 0."""
+    momentum: float = 0.95
+    """Momentum factor, >= 0."""
+    nesterov: bool = True
+    """Nesterov momentum."""
+    ns_coefficients: tuple = (3.4445, -4.7750, 2.0315)
+    """Coefficients (a, b, c) of the quintic Newton-Schulz iteration."""
+    eps: float = 1e-7
+    """Floor of the norm the update is divided by before the iterations, >= 0."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations, in [0, 100)."""
+    adjust_lr_fn: "str | None" = None
+    """None or "original" (lr * sqrt(max(1, rows/cols))) or "match_rms_adamw" (0.2 * lr *
+    sqrt(max(rows, cols)))."""
+
+    _type = "muon"
+
+    def _check(self, values, *, owner):
+        from .runtime.rules import check_muon
+        return check_muon(values, owner=owner)
+
+    def _rule(self):
+        from .runtime.rules import MuonRule
+        return MuonRule()
+
+
+_SPECS = {"adam": Adam, "adamw": AdamW, "sgd": SGD, "lion": Lion, "adafactor": Adafactor, "muon": Muon}
+
+
+def spec_from_dict(d: Mapping[str, Any]) -> OptimizerSpec:
+    """A spec from ``{"type": "adam"|"adamw"|"sgd"|"lion"|"adafactor"|"muon", "lr": ..., ...}``
+    (no type: AdamW)."""
     if not isinstance(d, Mapping):
         raise TypeError(f"an optimizer spec must be a dict, got {type(d).__name__}")
     d = dict(d)
     kind = str(d.pop("type", "adamw")).lower()
-    if kind not in ("adam", "adamw"):
-        raise ValueError(f"optimizer type {kind!r} is not supported: use 'adam' or 'adamw'")
-    return (AdamW if kind == "adamw" else Adam).from_dict(d)
+    if kind not in _SPECS:
+        raise ValueError(f"optimizer type {kind!r} is not supported: use one of {', '.join(map(repr, _SPECS))}")
+    return _SPECS[kind].from_dict(d)
 
 
 # ---------------------------------------------------------------------------------------------

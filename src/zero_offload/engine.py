@@ -156,9 +156,9 @@ def initialize(model: nn.Module, *, optimizer: Optional[OptimizerSpec] = None,
         model: an ``nn.Module`` on the CPU or a GPU (its parameters' storage is taken over and
             freed chunk by chunk), or built on the meta device (no memory; see ``init`` and
             ``weights``): the host then never holds a full copy of the model beside the tiers.
-        optimizer: ``zero_offload.Adam(...)`` or ``zero_offload.AdamW(...)`` (a spec; the engine
-            builds the state). May be omitted when ``config`` is a DeepSpeed config with an
-            ``optimizer`` section.
+        optimizer: ``zero_offload.AdamW(...)``, ``Adam``, ``SGD``, ``Lion``, ``Adafactor`` or
+            ``Muon`` (a spec; the engine builds the state). May be omitted when ``config`` is a
+            DeepSpeed config with an ``optimizer`` section.
         config: ``OffloadConfig``, a dict of its fields, a path to a JSON file, or a DeepSpeed
             config (dict/path). None = ``OffloadConfig()``.
         lr_scheduler: a callable taking the engine's optimizer (``engine.optimizer``, a
@@ -173,7 +173,9 @@ def initialize(model: nn.Module, *, optimizer: Optional[OptimizerSpec] = None,
             rule's ``hyper_keys``). Every trainable parameter not listed is in the
             default group (group 0: the ``optimizer`` spec's values); ``engine.optimizer``'s
             ``param_groups`` are group 0 followed by these, in order, so an lr scheduler can
-            drive each (e.g. ``LambdaLR`` with one function per group).
+            drive each (e.g. ``LambdaLR`` with one function per group). A group may name its own
+            optimizer, ``{"params": [...], "optimizer": zo.AdamW(...)}`` (its keys are then that
+            spec's): torch's Muon recipe, Muon on the matrices and AdamW on the rest.
         process_group: data parallelism (see [Note: data parallel]): "auto" (default) takes
             the default group when ``torch.distributed`` is initialized with several ranks; under
             a launcher (``torchrun``: ``WORLD_SIZE`` > 1) without one, it is started from the
@@ -215,9 +217,6 @@ class Engine:
                                         "pass process_group=None to train this process alone"),
                 owner="zero_offload.initialize", before="initialize")
         pg = resolve_group(process_group, "initialize")
-        if pg is not None and not self.rule.elementwise:
-            raise ValueError(f"initialize: {self.rule.name} updates whole parameters, and data-parallel "
-                             f"shards cut them; train it on one rank (process_group=None)")
         self.device = rank_device(device, ranked=pg is not None)
         self._failed: Optional[BaseException] = None  # see [Note: failed engine]
         self.shard = Shards(pg, owner="engine", device=self.device, on_failure=self._fail,
@@ -240,8 +239,15 @@ class Engine:
         if not any(s.trainable for s in self.partition.slots):
             raise ValueError("the model has no trainable parameter (requires_grad=True); the engine "
                              "trains parameters. Unfreeze some, or run inference without the engine")
-        self._group_overrides, self._slot_group = _resolve_groups(param_groups, model, self.partition,
-                                                                  spec, self.rule.hyper_keys)
+        self._group_overrides, self._slot_group, rules = _resolve_groups(param_groups, model, self.partition,
+                                                                         spec, cfg)
+        # Chunks by update rule (param groups may name their own optimizer); a rule that is not
+        # elementwise gets shards cut at parameter boundaries ([Note: whole parameters]).
+        rule_of = {s.index: rules[self._slot_group.get(s.index, 0)] for s in self.partition.slots}
+        _check_shapes(self.partition, rule_of)
+        self.partition = partition_parameters(
+            model, chunk_numel=chunk_numel, key=lambda name, p: rule_of[self.partition.slot_of(p).index],
+            world=self.shard.world, whole=lambda rule: not rule.elementwise)
         if self._ranked:  # before anything is allocated: a difference raises on every rank
             self.shard.check_settings(self._rank_settings(), owner="zero_offload.initialize")
         self._values = InitialValues(model, self.partition, init=init, weights=weights)
@@ -264,9 +270,7 @@ class Engine:
             device=self.device, nvme_dir=nvme_dir, local_ranks=local_ranks() if self._ranked else 1,
             freed_host=handed_over_bytes(self.partition))  # the model's own host copy is freed as chunks fill
         self.plan: PlacementPlan = plan_placement(PlacementRequest(
-            chunks=tuple(ChunkNeed(numel=self.shard.span(c.numel)[2], dtype=self.dtype, trainable=c.trainable,
-                                   shapes=() if self.rule.elementwise else tuple(s.shape for s in c.slots))
-                         for c in self.partition.chunks),  # (a rule that is not elementwise: one rank, whole chunks)
+            chunks=tuple(self._need(c) for c in self.partition.chunks),
             budgets=budgets, params=cfg.params, optimizer=cfg.optimizer, rule=self.rule,
             accum=cfg.host_accum, nvme_dir=cfg.nvme_dir, prefetch_depth=cfg.prefetch_depth,
             reserve=cfg.activation_reserve, gpu_optimizer=True,
@@ -309,6 +313,17 @@ class Engine:
         out["the model's parameters (name, shape, trainable)"] = [
             (s.name, tuple(s.shape), s.trainable) for s in self.partition.slots]
         return out
+
+    def _need(self, layout: ChunkLayout) -> ChunkNeed:
+        """What placement must know of a chunk: this rank's shard of it, and for a rule that is not
+        elementwise the shapes of the params this rank holds (its state may be sized by them)."""
+        k = self.shard.span(layout.numel)[2]
+        if not layout.trainable:
+            return ChunkNeed(numel=k, dtype=self.dtype, trainable=False)
+        rule = layout.key
+        mine = None if rule.elementwise else tuple(
+            tuple(s.shape) for s in layout.slots if s.offset // k == self.shard.rank)
+        return ChunkNeed(numel=k, dtype=self.dtype, shapes=mine, rule=rule)
 
     def _build(self, lr_scheduler) -> None:
         cfg = self.config
@@ -382,12 +397,13 @@ class Engine:
     def _add_chunk(self, layout: ChunkLayout, homes) -> GroupChunk:
         specs = chunk_payloads(self.plan.request, self.plan.request.chunks[layout.index], homes)
         gslots = []
+        rule = layout.key if layout.trainable else None
         if layout.trainable:  # an elementwise rule's update covers the padding up to the next slot
-            spans = update_spans(layout, align_to_params=not self.rule.elementwise)
+            spans = update_spans(layout, align_to_params=not rule.elementwise)
             gslots = [GroupSlot(lo=s.offset, numel=s.numel, end=stop, name=s.name, index=s.index,
                                 group=self._slot_group.get(s.index, 0), shape=tuple(s.shape))
                       for s, (_, stop) in zip(layout.slots, spans)]
-        return self.group.add_chunk(specs, gslots, whole=layout.numel, layout=layout)
+        return self.group.add_chunk(specs, gslots, whole=layout.numel, layout=layout, rule=rule)
 
     # ---- data parallel ([Note: data parallel]) ----------------------------------------------
 
@@ -1035,19 +1051,22 @@ def _resolve_config(config, optimizer) -> tuple:
         raise ValueError("initialize needs an optimizer spec: optimizer=zero_offload.AdamW(lr=...) "
                          "(or zero_offload.Adam), or a DeepSpeed config with an 'optimizer' section")
     if not isinstance(spec, OptimizerSpec):
-        raise TypeError(f"optimizer must be zero_offload.Adam(...) or zero_offload.AdamW(...), got "
+        raise TypeError(f"optimizer must be a zero_offload optimizer spec (zo.AdamW(...), zo.Muon(...), ...), got "
                         f"{type(spec).__name__}; a torch.optim optimizer cannot be used (the engine "
                         f"builds the optimizer state itself, where the config places it)")
     return cfg, spec
 
 
 def _resolve_groups(groups, model: nn.Module, partition: Partition, spec: OptimizerSpec,
-                    keys: Sequence[str]) -> tuple:
+                    config: OffloadConfig) -> tuple:
     """Check ``initialize(param_groups=...)`` (before anything changes) and return
-    (hyperparameter overrides per listed group, {slot index: group index}); group 0 is the
-    default group of every trainable param not listed."""
+    (hyperparameters per listed group, {slot index: group index}, the update rule of each group,
+    group 0 first); group 0 is the default group of every trainable param not listed. A group may
+    name its own optimizer spec (``"optimizer": zo.AdamW(...)``): its hyperparameters are that
+    spec's, with the group's overrides."""
+    rules = [spec.rule(config)]
     if groups is None:
-        return [], {}
+        return [], {}, rules
     if isinstance(groups, dict) or not isinstance(groups, (list, tuple)):
         raise TypeError(f"param_groups must be a list of dicts like [{{'params': [...], "
                         f"'weight_decay': 0.0}}], got {type(groups).__name__}")
@@ -1058,14 +1077,22 @@ def _resolve_groups(groups, model: nn.Module, partition: Partition, spec: Optimi
         where = f"param_groups[{gi - 1}]"
         if not isinstance(group, dict) or "params" not in group:
             raise TypeError(f"{where} must be a dict with a 'params' list (and optional "
-                            f"{', '.join(keys)})")
-        unknown = sorted(set(group) - {"params", *keys})
+                            f"{', '.join(rules[0].hyper_keys)}, or 'optimizer': a spec of its own)")
+        own = group.get("optimizer", spec)
+        if not isinstance(own, OptimizerSpec):
+            raise TypeError(f"{where}['optimizer'] must be a zero_offload optimizer spec (e.g. "
+                            f"zo.AdamW(lr=3e-4)), got {type(own).__name__}")
+        keys = own.rule(config).hyper_keys
+        unknown = sorted(set(group) - {"params", "optimizer", *keys})
         if unknown:
             raise ValueError(f"{where} has unknown keys {unknown}; a group may set only "
-                             f"{', '.join(keys)} (the optimizer kind comes from the spec)")
+                             f"{', '.join(keys)} (the optimizer kind comes from the spec, or from the "
+                             f"group's 'optimizer')")
         override = {k: group[k] for k in keys if k in group}
-        checked = dataclasses.replace(spec, **override)  # validates; the error names the field
-        overrides.append({k: getattr(checked, k) for k in override})
+        checked = dataclasses.replace(own, **override)  # validates; the error names the field
+        rules.append(checked.rule(config))
+        overrides.append({k: getattr(checked, k) for k in override} if own is spec
+                         else {**checked.hyperparameters(), "optimizer": checked.to_dict()["type"]})
         params = group["params"]
         if isinstance(params, (torch.Tensor, str)):
             params = [params]
@@ -1087,7 +1114,21 @@ def _resolve_groups(groups, model: nn.Module, partition: Partition, spec: Optimi
                                  f"param_groups[{slot_group[slot.index] - 1}]; a parameter "
                                  f"belongs to one group")
             slot_group[slot.index] = gi
-    return overrides, slot_group
+    return overrides, slot_group, rules
+
+
+def _check_shapes(partition: Partition, rule_of: dict) -> None:
+    """Every trainable param's rule can update its shape (Muon: 2-D only), else one error naming
+    the param and the way out."""
+    from .runtime.update_rule import shape_problem
+    for s in partition.slots:
+        problem = shape_problem(rule_of[s.index], tuple(s.shape)) if s.trainable else None
+        if problem is not None:
+            raise ValueError(f"initialize: parameter {s.name!r} of shape {tuple(s.shape)} is in a "
+                             f"{rule_of[s.index].name} group, but {problem}; put it in a param group "
+                             f"with another optimizer: param_groups=[{{'params': [...], 'optimizer': "
+                             f"zo.AdamW(...)}}] (torch's Muon recipe: AdamW for embeddings, norms, "
+                             f"biases and the head)")
 
 
 def _check_not_managed(model: nn.Module) -> None:

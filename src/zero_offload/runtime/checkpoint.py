@@ -12,7 +12,9 @@ Layout of a checkpoint directory::
                        ``read_client_state`` without loading the checkpoint)
     chunk_00000.pt     per saved chunk: "master" and the update rule's state (Adam: "exp_avg",
     ...                "exp_avg_sq"), fp32 flat tensors (trainable), or "frozen" in the working
-                       dtype, plus the chunk's slot table
+                       dtype, plus the chunk's slot table (name, offset, elements) and, for state
+                       sized by the params' shapes (Adafactor's factors), "spans": per such key,
+                       each slot's (name, offset, elements) in it
     manifest.json      written last: every other file's size and CRC-32 (computed while the
                        file was written, so nothing is read back)
 
@@ -274,6 +276,15 @@ def _buffers(module) -> dict:
     return out
 
 
+def chunk_spans(group, layout) -> dict:
+    """The keys ``chunk_state`` gives for ``layout`` ("frozen" for a frozen chunk), each with every
+    slot's ``(lo, hi)`` in its flat tensor (runtime/chunk_group.py, [Note: state layout])."""
+    if not layout.trainable:
+        return {"frozen": tuple((s.offset, s.end) for s in layout.slots)}
+    chunk = group.chunks[layout.index]
+    return {k: group.spans(chunk, k) for k in group.names(chunk)}
+
+
 def chunk_state(group, layout) -> dict:
     """CPU copies of one chunk's state (``group``: the engine's ``ChunkGroup``, ``layout``: the
     chunk's ``ChunkLayout``): the group's ``state_names`` keys ("master" and the update rule's
@@ -287,9 +298,10 @@ def chunk_state(group, layout) -> dict:
 
 
 def load_chunk_state(group, layout, fill, steps) -> None:
-    """Overwrite one chunk's state: ``fill(key, buf)`` writes the values of ``key`` (as
-    ``chunk_state`` names them) into a zeroed flat buffer; ``steps``: one per slot. bf16/fp16
-    working params become the master rounded, as the kernel writes them."""
+    """Overwrite one chunk's state: ``fill(key, buf, spans)`` writes the values of ``key`` (as
+    ``chunk_state`` names them) into a zeroed flat buffer, slot i at ``spans[i]`` (a frozen chunk:
+    ``fill("frozen", buf)``, at the slots' offsets); ``steps``: one per slot. bf16/fp16 working
+    params become the master rounded, as the kernel writes them."""
     chunk = group.chunks[layout.index]
     if layout.trainable:
         group.load_state(chunk, fill, steps)
@@ -381,8 +393,12 @@ def _write_checkpoint(engine, path, states: _ChunkStates, client_state: Optional
                 slot_table[s.name] = {"shape": tuple(s.shape), "trainable": s.trainable,
                                       "step": step if s.trainable else 0}
             slots = [(s.name, s.offset, s.numel) for s in layout.slots]
+            like = [(s.offset, s.end) for s in layout.slots]
+            spans = {k: [(s.name, lo, hi - lo) for s, (lo, hi) in zip(layout.slots, sp)]
+                     for k, sp in payload.pop("spans", {}).items() if list(sp) != like}
             writing = _chunk_file(layout.index)
-            files[writing] = _save({"slots": slots, **payload}, os.path.join(tmp, writing))
+            files[writing] = _save({"slots": slots, **({"spans": spans} if spans else {}), **payload},
+                                   os.path.join(tmp, writing))
             del payload
             chunks_meta.append({"file": writing, "trainable": layout.trainable})
         meta = {
@@ -578,8 +594,8 @@ def _load_file(file: str, data: Optional[bytes] = None, **kw):
 
 def _plan_load(engine, path: str) -> tuple[str, dict, dict]:
     """Every check of [Note: verified load]; changes nothing. Returns what ``load_checkpoint``
-    writes: the directory, engine.pt's contents and where each slot's values are (slot name ->
-    (chunk file, offset, numel))."""
+    writes: the directory, engine.pt's contents and where each slot's values of each key are (slot
+    name -> {key: (chunk file, offset, numel)})."""
     path, files, meta_bytes = _verified(path, checksums=True)
     meta = _load_file(os.path.join(path, META), meta_bytes, weights_only=False)
     _check_format(path, meta.get("format_version") if isinstance(meta, dict) else None)
@@ -639,32 +655,50 @@ def _plan_load(engine, path: str) -> tuple[str, dict, dict]:
     if "cuda" in rng and torch.cuda.is_available() and len(rng["cuda"]) > torch.cuda.device_count():
         raise CheckpointError(f"{path} holds RNG states of {len(rng['cuda'])} GPUs, this machine has "
                               f"{torch.cuda.device_count()}; load it where as many GPUs are visible")
-    # Where each saved slot is, and that its bytes are there.
-    where = {}
+    # Where each saved slot's values of each key are (its params' elements, or its part of a
+    # payload sized by shapes: "spans"), and that their bytes are there.
+    where: dict = {}  # slot name -> {key: (chunk file, offset, elements)}
     for c in meta["chunks"]:
         file = os.path.join(path, c["file"])
         if files is not None and c["file"] not in files:
             raise _damaged(file, f"is named by {META} but not by {MANIFEST}")
         saved_chunk = _load_file(file, mmap=True, weights_only=True)
-        keys = tuple(engine.group.state_names) if c["trainable"] else ("frozen",)
-        if not isinstance(saved_chunk, dict) or not all(
-                isinstance(saved_chunk.get(k), torch.Tensor) and saved_chunk[k].dim() == 1 for k in keys):
-            kind, ours_kind = (meta.get("spec") or {}).get("type"), engine.spec.to_dict().get("type")
-            if isinstance(saved_chunk, dict) and kind != ours_kind:
-                raise CheckpointError(f"{path} holds the state of optimizer {kind!r}, this engine runs "
-                                      f"{ours_kind!r} (it needs {list(keys)}); load it into an engine "
-                                      f"with the optimizer that saved it")
-            raise _damaged(file, f"lacks its payloads {list(keys)}")
+        if not isinstance(saved_chunk, dict) or not isinstance(saved_chunk.get("slots"), list):
+            raise _damaged(file, "is not a zero_offload chunk file (no slot table)")
+        flat = {k: v for k, v in saved_chunk.items() if isinstance(v, torch.Tensor) and v.dim() == 1}
         for n, off, numel in saved_chunk["slots"]:
             if n in ours and ours[n].numel != numel:
                 raise _damaged(file, f"records {numel} values for {n}, the model has {ours[n].numel}")
-            if any(off + numel > saved_chunk[k].numel() for k in keys):
-                raise _damaged(file, f"is too short for {n} (needs {off + numel} values)")
-            where[n] = (c["file"], off, numel)
-        del saved_chunk
+            where[n] = {k: (c["file"], off, numel) for k in flat}
+        for k, table in (saved_chunk.get("spans") or {}).items():
+            for n, off, numel in table:
+                where.setdefault(n, {})[k] = (c["file"], off, numel)
+        for n, _, _ in saved_chunk["slots"]:
+            for k, (_, off, numel) in where[n].items():
+                if k not in flat or off + numel > flat[k].numel():
+                    raise _damaged(file, f"is too short for {n} (its {k!r} needs {off + numel} values)")
+        del saved_chunk, flat
     not_saved = sorted(set(ours) - set(where))
     if not_saved:
         raise _damaged(path, f"has no values for {not_saved[:5]} in its chunk files")
+    for layout in engine.partition.chunks:  # every key each slot's chunk needs, of the size it needs
+        for key, spans in chunk_spans(engine.group, layout).items():
+            for s, (lo, hi) in zip(layout.slots, spans):
+                got = where[s.name].get(key)
+                if got is None:
+                    kind, ours_kind = (meta.get("spec") or {}).get("type"), engine.spec.to_dict().get("type")
+                    if kind != ours_kind:
+                        raise CheckpointError(
+                            f"{path} holds the state of optimizer {kind!r}, this engine runs {ours_kind!r} "
+                            f"(it needs {key!r} of {s.name}); load it into an engine with the optimizer "
+                            f"(and param groups) that saved it")
+                    raise CheckpointError(f"{path} has no {key!r} state for {s.name}: it was saved with "
+                                          f"another optimizer for that param; use the optimizer and "
+                                          f"param groups that saved it")
+                if got[2] != hi - lo:
+                    raise CheckpointError(f"{path} holds {got[2]} values of {key!r} for {s.name}, this "
+                                          f"engine's optimizer keeps {hi - lo}; use the optimizer that "
+                                          f"saved it")
     return path, meta, where
 
 
@@ -686,10 +720,11 @@ def load_checkpoint(engine, path) -> None:
 
     with torch.no_grad():
         for layout in engine.partition.chunks:
-            def fill(key, buf, slots=layout.slots):
-                for s in slots:
-                    f, off, numel = where[s.name]
-                    buf[s.offset:s.end].copy_(saved_values(f)[key][off:off + numel])
+            def fill(key, buf, spans=None, slots=layout.slots):
+                for i, s in enumerate(slots):
+                    f, off, numel = where[s.name][key]
+                    lo, hi = (s.offset, s.end) if spans is None else spans[i]
+                    buf[lo:hi].copy_(saved_values(f)[key][off:off + numel])
 
             load_chunk_state(engine.group, layout, fill, [int(saved[s.name]["step"]) for s in layout.slots])
     cache.clear()

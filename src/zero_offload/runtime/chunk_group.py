@@ -18,12 +18,22 @@ store's and the pipeline's counters. The verbs:
   decision (clip, overflow skip) and its updates; ``drop_window()``: the window is forgotten;
 - ``params(chunk, shard, ahead=)``: the chunk's whole params on the device (an all-gather, a
   replica); ``gather_updates()``: updated shards into every rank's tensors;
-- ``state(chunk)`` / ``load_state(chunk, fill, steps)``: the optimizer state of whole chunks by
-  element offset, for checkpoints and ``state_dict`` of both front ends; ``read_values`` /
-  ``write_values``: the params at full precision.
+- ``state(chunk)`` / ``load_state(chunk, fill, steps)``: the optimizer state of whole chunks,
+  each slot's part of each payload named by its span ([Note: state layout]), for checkpoints and
+  ``state_dict`` of both front ends; ``read_values`` / ``write_values``: the params at full
+  precision.
 The update itself: segments of the slots with grads in the window, each slot's step count, the
-arguments the group's ``UpdateRule`` makes of each slot's param group, read when the update is
-queued (``_update_job``; [Note: update rules] in update_rule.py).
+arguments the chunk's ``UpdateRule`` makes of each slot's param group, read when the update is
+queued (``_update_job``; [Note: update rules] in update_rule.py). Each chunk has one rule (the
+group's, or its own: several rules in one model, by param group).
+
+[Note: state layout] A payload laid out like the params holds slot s at ``[s.lo, s.lo + s.numel)``
+of the whole chunk (every rank's shards), as the params. A payload sized by the params' shapes
+(``StateSpec.spans``: Adafactor's factors) is each rank's own packing of the params it holds
+(whole params: the rule is not elementwise, so shards are cut at parameter boundaries, [Note:
+whole parameters] in partition.py). Its whole-chunk layout, for ``state``/``load_state``, is the
+ranks' payloads side by side, each in a piece as large as the largest (``StateLayout``): every
+rank knows every slot's shape and owner, so every rank computes the same layout.
 
 [Note: chunk phases] A chunk is in one ``ChunkPhase``; ``GroupChunk.to`` raises on a move that
 ``_LEGAL`` does not list:
@@ -91,7 +101,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -172,14 +181,34 @@ class GroupSlot:
     step: int = 0
     """Steps taken (torch.optim's ``state["step"]``; a param without a grad keeps its own)."""
     shape: Optional[tuple] = None
-    """The param's shape when the slot holds the whole param, exactly (``stop - offset`` elements):
-    what a rule that is not elementwise needs ([Note: update rules]); None otherwise."""
+    """The param's shape (None: not given; a rule that is not elementwise needs it)."""
+    pos: int = 0
+    """Its index in its chunk's ``slots``."""
     version: int = 0
     """``param._version`` when the master last matched the param (``ParamSink.TENSORS``)."""
 
     @property
     def held(self) -> bool:
         return self.stop > self.offset
+
+    @property
+    def whole(self) -> bool:
+        """This rank holds the whole param, exactly (``stop - offset`` elements of ``shape``): what
+        a rule that is not elementwise updates ([Note: update rules])."""
+        return (self.shape is not None and self.start == 0
+                and self.stop - self.offset == math.prod(self.shape) == self.count)
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Where a payload sized by the params' shapes keeps each slot's state ([Note: state layout])."""
+
+    piece: int
+    """Elements of each rank's piece of the whole-chunk layout (the largest rank's payload)."""
+    whole: tuple
+    """Per slot, its ``(lo, hi)`` in the whole-chunk layout (``world * piece`` elements)."""
+    mine: tuple
+    """Per slot, its ``(lo, hi)`` in this rank's payload (``(0, 0)`` where it holds none)."""
 
 
 @dataclass(eq=False)
@@ -190,9 +219,13 @@ class GroupChunk:
     cid: int
     slots: tuple
     numel: int
-    """Elements of this rank's shard (every payload's size)."""
+    """Elements of this rank's shard (the size of every payload laid out like the params)."""
     whole: int = 0
     """Elements of the whole chunk (every rank's shards)."""
+    rule: Any = None
+    """Its update rule ([Note: update rules])."""
+    shaped: dict = field(default_factory=dict)
+    """Payload name -> ``StateLayout`` of its rule's payloads sized by shapes ([Note: state layout])."""
     phase: ChunkPhase = ChunkPhase.IDLE
     window: set = field(default_factory=set)
     """Slots with a grad in the current accumulation window (this rank's parts)."""
@@ -404,39 +437,89 @@ class ChunkGroup:
     # ---- building ---------------------------------------------------------------------------
 
     def add_chunk(self, specs: Mapping[str, PayloadSpec], slots: Sequence[GroupSlot], *,
-                  whole: Optional[int] = None, layout: Any = None) -> GroupChunk:
+                  whole: Optional[int] = None, rule: Optional[UpdateRule] = None,
+                  layout: Any = None) -> GroupChunk:
         """Register a chunk in the store (home copies allocated, this rank's shard of each
         payload: ``specs``) and in the group; its id is its index in ``chunks``. ``slots``: its
         params over the ``whole`` chunk (default: the shard's size), in order; each gets its
-        part of this rank's shard. ``layout``: the front end's (``GroupChunk.layout``)."""
+        part of this rank's shard. ``rule``: its update rule (default: the group's). A rule that
+        is not elementwise needs every slot's ``shape`` and each slot whole on one rank.
+        ``layout``: the front end's (``GroupChunk.layout``)."""
+        rule = self.rule if rule is None else rule
+        if not isinstance(rule, UpdateRule):
+            raise TypeError(f"{self.owner}: rule must be an UpdateRule, got {type(rule).__name__}")
+        numel = self.shards.span(whole)[2] if whole is not None else next(iter(specs.values())).numel
+        whole = numel if whole is None else whole
+        for i, s in enumerate(slots):
+            s.end = s.lo + s.numel if s.end < 0 else s.end
+            s.pos = i
+            s.offset, s.stop, s.start = self.shards.cut(s.lo, s.end, whole) or (0, 0, 0)
+            part = self.shards.cut(s.lo, s.lo + s.numel, whole)
+            s.count = part[1] - part[0] if part is not None else 0
+            if not rule.elementwise and s.held and not s.whole:
+                raise ValueError(
+                    f"{self.owner}: {rule.name} updates whole parameters, but {s.name or 'a parameter'} "
+                    f"(elements [{s.lo}, {s.lo + s.numel}) of its chunk) is not whole on this rank (a "
+                    f"data-parallel shard cuts it, or its shape was not given); lay the chunk out with "
+                    f"partition.align_shards")
+        shaped = {} if rule.elementwise else self._state_layouts(rule, slots, numel)
         cid = self.store.add_chunk(specs)
         if cid != len(self.chunks):
             raise RuntimeError(f"{self.owner}: the store has chunks the group does not own; give each "
                                f"ChunkGroup a store of its own")
-        numel = next(iter(specs.values())).numel
-        whole = numel if whole is None else whole
         for s in slots:
-            s.end = s.lo + s.numel if s.end < 0 else s.end
             s.cid = cid
-            s.offset, s.stop, s.start = self.shards.cut(s.lo, s.end, whole) or (0, 0, 0)
-            part = self.shards.cut(s.lo, s.lo + s.numel, whole)
-            s.count = part[1] - part[0] if part is not None else 0
-            if s.shape is not None and (s.start, s.stop - s.offset) != (0, math.prod(s.shape)):
-                s.shape = None  # this rank's part is not the whole param ([Note: update rules])
             if s.param is not None:
                 s.version = local(s.param)._version
-        chunk = GroupChunk(cid=cid, slots=tuple(slots), numel=numel, whole=whole, layout=layout)
+        chunk = GroupChunk(cid=cid, slots=tuple(slots), numel=numel, whole=whole, rule=rule, shaped=shaped,
+                           layout=layout)
         self._expect_all(chunk)
         self.chunks.append(chunk)
         return chunk
+
+    def _state_layouts(self, rule: UpdateRule, slots: Sequence[GroupSlot], numel: int) -> dict:
+        """``StateLayout`` of each of ``rule``'s payloads sized by shapes ([Note: state layout]):
+        every rank's payloads, from the slots' shapes and owners (slot s lies in rank
+        ``s.lo // numel``'s shard)."""
+        owners = [[] for _ in range(self.shards.world)]
+        for s in slots:
+            owners[min(s.lo // numel, self.shards.world - 1)].append(s)
+        per_rank = [rule.payloads(numel, [tuple(s.shape) for s in mine]) for mine in owners]
+        out = {}
+        for key, spec in per_rank[self.shards.rank].items():
+            if spec.spans is None:
+                continue
+            piece = max(1, max(p[key].numel for p in per_rank))
+            whole, mine = [None] * len(slots), [(0, 0)] * len(slots)
+            for r, (held, specs) in enumerate(zip(owners, per_rank)):
+                for s, (lo, hi) in zip(held, specs[key].spans):
+                    whole[s.pos] = (r * piece + lo, r * piece + hi)
+                    if r == self.shards.rank:
+                        mine[s.pos] = (lo, hi)
+            out[key] = StateLayout(piece=piece, whole=tuple(whole), mine=tuple(mine))
+        return out
 
     # ---- whole payloads (caller's thread, no job of the chunk running) ----------------------
 
     @property
     def state_names(self) -> dict:
-        """Optimizer-state key -> payload name: "master" and the rule's ``state_keys`` (Adam:
-        "exp_avg", "exp_avg_sq")."""
+        """Optimizer-state key -> payload name: "master" and the group's rule's ``state_keys``
+        (Adam: "exp_avg", "exp_avg_sq"); ``names(chunk)`` for a chunk's own rule."""
         return {"master": self.payloads.master, **{k: k for k in self.rule.state_keys}}
+
+    def names(self, chunk: GroupChunk) -> dict:
+        """``state_names`` of ``chunk`` (its rule's state)."""
+        return {"master": self.payloads.master, **{k: k for k in chunk.rule.state_keys}}
+
+    def spans(self, chunk: GroupChunk, key: str) -> tuple:
+        """Per slot, its ``(lo, hi)`` in the whole-chunk layout of state ``key`` ([Note: state
+        layout]): its params' elements, or its part of a payload sized by shapes."""
+        lay = chunk.shaped.get(key)
+        return lay.whole if lay is not None else tuple((s.lo, s.lo + s.numel) for s in chunk.slots)
+
+    def _whole_numel(self, chunk: GroupChunk, key: str) -> int:
+        lay = chunk.shaped.get(key)
+        return chunk.whole if lay is None else lay.piece * self.shards.world
 
     @contextlib.contextmanager
     def hold(self, chunk: GroupChunk, names: Sequence[str], *, write: bool = False, fresh: bool = False):
@@ -498,40 +581,59 @@ class ChunkGroup:
 
     def state(self, chunk: GroupChunk) -> dict:
         """CPU copies of a trainable chunk's optimizer state over the whole chunk (every rank's
-        shards: collective), by ``state_names`` key ("master", "exp_avg", "exp_avg_sq"; fp32,
-        bf16 moments widened), and "steps": each slot's step count (the largest over the ranks:
-        a slot cut by a shard boundary is stepped by each of its ranks)."""
-        names = self.state_names
+        shards: collective), by ``names(chunk)`` key ("master", "exp_avg", "exp_avg_sq"; fp32,
+        bf16 moments widened); "spans": per key, each slot's ``(lo, hi)`` in it ([Note: state
+        layout]); "steps": each slot's step count (the largest over the ranks: a slot cut by a
+        shard boundary is stepped by each of its ranks)."""
+        names = self.names(chunk)
         with self.hold(chunk, list(names.values())) as bufs:
-            values = self.shards.gather_whole([b.float() for b in bufs], chunk.whole,
-                                              what="the all-gather of the optimizer state")
-        out = dict(zip(names, values))
+            pieces = {}
+            for key, buf in zip(names, bufs):
+                lay = chunk.shaped.get(key)
+                if lay is None:
+                    pieces[key] = buf.float()
+                else:  # this rank's payload in its piece of the whole layout
+                    pieces[key] = torch.zeros(lay.piece, dtype=torch.float32)
+                    pieces[key][:min(buf.numel(), lay.piece)].copy_(buf[:lay.piece])
+            out = {}
+            for size in sorted({t.numel() for t in pieces.values()}):  # one all-gather per size
+                keys = [k for k in names if pieces[k].numel() == size]
+                values = self.shards.gather_whole([pieces[k] for k in keys], self.shards.world * size,
+                                                  what="the all-gather of the optimizer state")
+                out.update(zip(keys, values))
+        out = {k: out[k][:self._whole_numel(chunk, k)] for k in names}
+        out["spans"] = {k: self.spans(chunk, k) for k in names}
         out["steps"] = self.shards.max_steps([s.step for s in chunk.slots])
         return out
 
-    def load_state(self, chunk: GroupChunk, fill: Callable[[str, torch.Tensor], None],
+    def load_state(self, chunk: GroupChunk, fill: Callable[[str, torch.Tensor, tuple], None],
                    steps: Optional[Sequence[int]] = None) -> None:
-        """Overwrite a trainable chunk's optimizer state: ``fill(key, buf)`` writes the values of
-        ``key`` (as ``state`` names them) over the whole chunk into a zeroed buffer; this rank
-        keeps its shard; the working params are the master rounded. ``steps``: each slot's
-        step count (None: unchanged)."""
-        for key, name in self.state_names.items():
-            self._write(chunk, name, functools.partial(fill, key))
+        """Overwrite a trainable chunk's optimizer state: ``fill(key, buf, spans)`` writes the
+        values of ``key`` (as ``state`` names them) into a zeroed buffer of the whole chunk's
+        layout of ``key``, slot i at ``spans[i]`` ([Note: state layout]); this rank keeps its
+        shard; the working params are the master rounded. ``steps``: each slot's step count
+        (None: unchanged)."""
+        for key, name in self.names(chunk).items():
+            spans = self.spans(chunk, key)
+            self._write(chunk, name, lambda buf, key=key, spans=spans: fill(key, buf, spans),
+                        whole=self._whole_numel(chunk, key))
         for s, step in zip(chunk.slots, steps if steps is not None else ()):
             s.step = int(step)
         for s in chunk.slots:
             if s.param is not None:
                 s.version = local(s.param)._version  # the master matches the param again
 
-    def _write(self, chunk: GroupChunk, name: str, fill: Callable[[torch.Tensor], None]) -> None:
-        """Overwrite this rank's shard of a payload from ``fill`` (whole-chunk offsets); the
-        master's working copy (``lowp``), where the chunk has one, is its rounding."""
+    def _write(self, chunk: GroupChunk, name: str, fill: Callable[[torch.Tensor], None], *,
+               whole: Optional[int] = None) -> None:
+        """Overwrite this rank's shard of a payload from ``fill`` (whole-chunk offsets, of a
+        layout of ``whole`` elements: default the chunk's); the master's working copy (``lowp``),
+        where the chunk has one, is its rounding."""
         p = self.payloads
         names = [name] + ([p.lowp] if name == p.master and p.lowp is not None
                           and self.store.has_payload(chunk.cid, p.lowp) else [])
         chunk.replica = None
         with self.hold(chunk, names, fresh=True) as bufs:
-            self.shards.fill(bufs[0], chunk.whole, fill)
+            self.shards.fill(bufs[0], chunk.whole if whole is None else whole, fill)
             if len(bufs) > 1:
                 bufs[1].copy_(bufs[0])
 
@@ -939,7 +1041,7 @@ class ChunkGroup:
         lowp = p.lowp if p.lowp and store.has_payload(cid, p.lowp) else None  # OffloadAdam rounds itself
         names = [p.master, *job.state] + ([lowp] if lowp else [])
         bufs = dict(zip(names, (store.get(cid, n, Tier.GPU, write=True) for n in names)))
-        self.rule.device_step(StepBuffers(cid=cid, param=bufs[p.master], grad=src, seed=self.seed,
+        chunk.rule.device_step(StepBuffers(cid=cid, param=bufs[p.master], grad=src, seed=self.seed,
                                           state={n: bufs[n] for n in job.state},
                                           lowp=bufs[lowp] if lowp else None), job.segments)
         for n in names:
@@ -951,16 +1053,17 @@ class ChunkGroup:
 
     def _update_job(self, chunk: GroupChunk, grad_scale: float) -> UpdateJob:
         """The update of the window's slots; advances their steps and ends the window. A rule
-        that is not elementwise gets one segment per slot, each a whole param with its shape."""
-        rule, window = self.rule, [s for s in chunk.slots if s in chunk.window]
+        that is not elementwise gets one segment per slot, each a whole param with its shape
+        and its part of the payloads sized by shapes ([Note: state layout])."""
+        rule, window = chunk.rule, [s for s in chunk.slots if s in chunk.window]
         if not rule.elementwise:
             for s in window:
-                if s.shape is None or math.prod(s.shape) != s.stop - s.offset:
+                if not s.whole:
                     raise ValueError(
                         f"{self.owner}: {rule.name} updates whole parameters, but chunk {chunk.cid} "
                         f"has a slot [{s.offset}, {s.stop}) that is not one whole parameter (a "
-                        f"data-parallel shard cut it, or its span covers padding); cut shards at "
-                        f"parameter boundaries (partition.shard_spans(align_to_params=True))")
+                        f"data-parallel shard cut it, or its span covers padding); lay the chunk out "
+                        f"with partition.align_shards ([Note: whole parameters])")
         groups = self.hyper.param_groups
         args = {g: rule.args(groups[g], grad_scale=grad_scale) for g in {s.group for s in window}}
         for s in window:
@@ -969,7 +1072,8 @@ class ChunkGroup:
             spans = update_segments((s.offset, s.stop, s.step, s.group) for s in window)
             segments = tuple(Segment(lo, hi, step, args[g]) for lo, hi, step, g in spans)
         else:
-            segments = tuple(Segment(s.offset, s.stop, s.step, args[s.group], tuple(s.shape))
+            segments = tuple(Segment(s.offset, s.stop, s.step, args[s.group], tuple(s.shape),
+                                     {k: lay.mine[s.pos] for k, lay in chunk.shaped.items()} or None)
                              for s in window)
         chunk.window.clear()
         chunk.accumulating = False

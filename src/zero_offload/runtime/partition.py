@@ -12,13 +12,23 @@ and it never changes. Its packer, ``pack`` (items in order, by key, into chunks)
 ``OffloadAdam``, which packs each param group's trainable params by dtype, unaligned.
 
 [Note: whole parameters] A chunk holds whole parameters (the packing above never splits one), so
-an update rule that is not elementwise (Muon's matrices, Adafactor's factors: runtime/
-update_rule.py) always finds a whole parameter inside one chunk. Two more things must align for
-it, and both are asked for with ``align_to_params``: the element range each slot's update
-covers (``update_spans``: the param's own elements, not the padding after it, so no update run
-spans two params) and the cut between data-parallel ranks (``shard_spans``: at parameter
-boundaries instead of equal shares). Elementwise rules (Adam) take the other choice of both:
-runs merge over the padding into one kernel call per chunk, and shards are equal.
+an update rule that is not elementwise (Muon's matrices, Adafactor's factors: runtime/rules.py)
+always finds a whole parameter inside one chunk. Two more things must align for it, and both are
+asked for with ``align_to_params``: the element range each slot's update covers
+(``update_spans``: the param's own elements, not the padding after it, so no update run spans
+two params) and the cut between data-parallel ranks (``shard_spans``: at parameter boundaries
+instead of equal shares). Elementwise rules (Adam, SGD, Lion) take the other choice of both: runs
+merge over the padding into one kernel call per chunk, and shards are equal.
+
+The runtime's collectives (runtime/shards.py, [Note: chunk shards]) cut every chunk in equal
+shards of k elements. So an aligned cut is made a layout (``align_shards``): the chunk is laid
+out for N ranks as N pieces of k elements (k the largest span ``shard_spans`` gives, rounded up to
+the alignment), rank r's params at ``r*k`` onwards in its piece, padding after them. The equal
+shards of that layout are the aligned spans: nothing below the front end's packing knows. The
+cost: each rank allocates k elements of every payload of such a chunk, the largest rank's share,
+so a chunk of few large params is held less evenly than an equal cut would (a chunk of one param
+is held whole by one rank while the others hold padding): pack several params per chunk (a
+larger ``chunk_mb``) when that matters.
 
 [Note: slot identity] The partition is the only place that maps a Parameter object to its slot;
 it is an index *derived* from the slot records (``Partition.slot_of``), built once, never
@@ -34,8 +44,8 @@ from torch import nn
 
 from .vocab import round_up
 
-__all__ = ["ALIGN_ELEMS", "ChunkLayout", "Packed", "ParamSlot", "Partition", "pack", "partition_parameters",
-           "shard_spans", "update_spans"]
+__all__ = ["ALIGN_ELEMS", "ChunkLayout", "Packed", "ParamSlot", "Partition", "align_shards", "pack",
+           "partition_parameters", "shard_spans", "update_spans"]
 
 T = TypeVar("T")
 
@@ -74,6 +84,9 @@ class ChunkLayout:
     slots: tuple[ParamSlot, ...]
     numel: int
     trainable: bool
+    key: Hashable = None
+    """The front end's key of its params (``partition_parameters``' ``key``; the engine: the
+    update rule)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -156,11 +169,16 @@ def pack(items: Iterable[T], *, chunk_numel: int, size: Callable[[T], int],
     return [Packed(key=k, members=tuple(members), numel=fill) for _, k, members, fill in closed]
 
 
-def partition_parameters(module: nn.Module, *, chunk_numel: int) -> Partition:
+def partition_parameters(module: nn.Module, *, chunk_numel: int,
+                         key: Callable[[str, nn.Parameter], Hashable] | None = None, world: int = 1,
+                         whole: Callable[[Hashable], bool] = lambda key: False) -> Partition:
     """Pack ``module``'s distinct parameters into chunks of about ``chunk_numel`` elements.
 
     Module order, trainable and frozen kept apart, no parameter split, offsets aligned to
-    ``ALIGN_ELEMS`` (``pack``).
+    ``ALIGN_ELEMS`` (``pack``). ``key(name, param)``: trainable params of different keys never
+    share a chunk (the engine keys them by update rule; ``ChunkLayout.key``). ``world``,
+    ``whole(key)``: the trainable chunks of a key for which ``whole`` is true are laid out for
+    ``world`` ranks cut at parameter boundaries (``align_shards``, [Note: whole parameters]).
     """
     if isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel <= 0:
         raise ValueError(f"chunk_numel must be a positive int, got {chunk_numel!r}")
@@ -174,18 +192,26 @@ def partition_parameters(module: nn.Module, *, chunk_numel: int) -> Partition:
             continue
         rank[id(p)] = len(rank)
         distinct.append((name, p))
-    packed = pack(distinct, chunk_numel=chunk_numel, size=lambda item: item[1].numel(),
-                  key=lambda item: bool(item[1].requires_grad))
+    def chunk_key(item) -> tuple:
+        name, p = item
+        return (bool(p.requires_grad), key(name, p) if key is not None and p.requires_grad else None)
+
+    packed = pack(distinct, chunk_numel=chunk_numel, size=lambda item: item[1].numel(), key=chunk_key)
 
     chunks, by_param = [], {}
     for ci, c in enumerate(packed):
+        trainable, ckey = c.key
+        offsets, numel = [o for _, o in c.members], c.numel
+        if trainable and world > 1 and whole(ckey):
+            offsets, numel = align_shards(offsets, numel, world)
         chunk_slots = []
-        for (name, p), offset in c.members:
+        for ((name, p), _), offset in zip(c.members, offsets):
             slot = ParamSlot(index=rank[id(p)], name=name, param=p, shape=p.shape, numel=p.numel(),
-                             trainable=c.key, chunk=ci, offset=offset)
+                             trainable=trainable, chunk=ci, offset=offset)
             chunk_slots.append(slot)
             by_param[id(p)] = slot
-        chunks.append(ChunkLayout(index=ci, slots=tuple(chunk_slots), numel=c.numel, trainable=c.key))
+        chunks.append(ChunkLayout(index=ci, slots=tuple(chunk_slots), numel=numel, trainable=trainable,
+                                  key=ckey))
     slots = sorted(by_param.values(), key=lambda s: s.index)
     names = {}
     for name, p in module.named_parameters(remove_duplicate=False):
@@ -253,3 +279,20 @@ def shard_spans(bounds: Sequence[int], world: int, *,
     edges += [n] * (world + 1 - len(edges))
     spans = tuple((a, b) for a, b in zip(edges, edges[1:]))
     return spans, max(b - a for a, b in spans)
+
+
+def align_shards(offsets: Sequence[int], numel: int, world: int, *,
+                 align: int = ALIGN_ELEMS) -> tuple[tuple[int, ...], int]:
+    """A chunk of items at ``offsets`` (rising from 0; the chunk has ``numel`` elements) laid out
+    for ``world`` ranks cut at item boundaries ([Note: whole parameters]): ``(offsets, numel)`` of
+    the new layout, ``world * k`` elements where rank r's items start at ``r * k``, in order, each
+    at its old distance from the first item of its rank. ``k`` (``shard_spans``' largest share)
+    is rounded up to ``align``, so aligned offsets stay aligned."""
+    spans, k = shard_spans(list(offsets) + [numel], world, align_to_params=True)
+    k = round_up(k, align)
+    out, r = [], 0
+    for off in offsets:
+        while not spans[r][0] <= off < spans[r][1]:
+            r += 1
+        out.append(r * k + off - spans[r][0])
+    return tuple(out), world * k

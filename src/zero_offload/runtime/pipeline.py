@@ -490,7 +490,7 @@ class StepPipeline:
         run.update = job
         run.written = written + (() if lowp is None else (names.lowp,))
         bufs = StepBuffers(cid=cid, param=master, grad=grad, state=dict(zip(job.state, state)),
-                           lowp=lowp, seed=self.seed)
+                           lowp=lowp, seed=self.seed, device=store.device if store.config.cuda else None)
         # Waited for before the buffers are released, whatever happens (ExitStack is LIFO).
         held.callback(_wait_quietly, run.tickets)
         run.tickets.extend(job.rule.cpu_job(bufs, job.segments, threads=self.threads))

@@ -259,13 +259,19 @@ class ChunkNeed:
     """Dtype of its params and grads."""
     trainable: bool = True
     """False: it carries params only (no grads, no optimizer state)."""
-    shapes: tuple = ()
-    """Shapes of the whole params it holds, in order, for an update rule that is not elementwise
-    (its state may be sized by them: Adafactor's row and column factors); an elementwise rule's
-    state is sized by ``numel`` and a front end may leave this empty."""
+    shapes: "tuple | None" = None
+    """Shapes of the whole params it holds (on this rank), in order, for an update rule that is
+    not elementwise (its state may be sized by them: Adafactor's row and column factors); () when
+    this rank holds none of them. An elementwise rule's state is sized by ``numel`` and a front
+    end may leave this None."""
+    rule: "UpdateRule | None" = None
+    """Its update rule when not the request's (several rules in one model: param groups)."""
 
     def __post_init__(self):
-        object.__setattr__(self, "shapes", tuple(tuple(int(d) for d in s) for s in self.shapes))
+        if self.shapes is not None:
+            object.__setattr__(self, "shapes", tuple(tuple(int(d) for d in s) for s in self.shapes))
+        if self.rule is not None and not isinstance(self.rule, UpdateRule):
+            raise TypeError(f"ChunkNeed.rule must be an UpdateRule or None, got {type(self.rule).__name__}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -320,9 +326,11 @@ class PlacementRequest:
         if not isinstance(self.rule, UpdateRule):
             raise TypeError(f"PlacementRequest.rule must be an UpdateRule (runtime/update_rule.py), "
                             f"got {type(self.rule).__name__}")
-        if not self.rule.elementwise and any(c.trainable and not c.shapes for c in self.chunks):
-            raise ValueError(f"{self._prefix}{self.rule.name} is not elementwise: its state is sized by "
-                             f"whole params, so every trainable ChunkNeed must carry their shapes")
+        for c in self.chunks:
+            rule = self.rule_of(c)
+            if c.trainable and not rule.elementwise and c.shapes is None:
+                raise ValueError(f"{self._prefix}{rule.name} is not elementwise: its state is sized by "
+                                 f"whole params, so every trainable ChunkNeed must carry their shapes")
         if self.nvme_dir is None and Placement.NVME in (self.params, self.optimizer):
             raise ValueError(f"{self._prefix}placing state on NVMe needs a swap directory (nvme_dir)")
         if not (self.reserve == "auto" or (isinstance(self.reserve, int) and self.reserve >= 0)):
@@ -336,6 +344,10 @@ class PlacementRequest:
     @property
     def _prefix(self) -> str:
         return f"{self.owner}: " if self.owner else ""
+
+    def rule_of(self, chunk: ChunkNeed) -> UpdateRule:
+        """The update rule of ``chunk``: its own, or the request's."""
+        return chunk.rule if chunk.rule is not None else self.rule
 
 
 @dataclass(frozen=True)
@@ -448,7 +460,7 @@ def optimizer_payloads(chunk: ChunkNeed, request: PlacementRequest) -> tuple:
     """Payloads homed by ``PlacementRequest.optimizer``: the fp32 master and the rule's state
     (fp32 params that the store pages are the master copy themselves and stay where
     ``PlacementRequest.params`` puts them)."""
-    keys = tuple(request.rule.state_keys)
+    keys = tuple(request.rule_of(chunk).state_keys)
     if request.params is not None and chunk.dtype is torch.float32:
         return keys
     return ("master", *keys)
@@ -466,7 +478,7 @@ def payload_specs(chunk: ChunkNeed, request: PlacementRequest) -> dict:
     keys = optimizer_payloads(chunk, request)
     if "master" in keys:
         out["master"] = StateSpec(n, torch.float32)
-    out.update(_rule_payloads(chunk, request.rule))
+    out.update(_rule_payloads(chunk, request.rule_of(chunk)))
     if request.accum:
         out["accum"] = StateSpec(n, torch.float32)
     if request.params is None and work is not torch.float32:
@@ -477,7 +489,7 @@ def payload_specs(chunk: ChunkNeed, request: PlacementRequest) -> dict:
 def _rule_payloads(chunk: ChunkNeed, rule: UpdateRule) -> dict:
     """``rule.payloads`` of ``chunk``, checked: exactly its ``state_keys``, none named as a
     payload of the runtime, each a ``StateSpec`` of a size >= 0."""
-    specs = dict(rule.payloads(chunk.numel, chunk.shapes))
+    specs = dict(rule.payloads(chunk.numel, chunk.shapes or ()))
     keys = tuple(rule.state_keys)
     clash = [k for k in keys if k in _RUNTIME_PAYLOADS]
     if set(specs) != set(keys) or clash or len(set(keys)) != len(keys):
@@ -513,7 +525,9 @@ def chunk_payloads(request: PlacementRequest, chunk: ChunkNeed, homes: ChunkHome
             home = Tier.CPU
         else:  # grads, accum: where the update runs
             home = Tier.GPU if on_device else Tier.CPU
-        out[name] = PayloadSpec(numel=spec.numel, dtype=spec.dtype, home=home)
+        # (a state payload of no elements, e.g. Adafactor's "variance" of a chunk of matrices: one
+        # element, as the store holds no empty buffer)
+        out[name] = PayloadSpec(numel=max(1, spec.numel), dtype=spec.dtype, home=home)
     return out
 
 
@@ -521,7 +535,7 @@ def chunk_bytes(chunk: ChunkNeed, request: PlacementRequest, names) -> int:
     """Bytes of the named payloads of ``chunk`` (those it has), each rounded up to 4 KiB as the
     store holds it."""
     specs = payload_specs(chunk, request)
-    return sum(round_up(specs[n].numel * specs[n].dtype.itemsize, ALIGNMENT) for n in names if n in specs)
+    return sum(round_up(max(1, specs[n].numel) * specs[n].dtype.itemsize, ALIGNMENT) for n in names if n in specs)
 
 
 def _params_bytes(chunk: ChunkNeed, request: PlacementRequest) -> int:

@@ -102,14 +102,16 @@ class Shards:
 
     def fill(self, buf: torch.Tensor, numel: int, fill: Callable[[torch.Tensor], None]) -> None:
         """``fill`` writes a chunk of ``numel`` elements at whole-chunk offsets; ``buf`` (this
-        rank's shard) gets this rank's part of it (one rank: ``fill`` writes ``buf`` itself)."""
+        rank's shard, or less: a payload sized by shapes) gets this rank's part of it, from its
+        start (one rank: ``fill`` writes ``buf`` itself)."""
         if self.world == 1:
             fill(buf)
             return
         lo, hi, _ = self.span(numel)
         whole = torch.zeros(numel, dtype=buf.dtype)
         fill(whole)
-        buf[:hi - lo].copy_(whole[lo:hi])
+        n = min(buf.numel(), hi - lo)
+        buf[:n].copy_(whole[lo:lo + n])
 
     # ---- collectives ----------------------------------------------------------------------------
 

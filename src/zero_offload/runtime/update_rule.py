@@ -7,7 +7,10 @@ names an optimizer itself.
 - ``state_keys`` and ``payloads(numel, shapes)``: its optimizer state, as store payloads named
   after torch.optim's state keys ("exp_avg", "exp_avg_sq" for Adam), each with its size and
   dtype. Placement decides where they live, the store moves them; the rule only says what they
-  are. The runtime keeps the payloads every rule shares: the fp32 "master" the update writes,
+  are. A payload is laid out like the params (a param's state at its own elements' offsets:
+  Adam's moments, SGD's and Muon's momentum) or, sized by the params' shapes (Adafactor's row
+  and column factors), packed param after param: then its ``StateSpec.spans`` say where each
+  param's part is, and each ``Segment`` carries its param's part (``Segment.spans``). The runtime keeps the payloads every rule shares: the fp32 "master" the update writes,
   the "grads" it reads (or the fp32 accumulation buffer), the working-dtype copy of the params.
 - ``hyper_keys`` and ``args(group, grad_scale=)``: which keys of a torch-style param group it
   reads and the per-step arguments it makes of them, read when an update is queued (an lr
@@ -22,15 +25,23 @@ names an optimizer itself.
   runtime merges touching parameters into one segment (one kernel call per chunk) and may cut a
   parameter between data-parallel ranks. If not (Muon's matrices, Adafactor's row and column
   factors), every segment is exactly one whole parameter, with its ``shape``, and rank shards
-  must be cut at parameter boundaries (``partition.shard_spans(align_to_params=True)``).
+  are cut at parameter boundaries ([Note: whole parameters] in partition.py).
 
 Both paths get the same ``Segment``s (element ranges of the chunk's flat payloads, each with
 its step count and arguments) and the same ``StepBuffers``; the buffers are flat views of the
 chunk (this rank's shard of it). When ``bufs.lowp`` is given, the rule writes the updated params
-into it, rounded to its dtype (round to nearest even, as a ``copy_`` does).
+into it, rounded to its dtype (round to nearest even, as a ``copy_`` does). ``bufs.device`` is
+the compute device when it is a GPU: a CPU job may run part of its update there (MuonRule's
+Newton-Schulz iterations).
+
+A rule that a torch.optim-style front end runs also has torch's face: ``check(group, owner=)``
+(a group's hyperparameters checked as torch checks them), ``group_options`` (torch's other
+param-group keys, with the values the rule runs) and ``state_shape(key, shape)`` (the shape
+torch gives state ``key`` of a param of ``shape``; None: that param has none).
 
 ``AdamRule`` is Adam and AdamW: the native CPU-Adam kernel on the host, torch's fused Adam(W)
-on the device, moments in fp32 or in bf16 with stochastic rounding.
+on the device, moments in fp32 or in bf16 with stochastic rounding. runtime/rules.py has SGD,
+Lion, Adafactor and Muon.
 """
 from __future__ import annotations
 
@@ -42,7 +53,7 @@ import torch
 
 from ..ops.rounding import stochastic_round_moments_bf16, update_seed
 
-__all__ = ["AdamArgs", "AdamRule", "Done", "Segment", "StateSpec", "StepBuffers", "UpdateRule"]
+__all__ = ["AdamArgs", "AdamRule", "Done", "Segment", "StateSpec", "StepBuffers", "UpdateRule", "lr_of", "shape_problem", "wait_all"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,11 @@ class StateSpec:
 
     numel: int
     dtype: torch.dtype
+    spans: Optional[tuple] = None
+    """None: laid out like the params (``numel`` is the chunk's; a param's state sits at its own
+    elements' offsets). Else the payload is sized by the params' shapes: each param's elements
+    ``(lo, hi)`` in it, in the order of the ``shapes`` ``payloads`` was given (``lo == hi``: that
+    param has none of this state)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +83,9 @@ class Segment:
     step: int
     args: Any
     shape: Optional[tuple] = None
+    spans: Optional[Mapping[str, tuple]] = None
+    """For a rule with payloads sized by shapes: payload name -> this param's ``(lo, hi)`` in it
+    (``StateSpec.spans``); None for a rule without such payloads."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +105,9 @@ class StepBuffers:
     """Working-dtype params that receive the updated params rounded (None: none)."""
     seed: int = 0
     """Base of stochastic-rounding seeds ([Note: stochastic rounding] in ops/rounding.py)."""
+    device: Optional[torch.device] = None
+    """The compute device when it is a GPU (a CPU job may run part of its update there); None:
+    the CPU is all there is."""
 
 
 class Done:
@@ -107,7 +129,20 @@ class Done:
         return self.seconds
 
 
-def _wait_all(tickets) -> None:
+def shape_problem(rule: "UpdateRule", shape: tuple) -> Optional[str]:
+    """Why ``rule`` cannot update a param of ``shape`` (None: it can). A rule with such a limit
+    says so by a ``shape_problem(shape)`` method (Muon: 2-D params only)."""
+    check = getattr(rule, "shape_problem", None)
+    return None if check is None else check(tuple(shape))
+
+
+def lr_of(group: Mapping[str, Any]) -> float:
+    """A param group's lr as a float (``torch.optim`` allows a one-element tensor)."""
+    lr = group["lr"]
+    return float(lr.item() if hasattr(lr, "item") else lr)
+
+
+def wait_all(tickets) -> None:
     for t in tickets:
         try:
             t.wait()
@@ -226,10 +261,12 @@ class AdamRule:
     def payloads(self, numel: int, shapes: Sequence[tuple] = ()) -> dict:
         return {k: StateSpec(numel, self.moments_dtype) for k in self.state_keys}
 
+    def state_shape(self, key: str, shape: tuple) -> tuple:
+        return tuple(shape)  # torch's moments are shaped like the param
+
     def args(self, group: Mapping[str, Any], *, grad_scale: float = 1.0) -> AdamArgs:
         """A tensor lr (``torch.optim`` allows one) is unwrapped to a float."""
-        lr = group["lr"]
-        return AdamArgs(lr=float(lr.item() if hasattr(lr, "item") else lr),
+        return AdamArgs(lr=lr_of(group),
                         betas=tuple(float(b) for b in group["betas"]), eps=float(group["eps"]),
                         weight_decay=float(group["weight_decay"]), adamw=self.adamw,
                         grad_scale=grad_scale)
@@ -253,7 +290,7 @@ class AdamRule:
                     grad_scale=a.grad_scale, out_lowp=None if bufs.lowp is None else bufs.lowp[sl],
                     threads=threads, **seed))
         except BaseException:
-            _wait_all(tickets)  # nothing queued may run on after the caller lets the buffers go
+            wait_all(tickets)  # nothing queued may run on after the caller lets the buffers go
             raise
         return tickets
 
