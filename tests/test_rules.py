@@ -26,7 +26,7 @@ import zero_offload as zo
 from _dist_util import run_ranks, values
 from _engine_util import (SMALL_CHUNK_MB, Reference, assert_params_close, config, gpt_batches, gpt_loss,
                           micro_gpt, rel_err, train_engine)
-from zero_offload.runtime.checkpoint import CheckpointError
+from zero_offload.runtime.checkpoint import CheckpointError, chunk_spans
 from zero_offload.runtime.store import Tier
 
 STEPS = 20
@@ -155,9 +155,9 @@ def test_engine_trains_like_torch(name, case, tmp_path):
         # Adam); what the rule writes is held exactly below
         assert_params_close(engine.state_dict(), ref.master_state(), rtol=1e-5 if lowp is torch.float32 else 3e-2)
         if lowp is torch.bfloat16:  # the rule wrote the updated masters, rounded, into the bf16 params
-            for c in engine._chunks:
+            for c in engine.group.chunks:
                 if c.layout.trainable:
-                    work, master = (engine.group.read(c.g, n) for n in ("params", "master"))
+                    work, master = (engine.group.read(c, n) for n in ("params", "master"))
                     assert torch.equal(work, master.to(torch.bfloat16))
         if frozen:
             assert torch.equal(engine.state_dict()["wpe.weight"], micro_gpt().wpe.weight)
@@ -178,7 +178,7 @@ def test_the_chunks_follow_the_rules():
             muon = {hidden(s.name, s.shape) for s in layout.slots}
             assert len(muon) == 1
             want = ("momentum_buffer",) if muon == {True} else ("exp_avg", "exp_avg_sq")
-            assert tuple(engine.chunk_spans(layout)) == ("master", *want)
+            assert tuple(chunk_spans(engine.group, layout)) == ("master", *want)
         assert engine.optimizer.param_groups[1]["optimizer"] == "adamw"
     finally:
         engine.close()
@@ -247,8 +247,8 @@ def _two_rank_rules(rank, world, ckpt_dir):
             engine.backward(loss)
             engine.step()
         if name in ("adafactor", "muon"):  # rules that are not elementwise: whole params per rank
-            mine = [s for c in engine._chunks if c.layout.trainable and not c.g.rule.elementwise
-                    for s in c.g.slots if s.held]
+            mine = [s for c in engine.group.chunks if c.layout.trainable and not c.rule.elementwise
+                    for s in c.slots if s.held]
             assert all(s.whole for s in mine)
             held = [(s.name, s.numel) for s in mine]
             out[f"{name}-held"] = held
