@@ -1051,7 +1051,8 @@ def _resolve_config(config, optimizer) -> tuple:
         raise ValueError("initialize needs an optimizer spec: optimizer=zero_offload.AdamW(lr=...) "
                          "(or zero_offload.Adam), or a DeepSpeed config with an 'optimizer' section")
     if not isinstance(spec, OptimizerSpec):
-        raise TypeError(f"optimizer must be a zero_offload optimizer spec (zo.AdamW(...), zo.Muon(...), ...), got "
+        raise TypeError(f"optimizer must be zero_offload.Adam(...) or zero_offload.AdamW(...) (or SGD, Lion, "
+                        f"Adafactor, Muon: a spec), got "
                         f"{type(spec).__name__}; a torch.optim optimizer cannot be used (the engine "
                         f"builds the optimizer state itself, where the config places it)")
     return cfg, spec
