@@ -126,6 +126,8 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .compiled import (check_regions, check_regions_fit, check_unchanged, compiled_regions,
+                       outside_graph)
 from .config import PER_RANK_FIELDS, OffloadConfig, OptimizerSpec, load_config
 from .mixed_precision import LossScaler, cast_inputs
 from .runtime.distributed import (available_cores, bind_to_cores, rank_cores, resolve_group,
@@ -375,6 +377,10 @@ class Engine:
         self._ranked = self.shard.world > 1
         self.dtype: torch.dtype = cfg.torch_dtype
         _check_model(model)
+        self.regions = compiled_regions(model)
+        """The model's compiled regions, each hooked as one unit (compiled.py, [Note: compiled
+        regions])."""
+        check_regions(self.regions, owner="zero_offload.initialize")
         if lr_scheduler is not None and not callable(lr_scheduler):
             raise TypeError(
                 f"lr_scheduler must be a callable taking the optimizer and returning a scheduler, "
@@ -420,6 +426,7 @@ class Engine:
             reserve=cfg.activation_reserve, gpu_optimizer=not self._ranked,
             fp32_grads_window=self._final_sync, ranks=self.shard.world,
             replicas=self._ranked and cfg.params == "gpu"))
+        check_regions_fit(self.regions, self.partition, self.plan)  # [Note: compiled regions]
         # The swap file is preallocated to the NVMe budget: exactly what the plan needs (each
         # payload's slot rounded up to 4096, as the plan counts it).
         store_budgets = {**budgets.as_dict(), Tier.NVME: self.plan.need[Tier.NVME]}
@@ -476,7 +483,7 @@ class Engine:
             self.module, self.partition, self._chunks, device=self.device, dtype=self.dtype,
             lock=self._lock, phase=lambda: self._phase, hold=self._hold, unhold=self._unhold,
             innermost=lambda: self._call_stack[-1].record.module if self._call_stack else self.module,
-            covers=self._covers)
+            covers=self._covers, regions=[r.module for r in self.regions])
         # The scheduler factory runs before the weights move, so its errors change nothing.
         self.optimizer = _HyperParams(self.spec.hyperparameters(), self._group_overrides)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
@@ -536,8 +543,12 @@ class Engine:
         self._window = StatsWindow(self._counters)
 
         self._hook_handles = []
+        regions = {r.module for r in self.regions}
+        inside = {m for r in regions for m in r.modules() if m is not r}
         for m in self.module.modules():
-            slots = self.partition.module_slots(m)
+            if m in inside:  # traced with its region: the region's hooks hold its params
+                continue
+            slots = self.partition.module_slots(m, recurse=m in regions)
             if not slots:
                 continue
             self._add_record(_ModuleRecord(
@@ -551,9 +562,9 @@ class Engine:
     def _add_record(self, rec: _ModuleRecord) -> None:
         self._records[rec.module] = rec
         self._hook_handles.append(rec.module.register_forward_pre_hook(
-            functools.partial(self._pre_forward, rec), with_kwargs=True))
+            outside_graph(functools.partial(self._pre_forward, rec)), with_kwargs=True))
         self._hook_handles.append(rec.module.register_forward_hook(
-            functools.partial(self._post_forward, rec), with_kwargs=True, always_call=True))
+            outside_graph(functools.partial(self._post_forward, rec)), with_kwargs=True, always_call=True))
 
     def _add_chunk(self, layout: ChunkLayout, homes) -> _Chunk:
         specs = chunk_payloads(self.plan.request, self.plan.request.chunks[layout.index], homes)
@@ -658,6 +669,7 @@ class Engine:
         Tensors in the inputs move to the compute device; floating-point ones are cast to the
         working dtype."""
         self._check_open()
+        check_unchanged(self.module, self.regions)
         if self._phase is Phase.BACKWARD:
             self._finish_backward()
         args, kwargs = cast_inputs((args, kwargs), dtype=self.dtype, device=self.device)
