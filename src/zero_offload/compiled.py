@@ -45,20 +45,20 @@ from typing import Callable, Iterator, Optional, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["CompiledRegion", "check_regions", "check_regions_fit", "check_unchanged", "compiled_regions", "eager",
-           "is_region", "outside_graph"]
+__all__ = ["CompiledRegion", "check_backward", "check_regions", "check_regions_fit", "check_unchanged",
+           "compiled_regions", "dynamo_loaded", "eager", "global_pre_hook", "is_region", "outside_graph"]
 
 F = TypeVar("F", bound=Callable)
 
 
-def _dynamo_loaded() -> bool:
+def dynamo_loaded() -> bool:
     """``torch.compile`` has been used in this process (it imports dynamo, which takes ~2 s: we
     never import it ourselves). Without it no module is compiled and no graph is traced."""
     return "torch._dynamo" in sys.modules
 
 
 def _optimized_module_class():
-    if not _dynamo_loaded():
+    if not dynamo_loaded():
         return None
     try:
         from torch._dynamo.eval_frame import OptimizedModule
@@ -139,7 +139,7 @@ def compiled_regions(model: nn.Module) -> tuple[CompiledRegion, ...]:
     order; a compiled module inside one is part of it."""
     out: list[CompiledRegion] = []
     inside: set = set()
-    if not _dynamo_loaded():
+    if not dynamo_loaded():
         return ()
     for name, m in model.named_modules():
         if m in inside or not is_region(m):
@@ -153,7 +153,7 @@ def check_unchanged(model: nn.Module, regions: tuple) -> None:
     """Raise if a module of ``model`` outside ``regions`` (found at ``initialize``) has been
     compiled since: the engine's hooks on the modules inside it would be traced. Cheap when
     nothing is compiled (dynamo not loaded)."""
-    if not _dynamo_loaded():
+    if not dynamo_loaded():
         return
     known = {r.module for r in regions}
     new, covered = [], set()
@@ -220,6 +220,44 @@ def check_regions_fit(regions: tuple, partition, plan) -> None:
                 f"the whole model), or raise gpu_budget, or place params='gpu'")
 
 
+def global_pre_hook(call: Callable[[nn.Module], None]) -> Callable:
+    """A global forward pre-hook (``register_module_forward_pre_hook``) running ``call(module)``
+    eagerly before each module called outside a graph and before each compiled region (for
+    which ``call`` must cover the region's subtree: ``is_region``), and doing nothing for the
+    modules a region's graph inlines ([Note: compiled regions]). Dynamo traces a region's
+    hooks as frames of their own (the region's ``_call_impl`` is skipped) and inlines the hooks
+    of the modules inside: so the region's call reaches ``call`` through a graph break, and a
+    module inside costs nothing."""
+    eager_call = outside_graph(call, "zero_offload waits for a compiled region's params, eagerly, "
+                                     "before its graph runs")
+    wrapper = _optimized_module_class()
+
+    def hook(module, args):
+        if torch.compiler.is_compiling():
+            if getattr(module, "_compiled_call_impl", None) is not None or (
+                    wrapper is not None and isinstance(module, wrapper)):
+                eager_call(module)
+            return None
+        call(module)
+        return None
+    return hook
+
+
+def check_backward() -> None:
+    """Refuse compiled autograd (``torch._dynamo.config.compiled_autograd``, or its context
+    manager): it traces the backward hooks, which hold and let go chunks eagerly. A compiled
+    region's backward is compiled anyway (AOTAutograd)."""
+    if not dynamo_loaded():
+        return
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    if getattr(torch._dynamo.config, "compiled_autograd", False) or getattr(ca, "compiled_autograd_enabled", False):
+        raise RuntimeError(
+            "engine.backward under compiled autograd (torch._dynamo.config.compiled_autograd or "
+            "compiled_autograd._enable): it would trace zero_offload's backward hooks, which page "
+            "chunks in and out eagerly; turn it off around engine.backward (each compiled "
+            "region's backward is compiled anyway, by AOTAutograd)")
+
+
 def _names(regions) -> str:
     names = [repr(r.name) if r.name else "the model" for r in regions]
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
@@ -232,19 +270,21 @@ def eager() -> Iterator[None]:
         yield
 
 
-def outside_graph(fn: F) -> F:
+_ENGINE_HOOKS = ("zero_offload's module hooks page parameters in and out and run eagerly, so this "
+                 "module cannot be inside a graph; compile the modules the engine treats as units "
+                 "(e.g. each transformer block: block.compile()) before zo.initialize")
+
+
+def outside_graph(fn: F, reason: str = _ENGINE_HOOKS) -> F:
     """``fn`` (a hook) always runs eagerly: dynamo breaks a graph around it rather than tracing
     it ([Note: compiled regions]); with ``fullgraph=True`` dynamo raises, with this reason.
     ``fn`` itself when dynamo is not loaded (nothing can trace it then; a model compiled later
     is refused by ``check_unchanged``)."""
-    if not _dynamo_loaded():
+    if not dynamo_loaded():
         return fn
     disable = getattr(torch._dynamo, "disable", None)
     if disable is None:
         return fn
-    reason = ("zero_offload's module hooks page parameters in and out and run eagerly, so this "
-              "module cannot be inside a graph; compile the modules the engine treats as units "
-              "(e.g. each transformer block: block.compile()) before zo.initialize")
     try:
         return disable(fn, recursive=True, reason=reason)
     except TypeError:  # torch < 2.7: no reason

@@ -126,7 +126,7 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .compiled import (check_regions, check_regions_fit, check_unchanged, compiled_regions,
+from .compiled import (check_backward, check_regions, check_regions_fit, check_unchanged, compiled_regions,
                        outside_graph)
 from .config import PER_RANK_FIELDS, OffloadConfig, OptimizerSpec, load_config
 from .mixed_precision import LossScaler, cast_inputs
@@ -869,6 +869,7 @@ class Engine:
         if self._phase is not Phase.IDLE:
             raise RuntimeError(f"engine.backward called during {self._phase.value}; call it after "
                                f"engine(...) has returned")
+        check_backward()
         self._set_phase(Phase.BACKWARD)
         t0 = time.perf_counter()
         try:

@@ -66,7 +66,7 @@ from typing import Callable, Iterator, Optional, Protocol, Sequence
 import torch
 from torch import nn
 
-from .compiled import eager
+from .compiled import dynamo_loaded, eager, outside_graph
 from .runtime.partition import ChunkLayout, ParamSlot, Partition
 
 __all__ = ["CompiledReadError", "ParamGuard", "Phase", "PHASES", "GuardedChunk"]
@@ -267,6 +267,7 @@ class ParamGuard:
         self._forward_holds: list = []  # chunks held for such reads until forward ends
         self._backward_holds: list = []  # chunks held for reads in backward until it ends
         self._live: dict = {}  # device-buffer storage address -> chunk (mapped ones)
+        self._saved_hooks = (self._pack, self._unpack)  # run eagerly once dynamo is loaded
         self._gathering = False  # inside lend(): the params hold CPU copies
 
     # ---- the parameters' classes ------------------------------------------------------------
@@ -420,8 +421,12 @@ class ParamGuard:
         """Around the model's forward: saved tensors living in a chunk's device buffer become
         views ([Note: saved parameter views]), and the reads are recorded when they are due
         ([Note: external parameters]). After an error, the reads noted so far are forgotten."""
+        if self._saved_hooks[0] is self._pack and dynamo_loaded():
+            # Autograd calls them inside a compiled region's call too: never traced by dynamo.
+            reason = "zero_offload's saved-tensor hooks run eagerly"
+            self._saved_hooks = (outside_graph(self._pack, reason), outside_graph(self._unpack, reason))
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with torch.autograd.graph.saved_tensors_hooks(*self._saved_hooks):
                 if self.recorded:
                     yield
                 else:
