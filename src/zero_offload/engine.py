@@ -126,8 +126,8 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .compiled import (check_backward, check_regions, check_regions_fit, check_unchanged, compiled_regions,
-                       outside_graph)
+from .compiled import (CompileWatch, check_backward, check_regions, check_regions_fit,
+                       compiled_regions, outside_graph)
 from .config import PER_RANK_FIELDS, OffloadConfig, OptimizerSpec, load_config
 from .mixed_precision import LossScaler, cast_inputs
 from .runtime.distributed import (available_cores, bind_to_cores, rank_cores, resolve_group,
@@ -381,6 +381,7 @@ class Engine:
         """The model's compiled regions, each hooked as one unit (compiled.py, [Note: compiled
         regions])."""
         check_regions(self.regions, owner="zero_offload.initialize")
+        self._compile_watch = CompileWatch(model, self.regions)
         if lr_scheduler is not None and not callable(lr_scheduler):
             raise TypeError(
                 f"lr_scheduler must be a callable taking the optimizer and returning a scheduler, "
@@ -669,7 +670,7 @@ class Engine:
         Tensors in the inputs move to the compute device; floating-point ones are cast to the
         working dtype."""
         self._check_open()
-        check_unchanged(self.module, self.regions)
+        self._compile_watch.check()  # [Note: compiled regions]
         if self._phase is Phase.BACKWARD:
             self._finish_backward()
         args, kwargs = cast_inputs((args, kwargs), dtype=self.dtype, device=self.device)
