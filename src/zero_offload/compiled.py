@@ -161,18 +161,18 @@ class CompileWatch:
         names = {m: n for n, m in model.named_modules()}
         self._outside = tuple((m, names[m]) for m in model.modules() if m not in inside)
         """Modules outside every region, with their names."""
-        self._edges = tuple((parent._modules, name, child) for parent in model.modules()
+        self._edges = tuple((parent._modules, name, child, names[child]) for parent in model.modules()
                             for name, child in parent._modules.items() if child is not None)
-        """(a module's ``_modules``, a child's name, the child): ``torch.compile(child)`` put in
-        its place changes it."""
+        """(a module's ``_modules``, a child's name there, the child, its qualified name):
+        ``torch.compile(child)`` put in its place changes it."""
 
     def check(self) -> None:
         if not dynamo_loaded():
             return
         new = [name for m, name in self._outside if m.__dict__.get("_compiled_call_impl") is not None]
-        for children, name, child in self._edges:
+        for children, name, child, qualified in self._edges:
             if children.get(name) is not child and is_region(children.get(name)):
-                new.append(f"{name} (torch.compile)")
+                new.append(qualified)
         if new:
             raise RuntimeError(
                 f"{', '.join(repr(n or 'the model') for n in new[:3])} was compiled (torch.compile) "
