@@ -213,7 +213,7 @@ def _net_batches(n):
 
 
 def _torch_step(model, opt, batch) -> float:
-    loss = gpt_loss(model, batch)
+    loss = gpt_loss(model, (batch[0].to(DEVICE), batch[1]))
     loss.backward()
     opt.step()
     opt.zero_grad()
@@ -354,3 +354,57 @@ def test_inductor_compiled_blocks_train_like_eager_torch():
         assert_compiled()
         assert_losses_close(losses, [ref.step(b, loss_fn) for b in batches], rtol=1e-5)
         assert_params_close(engine.state_dict(), ref.master_state(), rtol=1e-5)
+
+
+# ---- on the GPU (inductor: Triton kernels) ------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _torch_losses(model, batches, *, lr=SPEC.lr, wd=SPEC.weight_decay):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd, foreach=False)
+    out = []
+    for x, y in batches:
+        loss = model(x.cuda(), y.cuda())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("how", ["method", "wrapper"])
+def test_inductor_blocks_on_cuda_train_like_the_compiled_model_with_torch(how):
+    """fp32, params paged from the host, the GPT's blocks compiled by inductor: equal to the same
+    compiled model trained by torch AdamW on the GPU."""
+    model = micro_gpt()
+    model.set_activation_checkpointing(True)
+    ref = copy.deepcopy(model).cuda()
+    for m in (model, ref):
+        compile_blocks(m, how, backend="inductor", fullgraph=how == "wrapper")
+    batches = gpt_batches(5)
+    with zo.initialize(model, optimizer=SPEC, device="cuda", config=config(gpu_budget=64 << 10)) as engine:
+        losses = train_engine(engine, batches, lambda e, b: e(b[0], b[1].cuda()))
+        assert_compiled()
+        assert_losses_close(losses, _torch_losses(ref, batches), rtol=1e-4)
+        sd = engine.state_dict()
+        assert_params_close(sd, {n: p.detach().cpu() for n, p in ref.named_parameters()}, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@cuda
+def test_inductor_blocks_on_cuda_bf16_follow_the_eager_engine():
+    """bf16 working params: the compiled run's losses follow the eager engine's within bf16
+    rounding (inductor fuses, so the two round at different places)."""
+    model = micro_gpt(d_model=64, n_layer=4)
+    eager = copy.deepcopy(model)
+    compile_blocks(model, "method", backend="inductor")
+    batches = gpt_batches(6, cfg=model.config)
+    out = []
+    for m in (model, eager):
+        with zo.initialize(m, optimizer=SPEC, device="cuda", config=config(dtype="bf16")) as engine:
+            out.append(train_engine(engine, batches, lambda e, b: e(b[0], b[1].cuda())))
+    assert_compiled()
+    assert_losses_close(out[0], out[1], rtol=2e-2)

@@ -60,3 +60,22 @@ def test_compiled_blocks_train_like_torch(how, overlap, overlap_forward, slow_wr
     assert all("waits for a compiled region's params" in k for k in counters["graph_break"]), \
         dict(counters["graph_break"])
     opt.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_inductor_blocks_on_cuda_train_like_torch(slow_write_back):
+    model = make_model(device="cuda")
+    reference = copy.deepcopy(model)
+    for m in (model, reference):
+        compile_blocks(m, "method", backend="inductor")
+    opt = OffloadAdamW(model.parameters(), lr=2e-3, chunk_mb=CHUNK_MB, threads=1, overlap_forward=True,
+                       process_group=None)
+    data = batches(6, device="cuda")
+    losses = train(model, opt, data)
+    opt.synchronize()
+    ref_losses = train(reference, torch.optim.AdamW(reference.parameters(), lr=2e-3), data)
+    assert losses == pytest.approx(ref_losses, rel=1e-4)
+    assert max_rel_diff(model, reference) < 1e-4
+    assert counters["stats"]["unique_graphs"] >= 1
+    opt.close()
