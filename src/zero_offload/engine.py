@@ -15,7 +15,8 @@ lives where), a ``ChunkStore`` (bytes and tiers), a ``Prefetcher`` for the worki
 also decides what stays on the device: [Note: holds] there), a ``ParamGuard`` (param_guard.py) and
 a ``ChunkGroup`` (updates, over the CPU-Adam worker). It keeps one ``_Chunk`` per chunk and one
 ``_ModuleRecord`` per module that holds parameters directly or reads other modules' ones
-([Note: external parameters]). It writes nothing onto the user's modules or parameters but
+([Note: external parameters]), or per compiled module, which holds its whole subtree's ([Note:
+compiled regions] in compiled.py; the modules inside it have none). It writes nothing onto the user's modules or parameters but
 ``param.data``, the class of a parameter holding its placeholder and its hooks, all undone by
 ``close``.
 
