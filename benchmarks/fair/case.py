@@ -321,7 +321,7 @@ class _CompileClock:
             return {}
         end = self._now()
         spent = self.at_timed["time_spent_s"]
-        return {"compile_s": spent.get("entire_frame_compile", spent.get("total_wall_time")),
+        return {"compile_s": spent.get("total_wall_time", spent.get("entire_frame_compile")),
                 "compile_warmup": self.at_timed, "compile_end": end,
                 "compile_in_timed_steps": end["graphs"] - self.at_timed["graphs"]}
 
