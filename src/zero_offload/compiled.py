@@ -4,11 +4,12 @@ needs from the engine, and the modes that cannot work with parameters that move.
 [Note: compiled regions] A *compiled region* is a module of the model whose call is compiled:
 ``block.compile(...)`` (torch stores the compiled ``_call_impl`` on the module, names unchanged),
 or ``torch.compile(block)`` registered in the parent in the block's place (an ``OptimizedModule``
-wrapping it, as torchtitan does; names gain ``._orig_mod``). Dynamo skips the region's own
-``Module._call_impl`` frame (torch/nn code), so the region's forward hooks run eagerly, outside
-the graph, and the graph starts at its ``forward``; every module called inside is traced
-(inlined), hooks included. So the front ends treat a region as one unit, as FSDP2 treats a
-``fully_shard`` module:
+wrapping it, as torchtitan does; names gain ``._orig_mod``). Dynamo does not trace the region's
+own ``Module._call_impl`` frame (torch/nn code): the region's forward hooks are called from it,
+each a frame of its own (which dynamo would compile as a graph of its own, unless it is disabled:
+ours are, ``outside_graph``, so they run eagerly), and the graph starts at the region's
+``forward``; every module called inside is traced (inlined), hooks included. So the front ends
+treat a region as one unit, as FSDP2 treats a ``fully_shard`` module:
 
 - the engine hooks the region itself (not the modules inside it): its pre-forward holds the
   chunks of every parameter of its subtree, its backward token holds them for the region's
@@ -40,7 +41,7 @@ import contextlib
 import dataclasses
 import sys
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 import torch
 from torch import nn
@@ -89,8 +90,6 @@ class CompiledRegion:
     """The compiler backend's name ("inductor", "aot_eager", ...; "?" when torch hides it)."""
     cudagraphs: bool
     """The backend records CUDA graphs."""
-    fullgraph: Optional[bool]
-    """``fullgraph=True``/False (None when torch hides it)."""
 
 
 def _dynamo_context(module: nn.Module):
@@ -111,9 +110,8 @@ def _dynamo_context(module: nn.Module):
 
 def _describe(module: nn.Module, name: str) -> CompiledRegion:
     ctx = _dynamo_context(module)
-    backend, cudagraphs, fullgraph = "?", False, None
+    backend, cudagraphs = "?", False
     if ctx is not None:
-        fullgraph = getattr(ctx, "fullgraph", None)
         try:
             from torch._dynamo.eval_frame import innermost_backend
             compiler = innermost_backend(ctx.callback)
@@ -130,8 +128,7 @@ def _describe(module: nn.Module, name: str) -> CompiledRegion:
                     cudagraphs = bool(inductor_config.triton.cudagraphs)
                 except (ImportError, AttributeError):
                     pass
-    return CompiledRegion(module=module, name=name, backend=backend, cudagraphs=cudagraphs,
-                          fullgraph=fullgraph)
+    return CompiledRegion(module=module, name=name, backend=backend, cudagraphs=cudagraphs)
 
 
 def compiled_regions(model: nn.Module) -> tuple[CompiledRegion, ...]:
