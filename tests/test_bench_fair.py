@@ -189,6 +189,24 @@ def test_plans_parse(text, labels):
         assert {i.world for i in items} == {4} and len(items) == len({i.label for i in items})
 
 
+def test_compile_knob_compiles_each_block_of_engine_and_ddp_only():
+    import argparse
+    from case import _compile_blocks, parse_args
+    from fairplan import parse_plan
+    items = parse_plan("compile")
+    assert [(i.label, i.world) for i in items] == [
+        ("engine", 1), ("engine[compile=1]", 1), ("ddp", 1), ("ddp[compile=1]", 1)]
+    assert items[1].case_args() == ["--compile", "1"]
+    with pytest.raises(ValueError, match="takes no knob 'compile'"):
+        parse_plan("offload-adamw:compile=1@1")
+    assert parse_args(["--case", "engine", "--threads", "1", "--init", "x", "--json-out", "y",
+                       "--compile", "1"]).compile == "1"
+    model = GPT(preset(MODEL, seq_len=SEQ))
+    assert _compile_blocks(argparse.Namespace(compile="0"), model) == {}
+    assert _compile_blocks(argparse.Namespace(compile="1"), model)["compile"].startswith("each block")
+    assert all(b._compiled_call_impl is not None for b in model.blocks)
+
+
 def test_memory_sampler_walks_no_page_table_during_the_timed_steps(monkeypatch):
     """[Note: no page-table walk while timing]: a smaps_rollup read cost 40-85 ms of CPU under the
     case's mm lock on the GPU hosts, so inside the timed window only statm's RSS is read."""

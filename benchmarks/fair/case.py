@@ -51,6 +51,12 @@ Cases and their recipes (the row's "recipe" says it; fairplan.CASES is the table
   GPU). The split is per sub-group, so ``sub_group_size`` defaults to 1e8 here (with one
   sub-group per rank no split exists); the row records the split DeepSpeed made.
 
+``--compile 1`` (knob ``compile=1``; engine, ddp and their variants): each block compiled
+(``block.compile()``: inductor, default mode) before ``initialize`` / DDP; the warm-up steps
+compile (the engine's first forward runs eagerly, the second compiles: use ``--warmup`` >= 3);
+the row has dynamo's compile time (``compile_s``) and the graphs compiled during the timed steps
+(``compile_in_timed_steps``, 0 when the warm-up was enough).
+
 Memory: a thread started before ``import torch`` samples this process's PSS
 (/proc/self/smaps_rollup) every ``--mem-period`` s outside the timed steps (RSS only during them:
 [Note: no page-table walk while timing]); rank 0 also samples the node's MemAvailable
@@ -326,8 +332,53 @@ def _torch_rule(opt: str, model):
     return cls(model.parameters(), **_rule_kwargs(opt))
 
 
+def _compile_blocks(args, model) -> dict:
+    """``--compile 1``: each block compiled (``block.compile()``: inductor, default mode) before
+    the case wraps the model; the warm-up steps compile. The row's config says so."""
+    if args.compile != "1":
+        return {}
+    for block in model.blocks:
+        block.compile()
+    return {"compile": "each block: block.compile() (inductor, mode default), before wrapping"}
+
+
+class _CompileClock:
+    """Dynamo's own accounting: compile time and graphs by the end of the warm-up (``mark``,
+    before the first timed step) and after the timed steps; a graph compiled while timing is
+    named in the row (``compile_in_timed_steps``)."""
+
+    def __init__(self, args):
+        self.on = args.compile == "1"
+        self.at_timed = None
+
+    def _now(self) -> dict:
+        from torch._dynamo.utils import counters
+        try:
+            from torch._dynamo.utils import calculate_time_spent
+            spent = {k: float(v) for k, v in calculate_time_spent().items()}
+        except (ImportError, AttributeError, TypeError):
+            spent = {}
+        return {"graphs": counters["stats"]["unique_graphs"], "frames": counters["stats"]["calls_captured"],
+                "graph_breaks": sum(counters["graph_break"].values()), "time_spent_s": spent}
+
+    def mark(self) -> None:
+        if self.on:
+            self.at_timed = self._now()
+
+    def facts(self) -> dict:
+        if not self.on:
+            return {}
+        end = self._now()
+        spent = self.at_timed["time_spent_s"]
+        return {"compile_s": spent.get("total_wall_time", spent.get("entire_frame_compile")),
+                "compile_warmup": self.at_timed, "compile_end": end,
+                "compile_in_timed_steps": end["graphs"] - self.at_timed["graphs"]}
+
+
 def build_ddp(args, cfg, device, world, sd, bf16_params=False, rule=False):
     model = _torch_model(args, cfg, device, sd, dtype=torch.bfloat16 if bf16_params else None)
+    compiled = _compile_blocks(args, model)
+    clock = _CompileClock(args)
     wrapped, info = _ddp(model, device, world)
     if rule:  # torch-opt
         opt = _torch_rule(args.opt, model)
@@ -341,7 +392,8 @@ def build_ddp(args, cfg, device, world, sd, bf16_params=False, rule=False):
                                else f"torch intra-op ({torch.get_num_threads()})"})
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
     return Runner(step=_torch_loop(wrapped, opt, device, autocast=not bf16_params),
-                  config={**info, "params_dtype": "bf16" if bf16_params else "fp32",
+                  on_timed=clock.mark, extra=clock.facts,
+                  config={**info, **compiled, "params_dtype": "bf16" if bf16_params else "fp32",
                           "autocast": "off" if bf16_params else "bf16",
                           "optimizer": f"torch.optim.AdamW(fused={opt.defaults.get('fused')}) on {device.type}",
                           "optimizer_defaults": _jsonable(opt.defaults)},
@@ -354,6 +406,8 @@ def build_engine(args, cfg, device, world, sd, auto=False):
     from zero_offload.models import GPT
     model = GPT(cfg, device="meta")  # initialize fills the tiers chunk by chunk from --init
     model.set_activation_checkpointing(args.checkpointing)
+    compiled = _compile_blocks(args, model)  # before initialize: each block is one unit
+    clock = _CompileClock(args)
     ocfg = zo.OffloadConfig(params="auto" if auto else "cpu", optimizer="auto" if auto else "cpu",
                             dtype="bf16", threads=args.threads,
                             nvme_dir=args.nvme_dir if auto and args.nvme_dir else None)
@@ -371,11 +425,15 @@ def build_engine(args, cfg, device, world, sd, auto=False):
     def extra():
         st = engine.stats()
         return {"engine_stats": _jsonable(st.as_dict()),
-                "engine_held_gib": {str(k): v / GiB for k, v in st.bytes_held.items()}}
-    return Runner(step=step, finish=engine.synchronize, close=engine.close, on_timed=engine.reset_stats,
-                  extra=extra, config={"offload_config": _jsonable(engine.config.to_dict()), "opt": args.opt,
-                                       "optimizer": f"zero_offload.{type(spec).__name__}"
-                                                    + (" + AdamW" if args.opt == "muon" else "")},
+                "engine_held_gib": {str(k): v / GiB for k, v in st.bytes_held.items()}, **clock.facts()}
+
+    def on_timed():
+        engine.reset_stats()
+        clock.mark()
+    return Runner(step=step, finish=engine.synchronize, close=engine.close, on_timed=on_timed,
+                  extra=extra, config={**compiled, "offload_config": _jsonable(engine.config.to_dict()),
+                                       "opt": args.opt, "optimizer": f"zero_offload.{type(spec).__name__}"
+                                       + (" + AdamW" if args.opt == "muon" else "")},
                   threads={"engine_cpu_adam": engine.config.threads})
 
 
@@ -647,6 +705,9 @@ def parse_args(argv=None):
                     help="offload-adamw: OffloadAdamW(overlap_forward=...)")
     ap.add_argument("--opt", default="adamw", choices=("adamw", "sgd", "lion", "adafactor", "muon"),
                     help="the update rule of engine, offload-adamw and torch-opt (issue 25)")
+    ap.add_argument("--compile", default="0", choices=("0", "1"),
+                    help="engine, ddp: 1 compiles each block (block.compile(), inductor) before the case "
+                         "wraps the model; the warm-up steps compile (the row: compile_s)")
     return ap.parse_args(argv)
 
 

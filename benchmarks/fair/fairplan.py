@@ -6,6 +6,9 @@ own process group by ``run.py``. Named plans are in ``PLANS``; items are separat
 ';'. Knobs are case.py flags without
 the leading dashes (``fsdp2:fsdp-reshard=1@4``, ``ds-zero3:ds-prefetch-bucket=5e7@4``), or their
 short aliases in ``KNOB_ALIASES`` (``reshard``, ``prefetch``, ``reduce``, ``ratio``, ``sub-group``).
+``compile=1`` (engine, ddp) compiles each block (``block.compile()``, inductor) before the case
+wraps the model: ``engine@1 engine:compile=1@1 ddp@1 ddp:compile=1@1`` (the "compile" plan)
+measures compiled against eager, with the engine and at the ceiling.
 """
 from __future__ import annotations
 
@@ -38,7 +41,8 @@ DS3_KNOBS = ("ds-prefetch-bucket", "ds-reduce-bucket", "ds-sub-group")
 CASES: dict[str, CaseInfo] = {
     "ddp": CaseInfo(
         TORCH_AUTOCAST + " on the GPU, fused (no offload: the ceiling)",
-        short="fp32 + autocast", compute="autocast", startup_s=20, step_s={1: 0.17, 2: 0.18, 4: 0.19}),
+        short="fp32 + autocast", compute="autocast", knobs=("compile",), startup_s=20,
+        step_s={1: 0.17, 2: 0.18, 4: 0.19}),
     "ddp-bf16": CaseInfo(
         "bf16 params, no fp32 master, AdamW state bf16 on the GPU, fused (no offload: the ceiling of "
         "the engine's own bf16-params recipe)",
@@ -46,7 +50,7 @@ CASES: dict[str, CaseInfo] = {
     "engine": CaseInfo(
         "bf16 working params (no autocast), fp32 master + moments on the CPU; zero_offload engine "
         "params=cpu optimizer=cpu",
-        short=BF16_MASTER, knobs=("opt",), startup_s=35, step_s={1: 0.45, 2: 0.40, 4: 0.65}),
+        short=BF16_MASTER, knobs=("opt", "compile"), startup_s=35, step_s={1: 0.45, 2: 0.40, 4: 0.65}),
     "engine-auto": CaseInfo(
         "bf16 working params (no autocast), fp32 master + moments on the CPU; zero_offload engine "
         "params=auto optimizer=auto",
@@ -135,6 +139,9 @@ PLANS: dict[str, list[str]] = {
     "threads": ["engine@2", "ddp@2", "fsdp2:reshard=1,threads=8@2", "fsdp2:reshard=1,threads=16@2",
                 "engine:threads=16@2", "engine@1", "torchao:threads=16@1", "torchao:threads=32@1",
                 "fsdp2:reshard=1,threads=8@4"],
+    # compiled blocks against eager, through the engine and at the ceiling (compile=1: the
+    # warm-up steps compile; the rows report compile_s)
+    "compile": ["engine@1", "engine:compile=1@1", "ddp@1", "ddp:compile=1@1"],
     # what runs on a CPU (tests, smoke): no GPU-only case
     "cpu": ["ddp@1", "ddp-bf16@1", "engine@1", "engine-auto@1", "offload-adamw@1", "ddp@2", "engine@2"],
 }

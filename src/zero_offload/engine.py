@@ -16,7 +16,8 @@ also decides what stays on the device: [Note: holds] there), a ``ParamGuard`` (p
 a ``ChunkGroup`` (updates, over the CPU-Adam worker), whose ``GroupChunk`` is the one record of a
 chunk (its layout and device buffer included), and ``ModuleHooks`` (module_hooks.py: one
 ``ModuleRecord`` per module that holds parameters directly or reads other modules' ones, [Note:
-external parameters]; [Note: backward hooks], [Note: failed calls]). It writes nothing onto the
+external parameters], or per compiled module, which holds its whole subtree's, [Note: compiled
+regions] in compiled.py; [Note: backward hooks], [Note: failed calls]). It writes nothing onto the
 user's modules or parameters but ``param.data``, the class of a parameter holding its
 placeholder and its hooks, all undone by ``close``. The model's values go into the chunks and
 back by ``Handover`` (initial_values.py, [Note: hand-over]); ``stats()`` reads
@@ -109,6 +110,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
+from .compiled import CompileWatch, check_backward, check_regions, check_regions_fit, compiled_regions
 from .config import PER_RANK_FIELDS, OffloadConfig, OptimizerSpec, load_config
 from .mixed_precision import LossScaler, cast_inputs
 from .runtime.distributed import (announce_default_group, bind_to_cores, cpu_threads, rank_cores,
@@ -226,6 +228,11 @@ class Engine:
         self._ranked = self.shard.world > 1
         self.dtype: torch.dtype = cfg.torch_dtype
         _check_model(model)
+        self.regions = compiled_regions(model)
+        """The model's compiled regions, each hooked as one unit (compiled.py, [Note: compiled
+        regions])."""
+        check_regions(self.regions, owner="zero_offload.initialize")
+        self._compile_watch = CompileWatch(model, self.regions)
         if lr_scheduler is not None and not callable(lr_scheduler):
             raise TypeError(
                 f"lr_scheduler must be a callable taking the optimizer and returning a scheduler, "
@@ -276,6 +283,7 @@ class Engine:
             reserve=cfg.activation_reserve, gpu_optimizer=True,
             fp32_grads_window=self._final_sync, ranks=self.shard.world,
             replicas=self._ranked and cfg.params == "gpu"))
+        check_regions_fit(self.regions, self.partition, self.plan)  # [Note: compiled regions]
         # The swap file is preallocated to the NVMe budget: exactly what the plan needs (each
         # payload's slot rounded up to 4096, as the plan counts it).
         store_budgets = {**budgets.as_dict(), Tier.NVME: self.plan.need[Tier.NVME]}
@@ -355,11 +363,12 @@ class Engine:
                                 on_chunk_idle=self._chunk_ready)
         self._hooks = ModuleHooks(  # module_hooks.py; installed once the chunks are built
             self.module, self.partition, self.group.chunks, lock=self._lock, phase=lambda: self._phase,
-            to_backward=self._to_backward, hold=self._hold, unhold=self._unhold)
+            to_backward=self._to_backward, hold=self._hold, unhold=self._unhold,
+            regions=[r.module for r in self.regions])
         self._guard = ParamGuard(  # see param_guard.py; the placeholders exist from here on
             self.module, self.partition, self.group.chunks, device=self.device, dtype=self.dtype,
             lock=self._lock, phase=lambda: self._phase, hold=self._hold, unhold=self._unhold,
-            innermost=self._hooks.innermost, covers=self._hooks.covers)
+            innermost=self._hooks.innermost, covers=self._hooks.covers, regions=self._hooks.regions)
         # The model's values go into the chunks (initial_values.py, [Note: hand-over]).
         self._handover = Handover(self.module, self.partition, self._values, self._guard.placeholders)
         with torch.no_grad():
@@ -469,6 +478,7 @@ class Engine:
         working dtype."""
         self._check_open()
         self._parking.check("forward")
+        self._compile_watch.check()  # [Note: compiled regions]
         if self._phase is Phase.BACKWARD:
             self._finish_backward()
         args, kwargs = cast_inputs((args, kwargs), dtype=self.dtype, device=self.device)
@@ -597,6 +607,7 @@ class Engine:
         if self._phase is not Phase.IDLE:
             raise RuntimeError(f"engine.backward called during {self._phase.value}; call it after "
                                f"engine(...) has returned")
+        check_backward()
         self._set_phase(Phase.BACKWARD)
         t0 = time.perf_counter()
         try:

@@ -3,7 +3,9 @@ its forward uses (its own and recorded external ones), and again for its backwar
 holds the engine gives it (``hold``/``unhold``: [Note: holds] in runtime/prefetch.py). One
 ``ModuleRecord`` per module that holds parameters directly or reads other modules' ones
 ([Note: external parameters] in param_guard.py). The engine translates what the hooks report
-into its phases and the chunk group's verbs; the hooks know no store, tier or rank.
+into its phases and the chunk group's verbs; the hooks know no store, tier or rank. A compiled
+region (compiled.py) is one unit: one record holding its whole subtree's parameters, none for the
+modules inside it, its hooks run eagerly outside the graph ([Note: compiled regions] there).
 
 [Note: backward hooks] Per module call with grad enabled, the pre-forward hook wraps the module's
 input tensors in ``_PostBackward`` (whose backward runs after the module's backward) and the
@@ -33,6 +35,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .compiled import outside_graph
 from .param_guard import Phase
 from .runtime.partition import Partition
 from .runtime.trace import profile_range
@@ -99,12 +102,16 @@ class ModuleHooks:
         to_backward: a backward hook ran (the engine enters backward if ``loss.backward()`` was
             called directly).
         hold, unhold: hold a chunk on the device / let it go.
+        regions: the model's compiled regions (modules; compiled.py, [Note: compiled regions]):
+            each is hooked as one unit, the modules inside it not at all.
     """
 
     def __init__(self, model: nn.Module, partition: Partition, chunks: Sequence, *,
                  lock: threading.RLock, phase: Callable[[], Phase], to_backward: Callable[[], None],
-                 hold: Callable, unhold: Callable):
+                 hold: Callable, unhold: Callable, regions: Sequence[nn.Module] = ()):
         self._model, self._partition, self._chunks = model, partition, chunks
+        self.regions = tuple(regions)
+        """The compiled regions, each one unit ([Note: compiled regions] in compiled.py)."""
         self._lock, self._phase, self._to_backward = lock, phase, to_backward
         self._hold, self._unhold = hold, unhold
         self.records: dict = {}
@@ -114,9 +121,14 @@ class ModuleHooks:
         self._handles: list = []
 
     def install(self) -> None:
-        """Hook every module holding parameters directly (after the chunks are built)."""
+        """Hook every module holding parameters directly, and each compiled region for its whole
+        subtree (after the chunks are built)."""
+        regions = set(self.regions)
+        inside = {m for r in regions for m in r.modules() if m is not r}
         for m in self._model.modules():
-            slots = self._partition.module_slots(m)
+            if m in inside:  # traced with its region: the region's hooks hold its params
+                continue
+            slots = self._partition.module_slots(m, recurse=m in regions)
             if slots:
                 self._add(ModuleRecord(module=m, slots=slots,
                                        chunks=tuple(dict.fromkeys(self._chunks[s.chunk] for s in slots))))
@@ -124,9 +136,9 @@ class ModuleHooks:
     def _add(self, rec: ModuleRecord) -> None:
         self.records[rec.module] = rec
         self._handles.append(rec.module.register_forward_pre_hook(
-            functools.partial(self._pre_forward, rec), with_kwargs=True))
+            outside_graph(functools.partial(self._pre_forward, rec)), with_kwargs=True))
         self._handles.append(rec.module.register_forward_hook(
-            functools.partial(self._post_forward, rec), with_kwargs=True, always_call=True))
+            outside_graph(functools.partial(self._post_forward, rec)), with_kwargs=True, always_call=True))
 
     def remove(self) -> None:
         """Remove every hook (``close``)."""

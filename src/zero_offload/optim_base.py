@@ -63,8 +63,10 @@ params were given, which is forward order for usual models), and while a chunk o
 is not yet synced a global module forward pre-hook is installed: before a module runs, each of
 its *own* parameters (``module._parameters``) whose chunk is not synced is waited for (the host
 waits for that chunk's update only; the current stream waits for its param copies). The hook
-removes itself once every chunk is synced. The rule that follows: **params are waited for by the
-module that owns them**. A model that reads a submodule's parameter functionally before calling
+removes itself once every chunk is synced. A compiled region (``block.compile()``; [Note:
+compiled regions] in compiled.py) is waited for as a whole at its own call, every param of its
+subtree; the modules its graph inlines wait for nothing. The rule that follows: **params are
+waited for by the module that owns them** (or the compiled region holding it). A model that reads a submodule's parameter functionally before calling
 that submodule, or any host-side read or write of params after ``step()`` (an EMA, a
 ``model.state_dict()``, a checkpoint, ``load_state_dict`` into the model), must call
 ``synchronize()`` first (DeepSpeed ZeRO-3 has the same rule for external parameters). Chunks the
@@ -139,6 +141,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from .compiled import global_pre_hook, is_region
 from .config import as_budget, as_float, as_int, parse_bytes
 from .runtime.chunk_group import ChunkGroup, ChunkPhase, GroupChunk, GroupSlot, ParamSink, Staging
 from .runtime.distributed import is_dtensor, local, resolve_group, threads_per_rank
@@ -525,7 +528,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._sync_all()
         elif self._forward_hook is None and group is not None and group.pending():
             self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(
-                _weak(self._pre_forward))
+                global_pre_hook(_weak(self._pre_forward)))
         return loss
 
     def synchronize(self) -> None:
@@ -541,9 +544,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._group.drain()
         self._remove_forward_hook()
 
-    def _pre_forward(self, module: torch.nn.Module, args) -> None:
-        """The global module forward pre-hook of [Note: forward overlap]."""
-        for p in module._parameters.values():
+    def _pre_forward(self, module: torch.nn.Module) -> None:
+        """The global module forward pre-hook of [Note: forward overlap]: a module's own params,
+        a compiled region's whole subtree ([Note: compiled regions] in compiled.py)."""
+        for p in (module.parameters() if is_region(module) else module._parameters.values()):
             chunk = self._chunk_of.get(p) if p is not None else None
             if chunk is None:
                 continue

@@ -66,9 +66,10 @@ from typing import Callable, Iterator, Optional, Protocol, Sequence
 import torch
 from torch import nn
 
+from .compiled import dynamo_loaded, eager, outside_graph
 from .runtime.partition import ChunkLayout, ParamSlot, Partition
 
-__all__ = ["ParamGuard", "Phase", "PHASES", "GuardedChunk"]
+__all__ = ["CompiledReadError", "ParamGuard", "Phase", "PHASES", "GuardedChunk"]
 
 
 class Phase(enum.Enum):
@@ -98,6 +99,10 @@ class GuardedChunk(Protocol):
     def expects(self, index: int) -> bool:
         """The grad of the parameter of slot ``index`` (``ParamSlot.index``) is expected in this
         pass."""
+
+
+class CompiledReadError(RuntimeError):
+    """A compiled region read a parameter whose chunk its hooks do not hold."""
 
 
 def _metadata_calls() -> frozenset:
@@ -225,14 +230,22 @@ class ParamGuard:
         innermost: the innermost running module that has a record, else the model (where a read
             no recording saw is attributed).
         covers: the slots a module's own hooks hold and expect (its own and recorded external).
+        regions: the model's compiled regions (compiled.py, [Note: compiled regions]): their
+            parameters hold their own class whenever mapped, the modules inside them get no
+            recording hooks, and the recording forward runs them eagerly.
     """
 
     def __init__(self, module: nn.Module, partition: Partition, chunks: Sequence[GuardedChunk], *,
                  device: torch.device, dtype: torch.dtype, lock: threading.RLock,
                  phase: Callable[[], Phase], hold: Callable[[GuardedChunk], None],
                  unhold: Callable[[GuardedChunk], None], innermost: Callable[[], nn.Module],
-                 covers: Callable[[nn.Module], frozenset]):
+                 covers: Callable[[nn.Module], frozenset], regions: Sequence[nn.Module] = ()):
         self._module = module
+        self._regions = tuple(regions)
+        self._inside = frozenset(m for r in regions for m in r.modules() if m is not r)
+        """Modules inside a compiled region (traced with it: no hooks of ours)."""
+        self._in_regions = frozenset(s.index for r in regions for s in partition.module_slots(r, recurse=True))
+        """Slots of the regions' parameters: never guarded while mapped."""
         self._partition = partition
         self._chunks = chunks
         self._device = device
@@ -254,6 +267,7 @@ class ParamGuard:
         self._forward_holds: list = []  # chunks held for such reads until forward ends
         self._backward_holds: list = []  # chunks held for reads in backward until it ends
         self._live: dict = {}  # device-buffer storage address -> chunk (mapped ones)
+        self._saved_hooks = (self._pack, self._unpack)  # run eagerly once dynamo is loaded
         self._gathering = False  # inside lend(): the params hold CPU copies
 
     # ---- the parameters' classes ------------------------------------------------------------
@@ -273,8 +287,11 @@ class ParamGuard:
 
     def _guard_all(self) -> None:
         """Every parameter checks its reads, mapped or not (the recording forward: it sees reads
-        of chunks that happen to be on the device too)."""
+        of chunks that happen to be on the device too), but a compiled region's mapped ones
+        (a graph must not see a guarded class: [Note: compiled regions] in compiled.py)."""
         for s in self._partition.slots:
+            if s.index in self._in_regions and self._chunks[s.chunk].buffer is not None:
+                continue
             s.param.__class__ = self._guards[s.index]
 
     def record_reads(self) -> None:
@@ -285,11 +302,11 @@ class ParamGuard:
     def show(self, chunk: GuardedChunk, buf: torch.Tensor) -> None:
         """The chunk's params point into ``buf``, its device buffer (the engine sets
         ``chunk.buffer`` right after); their own classes once reads are recorded."""
-        recorded, classes = self.recorded, self._classes
+        recorded, classes, in_regions = self.recorded, self._classes, self._in_regions
         for s in chunk.layout.slots:
             s.param.data = buf[s.offset:s.end].view(s.shape)
-            if recorded:  # real values: a plain parameter, no per-op check ([Note: parameter data])
-                s.param.__class__ = classes[s.index]
+            if recorded or s.index in in_regions:  # real values: a plain parameter, no per-op
+                s.param.__class__ = classes[s.index]  # check ([Note: parameter data])
         self._live[buf.untyped_storage().data_ptr()] = chunk
 
     def hide(self, chunk: GuardedChunk) -> None:
@@ -339,6 +356,10 @@ class ParamGuard:
         if slot is None:
             return
         chunk = self._chunks[slot.chunk]
+        if torch.compiler.is_compiling():  # dynamo traces a graph over it: it cannot fetch
+            if chunk.buffer is None:
+                raise self._compiled_read(slot)
+            return
         if chunk.buffer is not None:
             if self._phase() is not Phase.FORWARD:
                 return
@@ -400,8 +421,12 @@ class ParamGuard:
         """Around the model's forward: saved tensors living in a chunk's device buffer become
         views ([Note: saved parameter views]), and the reads are recorded when they are due
         ([Note: external parameters]). After an error, the reads noted so far are forgotten."""
+        if self._saved_hooks[0] is self._pack and dynamo_loaded():
+            # Autograd calls them inside a compiled region's call too: never traced by dynamo.
+            reason = "zero_offload's saved-tensor hooks run eagerly"
+            self._saved_hooks = (outside_graph(self._pack, reason), outside_graph(self._unpack, reason))
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with torch.autograd.graph.saved_tensors_hooks(*self._saved_hooks):
                 if self.recorded:
                     yield
                 else:
@@ -453,12 +478,15 @@ class ParamGuard:
 
         try:
             for m in self._module.modules():
+                if m in self._inside:
+                    continue
                 handles.append(m.register_forward_pre_hook(push))
                 handles.append(m.register_forward_hook(pop, always_call=True))
             # Reads before the root's hooks run (e.g. in user pre-hooks) belong to the root.
             self._read_frames.append(_ReadFrame(module=self._module, covers=self._covers(self._module),
                                                 grad=grad))
-            yield
+            with eager() if self._regions else contextlib.nullcontext():
+                yield
         finally:
             for h in handles:
                 h.remove()
@@ -495,9 +523,29 @@ class ParamGuard:
 
     # ---- errors -----------------------------------------------------------------------------
 
+    def _compiled_read(self, slot: ParamSlot) -> "CompiledReadError":
+        """Dynamo met the placeholder of ``slot``'s parameter: a compiled region reads a
+        parameter outside it that the recording forward did not see it read ([Note: compiled
+        regions] in compiled.py)."""
+        region = self._innermost()
+        name = next((n for n, m in self._module.named_modules() if m is region), None)
+        where = f"the compiled region {name!r}" if name else "a compiled region"
+        return CompiledReadError(
+            f"parameter {slot.name!r} is read inside {where} (torch.compile) but belongs to a "
+            f"module outside it, and the first forward, which records such reads, did not read "
+            f"it (a branch taken only now?). Fix: call "
+            f"engine.record_reads() before the forward that first takes this path (that forward "
+            f"records every read, running the compiled regions eagerly), or make the parameter "
+            f"part of the region")
+
     def explain(self, e: BaseException) -> BaseException:
         """A RuntimeError from a read of a placeholder becomes one naming the read and the fix;
         anything else is returned as is. See [Note: parameter data]."""
+        cause = e
+        while cause is not None:  # dynamo wraps what a read raised while it traced a graph
+            if isinstance(cause, CompiledReadError):
+                return cause
+            cause = cause.__cause__ or cause.__context__
         if not isinstance(e, RuntimeError) or not any(m in str(e) for m in _UNREADABLE_MARKERS):
             return e
         names = {m: n for n, m in self._module.named_modules()}

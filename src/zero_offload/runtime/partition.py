@@ -105,11 +105,11 @@ class Partition:
         """The slot of a parameter object (None for a tensor the partition does not hold)."""
         return self._by_param.get(id(param))
 
-    def module_slots(self, module: nn.Module) -> tuple[ParamSlot, ...]:
-        """Slots of the parameters ``module`` holds directly (not its children's), in order,
-        tied parameters included once."""
+    def module_slots(self, module: nn.Module, *, recurse: bool = False) -> tuple[ParamSlot, ...]:
+        """Slots of the parameters ``module`` holds directly (not its children's; with
+        ``recurse``, its descendants' too), in order, tied parameters included once."""
         seen, out = set(), []
-        for p in module._parameters.values():
+        for p in (module.parameters() if recurse else module._parameters.values()):
             slot = self.slot_of(p) if p is not None else None
             if slot is not None and slot.index not in seen:
                 seen.add(slot.index)
