@@ -142,6 +142,19 @@ PLANS: dict[str, list[str]] = {
     # compiled blocks against eager, through the engine and at the ceiling (compile=1: the
     # warm-up steps compile; the rows report compile_s)
     "compile": ["engine@1", "engine:compile=1@1", "ddp@1", "ddp:compile=1@1"],
+    # issue 23's before/after (needs .trees/before: benchmarks/fair/tree.sh pack before 0795af2):
+    # the engine (params cpu and auto) and OffloadAdamW (overlap_forward on and off) on one GPU,
+    # the engine on 2 GPUs, each beside the same case of the commit the restructuring started from
+    "i23": ["engine@1", "engine:tree=before@1", "offload-adamw:overlap=0@1", "offload-adamw:overlap=0,tree=before@1",
+            "engine@2", "engine:tree=before@2", "engine-auto@1", "engine-auto:tree=before@1",
+            "offload-adamw@1", "offload-adamw:tree=before@1"],
+    # issue 24 part 1 (auto across the node) at 1 and 2 GPUs; the 4-GPU goal is "n4"'s engine-auto
+    "auto": ["engine-auto@2", "ddp@2", "engine-auto@1", "ddp@1", "engine@2", "engine@1"],
+    # issue 25: each rule offloaded (engine, OffloadOptimizer) vs its torch optimizer on the GPU
+    # vs AdamW offloaded (lion has no torch.optim rule)
+    "rules": ["engine@1", "engine:opt=muon@1", "torch-opt:opt=muon@1", "torch-opt@1", "engine:opt=sgd@1",
+              "torch-opt:opt=sgd@1", "engine:opt=adafactor@1", "torch-opt:opt=adafactor@1", "engine:opt=lion@1",
+              "offload-adamw:opt=muon@1", "offload-adamw@1"],
     # what runs on a CPU (tests, smoke): no GPU-only case
     "cpu": ["ddp@1", "ddp-bf16@1", "engine@1", "engine-auto@1", "offload-adamw@1", "ddp@2", "engine@2"],
 }
