@@ -83,6 +83,27 @@ def as_float(name: str, value: Any, what: str = "a number") -> float:
     return float(value)
 
 
+def hyper_checker(owner: Optional[str]):
+    """``(number, bad)`` for one hyperparameter validation: ``number(name, value)`` converts (a
+    TypeError, or with an ``owner`` a ValueError naming ``owner.name``), ``bad(name, value,
+    torch_words, need)`` builds the ValueError (torch's words without an owner)."""
+
+    def bad(name, value, torch_words, need):
+        if owner is not None:
+            return ValueError(f"{owner}.{name}={value!r} is invalid: expected {need}")
+        return ValueError(f"{torch_words}: {value} (need {need})")
+
+    def number(name, value):
+        try:
+            return as_float(name, value)
+        except (TypeError, ValueError) as e:
+            if owner is None:
+                raise
+            raise bad(name, value, "", "a finite number") from e
+
+    return number, bad
+
+
 @dataclass(frozen=True, kw_only=True)
 class AdamHyper:
     """The scalars of one Adam/AdamW step, checked (torch's ranges) and converted to float. The one
@@ -105,18 +126,7 @@ class AdamHyper:
     @classmethod
     def checked(cls, *, lr: Any, betas: Any, eps: Any, weight_decay: Any, adamw: bool,
                 owner: Optional[str] = None) -> "AdamHyper":
-        def bad(name, value, torch_words, need):
-            if owner is not None:
-                return ValueError(f"{owner}.{name}={value!r} is invalid: expected {need}")
-            return ValueError(f"{torch_words}: {value} (need {need})")
-
-        def number(name, value):
-            try:
-                return as_float(name, value)
-            except (TypeError, ValueError) as e:
-                if owner is None:
-                    raise
-                raise bad(name, value, "", "a finite number") from e
+        number, bad = hyper_checker(owner)
 
         lr = number("lr", lr)
         if not (math.isfinite(lr) and lr >= 0):

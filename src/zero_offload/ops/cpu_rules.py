@@ -26,31 +26,10 @@ from typing import Any, Optional
 import torch
 
 from ._native import TORCH_DTYPES, Dtype, default_threads, rules
-from .cpu_adam import (FLOAT_DTYPES, LOWP_DTYPES, KernelTicket, as_float, bump_versions, check_buffer,
-                       check_grad_scale, check_no_overlap, check_threads)
+from .cpu_adam import (FLOAT_DTYPES, LOWP_DTYPES, KernelTicket, bump_versions, check_buffer,
+                       check_grad_scale, check_no_overlap, check_threads, hyper_checker)
 
 __all__ = ["SgdHyper", "LionHyper", "sgd_step", "sgd_step_async", "lion_step", "lion_step_async"]
-
-
-def _checker(owner: Optional[str]):
-    """``(number, bad)`` for one hyperparameter validation: ``number(name, value)`` converts (a
-    TypeError, or with an ``owner`` a ValueError naming ``owner.name``), ``bad(name, value,
-    torch_words, need)`` builds the ValueError (torch's words without an owner)."""
-
-    def bad(name, value, torch_words, need):
-        if owner is not None:
-            return ValueError(f"{owner}.{name}={value!r} is invalid: expected {need}")
-        return ValueError(f"{torch_words}: {value} (need {need})")
-
-    def number(name, value):
-        try:
-            return as_float(name, value)
-        except (TypeError, ValueError) as e:
-            if owner is None:
-                raise
-            raise bad(name, value, "", "a finite number") from e
-
-    return number, bad
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,7 +52,7 @@ class SgdHyper:
     @classmethod
     def checked(cls, *, lr: Any, momentum: Any = 0.0, dampening: Any = 0.0, weight_decay: Any = 0.0,
                 nesterov: Any = False, owner: Optional[str] = None) -> "SgdHyper":
-        number, bad = _checker(owner)
+        number, bad = hyper_checker(owner)
         lr = number("lr", lr)
         if not (math.isfinite(lr) and lr >= 0):
             raise bad("lr", lr, "Invalid learning rate", "a finite lr >= 0")
@@ -112,7 +91,7 @@ class LionHyper:
     @classmethod
     def checked(cls, *, lr: Any, betas: Any = (0.9, 0.99), weight_decay: Any = 0.0,
                 owner: Optional[str] = None) -> "LionHyper":
-        number, bad = _checker(owner)
+        number, bad = hyper_checker(owner)
         lr = number("lr", lr)
         if not (math.isfinite(lr) and lr >= 0):
             raise bad("lr", lr, "Invalid learning rate", "a finite lr >= 0")
