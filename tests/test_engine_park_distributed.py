@@ -67,7 +67,7 @@ def _park_rank(rank, world, kw, nvme_dir, target, fault):
         store = engine.store
         real_park, real_unpark = store.park, store.unpark
 
-        def fail(*args):
+        def fail(*args, **kwargs):
             raise OSError("injected on rank 1")
         if fault == "fail-park":
             store.park = fail
