@@ -156,9 +156,10 @@ def test_tree_knob_runs_another_source_tree_and_names_it(tmp_path, monkeypatch):
     """``tree=NAME`` (a before/after comparison in one call): the case imports zero_offload from
     that tree, its row records the tree's path and commit; a tree that is not there stops the
     plan before anything runs, in one line."""
-    src = Path(__file__).resolve().parents[1] / "src"
-    (tmp_path / "trees" / "other").mkdir(parents=True)
-    (tmp_path / "trees" / "other" / "src").symlink_to(src)
+    import zero_offload
+    src = tmp_path / "trees" / "other" / "src"
+    src.mkdir(parents=True)  # the package as imported here (its extension built: a CI install has it
+    (src / "zero_offload").symlink_to(Path(zero_offload.__file__).parent)  # in site-packages only)
     (tmp_path / "trees" / "other" / "COMMIT").write_text("feedc0de\n")
     make_init(["--model", MODEL, "--seq", str(SEQ), "--init-std", str(STD), "--out", str(tmp_path / "init.pt")])
     monkeypatch.setenv("FAIR_TREES", str(tmp_path / "trees"))  # the driver's children inherit it
