@@ -434,7 +434,7 @@ def test_benchmark_script_checks_and_times(tmp_path):
     """benchmarks/bench_cpu_rules.py runs end to end (its bit-for-bit check included) at a tiny size."""
     repo = pathlib.Path(__file__).resolve().parents[1]
     out = tmp_path / "rules.json"
-    env = {**os.environ, "PYTHONPATH": str(repo / "src")}
+    env = dict(os.environ)  # zero_offload as this process imports it (a CI install: site-packages)
     r = subprocess.run([sys.executable, str(repo / "benchmarks" / "bench_cpu_rules.py"), "--numel", "5000",
                         "--threads", "1", "--repeats", "20", "--warmup", "0", "--check-numel", "3001",
                         "--json-out", str(out)], capture_output=True, text=True, timeout=300, env=env)
