@@ -122,8 +122,8 @@ CASES = {  # (config, windows)
     "plain": (dict(), STEPS),
     "clip-accum": (dict(grad_clip=0.05, grad_accum=2), 3),  # (3: [Note: Muon is chaotic in its last bits])
     "bf16": (dict(dtype="bf16"), 3),  # (bf16 forward/backward drift apart; Muon compounds it)
-    "nvme-frozen": (dict(optimizer="nvme"), 5),
-    "share": (dict(params="gpu", optimizer="auto", gpu_budget=400_000), 5),  # the GPU share: device_step
+    "nvme-frozen": (dict(optimizer="nvme"), 4),
+    "share": (dict(params="gpu", optimizer="auto", gpu_budget=400_000), 4),  # the GPU share: device_step
 }
 
 
