@@ -104,6 +104,31 @@ def hyper_checker(owner: Optional[str]):
     return number, bad
 
 
+def checked_lr(number, bad, lr: Any) -> float:
+    """A learning rate: finite and >= 0 (``number``, ``bad``: ``hyper_checker``'s)."""
+    lr = number("lr", lr)
+    if not (math.isfinite(lr) and lr >= 0):
+        raise bad("lr", lr, "Invalid learning rate", "a finite lr >= 0")
+    return lr
+
+
+def checked_betas(number, bad, betas: Any, owner: Optional[str], *, one_allowed: bool,
+                  example: str) -> tuple[float, float]:
+    """A pair (beta1, beta2), each in [0, 1) (or [0, 1] when ``one_allowed``), as torch checks
+    them; ``example`` goes in the error of a value that is not a pair."""
+    span = "[0, 1]" if one_allowed else "[0, 1)"
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+        if owner is not None:
+            raise bad("betas", betas, "", f"a pair (beta1, beta2), each in {span}, e.g. betas={example}")
+        raise TypeError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    beta1, beta2 = number("betas[0]", betas[0]), number("betas[1]", betas[1])
+    for index, beta in enumerate((beta1, beta2)):
+        if not (0.0 <= beta <= 1.0 if one_allowed else 0.0 <= beta < 1.0):
+            raise bad(f"betas[{index}]", beta, f"Invalid beta parameter at index {index}",
+                      "0 <= beta <= 1" if one_allowed else "0 <= beta < 1")
+    return beta1, beta2
+
+
 @dataclass(frozen=True, kw_only=True)
 class AdamHyper:
     """The scalars of one Adam/AdamW step, checked (torch's ranges) and converted to float. The one
@@ -128,17 +153,8 @@ class AdamHyper:
                 owner: Optional[str] = None) -> "AdamHyper":
         number, bad = hyper_checker(owner)
 
-        lr = number("lr", lr)
-        if not (math.isfinite(lr) and lr >= 0):
-            raise bad("lr", lr, "Invalid learning rate", "a finite lr >= 0")
-        if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
-            if owner is not None:
-                raise bad("betas", betas, "", "a pair (beta1, beta2), each in [0, 1), e.g. betas=(0.9, 0.999)")
-            raise TypeError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-        beta1, beta2 = number("betas[0]", betas[0]), number("betas[1]", betas[1])
-        for index, beta in enumerate((beta1, beta2)):
-            if not 0.0 <= beta < 1.0:
-                raise bad(f"betas[{index}]", beta, f"Invalid beta parameter at index {index}", "0 <= beta < 1")
+        lr = checked_lr(number, bad, lr)
+        beta1, beta2 = checked_betas(number, bad, betas, owner, one_allowed=False, example="(0.9, 0.999)")
         eps = number("eps", eps)
         if not (math.isfinite(eps) and eps >= 0):
             raise bad("eps", eps, "Invalid epsilon value", "a finite eps >= 0")

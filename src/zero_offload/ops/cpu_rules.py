@@ -27,7 +27,8 @@ import torch
 
 from ._native import TORCH_DTYPES, Dtype, default_threads, rules
 from .cpu_adam import (FLOAT_DTYPES, LOWP_DTYPES, KernelTicket, bump_versions, check_buffer,
-                       check_grad_scale, check_no_overlap, check_threads, hyper_checker)
+                       check_grad_scale, check_no_overlap, check_threads, checked_betas, checked_lr,
+                       hyper_checker)
 
 __all__ = ["SgdHyper", "LionHyper", "sgd_step", "sgd_step_async", "lion_step", "lion_step_async"]
 
@@ -53,9 +54,7 @@ class SgdHyper:
     def checked(cls, *, lr: Any, momentum: Any = 0.0, dampening: Any = 0.0, weight_decay: Any = 0.0,
                 nesterov: Any = False, owner: Optional[str] = None) -> "SgdHyper":
         number, bad = hyper_checker(owner)
-        lr = number("lr", lr)
-        if not (math.isfinite(lr) and lr >= 0):
-            raise bad("lr", lr, "Invalid learning rate", "a finite lr >= 0")
+        lr = checked_lr(number, bad, lr)
         momentum = number("momentum", momentum)
         if not (math.isfinite(momentum) and momentum >= 0):
             raise bad("momentum", momentum, "Invalid momentum value", "a finite momentum >= 0")
@@ -92,17 +91,8 @@ class LionHyper:
     def checked(cls, *, lr: Any, betas: Any = (0.9, 0.99), weight_decay: Any = 0.0,
                 owner: Optional[str] = None) -> "LionHyper":
         number, bad = hyper_checker(owner)
-        lr = number("lr", lr)
-        if not (math.isfinite(lr) and lr >= 0):
-            raise bad("lr", lr, "Invalid learning rate", "a finite lr >= 0")
-        if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
-            if owner is not None:
-                raise bad("betas", betas, "", "a pair (beta1, beta2), each in [0, 1], e.g. betas=(0.9, 0.99)")
-            raise TypeError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-        beta1, beta2 = number("betas[0]", betas[0]), number("betas[1]", betas[1])
-        for index, beta in enumerate((beta1, beta2)):
-            if not 0.0 <= beta <= 1.0:
-                raise bad(f"betas[{index}]", beta, f"Invalid beta parameter at index {index}", "0 <= beta <= 1")
+        lr = checked_lr(number, bad, lr)
+        beta1, beta2 = checked_betas(number, bad, betas, owner, one_allowed=True, example="(0.9, 0.99)")
         weight_decay = number("weight_decay", weight_decay)
         if not (math.isfinite(weight_decay) and weight_decay >= 0):
             raise bad("weight_decay", weight_decay, "Invalid weight_decay value", "a finite weight_decay >= 0")
