@@ -32,7 +32,7 @@ Cases and their recipes (the row's "recipe" says it; fairplan.CASES is the table
   True)``, fp32 params + bf16 autocast (ddp's and torchao's recipe).
 - ``torch-opt``: the ``ddp`` recipe with the ``--opt`` rule's torch optimizer on the GPU (no
   offload): the ceiling each offloaded rule is compared with (issue 25). ``--opt`` (the plan's
-  ``opt=`` knob) also picks the rule of ``engine`` and ``offload-adamw``: adamw (default), sgd
+  ``opt=`` knob) also picks the rule of ``engine``, ``engine-auto`` and ``offload-adamw``: adamw (default), sgd
   (momentum 0.9), lion, adafactor, muon (torch's recipe: Muon on the blocks' matrices, AdamW on
   embeddings, norms, biases and the head); lr 1e-4 and weight decay 0.1 for all (SGD: L2).
 - ``torchao``: ``torchao.optim.CPUOffloadOptimizer(AdamW, fused=True, offload_gradients=True)``,
