@@ -206,3 +206,30 @@ def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path):
     saved = transformers.AutoModelForCausalLM.from_pretrained(best)
     assert_weights_close(ours.engine.state_dict(), params_of(saved), rtol=1e-6)
     ours.engine.close()
+
+
+def test_torch_compile_compiles_each_block_and_trains_like_the_compiled_plain_trainer(tmp_path):
+    """torch_compile=True: the plain Trainer compiles the whole model; ours compiles it region by
+    region before the engine is built (the engine's units are modules), with the same backend,
+    and the run equals the plain compiled one."""
+    kw = dict(torch_compile=True, torch_compile_backend="aot_eager", num_train_epochs=1)
+    plain = Trainer(model=model("llama"), args=arguments(tmp_path / "plain", **kw), train_dataset=dataset(14))
+    plain.train()
+    ours = ZeroOffloadTrainer(model=model("llama"), args=arguments(tmp_path / "ours", **kw),
+                              train_dataset=dataset(14), offload_config=zo.OffloadConfig(**OFFLOAD))
+    ours.train()
+    layers = ours.model.model.layers
+    assert all(layer._compiled_call_impl is not None for layer in layers)  # compiled, in place
+    assert ours.model.lm_head._compiled_call_impl is not None
+    assert ours.engine.global_step == plain.state.global_step == 3
+    assert logged(ours, "loss") == pytest.approx(logged(plain, "loss"), rel=1e-5)
+    assert_weights_close(ours.engine.state_dict(), params_of(plain.model), rtol=1e-5)
+    ours.engine.close()
+
+
+def test_torch_compile_with_cuda_graphs_is_refused_with_the_fix(tmp_path):
+    ours = ZeroOffloadTrainer(model=model("llama"), args=arguments(
+        tmp_path, torch_compile=True, torch_compile_backend="inductor", torch_compile_mode="reduce-overhead"),
+        train_dataset=dataset(4), offload_config=zo.OffloadConfig(**OFFLOAD))
+    with pytest.raises(ValueError, match="CUDA graphs.*mode='default'"):
+        ours.train()

@@ -59,6 +59,9 @@ moves the engine's window to its last position, so the backward that follows end
 exactly where the Trainer does, with the grads it has. Clipping runs inside that last step
 (exact global norm), so the Trainer's clip call only reports the engine's norm.
 
+``torch_compile=True`` compiles the model region by region before the engine is built
+([Note: the Trainer's torch_compile]).
+
 Limits: ``fp16`` (the engine has its own loss scaler; use ``bf16`` or the engine directly),
 optimizers other than AdamW, ``model_init``, ``optimizers=``, DeepSpeed/FSDP arguments and
 ``nn.DataParallel`` (several GPUs without a launcher) are refused at construction with the fix.
@@ -133,6 +136,8 @@ class ZeroOffloadTrainer(Trainer):
             args = self.args
             spec = AdamW(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                          eps=args.adam_epsilon, weight_decay=args.weight_decay)
+            if args.torch_compile:  # [Note: the Trainer's torch_compile]
+                self._compile_regions()
             decay = set(self.get_decay_parameter_names(self.model))
             no_decay = [n for n, p in self.model.named_parameters() if p.requires_grad and n not in decay]
             # The Trainer's two groups, in its order: decay (group 0, the spec's), no decay.
@@ -144,6 +149,26 @@ class ZeroOffloadTrainer(Trainer):
             self.accelerator.backward = self._engine_backward
             self.accelerator.clip_grad_norm_ = self._engine_grad_norm
         return self._engine
+
+    def _compile_regions(self) -> None:
+        """[Note: the Trainer's torch_compile] ``torch_compile=True`` makes the plain Trainer's
+        Accelerator wrap the whole model in ``torch.compile``; the engine's units are modules, so
+        here the model is compiled region by region in place, before ``initialize``: each
+        repeated block (the decoder layers) and each other leaf child (embeddings, final norm,
+        head), with the arguments the Trainer would use (``torch_compile_backend``,
+        ``torch_compile_mode``), through Accelerate's own regional compilation
+        (``compile_regions_fsdp2``: ``module.compile()`` in place, names unchanged). A mode the
+        engine cannot run (CUDA graphs: ``reduce-overhead``) is refused by ``initialize`` with
+        the fix. The Trainer never sees an ``OptimizedModule`` (``_wrap_model`` returns the
+        engine's module), so nothing is compiled twice."""
+        try:
+            from accelerate.utils import compile_regions_fsdp2
+        except ImportError as e:  # an accelerate without regional compilation
+            raise ValueError(f"ZeroOffloadTrainer: torch_compile=True needs accelerate's regional "
+                             f"compilation ({e}); upgrade accelerate or set "
+                             f"torch_compile=False") from None
+        kwargs = self.accelerator.state.dynamo_plugin.to_kwargs()
+        compile_regions_fsdp2(self.model, **kwargs)
 
     def _check_supported(self) -> None:
         args = self.args
