@@ -61,7 +61,8 @@ The chunk group runs both (runtime/chunk_group.py, [Note: the window's decision]
 
 [Note: data parallel] With a process group (``torchrun``; ``process_group="auto"``) every chunk
 is split between the N ranks (runtime/shards.py, [Note: chunk shards]): each rank's store holds its
-shard of every payload, placement plans for the shards, and the chunk group updates the rank's
+shard of every payload, placement plans for the shards (alike on every rank: [Note: ranks agree
+on placement] in runtime/placement.py), and the chunk group updates the rank's
 part of each slot (``GroupSlot`` spans cut at the shard boundary). A chunk is used whole:
 ``_materialize`` fetches the rank's params shard (prefetched as on one GPU) and all-gathers the
 chunk into a device buffer; backward accumulates the whole chunk's grads in a device buffer,

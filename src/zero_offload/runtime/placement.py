@@ -69,7 +69,8 @@ the report says so); the training goes on.
 free memory (or disk) less the reserve, divided by the node's ranks, so the ranks together stay
 within what the node has. A CUDA device is each rank's own and is not divided; with no CUDA the
 "gpu" tier is host memory and is. ``rank_budgets`` is the one place this is written: both front
-ends plan against it.
+ends plan against it (the engine against the least over its ranks: [Note: ranks agree on
+placement]).
 
 [Note: ranks agree on placement] With several ranks every rank must reach the same homes and the
 same GPU share: the plan sizes what each rank keeps on its device and in its host memory, and a
@@ -120,8 +121,8 @@ from .update_rule import StateSpec, UpdateRule
 from .vocab import ALIGNMENT, Placement, round_up
 
 __all__ = ["Budgets", "ChunkHomes", "ChunkNeed", "FitError", "Measured", "PARKED_CHUNKS", "PlacementPlan",
-           "PlacementRequest", "common_budgets", "common_reserve", "grow_share", "keep_limit", "largest_need", "local_ranks",
-           "measure_device", "plan_placement", "rank_budgets", "tightest", "window_bytes"]
+           "PlacementRequest", "common_budgets", "common_reserve", "grow_share", "keep_limit", "largest_need",
+           "local_ranks", "measure_device", "plan_placement", "rank_budgets", "tightest", "window_bytes"]
 
 PARKED_CHUNKS = 2
 """Chunks kept on the device after their last user let go (prefetch.py, [Note: holds]); part of
