@@ -162,6 +162,33 @@ def test_a_plan_that_fails_on_one_rank_only_raises_on_every_rank(tmp_path):
     assert "Raise cpu_budget" in msg0 and "\n" not in msg0, msg0
 
 
+def _differ_rank(rank, world):
+    if rank == 1:  # a plan that differs on rank 1 (the safety net of the exchange)
+        import dataclasses
+        import zero_offload.engine as engine_module
+        real = engine_module.plan_placement
+
+        def plan(request):
+            out = real(request)
+            flipped = dataclasses.replace(out.homes[-1], params=Tier.CPU)
+            return dataclasses.replace(out, homes=out.homes[:-1] + (flipped,))
+
+        engine_module.plan_placement = plan
+    try:
+        zo.initialize(micro_gpt(), optimizer=SPEC, config=_cfg(ALL), device="cpu")
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e)
+    return "built", ""
+
+
+def test_plans_that_differ_raise_on_every_rank(tmp_path):
+    """Never expected ([Note: ranks agree on placement]); if it happens, both ranks refuse at
+    initialize rather than hang later. Before: each rank built its engine."""
+    out = values(run_ranks(_differ_rank, WORLD, tmp_path, timeout_s=60, collective_timeout_s=20))
+    for kind, msg in out:
+        assert kind == "RuntimeError" and "the ranks planned different homes" in msg, (kind, msg)
+
+
 def _weights_rank(rank, world, missing):
     try:  # rank 1's weights path does not exist; rank 0 takes the model's own values
         zo.initialize(micro_gpt(), optimizer=SPEC, config=_cfg(ALL), device="cpu",

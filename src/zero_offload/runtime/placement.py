@@ -85,7 +85,8 @@ So the plan is a pure function of inputs every rank holds alike:
   shards.py), so params, grads, master and accumulation buffers take the same bytes on every rank.
   Only a rule sized by whole params' shapes (Adafactor) gives ranks different state bytes: the plan
   takes, per chunk, the rank's need of the most bytes (``largest_need``; each rank computes every
-  rank's from the shared partition), and each rank allocates its own, never more;
+  rank's from the shared partition), and each rank allocates its own, never more (its
+  ``PlacementPlan.report`` counts the planned bytes);
 - the measured step: every rank grows the share by the measurement of least headroom
   (``tightest``), and a move into the share that fails on one rank falls back at the same chunk
   on every rank (the front end agrees the first failing one).
