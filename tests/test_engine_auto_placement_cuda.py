@@ -109,3 +109,41 @@ def test_two_gpus_hold_their_shards_of_the_state(tmp_path):
         assert first and all(first), (rank, report["why"])
         assert report["rank"] == rank and report["tiers"]["cpu"]["optimizer"] == 0
         assert_params_close(sd, ref.master_state(), rtol=1e-4)
+
+
+def _plan(engine):
+    return [(h.params.value, None if h.optimizer is None else h.optimizer.value) for h in engine.plan.homes]
+
+
+def _unequal_rank(rank, world):
+    """Rank 0 takes its whole GPU ("auto"), rank 1 gives 64 MiB and leaves all but 128 KiB of it
+    to activations: every rank plans with rank 1's budget and reserve (the params shards, the
+    window of whole chunks and 2 of the 6 chunks' state: a partial share)."""
+    device = torch.device("cuda", rank)
+    kw = dict(gpu_budget="auto") if rank == 0 else dict(gpu_budget=1 << 26,
+                                                         activation_reserve=(1 << 26) - (1 << 17))
+    engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=_config(**kw), device=device)
+    first, budget = _plan(engine), engine.plan.budgets.gpu
+    _train(engine, gpt_batches(3, batch=2 * world), device, rank=rank)
+    grown, report = _plan(engine), engine.stats().placement
+    sd = engine.state_dict()
+    engine.close()
+    return first, grown, budget, report, sd
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or not torch.distributed.is_nccl_available(),
+                    reason="needs 2 CUDA devices and NCCL")
+def test_two_gpus_with_different_budgets_plan_alike(tmp_path):
+    """[Note: ranks agree on placement]: the ranks' first plans, budgets and grown shares are
+    the same (before: rank 0 planned every chunk's state on its GPU, rank 1 two of them), and
+    training equals torch."""
+    out = values(run_ranks(_unequal_rank, 2, tmp_path, backend="nccl", timeout_s=300))
+    (first0, grown0, budget0, report0, _), (first1, grown1, budget1, report1, _) = out
+    assert budget0 == budget1 == 1 << 26, (budget0, budget1)
+    assert first0 == first1 and 0 < sum(o == "gpu" for _, o in first0) < len(first0), (first0, first1)
+    assert grown0 == grown1 and report0["grown"] == report1["grown"] > 0, (report0["why"], report1["why"])
+    ref = Reference(micro_gpt(), SPEC)
+    for b in gpt_batches(3, batch=4):
+        ref.step(b, gpt_loss)
+    for *_, sd in out:
+        assert_params_close(sd, ref.master_state(), rtol=1e-4)

@@ -16,9 +16,9 @@ from typing import Optional
 
 import torch
 
-__all__ = ["PeerFailure", "announce_default_group", "available_cores", "bind_to_cores", "check_ranks_agree",
-           "collective", "cpu_threads", "is_dtensor", "local", "rank_cores", "rank_device", "resolve_device",
-           "resolve_group", "start_default_group", "threads_per_rank"]
+__all__ = ["PeerError", "PeerFailure", "announce_default_group", "available_cores", "bind_to_cores",
+           "check_ranks_agree", "collective", "cpu_threads", "gather_objects", "is_dtensor", "local", "rank_cores",
+           "rank_device", "resolve_device", "resolve_group", "start_default_group", "threads_per_rank"]
 
 
 def is_dtensor(t) -> bool:
@@ -156,17 +156,26 @@ def check_ranks_agree(owner: str, settings: dict, group, *, device: "torch.devic
     a collective that mismatches or times out later). A collective: every rank calls it.
     ``device``: the CUDA device the group's NCCL collectives use (the object all-gather runs on
     the current device)."""
-    import torch.distributed as dist
-    gathered = [None] * dist.get_world_size(group)
-    on_device = (torch.cuda.device(device) if device is not None and device.type == "cuda"
-                 else contextlib.nullcontext())
-    with on_device, collective(owner, "the comparison of the ranks' settings", group):
-        dist.all_gather_object(gathered, settings, group=group)
+    with collective(owner, "the comparison of the ranks' settings", group):
+        gathered = gather_objects(settings, group, device=device)
     for name in settings:
         values = [g.get(name, "(not given)") for g in gathered]
         if len({repr(v) for v in values}) > 1:  # (by repr: a nan equals itself)
             raise ValueError(f"{owner}: ranks disagree on {name}: {_who_has(values)}; pass the same "
                              f"settings on every rank")
+
+
+def gather_objects(obj, group, *, device: "torch.device | None" = None) -> list:
+    """Every rank's ``obj`` (a small picklable value), in rank order: ``all_gather_object`` on
+    ``group``. ``device``: the CUDA device the group's NCCL collectives use (the object all-gather
+    runs on the current device). A collective: every rank calls it (wrap it in ``collective``)."""
+    import torch.distributed as dist
+    gathered = [None] * dist.get_world_size(group)
+    on_device = (torch.cuda.device(device) if device is not None and device.type == "cuda"
+                 else contextlib.nullcontext())
+    with on_device:
+        dist.all_gather_object(gathered, obj, group=group)
+    return gathered
 
 
 def _who_has(values: list, limit: int = 200) -> str:
@@ -274,6 +283,11 @@ def available_cores() -> int:
 class PeerFailure(RuntimeError):
     """A collective failed: another rank died, raised, timed out or ran a different collective
     (``collective``). The ranks' states no longer match: every rank must stop."""
+
+
+class PeerError(RuntimeError):
+    """Another rank raised in a part every rank passes together (``Shards.exchange``): this rank
+    raises too, naming that rank and its error, instead of waiting in a later collective."""
 
 
 @contextlib.contextmanager

@@ -69,7 +69,30 @@ the report says so); the training goes on.
 free memory (or disk) less the reserve, divided by the node's ranks, so the ranks together stay
 within what the node has. A CUDA device is each rank's own and is not divided; with no CUDA the
 "gpu" tier is host memory and is. ``rank_budgets`` is the one place this is written: both front
-ends plan against it.
+ends plan against it (the engine against the least over its ranks: [Note: ranks agree on
+placement]).
+
+[Note: ranks agree on placement] With several ranks every rank must reach the same homes and the
+same GPU share: the plan sizes what each rank keeps on its device and in its host memory, and a
+front end's choices there must never make one rank's collectives differ from another's (a hang).
+So the plan is a pure function of inputs every rank holds alike:
+- budgets: each rank resolves its own (``rank_budgets``: "auto" from its own free memory and disk,
+  explicit ones per rank), then all plan against the least of each tier over the ranks
+  (``common_budgets``), which every rank can hold;
+- the reserve left to activations (a per-rank setting too): the largest of the ranks'
+  (``common_reserve``);
+- chunks: each rank's shard has the same ``numel`` (padding included: [Note: chunk shards] in
+  shards.py), so params, grads, master and accumulation buffers take the same bytes on every rank.
+  Only a rule sized by whole params' shapes (Adafactor) gives ranks different state bytes: the plan
+  takes, per chunk, the rank's need of the most bytes (``largest_need``; each rank computes every
+  rank's from the shared partition), and each rank allocates its own, never more (its
+  ``PlacementPlan.report`` counts the planned bytes);
+- the measured step: every rank grows the share by the measurement of least headroom
+  (``tightest``), and a move into the share that fails on one rank falls back at the same chunk
+  on every rank (the front end agrees the first failing one).
+Identical inputs give identical homes; with identical homes each rank's bytes per tier are at most
+the planned ones, so the plan fits every rank. A failure on some ranks only raises on every rank
+([Note: ranks raise together] in shards.py).
 
 [Note: working window] Besides the home copies, a front end that pages params through the device
 (the engine) must hold there, at the worst moment of backward, a few chunks in use at once with
@@ -99,8 +122,8 @@ from .update_rule import StateSpec, UpdateRule
 from .vocab import ALIGNMENT, Placement, round_up
 
 __all__ = ["Budgets", "ChunkHomes", "ChunkNeed", "FitError", "Measured", "PARKED_CHUNKS", "PlacementPlan",
-           "PlacementRequest", "grow_share", "keep_limit", "local_ranks", "measure_device", "plan_placement",
-           "rank_budgets", "window_bytes"]
+           "PlacementRequest", "common_budgets", "common_reserve", "grow_share", "keep_limit", "largest_need",
+           "local_ranks", "measure_device", "plan_placement", "rank_budgets", "tightest", "window_bytes"]
 
 PARKED_CHUNKS = 2
 """Chunks kept on the device after their last user let go (prefetch.py, [Note: holds]); part of
@@ -185,6 +208,26 @@ def rank_budgets(asked: Mapping, *, device=None, nvme_dir=None, local_ranks: int
     return Budgets(gpu=out[Tier.GPU], cpu=out[Tier.CPU], nvme=out[Tier.NVME], auto=auto)
 
 
+def common_budgets(per_rank) -> Budgets:
+    """The budgets every rank plans against: per tier the least of the ranks' ``per_rank`` (rank
+    order; [Note: ranks agree on placement]); "auto" where any rank's was. One rank: its own."""
+    per_rank = list(per_rank)
+    if len(per_rank) == 1:
+        return per_rank[0]
+    return Budgets(**{t.value: min(b[t] for b in per_rank) for t in Tier},
+                   auto=frozenset().union(*(b.auto for b in per_rank)))
+
+
+def common_reserve(per_rank, gpu: int) -> "int | str":
+    """The GPU bytes every rank's plan leaves to activations (``PlacementRequest.reserve``) from
+    the ranks' own (rank order): "auto" when every rank's is, else the largest in bytes, an
+    "auto" one being half the common ``gpu`` budget ([Note: ranks agree on placement])."""
+    per_rank = list(per_rank)
+    if all(r == "auto" for r in per_rank):
+        return "auto"
+    return max(gpu // 2 if r == "auto" else r for r in per_rank)
+
+
 MARGIN_SHARE = 0.04
 """Share of the bytes the allocator may reach that the grown GPU share leaves free beyond the
 measured peak (fragmentation, step-to-step variation); at least ``MARGIN_MIN``."""
@@ -232,6 +275,13 @@ class Measured:
     @property
     def activation_peak(self) -> int:
         return max(0, self.device_peak - self.store_peak)
+
+
+def tightest(per_rank) -> Measured:
+    """Of the ranks' measurements (rank order), the one leaving the least headroom (the first
+    such): every rank grows its share by it ([Note: ranks agree on placement])."""
+    per_rank = list(per_rank)
+    return min(per_rank, key=lambda m: m.headroom)
 
 
 def measure_device(device, *, store_peak: int = 0) -> "Measured | None":
@@ -674,6 +724,17 @@ def plan_placement(request: PlacementRequest) -> PlacementPlan:
     if request.replicas:
         _check_replicas(plan)
     return plan
+
+
+def largest_need(needs, request: PlacementRequest) -> ChunkNeed:
+    """Of one chunk's needs on every rank (rank order), the one whose payloads take the most bytes
+    under ``request`` (the first such): what the plan counts for the chunk on every rank ([Note:
+    ranks agree on placement]). The ranks' needs differ in the rule's state only, which all has
+    one home, so no rank's bytes in any tier exceed the planned ones."""
+    needs = list(needs)
+    if len(needs) == 1:
+        return needs[0]
+    return max(needs, key=lambda c: chunk_bytes(c, request, payload_specs(c, request)))
 
 
 def _share_bytes(chunk: ChunkNeed, request: PlacementRequest) -> int:

@@ -17,6 +17,13 @@ another collective) raises one ``PeerFailure`` naming this rank, the peer and th
 called before each one starts. Pins a caller takes for a collective are released by that caller,
 where it took them, when the collective raises.
 
+[Note: ranks raise together] A part that each rank runs alone and that may fail on some ranks
+only (placement before the store exists, moves into the GPU share) ends in ``exchange``: every
+rank passes its result, or the error it caught, in one object all-gather. Where any rank failed,
+every rank raises: the failing rank its own error, the others one ``PeerError`` naming the failing
+rank(s) and the first one's error (which says the fix); no rank goes on to a collective the failed
+one never calls (a hang, or a timeout much later that names nothing).
+
 [Note: comm streams] With NCCL on CUDA a grads reduce-scatter is issued async (NCCL runs it on
 its own stream after the compute stream's work so far); ``CommStreams.reduce`` waits for it and
 everything ordered after the reduction (the shard's copy to the host) is issued on that stream,
@@ -32,7 +39,8 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from .distributed import all_gather, all_reduce, check_ranks_agree, collective, reduce_scatter_mean
+from .distributed import (PeerError, all_gather, all_reduce, check_ranks_agree, collective, gather_objects,
+                          reduce_scatter_mean)
 
 __all__ = ["CommStreams", "Gather", "Shards"]
 
@@ -133,6 +141,38 @@ class Shards:
         ``owner``; ``distributed.check_ranks_agree``). Nothing to compare with one rank."""
         if self.world > 1:
             check_ranks_agree(owner or self.owner, settings, self.group, device=self.comm_device)
+
+    def exchange(self, value, *, error: Optional[BaseException] = None, doing: str, what: str,
+                 owner: Optional[str] = None) -> list:
+        """Every rank's ``value`` (small, picklable), in rank order, unless some rank passes an
+        ``error`` (its part failed): then every rank raises, this one ``error`` itself, the
+        others a ``PeerError`` saying which rank could not ``doing`` ("place its shard") and why
+        ([Note: ranks raise together]). ``what``: the collective, for a failure of it; ``owner``:
+        who asks, for the message (default: the shards' owner). One rank:
+        ``[value]``, or ``error`` raised. A collective: every rank calls it."""
+        if self.world == 1:
+            if error is not None:
+                raise error
+            return [value]
+        text = None
+        if error is not None:
+            line = str(error).splitlines()[0] if str(error) else ""
+            text = f"{type(error).__name__}: {line[:1000]}"
+        with self.collective(what):
+            got = gather_objects((text, None if error is not None else value), self.group,
+                                 device=self.comm_device)
+        if error is not None:
+            raise error
+        failed = [(r, t) for r, (t, _) in enumerate(got) if t is not None]
+        if failed:
+            (first, why), rest = failed[0], [r for r, _ in failed[1:]]
+            raise PeerError(
+                f"{owner or self.owner}: rank {first} of {self.world} could not {doing} ({why})"
+                + (f"; rank{'s' if len(rest) > 1 else ''} {', '.join(map(str, rest))} could not "
+                   f"either" if rest else "")
+                + f"; so rank {self.rank} stops too: fix that on rank {first} (its error says how) and "
+                  f"start every rank again")
+        return [v for _, v in got]
 
     def gather(self, shard: torch.Tensor, *, what: str, out: Optional[torch.Tensor] = None,
                ahead: bool = False) -> Gather:
