@@ -534,10 +534,9 @@ class ChunkGroup:
             bufs = []
             for name in names:
                 if fresh:
-                    buf = store.allocate(cid, name, Tier.CPU)
+                    buf = store.allocate(cid, name, Tier.CPU, zero=True)
                     store.pin(cid, name, Tier.CPU)
                     held.callback(store.unpin, cid, name, Tier.CPU)
-                    buf.zero_()
                 else:
                     buf = held.enter_context(store.use(cid, name, Tier.CPU, write=write))
                 bufs.append(buf)
