@@ -32,8 +32,9 @@ chunk at a time both ways, so host memory never holds the model's copy beside al
 13B model's 51 GB of fp32 values on top of its pinned state was an OOM kill): ``take`` writes a
 chunk's first values into its full-precision payload and lets the model's own copies go (the
 parameters then hold the guard's placeholders); ``give_back`` reads each chunk taken (the fp32
-master, or the params payload for fp32 and frozen chunks), frees its memory in every tier and
-puts the values back into the parameters, on the device and in the dtype each had at
+master, or the params payload for fp32 and frozen chunks) straight from the store's buffer into
+each parameter's own new tensor, frees the chunk's memory in every tier and so puts the values
+back into the parameters, on the device and in the dtype each had at
 initialize (the CPU for a model built on the meta device). It runs when initialize fails part
 way (the chunks taken so far) and at ``close`` (the store is closed right after).
 """
@@ -271,11 +272,11 @@ class Handover:
         group.drop_buffers()
         taken, self._taken = self._taken, []
         for chunk in taken:
-            flat = group.read_values(chunk, take=True)
-            for s in chunk.layout.slots:
-                device, dtype = self._origins[s.index]
-                s.param.data = flat[s.offset:s.end].view(s.shape).to(device=device, dtype=dtype,
-                                                                       copy=True)
+            with group.values(chunk, take=True) as flat:  # one copy: the store's buffer -> each param
+                for s in chunk.layout.slots:
+                    device, dtype = self._origins[s.index]
+                    s.param.data = flat[s.offset:s.end].view(s.shape).to(device=device, dtype=dtype,
+                                                                           copy=True)
 
     def give_rest_back(self) -> None:
         """Zero-element parameters and buffers back where they were at initialize."""

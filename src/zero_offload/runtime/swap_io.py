@@ -100,7 +100,10 @@ def aligned_empty(nbytes: int, *, dtype: torch.dtype = torch.uint8, pin: bool | 
             raise RuntimeError(f"cudaHostRegister({padded} bytes) failed with CUDA error {int(err)}; "
                                f"the host may be out of lockable memory (see ulimit -l), "
                                f"or pass pin=False")
-        weakref.finalize(view, _cuda_unregister, ptr, owner)
+        # At interpreter exit the registration is left to the driver: unregistering (and
+        # unmapping) every buffer then would cost seconds per hundred GiB and buy nothing, as
+        # the process's memory goes with it.
+        weakref.finalize(view, _cuda_unregister, ptr, owner).atexit = False
     return base[:nbytes].view(dtype)
 
 
