@@ -20,8 +20,9 @@ page cache of the model, pinned memory or allocator), and in it:
 Cases (``--cases``): ``meta-auto`` / ``weights-auto`` (params "auto", optimizer "auto", with
 ``--nvme-dir`` when given), ``meta-cpu`` / ``weights-cpu`` (params "cpu", optimizer "cpu"),
 ``meta-nvme`` (params "cpu", optimizer "nvme"; needs ``--nvme-dir``), ``meta-auto-open`` (as
-meta-auto, but the process exits with the engine open: exit frees it). Default: every case
-that applies (meta-nvme only with ``--nvme-dir``).
+meta-auto, but the process exits with the engine open: exit frees it), ``pin-probe`` (no
+engine: GiB/s of touching fresh host memory and of pinning it with and without the touch, over
+``--probe-gib``). Default: every case that applies (meta-nvme only with ``--nvme-dir``).
 
 Each row carries ``params``, ``world`` (1), ``init_s``, ``init_s_per_b`` (seconds per 1e9
 params), ``close_s``, ``exit_s``, ``host_bytes_per_param`` (peak RSS of the case's process
@@ -188,6 +189,49 @@ def run_case(args) -> dict:
     }
 
 
+def run_pin_probe(args) -> dict:
+    """What host memory costs before the engine uses it, on this machine: GiB/s of touching fresh
+    pages (torch's fill on its threads) and of pinning them (cudaHostRegister) after the touch and
+    without it (the driver faulting the pages in itself), over ``--probe-gib``."""
+    import mmap
+
+    import torch
+    nbytes = int(args.probe_gib * GiB)
+    out = {"case": "pin-probe", "bytes": nbytes, "threads": torch.get_num_threads()}
+
+    def fresh():
+        m = mmap.mmap(-1, nbytes)
+        return m, torch.frombuffer(memoryview(m), dtype=torch.uint8)
+
+    m, t = fresh()
+    t0 = time.perf_counter()
+    t.zero_()
+    out["touch_gib_s"] = nbytes / GiB / (time.perf_counter() - t0)
+    if torch.cuda.is_available():
+        cudart = torch.cuda.cudart()
+        t0 = time.perf_counter()
+        err = int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0))
+        out["register_touched_gib_s"] = nbytes / GiB / (time.perf_counter() - t0) if err == 0 else None
+        t0 = time.perf_counter()
+        if err == 0:
+            cudart.cudaHostUnregister(t.data_ptr())
+            out["unregister_gib_s"] = nbytes / GiB / (time.perf_counter() - t0)
+        del t
+        m.close()
+        m, t = fresh()
+        t0 = time.perf_counter()
+        err = int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0))
+        out["register_untouched_gib_s"] = nbytes / GiB / (time.perf_counter() - t0) if err == 0 else None
+        if err == 0:
+            cudart.cudaHostUnregister(t.data_ptr())
+    del t
+    t0 = time.perf_counter()
+    m.close()
+    out["unmap_gib_s"] = nbytes / GiB / (time.perf_counter() - t0)
+    print(f"[pin-probe] {json.dumps(out)}", flush=True)
+    return out
+
+
 def write_weights(args) -> float:
     """The weights file of the "weights-*" cases: ``GPT(preset)`` built on the CPU after
     ``torch.manual_seed(SEED)``, saved as safetensors (the tied head stored once, as
@@ -235,6 +279,7 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                    help="cProfile initialize; each row lists its top functions by own time")
     p.add_argument("--profile-top", type=int, default=15)
+    p.add_argument("--probe-gib", type=float, default=4.0, help="memory the pin-probe case touches and pins")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even when CUDA is there")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per case")
     p.add_argument("--json-out", default=None)
@@ -242,14 +287,14 @@ def main(argv=None) -> int:
     p.add_argument("--case-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.case is not None:
-        result = run_case(args)
+        result = run_pin_probe(args) if args.case == "pin-probe" else run_case(args)
         result["t_end"] = time.time()
         with open(args.case_out, "w") as f:
             json.dump(result, f)
         return 0  # the driver times the exit from t_end
     cases = ([c for c in args.cases.split(",") if c] if args.cases else
-             [c for c in CASES if c != "meta-nvme" or args.nvme_dir])
-    unknown = [c for c in cases if c not in CASES]
+             [c for c in CASES if c != "meta-nvme" or args.nvme_dir] + ["pin-probe"])
+    unknown = [c for c in cases if c not in CASES and c != "pin-probe"]
     if unknown:
         p.error(f"unknown case(s) {unknown}; choose from {', '.join(CASES)}")
     if "meta-nvme" in cases and not args.nvme_dir:
@@ -257,7 +302,7 @@ def main(argv=None) -> int:
     results, failed = [], []
     with tempfile.TemporaryDirectory(prefix="zo_bench_init_") as tmp:
         weights_s = None
-        if any(CASES[c]["source"] == "weights" for c in cases):
+        if any(CASES.get(c, {}).get("source") == "weights" for c in cases):
             args.weights_dir = args.weights_dir or tmp
             os.makedirs(args.weights_dir, exist_ok=True)
             weights_s = write_weights(args)
@@ -286,6 +331,8 @@ def main(argv=None) -> int:
               "args": {k: v for k, v in vars(args).items() if k not in ("case", "case_out")},
               "weights_written_s": weights_s, "rows": results, "failed": failed}
     for r in results:
+        if r["case"] == "pin-probe":
+            continue
         print(f"[{r['case']}] {r['params'] / 1e9:.3f}B: init {r['init_s']:.2f} s = {r['init_s_per_b']:.2f} s/B, "
               f"close {'-' if r['close_s'] is None else format(r['close_s'], '.2f')} s, exit {r['exit_s']:.2f} s, "
               f"peak host {r['host_bytes_per_param']:.1f} B/param"
@@ -295,7 +342,7 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=1)
-    return 1 if failed or any(r["check"] is not None and not r["check"]["equal"] for r in results) else 0
+    return 1 if failed or any(r.get("check") is not None and not r["check"]["equal"] for r in results) else 0
 
 
 if __name__ == "__main__":
