@@ -169,3 +169,4 @@ def test_two_ranks_fill_their_shards_with_the_serial_values(tmp_path):
         for source in ("init", "weights"):
             for k, v in reference.state_dict().items():
                 assert torch.equal(sd[source][k], v), (source, k)
+

@@ -136,8 +136,9 @@ class ParallelDraws:
         """Fill ``t`` as ``t.<op>(a, b, generator=generator)`` would, in slices; False (nothing
         done) when it does not qualify (then the caller runs the torch call)."""
         numel = t.numel()
-        if (self._pool is None or numel < 2 * self.min_slice or t.dtype is not torch.float32
-                or t.device.type != "cpu" or not t.is_contiguous() or generator.device.type != "cpu"):
+        if (self._pool is None or numel < 2 * self.min_slice or type(t) not in (torch.Tensor, torch.nn.Parameter)
+                or t.dtype is not torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+                or generator.device.type != "cpu"):
             return False
         flat = t.view(-1)
         normal = op == "normal_"
@@ -145,7 +146,8 @@ class ParallelDraws:
         futures = []
 
         def one(lo, hi, start):
-            getattr(flat[lo:hi], op)(a, b, generator=_generator(start))
+            with torch.no_grad():  # (grad mode is per thread)
+                getattr(flat[lo:hi], op)(a, b, generator=_generator(start))
 
         try:
             for lo, hi in self._slices(numel, normal):
@@ -182,6 +184,13 @@ class _DrawMode(TorchDispatchMode):
     def __init__(self, draws: ParallelDraws):
         super().__init__()
         self.draws = draws
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in dynamo's disable unless this says no: a
+        # wrapper on every op, which imports torch._dynamo at its first call; nothing here is
+        # compiled.
+        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
