@@ -25,7 +25,8 @@ engine: GiB/s of touching fresh host memory and of pinning it with and without t
 ``--probe-gib``). Default: every case that applies (meta-nvme only with ``--nvme-dir``).
 
 Each row carries ``params``, ``world`` (1), ``init_s``, ``init_s_per_b`` (seconds per 1e9
-params), ``close_s``, ``exit_s``, ``host_bytes_per_param`` (peak RSS of the case's process
+params), ``close_s``, ``exit_s``, ``init_cpu_s`` / ``close_cpu_s`` (the process's CPU seconds in
+them, all threads: the work, apart from what a busy machine adds to the wall time), ``host_bytes_per_param`` (peak RSS of the case's process
 from its start, divided by the params) and, with ``--profile`` (default), the top functions of
 ``initialize`` by own time.
 
@@ -70,6 +71,11 @@ def _status(key: str) -> int:
         return 0
 
 
+def _config(args):
+    from zero_offload.models import preset
+    return preset(args.model, **({"n_layer": args.n_layer} if args.n_layer else {}))
+
+
 def _sample_names(model) -> list:
     names = [n for n, _ in model.named_parameters()]
     return sorted({names[0], names[len(names) // 2], names[-1]})
@@ -102,14 +108,14 @@ def run_case(args) -> dict:
 
     import torch
     import zero_offload as zo
-    from zero_offload.models import GPT, preset
+    from zero_offload.models import GPT
 
     case = CASES[args.case]
     t_imported = time.time()
     device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
     if device.type == "cuda":
         torch.ones(1, device=device)  # the CUDA context first: not the engine's time
-    cfg = preset(args.model)
+    cfg = _config(args)
     n = cfg.num_params()
     rss0 = _status("VmRSS:")
     with torch.device("meta"):
@@ -120,7 +126,7 @@ def run_case(args) -> dict:
                             dtype="bf16", chunk_mb=args.chunk_mb, threads=args.threads)
     torch.manual_seed(SEED)
     prof = cProfile.Profile() if args.profile else None
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if prof is not None:
         prof.enable()
     engine = zo.initialize(model, optimizer=zo.AdamW(lr=1e-4, weight_decay=0.1), config=ocfg, device=device,
@@ -129,7 +135,7 @@ def run_case(args) -> dict:
         torch.cuda.synchronize(device)
     if prof is not None:
         prof.disable()
-    init_s = time.perf_counter() - t0
+    init_s, init_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     rss_init = _status("VmRSS:")
     print(f"[{args.case}] {args.model} {n / 1e9:.3f}B params: initialize {init_s:.2f} s "
           f"({init_s / (n / 1e9):.2f} s per billion)", flush=True)
@@ -158,10 +164,11 @@ def run_case(args) -> dict:
     rss_steps = _status("VmRSS:")
 
     close_s = None
+    close_cpu_s = None
     if case.get("close", True):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         engine.close()
-        close_s = time.perf_counter() - t
+        close_s, close_cpu_s = time.perf_counter() - t, time.process_time() - c
         print(f"[{args.case}] close {close_s:.2f} s", flush=True)
     top = []
     if prof is not None:
@@ -176,8 +183,9 @@ def run_case(args) -> dict:
         "case": args.case, "source": case["source"], "placement": {"params": case["params"],
                                                                    "optimizer": case["optimizer"]},
         "model": args.model, "params": n, "world": 1, "device": str(device),
-        "init_s": init_s, "init_s_per_b": init_s / (n / 1e9),
+        "init_s": init_s, "init_s_per_b": init_s / (n / 1e9), "init_cpu_s": init_cpu_s,
         "close_s": close_s, "close_s_per_b": None if close_s is None else close_s / (n / 1e9),
+        "close_cpu_s": close_cpu_s,
         "step_s": step_s, "closed": close_s is not None,
         "import_s": t_imported - T_START,
         "host_bytes_per_param": peak / n, "host_bytes_per_param_over_start": (peak - rss0) / n,
@@ -238,10 +246,10 @@ def write_weights(args) -> float:
     ``save_pretrained`` does). Returns the seconds it took."""
     import torch
     from safetensors.torch import save_file
-    from zero_offload.models import GPT, preset
+    from zero_offload.models import GPT
     t = time.perf_counter()
     torch.manual_seed(SEED)
-    model = GPT(preset(args.model))
+    model = GPT(_config(args))
     sd = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     save_file(sd, os.path.join(args.weights_dir, WEIGHTS_FILE), metadata={"format": "pt"})
     return time.perf_counter() - t
@@ -266,6 +274,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="1.3b", help="a zero_offload.models preset (1.3b: 1.31B params)")
     p.add_argument("--cases", default=None, help=f"comma-separated, of {', '.join(CASES)} (default: all "
                                                  f"that apply)")
+    p.add_argument("--n-layer", type=int, default=None, help="the preset with this many blocks (a model "
+                                                                 "between two presets' sizes)")
     p.add_argument("--steps", type=int, default=2, help="training steps between initialize and close")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=128)

@@ -642,7 +642,7 @@ class ChunkStore:
                     home.pending = Handle(host=self._io_after((), functools.partial(
                         home.space.write, home.slot, self._zero_source(p.spec.nbytes))))
                 else:
-                    if home.tier is Tier.GPU:  # (a CPU home is fresh memory: zeros already)
+                    if home.tier is Tier.GPU and self.device.type != "cpu":  # (fresh memory: zeros)
                         home.buffer.zero_()
                     home.zero = True
                     home.to(Residency.VALID, self)
@@ -1346,7 +1346,10 @@ class ChunkStore:
         """Give an ABSENT copy its buffer or slot (budget already checked)."""
         spec = copy.payload.spec
         if copy.tier is Tier.GPU:
-            copy.buffer = torch.empty(spec.numel, dtype=spec.dtype, device=self.device)
+            if copy.is_home and self.device.type == "cpu":  # (no GPU: fresh zero pages, as a CPU home)
+                copy.buffer = aligned_empty(spec.nbytes, dtype=spec.dtype)
+            else:
+                copy.buffer = torch.empty(spec.numel, dtype=spec.dtype, device=self.device)
         elif copy.tier is Tier.CPU:
             if copy.spare is not None:  # a park's kept buffer ([Note: parking])
                 copy.buffer, copy.spare = copy.spare, None
