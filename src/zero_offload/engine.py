@@ -371,8 +371,8 @@ class Engine:
             innermost=self._hooks.innermost, covers=self._hooks.covers, regions=self._hooks.regions)
         # The model's values go into the chunks (initial_values.py, [Note: hand-over]).
         self._handover = Handover(self.module, self.partition, self._values, self._guard.placeholders)
-        with torch.no_grad(), self._values.drawing(cpu_threads(cfg.threads, self.device, ranked=self._ranked)
-                                                   or available_cores()):
+        with torch.no_grad(), self.shard.reusing_scratch(), \
+                self._values.drawing(cpu_threads(cfg.threads, self.device, ranked=self._ranked) or available_cores()):
             try:
                 for layout, homes in zip(self.partition.chunks, self.plan.homes):
                     self._handover.take(self.group, self._add_chunk(layout, homes))
