@@ -22,10 +22,11 @@ the chunks) the values come in as fast as memory takes them, and stay exactly wh
 would give:
 - ``init`` and ``reset_parameters()`` run with their large ``normal_`` / ``uniform_`` fills drawn
   on ``threads`` threads (ops/rng.py, [Note: parallel draws]): the same values, the generator left
-  where the serial calls leave it. With several ranks, the slices of a fill outside this rank's
-  shard of the chunk are not drawn, only stepped over (``fill(..., mine=)``);
-- a weights file's tensors are read with ``pread`` straight into the chunk (no copy in between),
-  in pieces on ``threads`` threads; a tensor stored in another dtype is converted on the way.
+  where the serial calls leave it. With several ranks every rank draws whole chunks (an init may
+  read what it drew anywhere in a parameter) and keeps its shard;
+- a weights file's tensors are read with ``preadv`` straight into the chunk (no copy in between),
+  in pieces on ``threads`` threads, a rank reading only its shard's bytes (``fill(..., mine=)``);
+  a tensor stored in another dtype is converted on the way.
 
 [Note: hand-over] ``Handover`` moves the values between the model and the engine's chunks, one
 chunk at a time both ways, so host memory never holds the model's copy beside all the state (a
@@ -418,10 +419,9 @@ class _Reader:
                 f.result()
 
     def close(self) -> None:
+        """Wait for the reads still running (their failures are ``wait``'s to raise), close the
+        files."""
         try:
-            for f in self._pending:
-                if f is not None:
-                    f.exception()  # (finished; a failure is the caller's, raised by wait)
             self._pending = []
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
