@@ -64,8 +64,11 @@ def _rss() -> int:
 
 
 def test_host_rss_follows_the_formula():
-    # 12 chunks of 12 MiB of home CPU state + a 48 MiB pool of staging buffers: RSS grows by
-    # their sum, within a tolerance (no power-of-two rounding: 12 MiB would round to 16 MiB).
+    # 12 chunks of 12 MiB of home CPU state + a 48 MiB pool of staging buffers: once every home
+    # has been used, RSS has grown by their sum, within a tolerance (no power-of-two rounding:
+    # 12 MiB would round to 16 MiB). Unpinned homes are fresh zero pages until first used
+    # (initialize touches no byte it does not write): right after add_chunk only the pool, which
+    # is touched when made, is resident.
     chunk_numel = 3 * MiB  # fp32: 12 MiB
     n_chunks, pool_bytes = 12, 48 * MiB
     before = _rss()
@@ -74,6 +77,11 @@ def test_host_rss_follows_the_formula():
         store.add_chunk({"master": PayloadSpec(chunk_numel, torch.float32, Tier.CPU)})
     expected = n_chunks * chunk_numel * 4 + pool_bytes
     assert store.bytes("cpu") + store.pool.reserved_bytes == expected
+    assert abs(_rss() - before - pool_bytes) < 0.08 * expected + 8 * MiB, ((_rss() - before) / MiB, pool_bytes / MiB)
+    for cid in range(n_chunks):
+        assert not store.get(cid, "master", "cpu").any()  # zeros, as add_chunk promises
+        store.get(cid, "master", "cpu", write=True).fill_(1.0)
+        store.mark_dirty(cid, "master", "cpu")
     grown = _rss() - before
     assert abs(grown - expected) < 0.08 * expected + 8 * MiB, (grown / MiB, expected / MiB)
     store.close()

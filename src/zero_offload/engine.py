@@ -114,8 +114,8 @@ from torch import nn
 from .compiled import CompileWatch, check_backward, check_regions, check_regions_fit, compiled_regions
 from .config import PER_RANK_FIELDS, OffloadConfig, OptimizerSpec, load_config
 from .mixed_precision import LossScaler, cast_inputs
-from .runtime.distributed import (announce_default_group, bind_to_cores, cpu_threads, rank_cores,
-                                  rank_device, resolve_group, start_default_group)
+from .runtime.distributed import (announce_default_group, available_cores, bind_to_cores, cpu_threads,
+                                  rank_cores, rank_device, resolve_group, start_default_group)
 from .initial_values import Handover, InitialValues, handed_over_bytes
 from .module_hooks import ModuleHooks
 from .param_guard import PHASES, ParamGuard, Phase
@@ -419,7 +419,8 @@ class Engine:
             innermost=self._hooks.innermost, covers=self._hooks.covers, regions=self._hooks.regions)
         # The model's values go into the chunks (initial_values.py, [Note: hand-over]).
         self._handover = Handover(self.module, self.partition, self._values, self._guard.placeholders)
-        with torch.no_grad():
+        with torch.no_grad(), self.shard.reusing_scratch(), \
+                self._values.drawing(cpu_threads(cfg.threads, self.device, ranked=self._ranked) or available_cores()):
             try:
                 for layout, homes in zip(self.partition.chunks, self.plan.homes):
                     self._handover.take(self.group, self._add_chunk(layout, homes))

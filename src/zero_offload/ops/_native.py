@@ -31,6 +31,10 @@ kernels = _C.cpu_adam
 rules = _C.cpu_rules
 """SGD and Lion (``sgd_step``, ``lion_step`` and their ``_async`` forms)."""
 
+rng = getattr(_C, "rng", None)
+"""torch's CPU random stream moved forward (``advance``); None in an extension built before it
+(ops/rng.py then draws serially and says to rebuild)."""
+
 
 class Dtype(enum.IntEnum):
     """Element-type codes understood by the native kernels (csrc/cpu_adam.h ``Dtype``)."""

@@ -534,10 +534,9 @@ class ChunkGroup:
             bufs = []
             for name in names:
                 if fresh:
-                    buf = store.allocate(cid, name, Tier.CPU)
+                    buf = store.allocate(cid, name, Tier.CPU, zero=True)
                     store.pin(cid, name, Tier.CPU)
                     held.callback(store.unpin, cid, name, Tier.CPU)
-                    buf.zero_()
                 else:
                     buf = held.enter_context(store.use(cid, name, Tier.CPU, write=write))
                 bufs.append(buf)
@@ -572,6 +571,17 @@ class ChunkGroup:
         mine = (self.take if take else self.read)(chunk, self._values_name(chunk))
         return self.shards.gather_whole([mine], chunk.whole, what="an all-gather of a chunk's state",
                                         copy=False)[0]
+
+    @contextlib.contextmanager
+    def values(self, chunk: GroupChunk, *, take: bool = False):
+        """``read_values`` without its copy: the whole chunk's params at full precision as a CPU
+        tensor valid inside the block (one rank: the store's own buffer; read it, never write
+        it). ``take``: the chunk's memory is freed after the block (``take``)."""
+        with self.hold(chunk, [self._values_name(chunk)]) as (mine,):
+            yield self.shards.gather_whole([mine], chunk.whole, what="an all-gather of a chunk's state",
+                                           copy=False)[0]
+        if take:
+            self.store.discard(chunk.cid)
 
     def write_values(self, chunk: GroupChunk, fill: Callable[[torch.Tensor], None]) -> None:
         """Overwrite the chunk's params: ``fill`` writes the whole chunk's values at full

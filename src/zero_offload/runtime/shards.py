@@ -83,6 +83,8 @@ class Shards:
         self.comm_device = torch.device("cpu")
         """Where the group's collectives take tensors: the compute device with NCCL, else the CPU."""
         self.streams: Optional[CommStreams] = None
+        self._scratch: Optional[list] = None
+        """Within ``reusing_scratch``: [the whole-chunk buffer ``fill`` reuses, or None yet]."""
         if group is not None:
             import torch.distributed as dist
             self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -116,10 +118,31 @@ class Shards:
             fill(buf)
             return
         lo, hi, _ = self.span(numel)
-        whole = torch.zeros(numel, dtype=buf.dtype)
+        whole = self._whole(numel, buf.dtype)
         fill(whole)
         n = min(buf.numel(), hi - lo)
         buf[:n].copy_(whole[lo:lo + n])
+
+    def _whole(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed CPU buffer of a whole chunk for ``fill``: within ``reusing_scratch`` one
+        buffer serves every fill (its pages are touched once, not once per chunk)."""
+        if self._scratch is None:
+            return torch.zeros(numel, dtype=dtype)
+        nbytes = numel * dtype.itemsize
+        if self._scratch[0] is None or self._scratch[0].numel() < nbytes:
+            self._scratch[0] = None
+            self._scratch[0] = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch[0][:nbytes].view(dtype).zero_()
+
+    @contextlib.contextmanager
+    def reusing_scratch(self):
+        """Within: ``fill`` writes every chunk into one reused whole-chunk buffer (the engine's
+        ``initialize`` fills chunk after chunk), freed at the end."""
+        self._scratch = [None]
+        try:
+            yield
+        finally:
+            self._scratch = None
 
     # ---- collectives ----------------------------------------------------------------------------
 

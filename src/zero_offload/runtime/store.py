@@ -421,6 +421,9 @@ class _Copy:
     """``evict(defer=True)`` found it pinned: the last ``unpin`` evicts it."""
     last_use: int = 0
     """Store clock at the last fetch/get/allocate (LRU)."""
+    zero: bool = False
+    """The buffer holds zeros and was never handed out since ``add_chunk`` made it (fresh memory):
+    ``allocate(zero=True)`` needs no fill."""
 
     @property
     def nbytes(self) -> int:
@@ -632,11 +635,16 @@ class ChunkStore:
                 home = p.copies[p.spec.home]
                 self._alloc_memory(home)
                 if home.tier is Tier.NVME:
+                    if home.space.claim_zero(home.slot):  # a never-written extent reads as zeros
+                        home.to(Residency.VALID, self)
+                        continue
                     home.to(Residency.FLUSHING, self)
                     home.pending = Handle(host=self._io_after((), functools.partial(
                         home.space.write, home.slot, self._zero_source(p.spec.nbytes))))
                 else:
-                    home.buffer.zero_()
+                    if home.tier is Tier.GPU and self.device.type != "cpu":  # (fresh memory: zeros)
+                        home.buffer.zero_()
+                    home.zero = True
                     home.to(Residency.VALID, self)
             return chunk.cid
 
@@ -656,10 +664,11 @@ class ChunkStore:
             tier = self._payload(cid, name).home if tier is None else tier
             return self._ensure(self._copy(cid, name, tier), Residency.FLUSHING)
 
-    def allocate(self, cid: int, name: str, tier: "Tier | str") -> torch.Tensor:
+    def allocate(self, cid: int, name: str, tier: "Tier | str", *, zero: bool = False) -> torch.Tensor:
         """A buffer in ``tier`` for the caller to write, without reading anything into it; it
         becomes the newest copy (every other copy turns stale). Waits for moves still reading
-        or writing that copy (WAR / WAW), device-side on CUDA."""
+        or writing that copy (WAR / WAW), device-side on CUDA. ``zero``: its elements are zeros
+        (filled unless it is the fresh memory ``add_chunk`` made)."""
         tier = Tier.of(tier)
         if tier is Tier.NVME:
             raise StoreError("allocate() gives a buffer to write into; NVMe has none. Allocate in "
@@ -675,6 +684,9 @@ class ChunkStore:
                 copy.to(Residency.VALID, self)
             self._others_stale(copy)
             copy.last_use = self._tick()
+            if zero and not copy.zero:
+                copy.buffer.zero_()
+            copy.zero = False
             return copy.buffer
 
     def get(self, cid: int, name: str, tier: "Tier | str", *, write: bool = False) -> torch.Tensor:
@@ -693,6 +705,7 @@ class ChunkStore:
                 raise StoreError(f"get: {copy.where()} is {copy.state.name}, not resident; call "
                                  f"fetch(cid, name, {tier.value!r}) first (or allocate() to write a new one)")
             copy.last_use = self._tick()
+            copy.zero = False
             pending = copy.pending
             copy.pins += 1  # keep it from being evicted while we wait outside the lock
         try:
@@ -1333,7 +1346,10 @@ class ChunkStore:
         """Give an ABSENT copy its buffer or slot (budget already checked)."""
         spec = copy.payload.spec
         if copy.tier is Tier.GPU:
-            copy.buffer = torch.empty(spec.numel, dtype=spec.dtype, device=self.device)
+            if copy.is_home and self.device.type == "cpu":  # (no GPU: fresh zero pages, as a CPU home)
+                copy.buffer = aligned_empty(spec.nbytes, dtype=spec.dtype)
+            else:
+                copy.buffer = torch.empty(spec.numel, dtype=spec.dtype, device=self.device)
         elif copy.tier is Tier.CPU:
             if copy.spare is not None:  # a park's kept buffer ([Note: parking])
                 copy.buffer, copy.spare = copy.spare, None
@@ -1358,6 +1374,7 @@ class ChunkStore:
             copy.space.free(copy.slot)
             copy.slot = copy.space = None
         copy.buffer = None
+        copy.zero = False
 
     def _swap_space(self):
         if self._swap is None:
@@ -1491,6 +1508,7 @@ class ChunkStore:
     def _issue(self, src: _Copy, dst: _Copy) -> Handle:
         """Start moving src's bytes into dst (neighbouring tiers). Dependencies: src's pending
         move (RAW), dst's readers (WAR). See [Note: hazards]."""
+        dst.zero = False
         deps = [h for h in ([src.pending] + dst.readers) if h is not None and not h.finished()]
         if Tier.NVME in (src.tier, dst.tier):
             io = (functools.partial(dst.space.write, dst.slot, self._raw(src)) if dst.tier is Tier.NVME

@@ -90,12 +90,20 @@ def aligned_empty(nbytes: int, *, dtype: torch.dtype = torch.uint8, pin: bool | 
         raise RuntimeError(f"mmap returned an address {ptr:#x} that is not 4096-aligned; "
                            f"this platform's page size is unsupported")
     if pin:
+        # [Note: touch before pinning] Pinning faults every page in first, one page at a time
+        # on the calling thread; touched here by torch's fill on its intra-op threads, the
+        # pages are in when cudaHostRegister runs, which then only locks them. (Unpinned
+        # memory is left untouched: its pages come on first use, as zeros.)
+        base.zero_()
         err = torch.cuda.cudart().cudaHostRegister(ptr, padded, 0)
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister({padded} bytes) failed with CUDA error {int(err)}; "
                                f"the host may be out of lockable memory (see ulimit -l), "
                                f"or pass pin=False")
-        weakref.finalize(view, _cuda_unregister, ptr, owner)
+        # At interpreter exit the registration is left to the driver: unregistering (and
+        # unmapping) every buffer then would cost seconds per hundred GiB and buy nothing, as
+        # the process's memory goes with it.
+        weakref.finalize(view, _cuda_unregister, ptr, owner).atexit = False
     return base[:nbytes].view(dtype)
 
 
@@ -338,7 +346,8 @@ class _SlotRecord:
     """The native request of the latest transfer on this slot (no buffer: nothing kept alive);
     the next transfer is ordered after it."""
     written: bool = False
-    """A write was submitted since alloc: reads are allowed."""
+    """A write was submitted since alloc, or ``claim_zero`` found it never written: reads are
+    allowed."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -953,6 +962,9 @@ class SwapSpace:
         self._finalizer = weakref.finalize(self, self._files.remove)
         self._free: list[tuple[int, int]] = [(0, capacity)]  # see take_extent
         self._slots: dict[int, _SlotRecord] = {}  # offset -> record of each allocated slot
+        self._written_end = 0
+        """No byte of the file at or past this offset was ever written: it reads as zeros (the
+        file is new and preallocated), see ``claim_zero``."""
 
     @property
     def direct(self) -> bool:
@@ -996,6 +1008,17 @@ class SwapSpace:
             _wait_quietly(last)
         with self._lock:
             give_extent(self._free, slot.offset, slot.padded_nbytes, owner=f"swap space {self.path}")
+
+    def claim_zero(self, slot: Slot) -> bool:
+        """True when ``slot`` reads as zeros without a write: no byte of it was ever written (the
+        new, preallocated file reads as zeros there); it may then be read. False: the caller
+        writes its zeros (an extent freed and handed out again holds old bytes)."""
+        with self._lock:
+            record = self._record(slot)
+            if record.written or slot.offset < self._written_end:
+                return False
+            record.written = True
+            return True
 
     # ---- transfers
 
@@ -1045,6 +1068,8 @@ class SwapSpace:
                                          self.path, record.last, notify_fd)
             record.last = handle._request
             record.written = record.written or write
+            if write:
+                self._written_end = max(self._written_end, slot.offset + slot.padded_nbytes)
             in_flight = self._files.in_flight  # native requests only, for close()
             in_flight.difference_update([r for r in in_flight if r.done()])
             in_flight.add(handle._request)
