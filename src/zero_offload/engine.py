@@ -282,7 +282,10 @@ class Engine:
             accum=cfg.host_accum, nvme_dir=cfg.nvme_dir, prefetch_depth=cfg.prefetch_depth,
             reserve=cfg.activation_reserve, gpu_optimizer=True,
             fp32_grads_window=self._final_sync, ranks=self.shard.world,
-            replicas=self._ranked and cfg.params == "gpu"))
+            replicas=self._ranked and cfg.params == "gpu", host_grads=cfg.host_grads,
+            window_slots=cfg.grads_window,
+            # the updates wait for the window's decision and read the grads themselves
+            grads_wait=not self._overlaps(cfg) and not cfg.host_accum))
         check_regions_fit(self.regions, self.partition, self.plan)  # [Note: compiled regions]
         # The swap file is preallocated to the NVMe budget: exactly what the plan needs (each
         # payload's slot rounded up to 4096, as the plan counts it).
@@ -290,7 +293,8 @@ class Engine:
         self.store = ChunkStore(StoreConfig(device=self.device, budgets=store_budgets,
                                             nvme_dir=nvme_dir, io_threads=cfg.io_threads,
                                             io_block_size=cfg.io_block_size,
-                                            io_queue_depth=cfg.io_queue_depth))
+                                            io_queue_depth=cfg.io_queue_depth,
+                                            window_slots=self.plan.grads_window))
         try:
             self._build(lr_scheduler)
         except BaseException:
@@ -321,6 +325,12 @@ class Engine:
         out["the model's parameters (name, shape, trainable)"] = [
             (s.name, tuple(s.shape), s.trainable) for s in self.partition.slots]
         return out
+
+    @staticmethod
+    def _overlaps(cfg: OffloadConfig) -> bool:
+        """Each chunk is updated as its grads land ([Note: exact step]): no clipping, no fp16 loss
+        scaling (a scaler exists exactly for fp16), ``overlap`` on."""
+        return cfg.overlap and cfg.grad_clip is None and cfg.torch_dtype is not torch.float16
 
     def _need(self, layout: ChunkLayout) -> ChunkNeed:
         """What placement must know of a chunk: this rank's shard of it, and for a rule that is not
@@ -356,7 +366,7 @@ class Engine:
         self.group = ChunkGroup(self.store, hyper=self.optimizer, rule=self.rule,
                                 payloads=payloads, shards=self.shard, staging=Staging.DEVICE,
                                 window=cfg.grad_accum, clip=cfg.grad_clip, scaler=self.scaler,
-                                overlap=cfg.overlap and cfg.grad_clip is None and self.scaler is None,
+                                overlap=self._overlaps(cfg),
                                 replicas=self._ranked and cfg.params == "gpu", owner="engine",
                                 prefetch_depth=cfg.prefetch_depth,
                                 threads=cpu_threads(cfg.threads, self.device, ranked=self._ranked),
