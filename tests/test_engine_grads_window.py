@@ -7,13 +7,14 @@ accumulation on the host or on the device, clipping, a tied head read functional
 by a parent module, a window of one slot, two ranks (gloo), checkpoints and park/resume. The
 window's slots are all back after every step, and the store never holds grads per chunk."""
 import dataclasses
+import time
 
 import pytest
 import torch
 
 import zero_offload as zo
 from zero_offload.runtime.checkpoint import chunk_state
-from zero_offload.runtime.placement import FitError, plan_placement
+from zero_offload.runtime.placement import FitError, Measured, host_window, plan_placement
 from zero_offload.runtime.store import Residency, Tier
 from _dist_util import run_ranks
 from _engine_util import (DEVICE, SMALL_CHUNK_MB, Reference, assert_params_close, config, gpt_batches,
@@ -105,6 +106,9 @@ def test_window_equals_persistent_bit_for_bit(name, tmp_path):
             _assert_window_layout(windowed)
         assert got == want
         _assert_same(_state(windowed), _state(plain))
+        if "nvme" not in kw.values():  # (NVMe: cache copies in host memory beside the homes)
+            _homes_match_the_plan(plain)
+            _homes_match_the_plan(windowed)
         if kw.get("dtype") == "fp16":
             assert windowed.skipped_steps >= 1  # the overflow path ran (and gave its slots back)
         if kw.get("grad_clip") is not None and accum == 1 or kw.get("overlap") is False:
@@ -312,6 +316,80 @@ def test_a_window_too_small_for_the_decision_raises_instead_of_hanging(tmp_path)
             engine.backward(gpt_loss(engine, gpt_batches(1)[0]))
     finally:
         engine.close()
+
+
+def test_backward_waits_for_a_slot_when_the_updates_fall_behind(tmp_path, monkeypatch):
+    """One slot and slow host updates (each held 20 ms): backward waits for the slot (the wait is
+    counted), and the steps still equal the persistent layout's."""
+    from zero_offload.runtime import pipeline
+    launch = pipeline.StepPipeline._launch
+
+    def slow(self, job, run):
+        time.sleep(0.02)
+        return launch(self, job, run)
+
+    kw = dict(params="cpu", optimizer="cpu", grads_window=1)
+    batches = gpt_batches(3)
+    plain = _build(kw, tmp_path, "persistent")
+    want = train_engine(plain, batches, gpt_loss)
+    monkeypatch.setattr(pipeline.StepPipeline, "_launch", slow)
+    engine = _build(kw, tmp_path, "window")
+    try:
+        assert train_engine(engine, batches, gpt_loss) == want
+        _assert_same(_state(engine), _state(plain))
+        stats = engine.stats()
+        assert stats.grads_window_wait_s > 0.02 and stats.update_stall_s >= stats.grads_window_wait_s
+    finally:
+        engine.close()
+        plain.close()
+
+
+def _homes_match_the_plan(engine) -> None:
+    """Between steps the store holds exactly the plan's host homes: ``need`` less the working
+    bytes (the window, whose slots are all free now)."""
+    engine.synchronize()
+    plan = engine.plan
+    assert engine.store.bytes(Tier.CPU) == plan.need[Tier.CPU] - plan.working[Tier.CPU]
+    assert plan.working[Tier.CPU] == host_window(plan.request)[1]
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["grown", "fell-back"])
+def test_the_share_grows_out_of_the_window(fail, tmp_path, monkeypatch):
+    """The GPU share grown after a measured step (and a move that fails part-way, falling back):
+    the chunks leaving the window are updated on the device, the rest keep passing through it,
+    the plan's host bytes stay the store's, and the steps equal the persistent layout's."""
+    kw = dict(params="auto", optimizer="auto", gpu_budget=1 << 20, activation_reserve=(1 << 20) - 140_000)
+    batches = gpt_batches(4)
+    engines = {h: _build(kw, tmp_path, h) for h in ("persistent", "window")}
+    try:
+        losses = {}
+        for h, engine in engines.items():
+            before = len(_host_chunks(engine))
+            assert before > 2
+            losses[h] = train_engine(engine, batches[:1], gpt_loss)
+            _homes_match_the_plan(engine)
+            real, calls = engine.store.rehome, []
+
+            def rehome(cid, name, tier, real=real, calls=calls):
+                calls.append(cid)
+                if fail and len(set(calls)) == 2 and name == "exp_avg_sq":
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 KiB")
+                return real(cid, name, tier)
+
+            monkeypatch.setattr(engine.store, "rehome", rehome)
+            plan = engine.grow_share(Measured(device_limit=1 << 40, device_peak=0, margin=0))
+            monkeypatch.setattr(engine.store, "rehome", real)
+            assert bool(plan.fell_back) == fail and len(_host_chunks(engine)) == (before - 1 if fail else 0)
+            _homes_match_the_plan(engine)
+            losses[h] += train_engine(engine, batches[1:], gpt_loss)
+            _homes_match_the_plan(engine)
+        assert losses["window"] == losses["persistent"]
+        _assert_same(_state(engines["window"]), _state(engines["persistent"]))
+        if fail:
+            _assert_window_layout(engines["window"])
+    finally:
+        for e in engines.values():
+            e.close()
 
 
 # ---- two ranks (gloo) -------------------------------------------------------------------------

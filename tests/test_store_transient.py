@@ -162,3 +162,4 @@ def test_slot_window_bounds_and_sizes():
     assert w.taken == 0
     with pytest.raises(ValueError, match="slots"):
         SlotWindow(-1)
+

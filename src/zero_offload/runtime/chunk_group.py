@@ -552,8 +552,7 @@ class ChunkGroup:
             bufs = []
             for name in names:
                 if fresh:
-                    buf = store.allocate(cid, name, Tier.CPU)
-                    store.pin(cid, name, Tier.CPU)
+                    buf = store.allocate(cid, name, Tier.CPU, pin=True)
                     held.callback(store.unpin, cid, name, Tier.CPU)
                     buf.zero_()
                 else:
@@ -773,10 +772,9 @@ class ChunkGroup:
     def _device_buffer(self, chunk: GroupChunk) -> torch.Tensor:
         """The store's GPU copy of the chunk's "grads", zeroed and pinned."""
         store, name = self.store, self.payloads.grads
-        buf = store.allocate(chunk.cid, name, Tier.GPU)
-        buf.zero_()
-        store.pin(chunk.cid, name, Tier.GPU)
+        buf = store.allocate(chunk.cid, name, Tier.GPU, pin=True)
         chunk.pinned_grads = True
+        buf.zero_()
         return buf
 
     def _reduce(self, chunk: GroupChunk, full: torch.Tensor) -> Optional[Handle]:

@@ -83,7 +83,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .store import BudgetError, ChunkStore, Handle, StoreError, Tier
+from .store import BudgetError, ChunkStore, Handle, Tier
 from .trace import Trace
 from .update_rule import Segment, StepBuffers, UpdateRule
 
@@ -533,14 +533,11 @@ class StepPipeline:
         spec = store.payload_spec(cid, name)
         covered = sum(s.stop - s.start for s in job.segments)
         if spec.home is not Tier.CPU and covered == spec.numel:
-            # Every element is rewritten: take a buffer without reading the old bytes.
-            buf = store.allocate(cid, name, Tier.CPU)
-            try:
-                store.pin(cid, name, Tier.CPU)
-                held.callback(store.unpin, cid, name, Tier.CPU)
-                return buf
-            except StoreError:
-                pass  # evicted before the pin by a concurrent fetch: read it instead (below)
+            # Every element is rewritten: take a buffer without reading the old bytes (pinned at
+            # once: a concurrent fetch making room could evict it before a separate pin).
+            buf = store.allocate(cid, name, Tier.CPU, pin=True)
+            held.callback(store.unpin, cid, name, Tier.CPU)
+            return buf
         return held.enter_context(store.use(cid, name, Tier.CPU, write=True))
 
     # ---- lifetime -------------------------------------------------------------------------

@@ -700,10 +700,12 @@ class ChunkStore:
             tier = self._payload(cid, name).home if tier is None else tier
             return self._ensure(self._copy(cid, name, tier), Residency.FLUSHING)
 
-    def allocate(self, cid: int, name: str, tier: "Tier | str") -> torch.Tensor:
+    def allocate(self, cid: int, name: str, tier: "Tier | str", *, pin: bool = False) -> torch.Tensor:
         """A buffer in ``tier`` for the caller to write, without reading anything into it; it
         becomes the newest copy (every other copy turns stale). Waits for moves still reading
-        or writing that copy (WAR / WAW), device-side on CUDA."""
+        or writing that copy (WAR / WAW), device-side on CUDA. ``pin``: pinned too (``unpin``
+        after), under the same lock: a copy that is not home is evictable the moment it is
+        VALID, and a concurrent ``fetch`` making room could evict it before a separate ``pin``."""
         tier = Tier.of(tier)
         if tier is Tier.NVME:
             raise StoreError("allocate() gives a buffer to write into; NVMe has none. Allocate in "
@@ -718,6 +720,8 @@ class ChunkStore:
                 copy.to(Residency.VALID, self)
             self._others_stale(copy)
             copy.last_use = self._tick()
+            if pin:
+                copy.pins += 1
             return copy.buffer
 
     def get(self, cid: int, name: str, tier: "Tier | str", *, write: bool = False) -> torch.Tensor:
@@ -931,8 +935,11 @@ class ChunkStore:
         """Keep the copy in ``tier`` from being evicted until ``unpin``."""
         with self._lock:
             copy = self._copy(cid, name, tier)
-            if copy.state is Residency.ABSENT:
-                raise StoreError(f"pin: {copy.where()} is ABSENT; fetch or allocate it first")
+            self._settle(copy)
+            if copy.state in (Residency.ABSENT, Residency.EVICTING):
+                # (an EVICTING copy's memory goes as soon as its readers finish)
+                raise StoreError(f"pin: {copy.where()} is {copy.state.name}; fetch or allocate it first "
+                                 f"(allocate(..., pin=True) takes both at once)")
             copy.pins += 1
 
     def unpin(self, cid: int, name: str, tier: "Tier | str") -> None:
