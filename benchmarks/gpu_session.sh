@@ -88,6 +88,12 @@ for what in "$@"; do
           --adam-sample 16777216 --cases $c > /tmp/rss_$c.log 2>&1
         echo "$c: $(grep -E "^\[$c\]" /tmp/rss_$c.log | cut -c1-160) | $(grep 'Maximum resident' /tmp/rss_$c.log)"
       done | tee "$OUT/rss.txt" ;;
+    hostbytes)  # issue 24.2: host PSS per param from the start of the script, 1.31B, both grads layouts
+      # (one process per layout), params on the GPU (the 12 B/param target) and on the host
+      for p in gpu cpu; do
+        python3 benchmarks/bench_host_bytes.py --model 1.3b --batch 8 --params $p --layouts persistent,window \
+          --steps ${ZO_HB_STEPS:-5} --json-out "$OUT/host_bytes_1.3b.jsonl" 2>&1 | grep -E '^\[|Error'
+      done ;;
     prefetch)  # issue 13.5: where depth matters (params on NVMe) and where it does not (all in pinned RAM).
       # At least 10 blocks per depth are measured (audit F12); NVMe steps take ~4 s, so its blocks are
       # of 1 step (10 rounds x 4 depths x (1 settle + 1 timed) x 4 s ~ 320 s, inside one device command)

@@ -2,7 +2,9 @@
 micro-batches done so far are dropped with the window) and by an error in backward (the engine
 recovers: its clean-up drops the grads staged so far and never raises over the error). Training
 on from the checkpoint then gives exactly the losses and values of an uninterrupted run, with the
-window's grads summed on the host (grad_sync="every") or on the device (grad_sync="final")."""
+window's grads summed on the host (grad_sync="every") or on the device (grad_sync="final"), and
+with each chunk's grads in a host buffer of its own or passing through the grads window
+(host_grads="window": the dropped grads give their slots back)."""
 import pytest
 import torch
 
@@ -12,9 +14,10 @@ from _engine_util import DEVICE, config, gpt_batches, gpt_loss, micro_gpt, train
 ACCUM = 2
 
 
-def _engine(sync):
+def _engine(sync, host_grads="persistent"):
     return zo.initialize(micro_gpt(0), optimizer=zo.AdamW(lr=3e-3, weight_decay=0.1),
-                         config=config(grad_accum=ACCUM, grad_sync=sync), device=DEVICE)
+                         config=config(grad_accum=ACCUM, grad_sync=sync, host_grads=host_grads,
+                                       grads_window=1), device=DEVICE)
 
 
 def _uninterrupted(batches, tmp_path, sync):
@@ -38,15 +41,21 @@ def _check_resumed(engine, batches, tmp_path, expected):
     sd = engine.state_dict()
     for k, v in want_sd.items():
         assert torch.equal(sd[k], v), k
+    engine.synchronize()
+    assert engine.store.window.taken == 0  # every slot back
 
 
+HOST_GRADS = pytest.mark.parametrize("host_grads", ["persistent", "window"])
+
+
+@HOST_GRADS
 @pytest.mark.parametrize("sync", ["every", "final"])
-def test_loading_a_checkpoint_mid_window_drops_the_window_grads(sync, tmp_path):
+def test_loading_a_checkpoint_mid_window_drops_the_window_grads(sync, host_grads, tmp_path):
     """grad_sync="final" kept the device sum of the dropped micro-batch and added the next
     window's grads to it."""
     batches = gpt_batches(3 * ACCUM)
     expected = _uninterrupted(batches, tmp_path, sync)
-    engine = _engine(sync)
+    engine = _engine(sync, host_grads)
     try:
         train_engine(engine, batches[:ACCUM], gpt_loss, accum=ACCUM)
         train_engine(engine, batches[-1:], gpt_loss, accum=ACCUM)  # a window left part-way
@@ -56,14 +65,15 @@ def test_loading_a_checkpoint_mid_window_drops_the_window_grads(sync, tmp_path):
         engine.close()
 
 
+@HOST_GRADS
 @pytest.mark.parametrize("sync", ["every", "final"])
-def test_an_error_in_backward_leaves_one_process_able_to_go_on(sync, tmp_path):
+def test_an_error_in_backward_leaves_one_process_able_to_go_on(sync, host_grads, tmp_path):
     """The error is raised when some chunks' grads have landed and others are incomplete. The
     clean-up released a device grads buffer it had not pinned with grad_sync="final"
     (StoreError), which failed the engine for good."""
     batches = gpt_batches(3 * ACCUM)
     expected = _uninterrupted(batches, tmp_path, sync)
-    engine = _engine(sync)
+    engine = _engine(sync, host_grads)
     model = engine.module
     try:
         train_engine(engine, batches[:ACCUM], gpt_loss, accum=ACCUM)

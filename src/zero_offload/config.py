@@ -499,6 +499,19 @@ class OffloadConfig:
     8 bytes per param, host traffic per update from 28 to 20 bytes per param (bf16 grads and
     params), and NVMe bytes by a third. Results drift from torch's by the rounding noise
     (docs/engine.md, "Low-precision moments"). Checkpoints store fp32 moments either way."""
+    host_grads: str = "auto"
+    """How the grads of chunks updated on the host live in host memory: "persistent" (a host
+    grads buffer per chunk: 2 bytes per param in bf16, written by the device-to-host copy and
+    read by CPU-Adam), "window" (a bounded window of ``grads_window`` pinned chunk-sized slots:
+    a chunk's grads land in a free slot and the slot is given back once its update (or the
+    accumulation into the fp32 buffer) has consumed them, so host memory holds the window, not
+    a grads buffer per param; backward waits for a slot when the host updates fall behind it)
+    or "auto" (the window where it keeps optimizer state out of NVMe, or lets the placement
+    fit at all; else persistent, which never waits). Results are identical either way. With
+    clipping or fp16 and no host accumulation buffer, every chunk's grads wait for the
+    window's decision, so the window holds them all (no saving: "auto" keeps "persistent")."""
+    grads_window: int = 4
+    """Slots of the grads window (``host_grads="window"``), >= 1; each holds one chunk's grads."""
     bind_cores: bool = False
     """Several ranks on the node (torchrun): bind this process's threads to its own block of the
     node's cores, grouped by NUMA node, before the CPU-Adam threads start, so two ranks' CPU-Adam
@@ -554,7 +567,8 @@ class OffloadConfig:
             setv("threads", as_int(o, "threads", self.threads, minimum=1,
                                     fix="or None for every available core"))
         for name, minimum in (("prefetch_depth", 0), ("grad_accum", 1), ("growth_interval", 1),
-                              ("io_threads", 1), ("io_block_size", 4096), ("io_queue_depth", 1)):
+                              ("io_threads", 1), ("io_block_size", 4096), ("io_queue_depth", 1),
+                              ("grads_window", 1)):
             setv(name, as_int(o, name, getattr(self, name), minimum=minimum))
         if self.io_block_size % 4096:
             raise _fail(o, "io_block_size", self.io_block_size, "a multiple of 4096 (O_DIRECT)",
@@ -564,6 +578,8 @@ class OffloadConfig:
                 raise _fail(o, name, getattr(self, name), "True or False")
         if self.grad_sync not in ("every", "final"):
             raise _fail(o, "grad_sync", self.grad_sync, "'every' or 'final'")
+        if self.host_grads not in ("auto", "persistent", "window"):
+            raise _fail(o, "host_grads", self.host_grads, "'auto', 'persistent' or 'window'")
         if self.moments_dtype not in ("fp32", "bf16"):
             raise _fail(o, "moments_dtype", self.moments_dtype,
                         "'fp32' (exact, the default) or 'bf16' (stochastically rounded, inexact)")
@@ -624,6 +640,7 @@ class OffloadConfig:
 
 
 PER_RANK_FIELDS = frozenset({"nvme_dir", "gpu_budget", "cpu_budget", "nvme_budget", "activation_reserve",
+                             "host_grads", "grads_window",
                              "threads", "io_threads", "io_block_size", "io_queue_depth", "bind_cores"})
 """``OffloadConfig`` fields each rank may set for itself: its swap directory, its budgets (where
 its own shards live), its threads and I/O tuning. They change neither the collectives nor the

@@ -293,6 +293,12 @@ class Engine:
             (s.name, tuple(s.shape), s.trainable) for s in self.partition.slots]
         return out
 
+    @staticmethod
+    def _overlaps(cfg: OffloadConfig) -> bool:
+        """Each chunk is updated as its grads land ([Note: exact step]): no clipping, no fp16 loss
+        scaling (a scaler exists exactly for fp16), ``overlap`` on."""
+        return cfg.overlap and cfg.grad_clip is None and cfg.torch_dtype is not torch.float16
+
     def _place(self, *, init, weights) -> ChunkStore:
         """The initial values checked (``self._values``), the budgets, the plan (``self.plan``) and
         the store, before anything is allocated. Each rank alone up to its budgets, then all plan
@@ -334,7 +340,10 @@ class Engine:
                 accum=cfg.host_accum, nvme_dir=cfg.nvme_dir, prefetch_depth=cfg.prefetch_depth,
                 reserve=reserve, gpu_optimizer=True,
                 fp32_grads_window=self._final_sync, ranks=self.shard.world,
-                replicas=self._ranked and cfg.params == "gpu")
+                replicas=self._ranked and cfg.params == "gpu", host_grads=cfg.host_grads,
+                window_slots=cfg.grads_window,
+                # the updates wait for the window's decision and read the grads themselves
+                grads_wait=not self._overlaps(cfg) and not cfg.host_accum)
             if self._ranked:  # every rank's needs are known here: plan the largest of each chunk
                 request = dataclasses.replace(request, chunks=tuple(
                     largest_need([self._need(c, r) for r in range(self.shard.world)], request)
@@ -347,7 +356,8 @@ class Engine:
             store = ChunkStore(StoreConfig(device=self.device, budgets=store_budgets,
                                            nvme_dir=nvme_dir, io_threads=cfg.io_threads,
                                            io_block_size=cfg.io_block_size,
-                                           io_queue_depth=cfg.io_queue_depth))
+                                           io_queue_depth=cfg.io_queue_depth,
+                                           window_slots=self.plan.grads_window))
         except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange
             failure = e
             whose = _whose_budgets(asked, self.shard.rank) if isinstance(e, FitError) else ""
@@ -404,7 +414,7 @@ class Engine:
         self.group = ChunkGroup(self.store, hyper=self.optimizer, rule=self.rule,
                                 payloads=payloads, shards=self.shard, staging=Staging.DEVICE,
                                 window=cfg.grad_accum, clip=cfg.grad_clip, scaler=self.scaler,
-                                overlap=cfg.overlap and cfg.grad_clip is None and self.scaler is None,
+                                overlap=self._overlaps(cfg),
                                 replicas=self._ranked and cfg.params == "gpu", owner="engine",
                                 prefetch_depth=cfg.prefetch_depth,
                                 threads=cpu_threads(cfg.threads, self.device, ranked=self._ranked),

@@ -61,6 +61,21 @@ FILLING -> IDLE without an update: ``skip`` (an fp16 overflow skips the step).
   keeps the tensor (``p.grad``), so ``end_backward`` orders its stream after the copies.
 A grad of a chunk whose grads were sent on in this pass is an error (it would be lost).
 
+[Note: grads window] With ``host_grads="window"`` (placement.py) the "grads" payload of a chunk
+updated on the host is transient ([Note: transient payloads] in store.py): its device copy goes
+down into a slot of the store's bounded window, and the worker gives the slot back as soon as
+the grads are consumed (``StepPipeline._consumed``: after the update that reads them, or after
+their sum into the accumulation payload), before the job counts as done. Before sending a
+chunk's grads down, ``_window_room`` makes sure a slot is free: while all are held it waits for
+the queued job of a holder (the one the worker runs first), which frees its slot; the seconds
+are ``window_wait_s`` (backward held up by host updates the window did not hide). Grads that
+wait for the window's decision (clipping, fp16, no accumulation payload) hold their slots until
+the update, so the plan gives such a window a slot per chunk; were it smaller, no queued job
+would free one and ``_window_room`` raises instead of waiting forever. Grads that end without an
+update (an fp16 overflow, a dropped window or pass) give their slots back (``_release_grads``,
+``_release_device_buffer``). The send is issued while the device copy is still pinned, so no
+eviction on another thread writes the only copy into the window first.
+
 [Note: GPU share] A chunk whose optimizer state is homed on the GPU (placement's "auto" GPU
 share; its params are there too) never goes through the worker: its grads are the store's GPU
 copy of "grads" (pinned from staging until its update consumes them); accumulation sums them
@@ -111,7 +126,7 @@ import torch
 from .distributed import local
 from .pipeline import Accumulate, GradJob, PipelineError, PipelinePayloads, StepPipeline, UpdateJob
 from .shards import Gather, Shards
-from .store import ChunkStore, Handle, PayloadSpec, Tier
+from .store import ChunkStore, Handle, PayloadSpec, Residency, Tier
 from .trace import StatsWindow, Trace
 from .update_rule import Segment, StepBuffers, UpdateRule
 
@@ -432,6 +447,9 @@ class ChunkGroup:
         self._kept = False  # a staged grad stays the caller's: end_backward orders its stream after
         self.wait_s = 0.0
         """Seconds the caller's thread waited in ``wait`` for updates (what overlap did not hide)."""
+        self.window_wait_s = 0.0
+        """Seconds of ``wait_s`` spent waiting for a slot of the grads window ([Note: grads
+        window]): backward held up by host updates that the window did not hide."""
         self._counter_window = StatsWindow(self._sample)
 
     # ---- building ---------------------------------------------------------------------------
@@ -534,8 +552,7 @@ class ChunkGroup:
             bufs = []
             for name in names:
                 if fresh:
-                    buf = store.allocate(cid, name, Tier.CPU, zero=True)
-                    store.pin(cid, name, Tier.CPU)
+                    buf = store.allocate(cid, name, Tier.CPU, zero=True, pin=True)
                     held.callback(store.unpin, cid, name, Tier.CPU)
                 else:
                     buf = held.enter_context(store.use(cid, name, Tier.CPU, write=write))
@@ -765,10 +782,9 @@ class ChunkGroup:
     def _device_buffer(self, chunk: GroupChunk) -> torch.Tensor:
         """The store's GPU copy of the chunk's "grads", zeroed and pinned."""
         store, name = self.store, self.payloads.grads
-        buf = store.allocate(chunk.cid, name, Tier.GPU)
-        buf.zero_()
-        store.pin(chunk.cid, name, Tier.GPU)
+        buf = store.allocate(chunk.cid, name, Tier.GPU, pin=True)
         chunk.pinned_grads = True
+        buf.zero_()
         return buf
 
     def _reduce(self, chunk: GroupChunk, full: torch.Tensor) -> Optional[Handle]:
@@ -796,14 +812,61 @@ class ChunkGroup:
 
     def _release_device_buffer(self, chunk: GroupChunk, *, send: bool = False) -> Optional[Handle]:
         """Unpin the GPU copy of "grads"; unless it is its home, free it (``send``: after its move
-        home)."""
-        store, name = self.store, self.payloads.grads
-        self._drop_device_grads(chunk)
-        if store.payload_spec(chunk.cid, name).home is Tier.GPU:
+        home, issued while the copy is still pinned, so that nothing evicts it first: a windowed
+        home would then be written by the evicting thread; [Note: grads window])."""
+        store, name, cid = self.store, self.payloads.grads, chunk.cid
+        if store.payload_spec(cid, name).home is Tier.GPU:
+            self._drop_device_grads(chunk)
             return Handle.completed()
-        handle = store.flush(chunk.cid, name, Tier.CPU) if send else None
-        store.evict(chunk.cid, name, Tier.GPU)
+        handle = None
+        if send:
+            try:
+                self._window_room(chunk)
+            except BaseException:  # the grads are lost with the pass: their pin and copy go
+                self._drop_device_grads(chunk)
+                with contextlib.suppress(Exception):  # (never raising over the cause)
+                    store.release(cid, name)
+                raise
+            handle = store.flush(cid, name, Tier.CPU)
+        self._drop_device_grads(chunk)
+        if not send and store.windowed(cid, name):
+            store.release(cid, name)  # dead grads: no window slot for them
+        else:
+            store.evict(cid, name, Tier.GPU)
         return handle
+
+    def _window_room(self, chunk: GroupChunk) -> None:
+        """[Note: grads window]: before the chunk's grads go to a windowed home, a slot is free:
+        while every slot holds grads, wait for the update of a chunk holding one (the first the
+        worker runs) to consume them. Raises (never hangs) when no queued job would free one."""
+        store, name = self.store, self.payloads.grads
+        if not store.windowed(chunk.cid, name) or store.state(chunk.cid, name, Tier.CPU) is not Residency.ABSENT:
+            return  # the persistent layout, or its slot is held already
+        window = store.window
+        while not window.available():
+            holders = [c for c in self.chunks if c is not chunk and self.pipeline.busy(c.cid)
+                       and store.windowed(c.cid, name)
+                       and store.state(c.cid, name, Tier.CPU) is not Residency.ABSENT]
+            if not holders:
+                raise RuntimeError(
+                    f"{self.owner}: the grads window's {window.slots} slot(s) all hold grads that no queued "
+                    f"update will consume (they wait for the window's decision: clipping or fp16 without "
+                    f"an accumulation buffer); this is a placement bug, please report it. Work around it "
+                    f"with host_grads='persistent'")
+            t0 = time.perf_counter()
+            self.wait(min(holders, key=self._priority))
+            self.window_wait_s += time.perf_counter() - t0
+
+    def _release_grads(self, chunk: GroupChunk) -> None:
+        """The chunk's grads in a windowed home are dead (its window ends without an update):
+        their slot goes back, after the chunk's jobs (which may read them)."""
+        store, name = self.store, self.payloads.grads
+        if self._on_device(chunk) or not store.windowed(chunk.cid, name) \
+                or store.state(chunk.cid, name, Tier.CPU) is Residency.ABSENT:
+            return
+        if self.pipeline.busy(chunk.cid):
+            self.wait(chunk)
+        store.release(chunk.cid, name)
 
     def _drop_device_grads(self, chunk: GroupChunk) -> None:
         """Let the chunk's device grads go: unpinned, not evicted (an eviction would write the
@@ -940,11 +1003,16 @@ class ChunkGroup:
         return Decision(updated=True, norm=norm)
 
     def drop_window(self) -> None:
-        """Forget the window: its grads (staged, summed or accumulated) and micro-batch count."""
+        """Forget the window: its grads (staged, summed or accumulated), their sums of squares
+        (clipping, fp16: the grad jobs of the dropped passes added theirs to the total the next
+        decision reads) and micro-batch count."""
         for c in self.chunks:
             self._skip(c)
             c.total = None
             c.total_slots.clear()
+        if self._stats:
+            self.pipeline.take_grad_stats()  # after the dropped grad jobs; the total starts at 0
+            self._take_device_stats()
         self.micro = 0
         self._updated = False
         self._submitted = []
@@ -964,6 +1032,8 @@ class ChunkGroup:
         """End the chunk's window without an update (an fp16 overflow)."""
         if self._on_device(chunk):
             self._drop_device_grads(chunk)  # (its stats were taken before the step was skipped)
+        else:
+            self._release_grads(chunk)
         chunk.window.clear()
         chunk.accumulating = False
         if chunk.phase is ChunkPhase.FILLING:
@@ -1222,7 +1292,7 @@ class ChunkGroup:
     def _sample(self) -> dict:
         ps = self.pipeline.stats
         return {"adam_s": ps.adam_s, "busy_s": ps.busy_s, "wait_chunk_s": ps.wait_chunk_s,
-                "wait_s": self.wait_s, **self.store.stats.bytes_moved}
+                "wait_s": self.wait_s, "window_wait_s": self.window_wait_s, **self.store.stats.bytes_moved}
 
     def counters(self) -> dict:
         """The pipeline's and the store's counters since construction or ``reset_counters``."""

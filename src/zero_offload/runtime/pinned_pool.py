@@ -25,7 +25,7 @@ import torch
 from .swap_io import aligned_empty, give_extent, take_extent
 from .vocab import round_up
 
-__all__ = ["PinnedPool", "PoolBuffer", "PoolStats"]
+__all__ = ["PinnedPool", "PoolBuffer", "PoolStats", "SlotWindow"]
 
 
 @dataclass(eq=False)
@@ -50,7 +50,8 @@ class PoolBuffer:
 
     raw: torch.Tensor
     """uint8 view of the extent: 4096-aligned, ``nbytes`` long (a multiple of 4096)."""
-    slab: _Slab
+    slab: "_Slab | None"
+    """The slab it is carved from (None: a ``SlotWindow`` slot, memory of its own)."""
     offset: int
     released: bool = False
 
@@ -148,3 +149,86 @@ class PinnedPool:
             idle = [s for s in self._slabs if s.grown and s.free == [(0, s.nbytes)]]
             self._slabs = [s for s in self._slabs if s not in idle]
             return sum(s.nbytes for s in idle)
+
+
+class SlotWindow:
+    """At most ``slots`` host buffers (pinned when ``pin``), made on first use and reused:
+    the bounded window that transient payloads pass through (store.py, [Note: transient
+    payloads]). A slot is as large as the largest request it was made for (``grow_to`` before
+    the first request: every slot then serves every request); a free slot too small for a
+    request is replaced by one large enough. ``acquire`` never waits: it raises when every slot
+    is taken (the owner makes room first; the store's caller decides how)."""
+
+    def __init__(self, slots: int, *, pin: bool = False):
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
+            raise ValueError(f"SlotWindow: slots must be an int >= 0, got {slots!r}")
+        self.slots = slots
+        self.pin = pin
+        self.slot_bytes = 0
+        """Size new slots are made with (4 KiB-rounded; ``grow_to``)."""
+        self._lock = threading.Lock()
+        self._free: list[PoolBuffer] = []
+        self._taken = 0
+        self._taken_bytes = 0
+
+    def grow_to(self, nbytes: int) -> None:
+        """Slots made from now on hold at least ``nbytes``."""
+        with self._lock:
+            self.slot_bytes = max(self.slot_bytes, round_up(nbytes))
+
+    @property
+    def made(self) -> int:
+        """Slots that exist (free or taken)."""
+        with self._lock:
+            return self._taken + len(self._free)
+
+    @property
+    def taken(self) -> int:
+        with self._lock:
+            return self._taken
+
+    def available(self) -> int:
+        """Slots a request could take now (free ones and ones still to be made)."""
+        with self._lock:
+            return self.slots - self._taken
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Host bytes the slots made so far hold."""
+        with self._lock:
+            return sum(b.nbytes for b in self._free) + self._taken_bytes
+
+    def acquire(self, nbytes: int) -> PoolBuffer:
+        """A free slot of at least ``nbytes``; raises ``MemoryError`` when all ``slots`` are taken."""
+        size = round_up(nbytes)
+        with self._lock:
+            if self._taken >= self.slots:
+                raise MemoryError(f"the window's {self.slots} slot(s) are all taken; release one first")
+            fit = [b for b in self._free if b.nbytes >= size]
+            if fit:
+                buf = fit[0]
+                self._free.remove(buf)
+            else:
+                if self._free:  # a free slot too small for this request: replace it
+                    self._free.pop()
+                memory = aligned_empty(max(size, self.slot_bytes), pin=self.pin)
+                memory.zero_()  # resident from the start, as the pool's slabs
+                buf = PoolBuffer(raw=memory, slab=None, offset=0)
+            buf.released = False
+            self._taken += 1
+            self._taken_bytes += buf.nbytes
+            return buf
+
+    def release(self, buf: PoolBuffer) -> None:
+        with self._lock:
+            if buf.released:
+                raise RuntimeError("slot window: slot released twice")
+            buf.released = True
+            self._taken -= 1
+            self._taken_bytes -= buf.nbytes
+            self._free.append(buf)
+
+    def clear(self) -> None:
+        """Free the slots that are not taken."""
+        with self._lock:
+            self._free.clear()

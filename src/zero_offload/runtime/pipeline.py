@@ -83,7 +83,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .store import BudgetError, ChunkStore, Handle, StoreError, Tier
+from .store import BudgetError, ChunkStore, Handle, Tier
 from .trace import Trace
 from .update_rule import Segment, StepBuffers, UpdateRule
 
@@ -469,6 +469,7 @@ class StepPipeline:
             else:
                 acc.add_(source)
             store.mark_dirty(job.cid, names.accum, Tier.CPU)
+            self._consumed(job.cid, names.grads)
             source = acc
         if job.stats:
             s = self._adam.grad_sumsq(source, grad_scale=job.stats_scale, threads=self.threads)
@@ -508,6 +509,8 @@ class StepPipeline:
         for n in run.written:
             store.mark_dirty(cid, n, Tier.CPU)
         run.held.close()  # unpin before the write-behind may evict
+        if job.source == self.payloads.grads:
+            self._consumed(cid, job.source)
         # See [Note: state read-ahead] and [Note: what an update writes]: write-behind.
         behind = [n for n in run.written if store.payload_spec(cid, n).home is not Tier.CPU]
         for n in behind:
@@ -517,20 +520,24 @@ class StepPipeline:
         for n in behind:
             store.evict(cid, n, Tier.CPU, defer=True)
 
+    def _consumed(self, cid: int, name: str) -> None:
+        """The grads in ``name`` were used up (summed into the accumulation payload, or applied):
+        a transient payload's window slot goes back now ([Note: transient payloads] in store.py),
+        before the job counts as done, so a caller waiting for the chunk finds the slot free."""
+        if self.store.windowed(cid, name):
+            self.store.release(cid, name)
+
     def _lowp_buffer(self, cid: int, job: UpdateJob, held: contextlib.ExitStack) -> torch.Tensor:
         """The CPU copy of the working params, pinned in ``held``, ready to be overwritten."""
         store, name = self.store, self.payloads.lowp
         spec = store.payload_spec(cid, name)
         covered = sum(s.stop - s.start for s in job.segments)
         if spec.home is not Tier.CPU and covered == spec.numel:
-            # Every element is rewritten: take a buffer without reading the old bytes.
-            buf = store.allocate(cid, name, Tier.CPU)
-            try:
-                store.pin(cid, name, Tier.CPU)
-                held.callback(store.unpin, cid, name, Tier.CPU)
-                return buf
-            except StoreError:
-                pass  # evicted before the pin by a concurrent fetch: read it instead (below)
+            # Every element is rewritten: take a buffer without reading the old bytes (pinned at
+            # once: a concurrent fetch making room could evict it before a separate pin).
+            buf = store.allocate(cid, name, Tier.CPU, pin=True)
+            held.callback(store.unpin, cid, name, Tier.CPU)
+            return buf
         return held.enter_context(store.use(cid, name, Tier.CPU, write=True))
 
     # ---- lifetime -------------------------------------------------------------------------

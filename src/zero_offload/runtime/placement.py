@@ -17,7 +17,9 @@ params         the chunk's dtype       ``PlacementRequest.params`` (auto: GPU, t
                                        host update writes the rounded params to, for the front
                                        end to copy out; none with the GPU share
 grads          the chunk's dtype       where the update runs: CPU (written on the device in
-                                       backward, flushed down), the GPU for the GPU share
+                                       backward, flushed down), the GPU for the GPU share; on
+                                       the CPU transient with ``host_grads="window"`` ([Note:
+                                       grads window])
 master         fp32                    ``PlacementRequest.optimizer``; not when the params
                                        payload is the master copy itself (fp32 params the store
                                        pages)
@@ -104,6 +106,61 @@ after use (prefetch.py, [Note: holds]). ``window_bytes`` sizes that as (prefetch
 several ranks (a chunk in use is all-gathered, its grads summed whole before the reduce-scatter);
 the plan refuses a GPU budget below homes + window, with the numbers. When optimizer state or params live on NVMe,
 host memory needs a staging window of (prefetch_depth + 1) chunks of what is read ahead.
+
+[Note: grads window] The grads of a chunk updated on the host are 2 bytes per param (bf16) of
+host memory for the whole run in the persistent layout, though they live only from their copy
+down to the update that consumes them. ``host_grads="window"`` makes them transient (store.py,
+[Note: transient payloads]): they pass through ``window_slots`` slots of one chunk's grads each
+(chunk_group.py, [Note: grads window]), a fixed number of bytes (``host_window``) counted in
+``need`` and ``working`` instead of a grads buffer per chunk. What it costs: no PCIe bytes and no
+CPU time (the same copy lands in a slot instead of a home buffer), but backward waits for a slot
+while every slot holds grads the host has not consumed yet, i.e. where the host updates fall
+more than ``window_slots`` chunks behind backward (``window_wait_s`` counts it); and the next
+forward then finds fewer updates left to overlap with. With ``grads_wait`` (the updates read the
+grads after a decision over the window: clipping or fp16 without an accumulation payload, or
+updates after backward) every chunk's grads are held at once: the window gets a slot per chunk,
+the persistent layout's bytes. "auto" takes the window only where it pays in memory: where the
+persistent plan puts state on NVMe that the window's keeps in host memory, or does not fit at
+all; never with ``grads_wait``. The plan's request says what was chosen.
+
+[Note: host bytes] Host memory per param of the engine's plan, bf16 working params, fp32 state
+on the host, one rank (N ranks: each holds 1/N of every payload; the node the same per param),
+``need[Tier.CPU]`` per param, and what lives outside the store:
+
+=============================  =======  =======  =========================================
+host bytes per param            params   params   notes
+                                gpu/     cpu
+                                auto
+=============================  =======  =======  =========================================
+master (fp32)                   4        4        home; ``optimizer="cpu"``
+exp_avg, exp_avg_sq (fp32)      8        8        home (bf16 moments: 4, inexact, opt-in)
+params (bf16)                   0        2        home of the working copy the GPU fetches;
+                                                  the CPU update writes it
+grads (bf16), persistent        2        2        home: the D2H copy lands here, CPU-Adam
+                                                  reads it
+grads, ``host_grads="window"``  0        0        + the window: ``window_slots`` x one
+                                                  chunk's grads (4 x 64 MiB by default),
+                                                  fixed
+accum (fp32)                    (4)      (4)      only ``grad_accum > 1`` with
+                                                  ``grad_sync="every"``
+copy-out of the update          0        0        params on the GPU: the update rounds into
+                                                  a pool buffer (one to a few chunks, fixed),
+                                                  sent to the GPU home and freed
+NVMe staging                    0        0        (prefetch_depth + 1) chunks of state, fixed,
+                                                  only when state or params are on NVMe
+plan ``need[CPU]``, persistent  14       16
+plan ``need[CPU]``, window      12 + w   14 + w   w: the window, fixed (0.2 B/param at 1.31B)
+=============================  =======  =======  =========================================
+
+Outside the store, not per param: the CUDA context and torch's libraries (about 1-3 GiB), the
+C++ kernels (no buffers of their own: they run on the store's), the store's pinned pool (the
+copy-out and staging buffers above) and window, the model's own host copy before the hand-over
+(none for a meta-built model; a model built on the CPU in fp32 holds 4 B/param until each chunk
+takes its values and frees them: initial_values.py) and whatever the script maps (the fair
+harness's memory-mapped init file is 4 B/param of page cache while mapped). The 19.7 B/param
+measured in issue 13 (params on the GPU, one H100 host, ``bench_train.py``'s 1.31B case) is the
+14 above plus those. ``benchmarks/bench_host_bytes.py`` measures them, from the start of the
+script, with both layouts.
 """
 from __future__ import annotations
 
@@ -122,8 +179,9 @@ from .update_rule import StateSpec, UpdateRule
 from .vocab import ALIGNMENT, Placement, round_up
 
 __all__ = ["Budgets", "ChunkHomes", "ChunkNeed", "FitError", "Measured", "PARKED_CHUNKS", "PlacementPlan",
-           "PlacementRequest", "common_budgets", "common_reserve", "grow_share", "keep_limit", "largest_need",
-           "local_ranks", "measure_device", "plan_placement", "rank_budgets", "tightest", "window_bytes"]
+           "PlacementRequest", "common_budgets", "common_reserve", "grow_share", "host_window", "keep_limit",
+           "largest_need", "local_ranks", "measure_device", "plan_placement", "rank_budgets", "tightest",
+           "window_bytes"]
 
 PARKED_CHUNKS = 2
 """Chunks kept on the device after their last user let go (prefetch.py, [Note: holds]); part of
@@ -362,6 +420,17 @@ class PlacementRequest:
     """Who asks, for messages (none: the message starts with the problem)."""
     state_option: str = "optimizer"
     """How the front end's user names the optimizer state's placement, for messages."""
+    host_grads: str = "persistent"
+    """How grads of the chunks updated on the host live in host memory ([Note: grads window]):
+    "persistent" (a grads buffer per chunk, its home), "window" (a bounded window of
+    ``window_slots`` chunk-sized slots they pass through) or "auto" (the window only where it
+    keeps state out of NVMe or makes the plan fit at all). The plan's request has it resolved."""
+    window_slots: int = 4
+    """Slots of the grads window (``host_grads="window"``)."""
+    grads_wait: bool = False
+    """A chunk's update reads its grads only after a decision over the whole window (clipping,
+    fp16 overflow, or updates after backward) and there is no accumulation buffer they were
+    summed into: the grads window must then hold every host-updated chunk's grads at once."""
 
     def __post_init__(self):
         object.__setattr__(self, "chunks", tuple(self.chunks))
@@ -385,11 +454,18 @@ class PlacementRequest:
             raise ValueError(f"{self._prefix}placing state on NVMe needs a swap directory (nvme_dir)")
         if not (self.reserve == "auto" or (isinstance(self.reserve, int) and self.reserve >= 0)):
             raise ValueError(f"PlacementRequest.reserve must be bytes >= 0 or 'auto', got {self.reserve!r}")
-        for name in ("prefetch_depth", "ranks"):
+        for name in ("prefetch_depth", "ranks", "window_slots"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (name == "ranks"):
-                raise ValueError(f"PlacementRequest.{name} must be an int >= {int(name == 'ranks')}, "
-                                 f"got {value!r}")
+            least = int(name != "prefetch_depth")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"PlacementRequest.{name} must be an int >= {least}, got {value!r}")
+        if self.host_grads not in ("persistent", "window", "auto"):
+            raise ValueError(f"PlacementRequest.host_grads must be 'persistent', 'window' or 'auto', got "
+                             f"{self.host_grads!r}")
+        if self.host_grads == "window" and self.params is None:
+            raise ValueError(f"{self._prefix}host_grads='window' serves a front end that pages the params "
+                             f"(the engine): grads copied in piece by piece (params=None) need their "
+                             f"persistent host buffer")
 
     @property
     def _prefix(self) -> str:
@@ -429,6 +505,8 @@ class PlacementPlan:
     """Chunks ``grow_share`` moved into the share (the front end rehomes them)."""
     fell_back: tuple = ()
     """Chunks whose move into the share failed and that stayed on the host (``fall_back``)."""
+    grads_window: int = 0
+    """Slots of the host grads window ([Note: grads window]); 0: the persistent layout."""
 
     @property
     def budgets(self) -> Budgets:
@@ -452,7 +530,7 @@ class PlacementPlan:
             delta = _share_bytes(self.request.chunks[i], self.request)
             homes[i] = dataclasses.replace(homes[i], optimizer=Tier.CPU)
             need[Tier.GPU] -= delta
-            need[Tier.CPU] += delta + _copy_out_bytes(self.request.chunks[i], self.request)
+            need[Tier.CPU] += _host_freed(self.request.chunks[i], self.request)
         line = str(error).splitlines()[0] if str(error) else ""
         return dataclasses.replace(
             self, homes=tuple(homes), need=need, share_ended=True,
@@ -490,7 +568,8 @@ class PlacementPlan:
                     "device_limit": m.device_limit, "device_peak": m.device_peak,
                     "activation_peak": m.activation_peak, "margin": m.margin_bytes,
                     "headroom": m.headroom},
-                "grown": len(self.grown), "fell_back": len(self.fell_back), "why": self.why}
+                "grown": len(self.grown), "fell_back": len(self.fell_back), "why": self.why,
+                "host_grads": request.host_grads, "grads_window": self.grads_window}
 
     def rest(self) -> Budgets:
         """What a plan of chunks added later may take: the budgets less this plan's homes
@@ -577,7 +656,8 @@ def chunk_payloads(request: PlacementRequest, chunk: ChunkNeed, homes: ChunkHome
             home = Tier.GPU if on_device else Tier.CPU
         # (a state payload of no elements, e.g. Adafactor's "variance" of a chunk of matrices: one
         # element, as the store holds no empty buffer)
-        out[name] = PayloadSpec(numel=max(1, spec.numel), dtype=spec.dtype, home=home)
+        out[name] = PayloadSpec(numel=max(1, spec.numel), dtype=spec.dtype, home=home,
+                                transient=name == "grads" and request.host_grads == "window")
     return out
 
 
@@ -638,15 +718,62 @@ def plan_placement(request: PlacementRequest) -> PlacementPlan:
     master and the rule's state) takes the GPU share ([Note: GPU share placement]), then fills
     host memory, then NVMe. Explicit homes are taken as they are. Device bytes the front end
     holds beside the homes (the working window, ``fp32_grads_window``, ``replicas``) are counted
-    first.
+    first. ``host_grads="auto"`` is resolved here ([Note: grads window]): the plan's request
+    says "persistent" or "window".
     """
+    if request.host_grads != "auto":
+        return _plan(request)
+    persistent = window = None
+    try:
+        persistent = _plan(dataclasses.replace(request, host_grads="persistent"))
+    except FitError:
+        pass
+    if persistent is not None and (request.grads_wait or not persistent.need[Tier.NVME]):
+        return persistent  # nothing to gain: the window costs step time where grads pile up
+    try:
+        window = _plan(dataclasses.replace(request, host_grads="window"))
+    except FitError:
+        if persistent is None:
+            raise  # (the window's message: it is the layout that needs the least host memory)
+        return persistent
+    if persistent is None or window.need[Tier.NVME] < persistent.need[Tier.NVME]:
+        return window
+    return persistent
+
+
+def host_window(request: PlacementRequest) -> tuple:
+    """``(slots, bytes)`` of the host grads window of ``request`` ([Note: grads window]):
+    ``window_slots`` slots (every trainable chunk's with ``grads_wait``), each as large as the
+    largest chunk's grads; ``(0, 0)`` for the persistent layout."""
+    trainable = [c for c in request.chunks if c.trainable]
+    if request.host_grads != "window" or not trainable:
+        return 0, 0
+    slots = len(trainable) if request.grads_wait else min(request.window_slots, len(trainable))
+    return slots, slots * max(chunk_bytes(c, request, ("grads",)) for c in trainable)
+
+
+def _windowed_grads(chunk: ChunkNeed, request: PlacementRequest) -> int:
+    """Bytes of the chunk's grads that pass through the host window (not homed in host memory)."""
+    return chunk_bytes(chunk, request, ("grads",)) if request.host_grads == "window" else 0
+
+
+def _host_freed(chunk: ChunkNeed, request: PlacementRequest) -> int:
+    """Host bytes a chunk's joining the GPU share frees: its state, grads (homed on the host:
+    not the window's) and accumulation buffer, and the host update's copy out."""
+    return _share_bytes(chunk, request) + _copy_out_bytes(chunk, request) - _windowed_grads(chunk, request)
+
+
+def _plan(request: PlacementRequest) -> PlacementPlan:
+    """``plan_placement`` of a request whose ``host_grads`` is decided."""
     chunks, budgets, has_nvme = request.chunks, request.budgets, request.nvme_dir is not None
     gpu_window = window_bytes(request, whole=True)  # gathers hold whole chunks ([Note: working window])
     gpu_extra = _grads_window_bytes(request)
+    slots, grads_window = host_window(request)
     # Host memory every placement needs: what the host update reads and writes beside the state
-    # (grads, accum, a copy out) of the trainable chunks; the GPU share takes it back.
-    host_fixed = sum(chunk_bytes(c, request, ("grads", "accum")) + _copy_out_bytes(c, request)
-                     for c in chunks if c.trainable)
+    # (grads, accum, a copy out) of the trainable chunks; the GPU share takes it back. Grads
+    # through the window count as the window's bytes instead.
+    host_fixed = grads_window + sum(chunk_bytes(c, request, ("grads", "accum")) + _copy_out_bytes(c, request)
+                                    - _windowed_grads(c, request) for c in chunks if c.trainable)
     staging_unit = max((_params_bytes(c, request) + chunk_bytes(c, request, optimizer_payloads(c, request))
                         for c in chunks), default=0)
     staging = (request.prefetch_depth + 1) * staging_unit
@@ -695,7 +822,7 @@ def plan_placement(request: PlacementRequest) -> PlacementPlan:
             if share and ptier in (None, Tier.GPU):
                 if need[Tier.GPU] + params_ahead + replicas + obytes + moves <= gpu_auto:
                     otier, obytes = Tier.GPU, obytes + moves
-                    need[Tier.CPU] -= moves + _copy_out_bytes(c, request)
+                    need[Tier.CPU] -= moves + _copy_out_bytes(c, request) - _windowed_grads(c, request)
                 else:
                     share, share_ended = False, True
                     why = (f"chunk {i}'s state and grads ({obytes + moves} bytes) do not fit the GPU "
@@ -712,15 +839,17 @@ def plan_placement(request: PlacementRequest) -> PlacementPlan:
         homes.append(ChunkHomes(params=ptier, optimizer=otier))
 
     uses_nvme = any(h.params is Tier.NVME or h.optimizer is Tier.NVME for h in homes)
-    working = {Tier.GPU: gpu_window + gpu_extra, Tier.CPU: staging if uses_nvme else 0, Tier.NVME: 0}
-    need[Tier.CPU] += working[Tier.CPU]
-    _check_fits(request, need, gpu_window=gpu_window, gpu_extra=gpu_extra, staging=working[Tier.CPU])
+    working = {Tier.GPU: gpu_window + gpu_extra, Tier.CPU: (staging if uses_nvme else 0) + grads_window,
+               Tier.NVME: 0}
+    need[Tier.CPU] += working[Tier.CPU] - grads_window  # (the window is in host_fixed already)
+    _check_fits(request, need, gpu_window=gpu_window, gpu_extra=gpu_extra,
+                staging=working[Tier.CPU] - grads_window, grads_window=grads_window)
     if not why:
         why = ("every trainable chunk's state is on the device" if share and homes else
                "optimizer state is not 'auto'" if request.optimizer is not Placement.AUTO else
                "the front end updates on the host only" if not request.gpu_optimizer else "")
     plan = PlacementPlan(request=request, homes=tuple(homes), need=need, working=working,
-                         share_ended=share_ended, why=why)
+                         share_ended=share_ended, why=why, grads_window=slots)
     if request.replicas:
         _check_replicas(plan)
     return plan
@@ -772,7 +901,7 @@ def grow_share(plan: PlacementPlan, measured: Measured) -> PlacementPlan:
             break
         room -= delta
         need[Tier.GPU] += delta
-        need[Tier.CPU] -= delta + _copy_out_bytes(c, request)
+        need[Tier.CPU] -= _host_freed(c, request)
         homes[i] = dataclasses.replace(h, optimizer=Tier.GPU)
         grown.append(i)
     if not why:
@@ -784,7 +913,7 @@ def grow_share(plan: PlacementPlan, measured: Measured) -> PlacementPlan:
 
 
 def _check_fits(request: PlacementRequest, need: dict, *, gpu_window: int, gpu_extra: int,
-                staging: int) -> None:
+                staging: int, grads_window: int = 0) -> None:
     budgets, prefix = request.budgets, request._prefix
     if need[Tier.GPU] > budgets.gpu:
         big_bytes = max(_params_bytes(c, request) for c in request.chunks)
@@ -801,11 +930,13 @@ def _check_fits(request: PlacementRequest, need: dict, *, gpu_window: int, gpu_e
             + (", or place params on 'cpu'" if home and request.params is not None else ""))
     if need[Tier.CPU] > budgets.cpu:
         params = request.params is not None
+        window = request.host_grads == "window"
         raise FitError(
-            f"{prefix}cpu_budget={budgets.cpu} bytes is too small: the host-memory homes (grads"
-            f"{', accumulation buffers' if request.accum else ''}, {'params and ' if params else ''}"
-            f"optimizer state placed on 'cpu') plus {staging} bytes of NVMe staging need "
-            f"{need[Tier.CPU]} bytes. Raise cpu_budget, or place optimizer state "
+            f"{prefix}cpu_budget={budgets.cpu} bytes is too small: the host-memory homes ("
+            f"{'' if window else 'grads, '}{'accumulation buffers, ' if request.accum else ''}"
+            f"{'params and ' if params else ''}optimizer state placed on 'cpu') plus {staging} bytes of "
+            f"NVMe staging" + (f" and {grads_window} bytes of the grads window" if window else "")
+            + f" need {need[Tier.CPU]} bytes. Raise cpu_budget, or place optimizer state "
             f"({request.state_option}='nvme')" + (" or params (params='nvme')" if params else "")
             + " on NVMe with nvme_dir set, or lower chunk_mb / prefetch_depth")
     if need[Tier.NVME] > budgets.nvme:

@@ -53,6 +53,9 @@ class EngineStats:
     loss_scale: Optional[float]
     last_grad_norm: Optional[float]
     lr: float
+    grads_window_wait_s: float = 0.0
+    """Host time backward waited for a slot of the grads window (``host_grads="window"``: host
+    updates falling behind backward; part of ``update_stall_s``)."""
     placement: dict = dataclasses.field(default_factory=dict)
     """This rank's placement and why (``PlacementPlan.report``: bytes per tier and payload kind,
     the GPU share, the step measurement it was grown by, why it ends where it does)."""
@@ -113,4 +116,5 @@ class PhaseStats:
             gpu_stall_share=(fetch_stall + update_stall) / compute if compute > 0 else 0.0,
             prefetch_hit_rate=w["hits"] / uses if uses else 0.0,
             prefetch_ahead_rate=w["ahead"] / uses if uses else 0.0,
-            loss_scale=loss_scale, last_grad_norm=last_grad_norm, lr=lr, placement=dict(placement or {}))
+            loss_scale=loss_scale, last_grad_norm=last_grad_norm, lr=lr,
+            grads_window_wait_s=w["window_wait_s"], placement=dict(placement or {}))

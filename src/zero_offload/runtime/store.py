@@ -48,6 +48,22 @@ copy, the parking space and the lent budget; ``unpark(keep=True)`` keeps each ho
 park on the CPU as its copy's ``spare`` instead, which the next park takes back (no fresh pinned
 memory: registering it is most of a park's time), until ``release_spares``. A failure part-way
 through either moves back what was moved, then raises (the store is as before the call).
+
+[Note: transient payloads] A payload whose bytes live only between a write and their one use
+(the grads of a chunk between their device-to-host copy and the update that consumes them) need
+not hold host memory of its own for the store's life. ``PayloadSpec(transient=True)`` homed on
+the CPU has a home copy that is ABSENT until written (a move into it, or ``allocate``); it then
+takes a slot of the store's window (``StoreConfig.window_slots`` slots, each as large as the
+largest transient payload: ``SlotWindow`` in pinned_pool.py, pinned when the store pins) and
+gives it back at ``release(cid, name)``, the owner's word that the bytes are consumed: every
+copy is freed and the payload holds no bytes until written again (reading it then raises).
+The window is bounded: a write needing a slot when all are taken raises ``StoreError`` before
+any change, never waits (the owner knows which of its jobs frees one: chunk_group.py, [Note:
+grads window]). Home copies are never evicted, so a slot is only ever freed by ``release``,
+``discard`` or ``close``. The accounting counts a held slot as its payload's bytes (like any
+copy); budgets are not checked for slots (the plan counts the window). Homed on the GPU (the
+optimizer's GPU share) a transient payload is an ordinary one; ``rehome`` of a transient
+payload moves no bytes (between uses they are dead): a GPU home starts zeroed.
 """
 from __future__ import annotations
 
@@ -64,7 +80,7 @@ from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, Protocol, 
 import psutil
 import torch
 
-from .pinned_pool import PinnedPool, PoolBuffer
+from .pinned_pool import PinnedPool, PoolBuffer, SlotWindow
 from .swap_io import aligned_empty
 from .vocab import ALIGNMENT, round_up
 
@@ -158,6 +174,10 @@ class PayloadSpec:
     numel: int
     dtype: torch.dtype
     home: Tier
+    transient: bool = False
+    """Its bytes live only from a write until the owner's ``ChunkStore.release``: homed on the
+    CPU, its home copy takes a slot of the store's window instead of memory of its own
+    ([Note: transient payloads]). Homed on the GPU it is an ordinary payload."""
 
     def __post_init__(self):
         if isinstance(self.numel, bool) or not isinstance(self.numel, int) or self.numel <= 0:
@@ -165,6 +185,8 @@ class PayloadSpec:
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"PayloadSpec.dtype must be a torch.dtype, got {self.dtype!r}")
         object.__setattr__(self, "home", Tier.of(self.home))
+        if not isinstance(self.transient, bool):
+            raise TypeError(f"PayloadSpec.transient must be True or False, got {self.transient!r}")
 
     @property
     def nbytes(self) -> int:
@@ -215,6 +237,11 @@ class StoreConfig:
     """Share of the GPU's and host memory's total capacity that an "auto" budget leaves alone
     (not NVMe's: see ``budgets``)."""
 
+    window_slots: int = 0
+    """Host slots the home copies of transient payloads take while they hold bytes ([Note:
+    transient payloads]); each as large as the largest transient payload. 0: no window (a
+    transient payload homed on the CPU is then an error)."""
+
     def __post_init__(self):
         device = self.device
         if device is None:
@@ -248,7 +275,8 @@ class StoreConfig:
                 budgets[tier] = value
         object.__setattr__(self, "budgets", budgets)
 
-        for name, least in (("io_threads", 1), ("io_queue_depth", 1), ("copy_threads", 1), ("pool_bytes", 0)):
+        for name, least in (("io_threads", 1), ("io_queue_depth", 1), ("copy_threads", 1), ("pool_bytes", 0),
+                            ("window_slots", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"StoreConfig.{name} must be an int >= {least}, got {value!r}")
@@ -434,6 +462,13 @@ class _Copy:
     def is_home(self) -> bool:
         return self.tier is self.payload.home
 
+    @property
+    def windowed(self) -> bool:
+        """The CPU home of a transient payload: memory from the window, only while it holds bytes
+        ([Note: transient payloads])."""
+        spec = self.payload.spec
+        return spec.transient and self.tier is Tier.CPU and spec.home is Tier.CPU
+
     def where(self) -> str:
         return f"chunk {self.payload.cid} payload {self.payload.name!r} in tier {self.tier.value!r}"
 
@@ -591,6 +626,7 @@ class ChunkStore:
         self._clock = 0
         self._closed = False
         self._pool = PinnedPool(config.pool_bytes, pin=config.pin)
+        self._window = SlotWindow(config.window_slots, pin=config.pin)  # [Note: transient payloads]
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=config.copy_threads, thread_name_prefix="zero_offload-store")
         self._streams = None
@@ -618,7 +654,12 @@ class ChunkStore:
                 raise StoreError("add_chunk: the GPU tier is parked (ChunkStore.park); unpark() first")
             # Check the whole chunk fits before taking anything (no half-added chunk).
             need = {t: 0 for t in Tier}
-            for spec in payloads.values():
+            for name, spec in payloads.items():
+                if spec.transient and spec.home is Tier.CPU:
+                    if not self.config.window_slots:
+                        raise StoreError(f"add_chunk: payload {name!r} is transient, but this store has no "
+                                         f"window; set StoreConfig.window_slots ([Note: transient payloads])")
+                    continue  # no memory until written: a window slot then
                 need[spec.home] += round_up(spec.nbytes, ALIGNMENT)
             for tier, nbytes in need.items():
                 if nbytes:
@@ -633,6 +674,9 @@ class ChunkStore:
             self._chunks.append(chunk)
             for p in chunk.payloads.values():
                 home = p.copies[p.spec.home]
+                if home.windowed:
+                    self._window.grow_to(p.spec.nbytes)
+                    continue  # ABSENT until its bytes are written ([Note: transient payloads])
                 self._alloc_memory(home)
                 if home.tier is Tier.NVME:
                     if home.space.claim_zero(home.slot):  # a never-written extent reads as zeros
@@ -664,11 +708,14 @@ class ChunkStore:
             tier = self._payload(cid, name).home if tier is None else tier
             return self._ensure(self._copy(cid, name, tier), Residency.FLUSHING)
 
-    def allocate(self, cid: int, name: str, tier: "Tier | str", *, zero: bool = False) -> torch.Tensor:
+    def allocate(self, cid: int, name: str, tier: "Tier | str", *, zero: bool = False,
+                 pin: bool = False) -> torch.Tensor:
         """A buffer in ``tier`` for the caller to write, without reading anything into it; it
         becomes the newest copy (every other copy turns stale). Waits for moves still reading
         or writing that copy (WAR / WAW), device-side on CUDA. ``zero``: its elements are zeros
-        (filled unless it is the fresh memory ``add_chunk`` made)."""
+        (filled unless it is the fresh memory ``add_chunk`` made). ``pin``: pinned too (``unpin``
+        after), under the same lock: a copy that is not home is evictable the moment it is
+        VALID, and a concurrent ``fetch`` making room could evict it before a separate ``pin``."""
         tier = Tier.of(tier)
         if tier is Tier.NVME:
             raise StoreError("allocate() gives a buffer to write into; NVMe has none. Allocate in "
@@ -677,8 +724,7 @@ class ChunkStore:
             copy = self._copy(cid, name, tier)
             self._await_quiet(copy)
             if copy.state is Residency.ABSENT:
-                self._make_room(tier, copy.nbytes, for_what=copy.where())
-                self._alloc_memory(copy)
+                self._take_memory(copy)
             self._wait_readers(copy, device_side=True)
             if copy.state is not Residency.VALID:
                 copy.to(Residency.VALID, self)
@@ -687,6 +733,8 @@ class ChunkStore:
             if zero and not copy.zero:
                 copy.buffer.zero_()
             copy.zero = False
+            if pin:
+                copy.pins += 1
             return copy.buffer
 
     def get(self, cid: int, name: str, tier: "Tier | str", *, write: bool = False) -> torch.Tensor:
@@ -808,6 +856,9 @@ class ChunkStore:
                 c.readers = []
             if old.tier is Tier.NVME:
                 raise StoreError(f"rehome: {old.where()} is on NVMe; rehome moves homes in memory")
+            if p.spec.transient:
+                self._rehome_transient(p, tier)
+                return
             if old.state is not Residency.VALID:  # the newest bytes home first (a cache copy's)
                 self._ensure(old, Residency.FLUSHING).wait()
                 self._settle(old, force=True)
@@ -835,12 +886,74 @@ class ChunkStore:
             target.to(Residency.VALID, self)
             target.last_use = self._tick()
 
+    def _rehome_transient(self, p: _Payload, tier: Tier) -> None:
+        """``rehome`` of a transient payload (quiet, unpinned): no bytes move (between its uses
+        they are dead: [Note: transient payloads]); a GPU home starts zeroed, a CPU home takes a
+        window slot when next written. The new memory is taken before the old is freed."""
+        spec = p.spec
+        buf = None
+        if tier is Tier.GPU:
+            self._make_room(tier, p.copies[tier].nbytes, for_what=f"the new home of {p.copies[tier].where()}")
+            buf = torch.zeros(spec.numel, dtype=spec.dtype, device=self.device)
+        elif not self.config.window_slots:
+            raise StoreError(f"rehome: payload {p.name!r} of chunk {p.cid} is transient and this store has "
+                             f"no window for it; set StoreConfig.window_slots")
+        for c in p.copies.values():
+            if c.state is not Residency.ABSENT:
+                self._drop_memory(c, home=True)
+                c.to(Residency.ABSENT, self)
+        p.spec = replace(spec, home=tier)
+        if buf is not None:
+            target = p.copies[tier]
+            target.buffer = buf
+            target.to(Residency.VALID, self)
+            target.last_use = self._tick()
+        else:
+            self._window.grow_to(spec.nbytes)
+
+    def windowed(self, cid: int, name: str) -> bool:
+        """The payload is transient and homed on the CPU: its bytes take a window slot from a
+        write until ``release`` ([Note: transient payloads])."""
+        with self._lock:
+            return self._payload(cid, name).copies[Tier.CPU].windowed
+
+    def release(self, cid: int, name: str) -> None:
+        """The owner is done with the bytes of a transient payload homed on the CPU (they were
+        consumed): every copy is freed and its window slot given back, once the moves touching
+        them finish; the payload holds no bytes until it is written again. Raises for a payload
+        that is not so (``windowed``) and for a copy in use. See [Note: transient payloads]."""
+        with self._lock:
+            p = self._payload(cid, name)
+            if not p.copies[Tier.CPU].windowed:
+                raise StoreError(f"release: chunk {cid} payload {name!r} is not a transient payload homed "
+                                 f"on the CPU (PayloadSpec.transient); its memory is kept for the store's life")
+            for c in p.copies.values():
+                if c.pins:
+                    raise StoreError(f"release: {c.where()} is in use ({c.pins} pin(s)); let it go first")
+            for c in p.copies.values():
+                self._await_quiet(c)
+                for r in c.readers:
+                    r.wait()
+                c.readers = []
+                if c.state is not Residency.ABSENT:
+                    self._drop_memory(c, home=True)
+                    c.to(Residency.ABSENT, self)
+
+    @property
+    def window(self) -> SlotWindow:
+        """The slots transient payloads pass through (read its ``slots``, ``taken``,
+        ``reserved_bytes``; the store takes and gives them)."""
+        return self._window
+
     def pin(self, cid: int, name: str, tier: "Tier | str") -> None:
         """Keep the copy in ``tier`` from being evicted until ``unpin``."""
         with self._lock:
             copy = self._copy(cid, name, tier)
-            if copy.state is Residency.ABSENT:
-                raise StoreError(f"pin: {copy.where()} is ABSENT; fetch or allocate it first")
+            self._settle(copy)
+            if copy.state in (Residency.ABSENT, Residency.EVICTING):
+                # (an EVICTING copy's memory goes as soon as its readers finish)
+                raise StoreError(f"pin: {copy.where()} is {copy.state.name}; fetch or allocate it first "
+                                 f"(allocate(..., pin=True) takes both at once)")
             copy.pins += 1
 
     def unpin(self, cid: int, name: str, tier: "Tier | str") -> None:
@@ -1213,6 +1326,7 @@ class ChunkStore:
                     c.pool_buffer = None
                     c.slot = None
                 self._chunks.clear()
+                self._window.clear()
                 for t in Tier:
                     self._held[t].clear()
                 if self._swap is not None:
@@ -1350,6 +1464,9 @@ class ChunkStore:
                 copy.buffer = aligned_empty(spec.nbytes, dtype=spec.dtype)
             else:
                 copy.buffer = torch.empty(spec.numel, dtype=spec.dtype, device=self.device)
+        elif copy.windowed:  # [Note: transient payloads]
+            copy.pool_buffer = self._window.acquire(spec.nbytes)
+            copy.buffer = copy.pool_buffer.view(spec.dtype, spec.numel)
         elif copy.tier is Tier.CPU:
             if copy.spare is not None:  # a park's kept buffer ([Note: parking])
                 copy.buffer, copy.spare = copy.spare, None
@@ -1364,11 +1481,24 @@ class ChunkStore:
             copy.slot = space.alloc(copy.nbytes)
             copy.space = space
 
+    def _take_memory(self, copy: _Copy) -> None:
+        """Memory for an ABSENT copy: room made within its tier's budget (a window slot for a
+        transient home, which raises when every slot is taken: [Note: transient payloads])."""
+        if copy.windowed:
+            if not self._window.available():
+                raise StoreError(
+                    f"{copy.where()}: the window's {self._window.slots} slot(s) all hold bytes of transient "
+                    f"payloads; release(cid, name) one (its bytes consumed) before writing another "
+                    f"([Note: transient payloads])")
+        else:
+            self._make_room(copy.tier, copy.nbytes, for_what=copy.where())
+        self._alloc_memory(copy)
+
     def _drop_memory(self, copy: _Copy, *, home: bool = False) -> None:
         if copy.is_home and not home:
-            return  # home memory is kept for the store's life (or until ``discard``)
+            return  # home memory is kept for the store's life (or until ``discard`` / ``release``)
         if copy.pool_buffer is not None:
-            self._pool.release(copy.pool_buffer)
+            (self._window if copy.windowed else self._pool).release(copy.pool_buffer)
             copy.pool_buffer = None
         if copy.slot is not None:
             copy.space.free(copy.slot)
@@ -1473,6 +1603,10 @@ class ChunkStore:
             self._await_quiet(copy)
         src = self._source_for(copy)
         if src is None:
+            if p.spec.transient:
+                raise StoreError(f"{copy.where()}: this transient payload holds no bytes (released, or "
+                                 f"never written); write it (allocate) before reading it ([Note: "
+                                 f"transient payloads])")
             raise StoreError(f"{copy.where()}: no copy of this payload holds valid bytes (all stale "
                              f"or absent); this is a store bug, please report it")
         if abs(src.tier.level - copy.tier.level) == 2:
@@ -1480,8 +1614,7 @@ class ChunkStore:
             src = p.copies[Tier.CPU]
             self._ensure(src, how)
         if copy.state is Residency.ABSENT:
-            self._make_room(copy.tier, copy.nbytes, for_what=copy.where())
-            self._alloc_memory(copy)
+            self._take_memory(copy)
         copy.to(how, self)
         try:
             handle = self._issue(src, copy)
