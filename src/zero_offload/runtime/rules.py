@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
@@ -373,9 +374,27 @@ class AdafactorRule:
 
     def cpu_job(self, bufs: StepBuffers, segments: Sequence[Segment], *,
                 threads: Optional[int] = None) -> list:
-        return [Done.timing(self.device_step, bufs, segments)]
+        """One native call per param (``adafactor_step_async``: three passes over it, queued on
+        the kernel thread), else ``device_step``'s torch ops on the worker."""
+        native = _native()
+        if native is None:
+            return [Done.timing(self.device_step, bufs, segments)]
+        tickets = []
+        try:
+            for seg in segments:
+                a, sl = seg.args, slice(seg.start, seg.stop)
+                state = {k: bufs.state[k][slice(*seg.spans[k])] for k in adafactor_state_shapes(seg.shape)}
+                tickets.append(native.adafactor_step_async(
+                    bufs.param[sl], bufs.grad[sl], **state, out_lowp=None if bufs.lowp is None else bufs.lowp[sl],
+                    shape=seg.shape, step=seg.step, lr=a.lr, beta2_decay=a.beta2_decay, eps=(a.eps1, a.eps2),
+                    d=a.d, weight_decay=a.weight_decay, grad_scale=a.grad_scale, threads=threads))
+        except BaseException:
+            wait_all(tickets)
+            raise
+        return tickets
 
     def device_step(self, bufs: StepBuffers, segments: Sequence[Segment]) -> None:
+        """torch.optim.Adafactor's single-tensor step, op for op (the host's fallback too)."""
         for seg in segments:
             a, shape = seg.args, seg.shape
             param = bufs.param[seg.start:seg.stop].view(shape)
@@ -476,6 +495,32 @@ def muon_lr(lr: float, fn: Optional[str], shape: Sequence[int]) -> float:
     return lr
 
 
+class _Slots(threading.local):
+    """The pinned staging slots of one worker thread (see [Note: Muon's pipeline])."""
+
+    def __init__(self):
+        self.device = None
+        self.buffers: list = []
+
+
+_SLOTS = _Slots()
+STAGING_SLOTS = 3
+"""Pinned bf16 buffers a worker cycles its matrices through ([Note: Muon's pipeline])."""
+_SLOT_GRAIN = 1 << 20
+
+
+def _staging(numel: int, device: torch.device) -> list:
+    """This thread's STAGING_SLOTS pinned bf16 buffers of at least ``numel`` elements (grown to
+    the largest matrix seen, in steps of a million elements; a slot a queued kernel still reads
+    stays alive in that kernel's ticket)."""
+    slots = _SLOTS
+    if slots.device != device or not slots.buffers or slots.buffers[0].numel() < numel:
+        size = -(-numel // _SLOT_GRAIN) * _SLOT_GRAIN
+        slots.buffers = [torch.empty(size, dtype=torch.bfloat16, pin_memory=True) for _ in range(STAGING_SLOTS)]
+        slots.device = device
+    return slots.buffers
+
+
 @functools.lru_cache(maxsize=None)
 def _side_stream(device: torch.device) -> "torch.cuda.Stream":
     """The stream the worker's Newton-Schulz iterations run on (one per device): apart from the
@@ -519,16 +564,34 @@ class MuonRule:
 
     def cpu_job(self, bufs: StepBuffers, segments: Sequence[Segment], *,
                 threads: Optional[int] = None) -> list:
-        return [Done.timing(self._step, bufs, segments, bufs.device)]
+        """The native host passes around Newton-Schulz, pipelined over the chunk's matrices
+        ([Note: Muon's pipeline]); without the native module, ``_step``'s torch ops."""
+        native = _native()
+        if native is None:
+            return [Done.timing(self._step, bufs, segments, bufs.device)]
+        segments = [seg for seg in segments if seg.stop > seg.start]
+        for seg in segments:
+            self._check_shape(seg.shape)
+        if not segments:
+            return []
+        if bufs.device is None:
+            return self._host_job(native, bufs, segments, threads)
+        return self._pipelined_job(native, bufs, segments, threads, bufs.device)
 
     def device_step(self, bufs: StepBuffers, segments: Sequence[Segment]) -> None:
         self._step(bufs, segments, None)
 
+    @staticmethod
+    def _check_shape(shape) -> None:
+        if shape is None or len(shape) != 2:
+            raise ValueError(f"Muon updates 2-D params only, got one of shape {None if shape is None else tuple(shape)}")
+
     def _step(self, bufs: StepBuffers, segments: Sequence[Segment], ns_device) -> None:
+        """torch.optim.Muon's single-tensor step, op for op (the GPU share's device step, and the
+        host's fallback without the native module: Newton-Schulz on ``ns_device`` there)."""
         for seg in segments:
             a, shape, sl = seg.args, seg.shape, slice(seg.start, seg.stop)
-            if len(shape) != 2:
-                raise ValueError(f"Muon updates 2-D params only, got one of shape {tuple(shape)}")
+            self._check_shape(shape)
             param = bufs.param[sl].view(shape)
             grad = _grad(bufs, seg, a.grad_scale).view(shape)
             buf = bufs.state["momentum_buffer"][sl].view(shape)
@@ -549,3 +612,79 @@ class MuonRule:
             x = update.bfloat16().to(device, non_blocking=True)  # (torch casts to bf16 first too)
             ortho = newton_schulz(x, a.ns_coefficients, a.ns_steps, a.eps)
             return ortho.to("cpu")  # waits for the stream's work
+
+    # ---- the native host passes ([Note: Muon's pipeline]) ---------------------------------
+
+    @staticmethod
+    def _momentum(native, bufs: StepBuffers, seg: Segment, out: torch.Tensor, threads):
+        a, sl = seg.args, slice(seg.start, seg.stop)
+        return native.muon_momentum_async(bufs.grad[sl], bufs.state["momentum_buffer"][sl], out,
+                                          momentum=a.momentum, nesterov=a.nesterov, grad_scale=a.grad_scale,
+                                          threads=threads)
+
+    @staticmethod
+    def _apply(native, bufs: StepBuffers, seg: Segment, ortho: torch.Tensor, threads):
+        a, sl = seg.args, slice(seg.start, seg.stop)
+        return native.muon_apply_async(bufs.param[sl], ortho, None if bufs.lowp is None else bufs.lowp[sl],
+                                       lr=a.lr, weight_decay=a.weight_decay,
+                                       adjusted_lr=muon_lr(a.lr, a.adjust_lr_fn, seg.shape), threads=threads)
+
+    def _host_job(self, native, bufs: StepBuffers, segments: Sequence[Segment], threads) -> list:
+        """No GPU: per matrix, the momentum pass, Newton-Schulz in torch on the host (as
+        torch.optim.Muon on the CPU), the apply pass (queued: it runs while the next matrix's
+        iterations do)."""
+        tickets = []
+        try:
+            for seg in segments:
+                a = seg.args
+                update = torch.empty(seg.shape, dtype=torch.bfloat16)
+                tickets.append(self._momentum(native, bufs, seg, update.view(-1), threads))
+                tickets[-1].wait()
+                ortho = newton_schulz(update, a.ns_coefficients, a.ns_steps, a.eps).contiguous()
+                tickets.append(self._apply(native, bufs, seg, ortho.view(-1), threads))
+        except BaseException:
+            wait_all(tickets)
+            raise
+        return tickets
+
+    def _pipelined_job(self, native, bufs: StepBuffers, segments: Sequence[Segment], threads, device) -> list:
+        """See [Note: Muon's pipeline]."""
+        slots = _staging(max(seg.stop - seg.start for seg in segments), device)
+        stream = _side_stream(device)
+        n, tickets, done = len(segments), [], [None] * len(segments)
+
+        def stage(i: int) -> torch.Tensor:
+            seg = segments[i]
+            return slots[i % len(slots)][:seg.stop - seg.start]
+
+        def apply(i: int) -> None:
+            done[i].synchronize()  # its orthogonalised update is in the slot (GIL released)
+            tickets.append(self._apply(native, bufs, segments[i], stage(i), threads))
+
+        try:
+            momentum = [self._momentum(native, bufs, segments[0], stage(0), threads)]
+            tickets.append(momentum[0])
+            for i, seg in enumerate(segments):
+                if i + 1 < n:  # queued now: runs while this matrix goes to the GPU and back
+                    momentum.append(self._momentum(native, bufs, segments[i + 1], stage(i + 1), threads))
+                    tickets.append(momentum[-1])
+                momentum[i].wait()
+                a, host = seg.args, stage(i).view(seg.shape)
+                with torch.cuda.device(device), torch.cuda.stream(stream):
+                    x = host.to(device, non_blocking=True)
+                    ortho = newton_schulz(x, a.ns_coefficients, a.ns_steps, a.eps)
+                    host.copy_(ortho, non_blocking=True)  # into the same pinned slot
+                    done[i] = torch.cuda.Event()
+                    done[i].record(stream)
+                del x, ortho  # (the caching allocator reuses them on this stream only: in order)
+                if i > 0:
+                    apply(i - 1)
+            apply(n - 1)
+        except BaseException:
+            wait_all(tickets)
+            try:
+                stream.synchronize()  # no copy may still land in a slot the next job fills
+            except BaseException:
+                pass
+            raise
+        return tickets
