@@ -12,23 +12,51 @@ caller's stream, ``device_step``):
   CPU-Adam is) when that module is built, else torch ops on the worker with the same semantics.
   Host traffic per param: SGD 4 (master) + 4 (momentum, if any) bytes read and written plus the
   grad; Lion the same with its one moment. No GPU work.
-- Adafactor needs a whole param (row and column means): one call per param, torch ops on the
-  worker (torch's intra-op threads). State is factored for params of 2 or more dims (a row and a
-  column vector per matrix: about (rows + cols) x 4 bytes instead of 4 per element), full for
-  1-D ones. Two host syncs per param (torch's ``.item()`` of two norms, as torch does).
-- Muon needs a whole 2-D param: per matrix, on the worker, the momentum update (``lerp``; fp32, in
-  the tier placement chose) and the Nesterov blend run on the host; the Newton-Schulz iterations
-  run on the compute device when it is a GPU (``StepBuffers.device``): the blended update goes to
-  the device in bf16 (2 bytes per element: torch casts it to bf16 first anyway), ``ns_steps``
-  iterations of three bf16 matmuls on a side stream (about ``ns_steps * (4 m^2 n + 2 m^3)``
-  flops for an m x n matrix, m <= n: ~0.8 TFLOP for 2048 x 8192 at 5 steps, a few ms on an H100)
-  and the orthogonalised matrix comes back in bf16 (2 bytes per element), then the decayed
-  master takes it on the host. So 4 bytes per element cross PCIe per step beside what AdamW
-  moves, and the worker waits for its matrix's round trip (the next chunk's grads keep landing
-  meanwhile). On a CPU-only run the iterations run on the host (slow for large matrices: O(m^2 n)
-  per iteration on the CPU's bf16 matmul), exactly as ``torch.optim.Muon`` on the CPU does.
-  Muon takes 2-D params only (torch's rule): embeddings' and heads' matrices may go to it, but
-  torch's recipe puts them, and every 1-D param, in an AdamW group.
+- Adafactor needs a whole param (row and column means): one native call per param
+  (``adafactor_step_async``, queued on the kernel thread, multi-threaded over row blocks), in
+  three passes over it: (1) the param's sum of squares (its RMS) and the sums of squares of g's
+  rows and columns, (2) the update's sum of squares, the update recomputed on the fly and never
+  stored, (3) the decay, the update and the working copy's rounding, in one pass; the factors'
+  lerps and means run between the passes. Host traffic per element, bf16 grads: 6 + 2 + 12 =
+  20 bytes (the torch op chain it replaces made about ten passes with temporaries). State is
+  factored for params of 2 or more dims (a row and a column vector per matrix: about (rows +
+  cols) x 4 bytes instead of 4 per element), full for 1-D ones (two passes then: the variance
+  update and both sums, then the apply). Without the native module: ``device_step``'s torch
+  ops on the worker.
+- Muon needs a whole 2-D param: per matrix, two native passes on the host and Newton-Schulz on
+  the compute device when it is a GPU (``StepBuffers.device``), pipelined over the chunk's
+  matrices ([Note: Muon's pipeline]). The momentum pass (lerp in fp32, in the tier placement
+  chose, and the Nesterov blend) writes the update as bf16 (torch casts it to bf16 first
+  anyway) into a pinned slot; it goes to the device (2 bytes per element), ``ns_steps``
+  iterations of three bf16 matmuls run on a side stream (about ``ns_steps * (4 m^2 n + 2 m^3)``
+  flops for an m x n matrix, m <= n: ~0.8 TFLOP for 2048 x 8192 at 5 steps, a few ms on an
+  H100) and the orthogonalised matrix comes back into the same slot (2 bytes per element); the
+  apply pass decays the master, adds the update and rounds the working copy in one pass. Host
+  traffic per element, bf16 grads: 12 + 12 bytes; PCIe: 4. On a CPU-only run the iterations
+  run on the host in torch (slow for large matrices: O(m^2 n) per iteration on the CPU's bf16
+  matmul), exactly as ``torch.optim.Muon`` on the CPU does. Muon takes 2-D params only (torch's
+  rule): embeddings' and heads' matrices may go to it, but torch's recipe puts them, and every
+  1-D param, in an AdamW group.
+
+Each rule's ``device_step`` (the GPU share) is its reference's torch ops, op for op, and so is
+the host's fallback when the native module is missing. The native passes equal those ops bit
+for bit except for Adafactor's sums of squares, which are fp64 in a fixed order (torch's are
+fp32): its norms and factor means may differ in their last bit ([Note: Muon and Adafactor
+formula order] in csrc/cpu_rules_kernel.h).
+
+[Note: Muon's pipeline] A host job's matrices go through STAGING_SLOTS (3) pinned bf16 slots of
+the worker thread (sized to the largest matrix seen), matrix i in slot i % 3. Its momentum pass
+is queued on the kernel thread before matrix i - 1's copies and iterations are issued, so the
+cores run it while the GPU works; once it is done, matrix i goes to the GPU and back into its
+slot on the side stream (an event marks the copy back), then the worker waits for matrix i - 1's
+event and queues its apply pass. So the kernel thread alternates momentum(i + 1) and apply(i - 1)
+while the GPU does matrix i, and nothing is copied from pageable memory. A slot is safe to
+reuse: the kernel queue runs in submission order, so matrix i's apply pass (queued before
+matrix i + 3's momentum pass is) has read it before that pass writes it, and matrix i's copy
+back has landed (its event was waited for) before either is queued; across jobs the same holds
+(every event is waited for before a job returns), and each worker thread has its own slots. The
+job returns with the last apply passes still queued: the worker completes them as it does
+CPU-Adam's kernels ([Note: two jobs in flight] in pipeline.py).
 """
 from __future__ import annotations
 
