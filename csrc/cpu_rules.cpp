@@ -22,7 +22,6 @@
 #include <chrono>
 #include <cmath>
 #include <functional>
-#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -268,6 +267,15 @@ float adafactor_step_size(double param_sq, double update_sq, const AdafactorCons
   return static_cast<float>(-alpha / denom);
 }
 
+// The sums of one Adafactor call: grown to the largest param seen and reused, one per thread
+// (the kernel thread runs one job at a time; a direct call uses its caller's), so a call neither
+// allocates nor faults in fresh pages.
+double* scratch(int64_t n) {
+  thread_local std::vector<double> buffer;
+  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
+  return buffer.data();
+}
+
 void adafactor_factored(const Kernels& k, FactorBuffers b, FactorScalars s,
                         const AdafactorConstants& c, int64_t batch, int threads) {
   const int64_t rows = b.rows, cols = b.cols, numel = batch * rows * cols;
@@ -279,30 +287,33 @@ void adafactor_factored(const Kernels& k, FactorBuffers b, FactorScalars s,
     *row1 = std::min(first + rows, *row0 + plan.block_rows);
   };
   // Pass 1: sums of squares of the param, of g's rows and columns ([Note: Adafactor's row blocks]).
-  std::vector<double> row_sq(batch * rows), col_sq(batch * cols), task_sq(tasks);
-  std::unique_ptr<double[]> partial(plan.blocks > 1 ? new double[tasks * cols] : nullptr);
+  const int64_t partials = plan.blocks > 1 ? tasks * cols : 0;
+  double* const row_sq = scratch(batch * rows + batch * cols + tasks + partials);
+  double* const col_sq = row_sq + batch * rows;
+  double* const task_sq = col_sq + batch * cols;
+  double* const partial = task_sq + tasks;
   run_tasks(tasks, numel, threads, [&](int64_t t) {
     int64_t row0, row1;
     task_rows(t, &row0, &row1);
-    double* acc = plan.blocks > 1 ? partial.get() + t * cols : col_sq.data() + (t / plan.blocks) * cols;
+    double* acc = plan.blocks > 1 ? partial + t * cols : col_sq + (t / plan.blocks) * cols;
     std::fill(acc, acc + cols, 0.0);
-    task_sq[t] = k.factor_sums(b, s, row0, row1, row_sq.data(), acc);
+    task_sq[t] = k.factor_sums(b, s, row0, row1, row_sq, acc);
   });
   if (plan.blocks > 1) {
     const int64_t pieces = (cols + kColumnPiece - 1) / kColumnPiece;
-    run_tasks(batch * pieces, tasks * cols, threads, [&](int64_t t) {
+    run_tasks(batch * pieces, partials, threads, [&](int64_t t) {
       const int64_t matrix = t / pieces, j0 = (t % pieces) * kColumnPiece;
       const int64_t j1 = std::min(cols, j0 + kColumnPiece);
-      double* sum = col_sq.data() + matrix * cols;
+      double* sum = col_sq + matrix * cols;
       std::fill(sum + j0, sum + j1, 0.0);
       for (int64_t block = 0; block < plan.blocks; ++block) {
-        const double* part = partial.get() + (matrix * plan.blocks + block) * cols;
+        const double* part = partial + (matrix * plan.blocks + block) * cols;
         for (int64_t j = j0; j < j1; ++j) sum[j] += part[j];
       }
     });
   }
   double param_sq = 0.0;
-  for (double x : task_sq) param_sq += x;
+  for (int64_t t = 0; t < tasks; ++t) param_sq += task_sq[t];
   // The factors: row_var.lerp_(norm(g, dim=-1)^2 / cols, w), col_var likewise over rows; the
   // update's denominator, row_var.mean(dim=-2).clamp_(min=eps1), per matrix.
   for (int64_t q = 0; q < batch * rows; ++q) {
@@ -312,7 +323,8 @@ void adafactor_factored(const Kernels& k, FactorBuffers b, FactorScalars s,
     b.col_var[q] = lerp(b.col_var[q], mean_of_squares(col_sq[q], rows), s);
   }
   const float eps1 = static_cast<float>(c.eps1);
-  std::vector<float> row_scale(batch);
+  thread_local std::vector<float> row_scale;
+  row_scale.resize(batch);
   for (int64_t m = 0; m < batch; ++m) {
     double sum = 0.0;
     for (int64_t r = 0; r < rows; ++r) sum += b.row_var[m * rows + r];
@@ -327,7 +339,7 @@ void adafactor_factored(const Kernels& k, FactorBuffers b, FactorScalars s,
     task_sq[t] = k.factor_norm(b, s, row0, row1);
   });
   double update_sq = 0.0;
-  for (double x : task_sq) update_sq += x;
+  for (int64_t t = 0; t < tasks; ++t) update_sq += task_sq[t];
   s.neg_step = adafactor_step_size(param_sq, update_sq, c);
   // Pass 3: decay, the update, the copy-out.
   run_tasks(tasks, numel, threads, [&](int64_t t) {
@@ -341,12 +353,13 @@ void adafactor_vector(const Kernels& k, FactorBuffers b, FactorScalars s,
                       const AdafactorConstants& c, int64_t numel, int threads) {
   // Pass 1: variance.lerp_(g * g, w); the sums of squares of the param and the update, per
   // chunk, added in chunk order.
-  std::vector<double> sums(2 * cpu_runtime::chunks_for(numel).count, 0.0);
+  const int64_t chunks = cpu_runtime::chunks_for(numel).count;
+  double* const sums = scratch(2 * chunks);
   cpu_runtime::parallel_chunks(numel, threads, [&](int64_t chunk, int64_t begin, int64_t end) {
-    k.vector_sums(b, s, begin, end, sums.data() + 2 * chunk);
+    k.vector_sums(b, s, begin, end, sums + 2 * chunk);
   });
   double param_sq = 0.0, update_sq = 0.0;
-  for (size_t i = 0; i < sums.size(); i += 2) {
+  for (int64_t i = 0; i < 2 * chunks; i += 2) {
     param_sq += sums[i];
     update_sq += sums[i + 1];
   }
