@@ -1,8 +1,9 @@
-"""SGD and Lion on the CPU: zero_offload's native kernels vs torch, side by side in one process.
+"""SGD, Lion, Adafactor and Muon on the CPU: zero_offload's native kernels vs torch, side by side
+in one process.
 
-Question: how fast are the native SGD and Lion updates (ops/cpu_rules.py) on the update an
-offload engine does (fp32 params, bf16 grads in, optionally bf16 params out), against what torch
-offers for the same update on the CPU?
+Question: how fast are the native updates (ops/cpu_rules.py) on the update an offload engine does
+(fp32 params, bf16 grads in, optionally bf16 params out), against what torch offers for the same
+update on the CPU?
 
 Rows, per rule, all on the same --threads (torch.set_num_threads and our `threads`):
   SGD (momentum 0.9, dampening 0, weight_decay 1e-4, not Nesterov: torch's common recipe)
@@ -20,10 +21,26 @@ Rows, per rule, all on the same --threads (torch.set_num_threads and our `thread
   torch cannot give an fp32 param a bf16 grad without changing its grad_dtype, so its rows widen
   the grad into an fp32 buffer allocated once (as an engine would), and the copy-out is a
   separate pass. Every row has its own param and state; the bf16 grad is shared (read only).
+  Adafactor and Muon (whole params: the matrices of --layers GPT blocks of --d-model, per block
+  (3d, d), (d, d), (4d, d), (d, 4d) as nn.Linear weights; d=2048, 24 layers is the 1.31B model's
+  1.2B matrix elements), one step over every matrix per repeat, all with the copy-out:
+  Adafactor (lr 1e-2, weight_decay 1e-2, torch's defaults otherwise)
+    ours + copy-out      adafactor_step per matrix: three passes (20 bytes/element)
+    torch ops + out      runtime/rules.py AdafactorRule.device_step on the host buffers: the
+                         torch.optim.Adafactor op chain, grad widened per matrix, then the
+                         copy-out (what the engine's CPU job ran before the native kernels)
+  Muon's host passes (momentum 0.95, Nesterov, weight_decay 0.1; Newton-Schulz excluded: it runs
+  on the GPU, and a fixed bf16 matrix stands in for its result)
+    ours + copy-out      muon_momentum (update -> bf16) + muon_apply per matrix (24 bytes/element)
+    torch ops + out      g = grad.float(); buf.lerp_(g, 1 - m); u = g.lerp(buf, m).bfloat16();
+                         p.mul_(1 - lr wd); p.add_(ortho, alpha=-lr'); out.copy_(p) (the previous
+                         CPU job's host part)
 
 Reference -> check -> timing: first, on a small size (--check-numel), three steps of ours must
 equal torch.optim.SGD(foreach=False) and the torch-ops Lion bit for bit (params, state and the
-copy-out); then the timing. Each repeat runs every row of a rule once, in a fresh random order,
+copy-out), Muon's passes its torch ops bit for bit, and Adafactor the torch ops within 1e-6
+(relative norm of the difference: its sums of squares are fp64 here, fp32 in torch); then the
+timing. Each repeat runs every row of a rule once, in a fresh random order,
 so machine noise hits them alike; the first --warmup repeats are not counted. Reported per row:
 median ms per step and its IQR (75th - 25th percentile) over --repeats (>= 20), Gelem/s, GB/s of
 the update's minimum traffic (SGD: fp32 param and buffer read + written, bf16 grad read = 18
@@ -32,11 +49,13 @@ comparable row's median to ours.
 
     python benchmarks/bench_cpu_rules.py --numel 100M --threads 16 --repeats 21
     python benchmarks/bench_cpu_rules.py --numel 4M --threads 2 --repeats 20 --json-out /tmp/rules.json
+    python benchmarks/bench_cpu_rules.py --rules adafactor,muon --d-model 2048 --layers 24 --threads 32
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import random
@@ -48,11 +67,18 @@ from typing import Callable
 import torch
 
 from zero_offload.ops.cpu_adam import default_threads, isa
-from zero_offload.ops.cpu_rules import lion_step, sgd_step
+from zero_offload.ops.cpu_rules import adafactor_step, lion_step, muon_apply, muon_momentum, sgd_step
+from zero_offload.runtime.rules import AdafactorArgs, AdafactorRule, adafactor_state_shapes, muon_lr
+from zero_offload.runtime.update_rule import Segment, StepBuffers
 
 SGD = dict(lr=1e-3, momentum=0.9, dampening=0.0, weight_decay=1e-4, nesterov=False)
 LION = dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.1)
-BYTES = {"sgd": 18, "lion": 18}  # fp32 param + state read and written, bf16 grad read
+ADAFACTOR = dict(lr=1e-2, weight_decay=1e-2)
+MUON = dict(lr=2e-2, momentum=0.95, nesterov=True, weight_decay=0.1)
+BYTES = {"sgd": 18, "lion": 18,  # fp32 param + state read and written, bf16 grad read
+         "adafactor": 20,        # (param + grad) + grad + (param, grad, param, out): 6 + 2 + 12
+         "muon": 24}             # (grad, buf, buf, update) + (param, ortho, param, out): 12 + 12
+RULES = ("sgd", "lion", "adafactor", "muon")
 MIN_REPEATS = 20
 
 
@@ -108,6 +134,79 @@ def check(numel: int, threads: int) -> None:
     _same("Lion param", param, ref)
     _same("Lion exp_avg", m, ref_m)
     _same("Lion out_lowp", out, param.bfloat16())
+
+
+def gpt_shapes(d_model: int, layers: int) -> list[tuple[int, int]]:
+    """The matrices of ``layers`` GPT blocks (nn.Linear weights: out x in)."""
+    d = d_model
+    return [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * layers
+
+
+def _adafactor_torch(param, grad, state, out, shape, step):
+    """AdafactorRule.device_step (torch.optim.Adafactor's op chain) on one param's host buffers."""
+    args = AdafactorArgs(lr=ADAFACTOR["lr"], beta2_decay=-0.8, eps1=None, eps2=1e-3, d=1.0,
+                         weight_decay=ADAFACTOR["weight_decay"])
+    spans, flat = {}, {}
+    for k, t in state.items():
+        spans[k], flat[k] = (0, t.numel()), t
+    bufs = StepBuffers(cid=0, param=param, grad=grad, state=flat, lowp=out)
+    AdafactorRule().device_step(bufs, [Segment(0, param.numel(), step, args, shape=shape, spans=spans)])
+
+
+def _muon_torch(param, grad, buf, update, ortho, out, shape):
+    """The previous CPU job's host part of torch.optim.Muon, torch ops (``update``: the bf16 input
+    Newton-Schulz would get; ``ortho``: its stand-in result)."""
+    m = MUON["momentum"]
+    g = grad.float()
+    buf.lerp_(g, 1 - m)
+    update.copy_(g.lerp(buf, m))
+    param.mul_(1 - MUON["lr"] * MUON["weight_decay"])
+    param.add_(ortho, alpha=-muon_lr(MUON["lr"], None, shape))
+    out.copy_(param)
+
+
+def _muon_ours(param, grad, buf, update, ortho, out, shape, threads):
+    muon_momentum(grad, buf, update, momentum=MUON["momentum"], nesterov=MUON["nesterov"], threads=threads)
+    muon_apply(param, ortho, out, lr=MUON["lr"], weight_decay=MUON["weight_decay"],
+               adjusted_lr=muon_lr(MUON["lr"], None, shape), threads=threads)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+def check_whole(threads: int) -> None:
+    """Adafactor within 1e-6 of the torch ops over three steps (a matrix, a batch of matrices, a
+    vector); Muon's passes bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(67, 131), (3, 17, 9), (1037,)]:
+        start = torch.randn(shape, generator=gen).flatten()
+        param, ref = start.clone(), start.clone()
+        state = {k: torch.zeros(math.prod(v)) for k, v in adafactor_state_shapes(shape).items()}
+        ref_state = {k: v.clone() for k, v in state.items()}
+        out, ref_out = (torch.empty(start.numel(), dtype=torch.bfloat16) for _ in range(2))
+        for step in (1, 2, 3):
+            grad = torch.randn(start.numel(), generator=gen).bfloat16()
+            adafactor_step(param, grad, **state, out_lowp=out, shape=shape, step=step, threads=threads, **ADAFACTOR)
+            _adafactor_torch(ref, grad, ref_state, ref_out, shape, step)
+        for what, ours, theirs in [("param", param, ref), *((k, state[k], ref_state[k]) for k in state)]:
+            if _rel(ours, theirs) > 1e-6:
+                sys.exit(f"check failed: Adafactor {what} of shape {shape} is {_rel(ours, theirs):.2e} from the torch "
+                         f"ops (> 1e-6); not timing")
+        _same("Adafactor out_lowp", out, param.bfloat16())
+    shape = (67, 131)
+    numel = math.prod(shape)
+    start = torch.randn(numel, generator=gen)
+    rows = [[start.clone(), torch.zeros(numel), torch.empty(numel, dtype=torch.bfloat16),
+             torch.empty(numel, dtype=torch.bfloat16)] for _ in range(2)]
+    for _ in range(3):
+        grad, ortho = torch.randn(numel, generator=gen).bfloat16(), torch.randn(numel, generator=gen).bfloat16()
+        p, b, u, o = rows[0]
+        _muon_ours(p, grad, b, u, ortho, o, shape, threads)
+        p, b, u, o = rows[1]
+        _muon_torch(p, grad, b, u, ortho, o, shape)
+    for what, ours, theirs in zip(("param", "momentum_buffer", "update", "out_lowp"), *rows):
+        _same(f"Muon {what}", ours, theirs)
 
 
 def _same(what: str, ours: torch.Tensor, ref: torch.Tensor) -> None:
@@ -180,6 +279,49 @@ def lion_rows(numel: int, threads: int, grad: torch.Tensor) -> dict[str, tuple[C
     }
 
 
+def adafactor_rows(shapes: list, threads: int, grads: list) -> dict[str, tuple[Callable[[], None], int]]:
+    """name -> (one step over every matrix, bytes per element)."""
+    def make(ours: bool):
+        params = [torch.randn(math.prod(s)) for s in shapes]
+        outs = [torch.empty(math.prod(s), dtype=torch.bfloat16) for s in shapes]
+        states = [{k: torch.zeros(math.prod(v)) for k, v in adafactor_state_shapes(s).items()} for s in shapes]
+        step = [0]
+
+        def run():
+            step[0] += 1
+            for p, g, st, o, s in zip(params, grads, states, outs, shapes):
+                if ours:
+                    adafactor_step(p, g, **st, out_lowp=o, shape=s, step=step[0], threads=threads, **ADAFACTOR)
+                else:
+                    _adafactor_torch(p, g, st, o, s, step[0])
+        return run
+
+    return {"ours + copy-out": (make(True), BYTES["adafactor"]),
+            "torch ops + out": (make(False), BYTES["adafactor"])}
+
+
+def muon_rows(shapes: list, threads: int, grads: list) -> dict[str, tuple[Callable[[], None], int]]:
+    orthos = [torch.randn(math.prod(s)).bfloat16() for s in shapes]
+    update = torch.empty(max(math.prod(s) for s in shapes), dtype=torch.bfloat16)  # one staging buffer
+
+    def make(ours: bool):
+        params = [torch.randn(math.prod(s)) for s in shapes]
+        bufs = [torch.zeros(math.prod(s)) for s in shapes]
+        outs = [torch.empty(math.prod(s), dtype=torch.bfloat16) for s in shapes]
+
+        def run():
+            for p, g, b, x, o, s in zip(params, grads, bufs, orthos, outs, shapes):
+                u = update[:p.numel()]
+                if ours:
+                    _muon_ours(p, g, b, u, x, o, s, threads)
+                else:
+                    _muon_torch(p, g, b, u, x, o, s)
+        return run
+
+    return {"ours + copy-out": (make(True), BYTES["muon"]),
+            "torch ops + out": (make(False), BYTES["muon"])}
+
+
 def measure(rows: dict, repeats: int, warmup: int, seed: int) -> dict[str, list[float]]:
     """Seconds per step of every row, over `repeats` repeats, rows in a fresh random order each."""
     rng = random.Random(seed)
@@ -231,36 +373,60 @@ def main(argv=None) -> int:
                         help="threads for every row (ours and torch's); default: the CPUs this process may use")
     parser.add_argument("--repeats", type=int, default=21, help=f"timed repeats (>= {MIN_REPEATS})")
     parser.add_argument("--warmup", type=int, default=2, help="untimed repeats first")
-    parser.add_argument("--rules", default="sgd,lion", help="comma-separated: sgd, lion")
+    parser.add_argument("--rules", default="sgd,lion", help="comma-separated: sgd, lion, adafactor, muon")
+    parser.add_argument("--d-model", type=int, default=2048,
+                        help="adafactor, muon: the GPT blocks' width (default 2048, the 1.31B model's)")
+    parser.add_argument("--layers", type=int, default=24,
+                        help="adafactor, muon: how many blocks' matrices (default 24, the 1.31B model's)")
     parser.add_argument("--check-numel", type=_count, default=_count("1M") + 37,
                         help="elements of the bit-for-bit check before timing")
     parser.add_argument("--seed", type=int, default=0, help="seed of the row order")
     parser.add_argument("--json-out", help="also write the results here")
     args = parser.parse_args(argv)
     rules = [r.strip() for r in args.rules.split(",") if r.strip()]
-    bad = [r for r in rules if r not in ("sgd", "lion")]
+    bad = [r for r in rules if r not in RULES]
     if bad or not rules:
-        parser.error(f"--rules: unknown {bad or rules!r}; choose from sgd, lion")
+        parser.error(f"--rules: unknown {bad or rules!r}; choose from {', '.join(RULES)}")
     if args.repeats < MIN_REPEATS:
         parser.error(f"--repeats must be >= {MIN_REPEATS} (the median and IQR need them), got {args.repeats}")
-    if args.threads < 1 or args.numel < 1:
-        parser.error("--threads and --numel must be >= 1")
+    if args.threads < 1 or args.numel < 1 or args.d_model < 1 or args.layers < 1:
+        parser.error("--threads, --numel, --d-model and --layers must be >= 1")
 
     torch.set_num_threads(args.threads)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # for any child process; torch's pool is set above
-    check(min(args.check_numel, args.numel + 37), args.threads)
-    print(f"# SGD / Lion on the CPU: {args.numel:,} elements, fp32 params, bf16 grads, {args.threads} threads, "
-          f"ISA {isa()}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"{args.repeats} repeats (+{args.warmup} warm-up); check passed (bit-equal to the references)")
-    grad = torch.randn(args.numel).bfloat16()
+    elementwise = [r for r in rules if r in ("sgd", "lion")]
+    whole = [r for r in rules if r in ("adafactor", "muon")]
+    if elementwise:
+        check(min(args.check_numel, args.numel + 37), args.threads)
+    if whole:
+        check_whole(args.threads)
+    shapes = gpt_shapes(args.d_model, args.layers)
+    total = sum(math.prod(s) for s in shapes)
+    print(f"# {', '.join(rules)} on the CPU: fp32 params, bf16 grads, {args.threads} threads, ISA {isa()}, torch "
+          f"{torch.__version__}, {platform.processor() or platform.machine()}, {args.repeats} repeats "
+          f"(+{args.warmup} warm-up); " + "; ".join(
+              ([f"sgd/lion: {args.numel:,} elements"] if elementwise else [])
+              + ([f"adafactor/muon: {len(shapes)} matrices of {args.layers} GPT blocks of d_model {args.d_model} "
+                  f"({total:,} elements)"] if whole else []))
+          + "; check passed (SGD, Lion, Muon bit-equal to the references, Adafactor within 1e-6)")
     results = []
-    for rule in rules:
-        rows = (sgd_rows if rule == "sgd" else lion_rows)(args.numel, args.threads, grad)
-        results += summarize(rule, rows, measure(rows, args.repeats, args.warmup, args.seed), args.numel)
-        del rows  # free this rule's buffers before the next
+    if elementwise:
+        grad = torch.randn(args.numel).bfloat16()
+        for rule in elementwise:
+            rows = (sgd_rows if rule == "sgd" else lion_rows)(args.numel, args.threads, grad)
+            results += summarize(rule, rows, measure(rows, args.repeats, args.warmup, args.seed), args.numel)
+            del rows  # free this rule's buffers before the next
+        del grad
+    if whole:
+        grads = [torch.randn(math.prod(s)).bfloat16() for s in shapes]
+        for rule in whole:
+            rows = (adafactor_rows if rule == "adafactor" else muon_rows)(shapes, args.threads, grads)
+            results += summarize(rule, rows, measure(rows, args.repeats, args.warmup, args.seed), total)
+            del rows
     print(table(results))
     if args.json_out:
-        meta = dict(numel=args.numel, threads=args.threads, isa=isa(), torch=torch.__version__,
+        meta = dict(numel=args.numel, d_model=args.d_model, layers=args.layers, whole_numel=total,
+                    threads=args.threads, isa=isa(), torch=torch.__version__,
                     repeats=args.repeats, warmup=args.warmup, date=time.strftime("%Y-%m-%d"))
         with open(args.json_out, "w") as f:
             json.dump(dict(meta=meta, results=results), f, indent=1)

@@ -21,7 +21,9 @@
 //     kSrIndexMul), its element's hash; see [Note: bf16 moments with stochastic rounding])
 //   store_bf16_stochastic<SrHalf>(void* base, int64_t i, F, SrHash)   (lane k stochastically
 //     rounded to bf16 with the low or high 16 bits of lane k's hash)
-//   Acc, acc_zero(), acc_add_squares(Acc, F) (fp64 accumulation), acc_total(Acc) -> double.
+//   Acc, acc_zero(), acc_add_squares(Acc, F) (fp64 accumulation), acc_total(Acc) -> double,
+//     acc_load(const double*) / acc_store(double*, Acc) (kLanes doubles, lane k's at [k]),
+//   max(F a, F lo): torch's clamp_min (lo where a < lo, else a; a NaN a kept).
 #pragma once
 
 #include <cstdint>

@@ -31,6 +31,9 @@ struct Avx2Trait {
   static F div(F a, F b) { return _mm256_div_ps(a, b); }
   static F sqrt(F a) { return _mm256_sqrt_ps(a); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  // clamp_min: lo where a < lo, else a (maxps returns its second operand when either is NaN,
+  // so a NaN a is kept, as torch's clamp_min keeps it).
+  static F max(F a, F lo) { return _mm256_max_ps(lo, a); }
   static bool any_nan(F a) { return _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)) != 0; }
   // +1 / -1, +0 for +-0, NaN kept (Lion: [Note: sign of NaN] in cpu_rules_kernel.h).
   static F sign(F a) {
@@ -122,6 +125,12 @@ struct Avx2Trait {
     const __m256d sum = _mm256_add_pd(acc.lo, acc.hi);
     const __m128d pair = _mm_add_pd(_mm256_castpd256_pd128(sum), _mm256_extractf128_pd(sum, 1));
     return _mm_cvtsd_f64(_mm_add_sd(pair, _mm_unpackhi_pd(pair, pair)));
+  }
+  // The 8 lanes' accumulators from / to 8 doubles, in lane order.
+  static Acc acc_load(const double* p) { return Acc{_mm256_loadu_pd(p), _mm256_loadu_pd(p + 4)}; }
+  static void acc_store(double* p, Acc acc) {
+    _mm256_storeu_pd(p, acc.lo);
+    _mm256_storeu_pd(p + 4, acc.hi);
   }
 };
 

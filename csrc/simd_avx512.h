@@ -32,6 +32,9 @@ struct Avx512Trait {
   static F div(F a, F b) { return _mm512_div_ps(a, b); }
   static F sqrt(F a) { return _mm512_sqrt_ps(a); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  // clamp_min: lo where a < lo, else a (maxps returns its second operand when either is NaN,
+  // so a NaN a is kept, as torch's clamp_min keeps it).
+  static F max(F a, F lo) { return _mm512_max_ps(lo, a); }
   static bool any_nan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0; }
   // +1 / -1, +0 for +-0, NaN kept (Lion: [Note: sign of NaN] in cpu_rules_kernel.h).
   static F sign(F a) {
@@ -118,6 +121,12 @@ struct Avx512Trait {
     return Acc{_mm512_fmadd_pd(lo, lo, acc.lo), _mm512_fmadd_pd(hi, hi, acc.hi)};
   }
   static double acc_total(Acc acc) { return _mm512_reduce_add_pd(_mm512_add_pd(acc.lo, acc.hi)); }
+  // The 16 lanes' accumulators from / to 16 doubles, in lane order.
+  static Acc acc_load(const double* p) { return Acc{_mm512_loadu_pd(p), _mm512_loadu_pd(p + 8)}; }
+  static void acc_store(double* p, Acc acc) {
+    _mm512_storeu_pd(p, acc.lo);
+    _mm512_storeu_pd(p + 8, acc.hi);
+  }
 };
 
 }  // namespace

@@ -96,6 +96,8 @@ struct ScalarTrait {
   static F div(F a, F b) { return a / b; }
   static F sqrt(F a) { return std::sqrt(a); }
   static F fmadd(F a, F b, F c) { return std::fma(a, b, c); }
+  // clamp_min: lo where a < lo, else a (a NaN a is kept, as torch's clamp_min keeps it).
+  static F max(F a, F lo) { return a < lo ? lo : a; }
   static bool any_nan(F a) { return std::isnan(a); }
   // +1 / -1, +0 for +-0, NaN kept (Lion: [Note: sign of NaN] in cpu_rules_kernel.h).
   static F sign(F a) { return a > 0.0f ? 1.0f : a < 0.0f ? -1.0f : a != a ? a : 0.0f; }
@@ -127,6 +129,8 @@ struct ScalarTrait {
   static Acc acc_zero() { return 0.0; }
   static Acc acc_add_squares(Acc acc, F x) { return acc + static_cast<double>(x) * x; }
   static double acc_total(Acc acc) { return acc; }
+  static Acc acc_load(const double* p) { return *p; }
+  static void acc_store(double* p, Acc acc) { *p = acc; }
 };
 
 }  // namespace

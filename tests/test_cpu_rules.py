@@ -431,7 +431,8 @@ def test_native_entry_points_recheck_what_python_checked():
 
 
 def test_benchmark_script_checks_and_times(tmp_path):
-    """benchmarks/bench_cpu_rules.py runs end to end (its bit-for-bit check included) at a tiny size."""
+    """benchmarks/bench_cpu_rules.py runs end to end (its checks against the references included) at
+    a tiny size, the elementwise rules and the whole-param ones."""
     repo = pathlib.Path(__file__).resolve().parents[1]
     out = tmp_path / "rules.json"
     env = dict(os.environ)  # zero_offload as this process imports it (a CI install: site-packages)
@@ -443,6 +444,14 @@ def test_benchmark_script_checks_and_times(tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert {(row["rule"], row["row"]) for row in rows} >= {("sgd", "torch fused"), ("lion", "ours + copy-out")}
     assert all(row["samples"] == 20 and row["median_ms"] > 0 for row in rows)
+    r = subprocess.run([sys.executable, str(repo / "benchmarks" / "bench_cpu_rules.py"), "--rules", "adafactor,muon",
+                        "--d-model", "48", "--layers", "1", "--threads", "1", "--repeats", "20", "--warmup", "0",
+                        "--json-out", str(out)], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "check passed" in r.stdout and "| adafactor | ours + copy-out |" in r.stdout
+    rows = json.loads(out.read_text())["results"]
+    assert {(row["rule"], row["row"]) for row in rows} == {(rule, row) for rule in ("adafactor", "muon")
+                                                           for row in ("ours + copy-out", "torch ops + out")}
     r = subprocess.run([sys.executable, str(repo / "benchmarks" / "bench_cpu_rules.py"), "--repeats", "5"],
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 2 and "--repeats must be >= 20" in r.stderr

@@ -128,7 +128,12 @@ def test_trains_like_torch(name, case, tmp_path):
 @pytest.mark.parametrize("name", NAMES)
 def test_bf16_params_keep_fp32_masters(name):
     """bf16 params: the rule updates fp32 masters, the params are their rounding; the reference is
-    the same recipe in torch (the torch optimizer on fp32 masters fed the bf16 grads)."""
+    the same recipe in torch (the torch optimizer on fp32 masters fed the bf16 grads). Every rule's
+    params are its masters rounded, exactly; but for Adafactor those masters are torch's: its sums
+    of squares are fp64 on the host (torch's fp32: [Note: Muon and Adafactor formula order] in
+    csrc/cpu_rules_kernel.h), a last-bit difference that flips a few bf16 roundings of the params,
+    which the bf16 forward feeds back into the next grads (as test_rules.py's bf16 case), so its
+    masters are held to torch's within 1e-3 (measured: 1.4e-5 after the 4 steps)."""
     model = make_model(dtype=torch.bfloat16)
     work = make_model(dtype=torch.bfloat16)
     masters = make_model()  # (same init, fp32: the masters are the bf16 values widened)
@@ -150,10 +155,16 @@ def test_bf16_params_keep_fp32_masters(name):
             with torch.no_grad():
                 for p, m in zip(work.parameters(), masters.parameters()):
                     p.copy_(m)
-        assert max_rel_diff(model, work) == 0.0  # the params are the masters rounded
         sds = [o.state_dict() for o in (opt.opts if name == "muon" else (opt,))]
         got = {i: e["master"] for sd in sds for i, e in sd["state"].items()}
         assert got and all(g.dtype is torch.float32 for g in got.values())
+        if name == "adafactor":
+            params, refs = list(model.parameters()), list(masters.parameters())
+            for i, master in got.items():
+                assert torch.equal(params[i].detach(), master.reshape(params[i].shape).bfloat16())
+                assert (master.reshape(-1) - refs[i].detach().reshape(-1)).norm() <= 1e-3 * refs[i].detach().norm()
+        else:
+            assert max_rel_diff(model, work) == 0.0  # the params are the masters rounded
     finally:
         opt.close()
 

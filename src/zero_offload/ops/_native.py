@@ -29,7 +29,8 @@ kernels = _C.cpu_adam
 (``set_isa``) and the kernel queue's ``kernel_wait`` / ``kernel_ready``."""
 
 rules = _C.cpu_rules
-"""SGD and Lion (``sgd_step``, ``lion_step`` and their ``_async`` forms)."""
+"""SGD, Lion, Adafactor and Muon's host passes (``sgd_step``, ``lion_step``, ``adafactor_step``,
+``muon_momentum``, ``muon_apply`` and their ``_async`` forms)."""
 
 rng = getattr(_C, "rng", None)
 """torch's CPU random stream moved forward (``advance``); None in an extension built before it

@@ -1279,9 +1279,9 @@ class ChunkGroup:
         try:
             yield
         except PipelineError as e:
-            raise PipelineError(f"{self.owner}: a CPU-Adam job failed ({e.__cause__!r}); the optimizer "
-                                f"state is no longer consistent with the model (load a checkpoint or "
-                                f"state_dict, or rebuild it)") from e
+            raise PipelineError(f"{self.owner}: {e.job or 'a job of the update worker'} failed "
+                                f"({e.__cause__!r}); the optimizer state is no longer consistent with "
+                                f"the model (load a checkpoint or state_dict, or rebuild it)", job=e.job) from e
 
     def check(self) -> None:
         """Raise the worker's failure now, if there was one."""

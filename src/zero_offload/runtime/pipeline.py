@@ -1,4 +1,5 @@
-"""The step pipeline: a CPU-Adam worker thread that updates chunks as their grads land.
+"""The step pipeline: a worker thread that updates chunks as their grads land (each chunk by its
+update rule: CPU-Adam, SGD, Lion, Adafactor, Muon).
 
 Engine-agnostic: it knows a ``ChunkStore``, payload names and flat element ranges, nothing about
 modules or hooks. The engine (engine.py) and the optimizer-only entry point (``OffloadAdamW``)
@@ -92,7 +93,12 @@ __all__ = ["Accumulate", "GradJob", "PipelineError", "PipelinePayloads", "Pipeli
 
 
 class PipelineError(RuntimeError):
-    """A job failed on the worker thread; the original exception is the ``__cause__``."""
+    """A job failed on the worker thread; the original exception is the ``__cause__``, and
+    ``job`` says which (e.g. "the Muon update of chunk 3"; None: not a job's failure)."""
+
+    def __init__(self, message: str, *, job: Optional[str] = None):
+        super().__init__(message)
+        self.job = job
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,6 +194,11 @@ class _Running:
     tickets: list = field(default_factory=list)
 
 
+def _describe(update: "UpdateJob") -> str:
+    """An update job in messages: "the Muon update of chunk 3"."""
+    return f"the {getattr(update.rule, 'name', type(update.rule).__name__)} update of chunk {update.cid}"
+
+
 def _wait_quietly(tickets) -> None:
     """Wait for kernels that may still use buffers about to be released (errors are reported
     by ``_complete``, which waits first)."""
@@ -251,6 +262,7 @@ class StepPipeline:
         self._notifying = 0  # ``on_chunk_idle`` calls running on the worker (``drain`` waits for them)
         self._sumsq = 0.0
         self._error: Optional[BaseException] = None
+        self._failed_job: Optional[str] = None  # what ``_error`` broke, for messages
         self._closed = False
         self._pid = os.getpid()
         self._thread = threading.Thread(target=self._run, name="zero_offload-cpu-adam", daemon=True)
@@ -324,7 +336,11 @@ class StepPipeline:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise PipelineError(f"the CPU-Adam worker failed: {self._error!r}") from self._error
+            raise PipelineError(f"the update worker failed in {self._failed_job}: {self._error!r}",
+                                job=self._failed_job) from self._error
+
+    def _fail(self, error: BaseException, job: str) -> None:
+        self._error, self._failed_job = error, job
 
     # ---- scheduling ([Note: job order]) ---------------------------------------------------
 
@@ -407,15 +423,18 @@ class StepPipeline:
         kernels on the native kernel thread. Errors are kept for ``_finish`` to report."""
         run = _Running(q=q)
         t0 = time.perf_counter()
+        what = "reading optimizer state ahead"
         try:
             if self._error is None:
                 self._read_ahead()
                 job = q.job
+                what = f"the grads of chunk {q.cid}"
                 update = self._grads(job) if isinstance(job, GradJob) else job
                 if update is not None:
+                    what = _describe(update)
                     self._launch(update, run)
         except BaseException as e:
-            self._error = e
+            self._fail(e, what)
         self.stats.busy_s += time.perf_counter() - t0
         return run
 
@@ -428,7 +447,7 @@ class StepPipeline:
             if run.update is not None:
                 self._complete(run)
         except BaseException as e:
-            self._error = e
+            self._fail(e, _describe(run.update))
         finally:
             run.held.close()
             with self._cv:
@@ -443,7 +462,7 @@ class StepPipeline:
             try:
                 self.on_chunk_idle(q.cid)  # outside the lock: see [Note: lock order] (engine.py)
             except BaseException as e:
-                self._error = e
+                self._fail(e, f"the chunk-idle callback of chunk {q.cid}")
             finally:
                 with self._cv:
                     self._notifying -= 1
@@ -587,4 +606,4 @@ def _close_live_pipelines() -> None:
         try:
             pipeline.close()
         except BaseException as e:  # the interpreter is exiting: say so in one line, go on
-            print(f"zero_offload: stopping the CPU-Adam worker at exit failed: {e!r}", file=sys.stderr)
+            print(f"zero_offload: stopping the update worker at exit failed: {e!r}", file=sys.stderr)

@@ -12,28 +12,57 @@ caller's stream, ``device_step``):
   CPU-Adam is) when that module is built, else torch ops on the worker with the same semantics.
   Host traffic per param: SGD 4 (master) + 4 (momentum, if any) bytes read and written plus the
   grad; Lion the same with its one moment. No GPU work.
-- Adafactor needs a whole param (row and column means): one call per param, torch ops on the
-  worker (torch's intra-op threads). State is factored for params of 2 or more dims (a row and a
-  column vector per matrix: about (rows + cols) x 4 bytes instead of 4 per element), full for
-  1-D ones. Two host syncs per param (torch's ``.item()`` of two norms, as torch does).
-- Muon needs a whole 2-D param: per matrix, on the worker, the momentum update (``lerp``; fp32, in
-  the tier placement chose) and the Nesterov blend run on the host; the Newton-Schulz iterations
-  run on the compute device when it is a GPU (``StepBuffers.device``): the blended update goes to
-  the device in bf16 (2 bytes per element: torch casts it to bf16 first anyway), ``ns_steps``
-  iterations of three bf16 matmuls on a side stream (about ``ns_steps * (4 m^2 n + 2 m^3)``
-  flops for an m x n matrix, m <= n: ~0.8 TFLOP for 2048 x 8192 at 5 steps, a few ms on an H100)
-  and the orthogonalised matrix comes back in bf16 (2 bytes per element), then the decayed
-  master takes it on the host. So 4 bytes per element cross PCIe per step beside what AdamW
-  moves, and the worker waits for its matrix's round trip (the next chunk's grads keep landing
-  meanwhile). On a CPU-only run the iterations run on the host (slow for large matrices: O(m^2 n)
-  per iteration on the CPU's bf16 matmul), exactly as ``torch.optim.Muon`` on the CPU does.
-  Muon takes 2-D params only (torch's rule): embeddings' and heads' matrices may go to it, but
-  torch's recipe puts them, and every 1-D param, in an AdamW group.
+- Adafactor needs a whole param (row and column means): one native call per param
+  (``adafactor_step_async``, queued on the kernel thread, multi-threaded over row blocks), in
+  three passes over it: (1) the param's sum of squares (its RMS) and the sums of squares of g's
+  rows and columns, (2) the update's sum of squares, the update recomputed on the fly and never
+  stored, (3) the decay, the update and the working copy's rounding, in one pass; the factors'
+  lerps and means run between the passes. Host traffic per element, bf16 grads: 6 + 2 + 12 =
+  20 bytes (the torch op chain it replaces made about ten passes with temporaries). State is
+  factored for params of 2 or more dims (a row and a column vector per matrix: about (rows +
+  cols) x 4 bytes instead of 4 per element), full for 1-D ones (two passes then: the variance
+  update and both sums, then the apply). Without the native module: ``device_step``'s torch
+  ops on the worker.
+- Muon needs a whole 2-D param: per matrix, two native passes on the host and Newton-Schulz on
+  the compute device when it is a GPU (``StepBuffers.device``), pipelined over the chunk's
+  matrices ([Note: Muon's pipeline]). The momentum pass (lerp in fp32, in the tier placement
+  chose, and the Nesterov blend) writes the update as bf16 (torch casts it to bf16 first
+  anyway) into a pinned slot; it goes to the device (2 bytes per element), ``ns_steps``
+  iterations of three bf16 matmuls run on a side stream (about ``ns_steps * (4 m^2 n + 2 m^3)``
+  flops for an m x n matrix, m <= n: ~0.8 TFLOP for 2048 x 8192 at 5 steps, a few ms on an
+  H100) and the orthogonalised matrix comes back into the same slot (2 bytes per element); the
+  apply pass decays the master, adds the update and rounds the working copy in one pass. Host
+  traffic per element, bf16 grads: 12 + 12 bytes; PCIe: 4. On a CPU-only run the iterations
+  run on the host in torch (slow for large matrices: O(m^2 n) per iteration on the CPU's bf16
+  matmul), exactly as ``torch.optim.Muon`` on the CPU does. Muon takes 2-D params only (torch's
+  rule): embeddings' and heads' matrices may go to it, but torch's recipe puts them, and every
+  1-D param, in an AdamW group.
+
+Each rule's ``device_step`` (the GPU share) is its reference's torch ops, op for op, and so is
+the host's fallback when the native module is missing. The native passes equal those ops bit
+for bit except for Adafactor's sums of squares, which are fp64 in a fixed order (torch's are
+fp32): its norms and factor means may differ in their last bit ([Note: Muon and Adafactor
+formula order] in csrc/cpu_rules_kernel.h).
+
+[Note: Muon's pipeline] A host job's matrices go through STAGING_SLOTS (3) pinned bf16 slots of
+the worker thread (sized to the largest matrix seen), matrix i in slot i % 3. Its momentum pass
+is queued on the kernel thread before matrix i - 1's copies and iterations are issued, so the
+cores run it while the GPU works; once it is done, matrix i goes to the GPU and back into its
+slot on the side stream (an event marks the copy back), then the worker waits for matrix i - 1's
+event and queues its apply pass. So the kernel thread alternates momentum(i + 1) and apply(i - 1)
+while the GPU does matrix i, and nothing is copied from pageable memory. A slot is safe to
+reuse: the kernel queue runs in submission order, so matrix i's apply pass (queued before
+matrix i + 3's momentum pass is) has read it before that pass writes it, and matrix i's copy
+back has landed (its event was waited for) before either is queued; across jobs the same holds
+(every event is waited for before a job returns), and each worker thread has its own slots. The
+job returns with the last apply passes still queued: the worker completes them as it does
+CPU-Adam's kernels ([Note: two jobs in flight] in pipeline.py).
 """
 from __future__ import annotations
 
 import functools
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
@@ -373,9 +402,27 @@ class AdafactorRule:
 
     def cpu_job(self, bufs: StepBuffers, segments: Sequence[Segment], *,
                 threads: Optional[int] = None) -> list:
-        return [Done.timing(self.device_step, bufs, segments)]
+        """One native call per param (``adafactor_step_async``: three passes over it, queued on
+        the kernel thread), else ``device_step``'s torch ops on the worker."""
+        native = _native()
+        if native is None:
+            return [Done.timing(self.device_step, bufs, segments)]
+        tickets = []
+        try:
+            for seg in segments:
+                a, sl = seg.args, slice(seg.start, seg.stop)
+                state = {k: bufs.state[k][slice(*seg.spans[k])] for k in adafactor_state_shapes(seg.shape)}
+                tickets.append(native.adafactor_step_async(
+                    bufs.param[sl], bufs.grad[sl], **state, out_lowp=None if bufs.lowp is None else bufs.lowp[sl],
+                    shape=seg.shape, step=seg.step, lr=a.lr, beta2_decay=a.beta2_decay, eps=(a.eps1, a.eps2),
+                    d=a.d, weight_decay=a.weight_decay, grad_scale=a.grad_scale, threads=threads))
+        except BaseException:
+            wait_all(tickets)
+            raise
+        return tickets
 
     def device_step(self, bufs: StepBuffers, segments: Sequence[Segment]) -> None:
+        """torch.optim.Adafactor's single-tensor step, op for op (the host's fallback too)."""
         for seg in segments:
             a, shape = seg.args, seg.shape
             param = bufs.param[seg.start:seg.stop].view(shape)
@@ -476,6 +523,32 @@ def muon_lr(lr: float, fn: Optional[str], shape: Sequence[int]) -> float:
     return lr
 
 
+class _Slots(threading.local):
+    """The pinned staging slots of one worker thread (see [Note: Muon's pipeline])."""
+
+    def __init__(self):
+        self.device = None
+        self.buffers: list = []
+
+
+_SLOTS = _Slots()
+STAGING_SLOTS = 3
+"""Pinned bf16 buffers a worker cycles its matrices through ([Note: Muon's pipeline])."""
+_SLOT_GRAIN = 1 << 20
+
+
+def _staging(numel: int, device: torch.device) -> list:
+    """This thread's STAGING_SLOTS pinned bf16 buffers of at least ``numel`` elements (grown to
+    the largest matrix seen, in steps of a million elements; a slot a queued kernel still reads
+    stays alive in that kernel's ticket)."""
+    slots = _SLOTS
+    if slots.device != device or not slots.buffers or slots.buffers[0].numel() < numel:
+        size = -(-numel // _SLOT_GRAIN) * _SLOT_GRAIN
+        slots.buffers = [torch.empty(size, dtype=torch.bfloat16, pin_memory=True) for _ in range(STAGING_SLOTS)]
+        slots.device = device
+    return slots.buffers
+
+
 @functools.lru_cache(maxsize=None)
 def _side_stream(device: torch.device) -> "torch.cuda.Stream":
     """The stream the worker's Newton-Schulz iterations run on (one per device): apart from the
@@ -519,16 +592,34 @@ class MuonRule:
 
     def cpu_job(self, bufs: StepBuffers, segments: Sequence[Segment], *,
                 threads: Optional[int] = None) -> list:
-        return [Done.timing(self._step, bufs, segments, bufs.device)]
+        """The native host passes around Newton-Schulz, pipelined over the chunk's matrices
+        ([Note: Muon's pipeline]); without the native module, ``_step``'s torch ops."""
+        native = _native()
+        if native is None:
+            return [Done.timing(self._step, bufs, segments, bufs.device)]
+        segments = [seg for seg in segments if seg.stop > seg.start]
+        for seg in segments:
+            self._check_shape(seg.shape)
+        if not segments:
+            return []
+        if bufs.device is None:
+            return self._host_job(native, bufs, segments, threads)
+        return self._pipelined_job(native, bufs, segments, threads, bufs.device)
 
     def device_step(self, bufs: StepBuffers, segments: Sequence[Segment]) -> None:
         self._step(bufs, segments, None)
 
+    @staticmethod
+    def _check_shape(shape) -> None:
+        if shape is None or len(shape) != 2:
+            raise ValueError(f"Muon updates 2-D params only, got one of shape {None if shape is None else tuple(shape)}")
+
     def _step(self, bufs: StepBuffers, segments: Sequence[Segment], ns_device) -> None:
+        """torch.optim.Muon's single-tensor step, op for op (the GPU share's device step, and the
+        host's fallback without the native module: Newton-Schulz on ``ns_device`` there)."""
         for seg in segments:
             a, shape, sl = seg.args, seg.shape, slice(seg.start, seg.stop)
-            if len(shape) != 2:
-                raise ValueError(f"Muon updates 2-D params only, got one of shape {tuple(shape)}")
+            self._check_shape(shape)
             param = bufs.param[sl].view(shape)
             grad = _grad(bufs, seg, a.grad_scale).view(shape)
             buf = bufs.state["momentum_buffer"][sl].view(shape)
@@ -549,3 +640,79 @@ class MuonRule:
             x = update.bfloat16().to(device, non_blocking=True)  # (torch casts to bf16 first too)
             ortho = newton_schulz(x, a.ns_coefficients, a.ns_steps, a.eps)
             return ortho.to("cpu")  # waits for the stream's work
+
+    # ---- the native host passes ([Note: Muon's pipeline]) ---------------------------------
+
+    @staticmethod
+    def _momentum(native, bufs: StepBuffers, seg: Segment, out: torch.Tensor, threads):
+        a, sl = seg.args, slice(seg.start, seg.stop)
+        return native.muon_momentum_async(bufs.grad[sl], bufs.state["momentum_buffer"][sl], out,
+                                          momentum=a.momentum, nesterov=a.nesterov, grad_scale=a.grad_scale,
+                                          threads=threads)
+
+    @staticmethod
+    def _apply(native, bufs: StepBuffers, seg: Segment, ortho: torch.Tensor, threads):
+        a, sl = seg.args, slice(seg.start, seg.stop)
+        return native.muon_apply_async(bufs.param[sl], ortho, None if bufs.lowp is None else bufs.lowp[sl],
+                                       lr=a.lr, weight_decay=a.weight_decay,
+                                       adjusted_lr=muon_lr(a.lr, a.adjust_lr_fn, seg.shape), threads=threads)
+
+    def _host_job(self, native, bufs: StepBuffers, segments: Sequence[Segment], threads) -> list:
+        """No GPU: per matrix, the momentum pass, Newton-Schulz in torch on the host (as
+        torch.optim.Muon on the CPU), the apply pass (queued: it runs while the next matrix's
+        iterations do)."""
+        tickets = []
+        try:
+            for seg in segments:
+                a = seg.args
+                update = torch.empty(seg.shape, dtype=torch.bfloat16)
+                tickets.append(self._momentum(native, bufs, seg, update.view(-1), threads))
+                tickets[-1].wait()
+                ortho = newton_schulz(update, a.ns_coefficients, a.ns_steps, a.eps).contiguous()
+                tickets.append(self._apply(native, bufs, seg, ortho.view(-1), threads))
+        except BaseException:
+            wait_all(tickets)
+            raise
+        return tickets
+
+    def _pipelined_job(self, native, bufs: StepBuffers, segments: Sequence[Segment], threads, device) -> list:
+        """See [Note: Muon's pipeline]."""
+        slots = _staging(max(seg.stop - seg.start for seg in segments), device)
+        stream = _side_stream(device)
+        n, tickets, done = len(segments), [], [None] * len(segments)
+
+        def stage(i: int) -> torch.Tensor:
+            seg = segments[i]
+            return slots[i % len(slots)][:seg.stop - seg.start]
+
+        def apply(i: int) -> None:
+            done[i].synchronize()  # its orthogonalised update is in the slot (GIL released)
+            tickets.append(self._apply(native, bufs, segments[i], stage(i), threads))
+
+        try:
+            momentum = [self._momentum(native, bufs, segments[0], stage(0), threads)]
+            tickets.append(momentum[0])
+            for i, seg in enumerate(segments):
+                if i + 1 < n:  # queued now: runs while this matrix goes to the GPU and back
+                    momentum.append(self._momentum(native, bufs, segments[i + 1], stage(i + 1), threads))
+                    tickets.append(momentum[-1])
+                momentum[i].wait()
+                a, host = seg.args, stage(i).view(seg.shape)
+                with torch.cuda.device(device), torch.cuda.stream(stream):
+                    x = host.to(device, non_blocking=True)
+                    ortho = newton_schulz(x, a.ns_coefficients, a.ns_steps, a.eps)
+                    host.copy_(ortho, non_blocking=True)  # into the same pinned slot
+                    done[i] = torch.cuda.Event()
+                    done[i].record(stream)
+                del x, ortho  # (the caching allocator reuses them on this stream only: in order)
+                if i > 0:
+                    apply(i - 1)
+            apply(n - 1)
+        except BaseException:
+            wait_all(tickets)
+            try:
+                stream.synchronize()  # no copy may still land in a slot the next job fills
+            except BaseException:
+                pass
+            raise
+        return tickets
