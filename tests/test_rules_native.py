@@ -209,6 +209,9 @@ def test_a_failing_kernel_names_its_rule(name, kernel, monkeypatch):
 
 
 class _HostEvent:
+    def __init__(self, **flags):
+        pass
+
     def record(self, stream=None):
         pass
 

@@ -702,8 +702,8 @@ class MuonRule:
                     x = host.to(device, non_blocking=True)
                     ortho = newton_schulz(x, a.ns_coefficients, a.ns_steps, a.eps)
                     host.copy_(ortho, non_blocking=True)  # into the same pinned slot
-                    done[i] = torch.cuda.Event()
-                    done[i].record(stream)
+                    done[i] = torch.cuda.Event(blocking=True)  # (waited for asleep, not spinning on a core
+                    done[i].record(stream)                     # the host passes need)
                 del x, ortho  # (the caching allocator reuses them on this stream only: in order)
                 if i > 0:
                     apply(i - 1)
