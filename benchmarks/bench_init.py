@@ -14,8 +14,8 @@ page cache of the model, pinned memory or allocator), and in it:
              then ``--steps`` training steps, ``close()``, and the exit (from the case's last
              line to the driver seeing the process end: interpreter teardown and freeing the
              memory)
-  check:     after the timed initialize (``--check``), the engine's values of a first, a middle
-             and a last parameter equal the reference bit for bit
+  check:     after the timed initialize (``--check``; by default up to 3e9 params), the engine's
+             values of a first, a middle and a last parameter equal the reference bit for bit
 
 Cases (``--cases``): ``meta-auto`` / ``weights-auto`` (params "auto", optimizer "auto", with
 ``--nvme-dir`` when given), ``meta-cpu`` / ``weights-cpu`` (params "cpu", optimizer "cpu"),
@@ -33,6 +33,7 @@ from its start, divided by the params) and, with ``--profile`` (default), the to
 Usage (GPU machine; results in benchmarks/results/init_<hardware>_<date>.json):
 
     python3 benchmarks/bench_init.py --model 1.3b --json-out OUT/init.json [--nvme-dir /mnt/nvme/zo]
+    python3 benchmarks/bench_init.py --model 13b --cases meta-auto --steps 1 --nvme-dir /mnt/nvme/zo --json-out OUT/init13.json
     python3 benchmarks/bench_init.py --model tiny --steps 1 --json-out /tmp/init.json   # a CPU smoke test
 """
 from __future__ import annotations
@@ -141,7 +142,7 @@ def run_case(args) -> dict:
           f"({init_s / (n / 1e9):.2f} s per billion)", flush=True)
 
     check = None
-    if args.check:
+    if args.check or (args.check is None and n <= 3e9):
         names = _sample_names(model)
         expect = _reference(model, cfg, names, weights)
         got = engine.state_dict()
@@ -284,8 +285,9 @@ def main(argv=None) -> int:
     p.add_argument("--nvme-dir", default=None, help="swap directory of the auto and nvme cases")
     p.add_argument("--weights-dir", default=None, help="where the weights file is written (default: a "
                                                        "temporary directory, removed after)")
-    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
-                   help="compare sampled parameters with the reference after initialize")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
+                   help="compare sampled parameters with the reference after initialize (default: up to "
+                        "3e9 params; the check gathers the model's fp32 values and replays its init)")
     p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                    help="cProfile initialize; each row lists its top functions by own time")
     p.add_argument("--profile-top", type=int, default=15)

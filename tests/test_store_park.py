@@ -117,3 +117,28 @@ def test_nvme_parking_stages_a_few_payloads_at_a_time(tmp_path, monkeypatch):
     finally:
         store.close()  # closing while parked removes the parking space too
     assert not [n for n in os.listdir(tmp_path) if n.startswith("zero_offload-")]
+
+
+def test_a_kept_buffer_waits_for_the_next_park_through_host_staging():
+    """``unpark(keep=True)`` keeps each parking buffer for the next park; a host copy made in
+    between (a CPU update's staging of a GPU-homed payload) takes pool memory, not the kept
+    buffer (which its eviction would free, and the next park would pin fresh memory)."""
+    store = ChunkStore(StoreConfig(device="cpu", budgets={"gpu": 1 << 20, "cpu": 1 << 20}))
+    try:
+        cid = store.add_chunk({"a": PayloadSpec(N, torch.float32, "gpu")})
+        store.park("cpu")
+        kept = store.get(cid, "a", "cpu")  # (held here: its memory cannot be handed out again)
+        store.unpark(keep=True)
+        assert store.spare_bytes() == 4096
+        staging = store.allocate(cid, "a", "cpu")  # a host copy of the GPU-homed payload
+        staging.fill_(3.0)
+        store.mark_dirty(cid, "a", "cpu")
+        store.evict(cid, "a", "cpu")
+        store.synchronize()
+        assert staging.data_ptr() != kept.data_ptr() and store.spare_bytes() == 4096
+        store.park("cpu")
+        assert store.get(cid, "a", "cpu").data_ptr() == kept.data_ptr()  # the kept buffer again
+        assert torch.equal(store.get(cid, "a", "cpu"), torch.full((N,), 3.0))
+        store.unpark()
+    finally:
+        store.close()

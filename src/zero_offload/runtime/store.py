@@ -1468,8 +1468,8 @@ class ChunkStore:
             copy.pool_buffer = self._window.acquire(spec.nbytes)
             copy.buffer = copy.pool_buffer.view(spec.dtype, spec.numel)
         elif copy.tier is Tier.CPU:
-            if copy.spare is not None:  # a park's kept buffer ([Note: parking])
-                copy.buffer, copy.spare = copy.spare, None
+            if copy.spare is not None and copy.is_home:  # the next park takes back its kept buffer
+                copy.buffer, copy.spare = copy.spare, None  # ([Note: parking]; staging uses the pool)
             elif copy.is_home:
                 # Home copies live as long as the store: their own exact-size aligned allocation.
                 copy.buffer = aligned_empty(spec.nbytes, dtype=spec.dtype, pin=self.config.pin)
