@@ -90,6 +90,14 @@ def config(**kw) -> zo.OffloadConfig:
     return zo.OffloadConfig(**base)
 
 
+def auto_config(**kw) -> zo.OffloadConfig:
+    """A test config of automatic placement: params and optimizer 'auto', fp32, tiny chunks, an
+    explicit host budget, one chunk of prefetch; ``kw`` sets the device tier (gpu_budget, ...)."""
+    base = dict(params="auto", optimizer="auto", dtype="fp32", chunk_mb=SMALL_CHUNK_MB,
+                cpu_budget=1 << 26, threads=1, prefetch_depth=1)
+    return zo.OffloadConfig(**{**base, **kw})
+
+
 def train_engine(engine, batches, loss_fn, *, accum: int = 1) -> list:
     """Losses (floats) of each micro-batch, stepping the engine after each."""
     losses = []
@@ -196,6 +204,28 @@ def assert_params_close(engine_sd: dict, ref_sd: dict, *, rtol: float) -> None:
         got = engine_sd[name]
         err = rel_err(got, ref)
         assert err <= rtol, f"{name}: relative error {err:.3g} > {rtol:g}"
+
+
+def engine_state(engine) -> dict:
+    """Everything a step depends on: the params, every chunk's optimizer state and step counts,
+    the counters, the loss scale."""
+    from zero_offload.runtime.checkpoint import chunk_state
+    out = {f"param {k}": v for k, v in engine.state_dict().items()}
+    for layout in engine.partition.chunks:
+        for k, v in chunk_state(engine.group, layout).items():
+            out[f"chunk {layout.index} {k}"] = v
+    out["progress"] = (engine.global_step, engine.skipped_steps, engine.stats().loss_scale)
+    return out
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    """Two ``engine_state`` results are equal to the bit."""
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]), f"{k} differs"
+        else:
+            assert a[k] == b[k], f"{k}: {a[k]} != {b[k]}"
 
 
 def assert_losses_close(got: list, ref: list, *, rtol: float) -> None:

@@ -11,8 +11,8 @@ import zero_offload as zo
 from zero_offload.runtime.placement import Measured
 from zero_offload.runtime.store import Tier
 from _dist_util import run_ranks, values
-from _engine_util import (SMALL_CHUNK_MB, Reference, assert_params_close, config, gpt_batches, gpt_loss,
-                          micro_gpt, train_engine)
+from _engine_util import (Reference, assert_params_close, auto_config, gpt_batches, gpt_loss, micro_gpt,
+                          train_engine)
 
 WORLD = 2
 SPEC = zo.AdamW(lr=3e-3, weight_decay=0.1)
@@ -28,12 +28,6 @@ def _reference_on_the_cpu(monkeypatch):
     monkeypatch.setattr(_engine_util, "DEVICE", "cpu")
 
 
-def _cfg(kw):
-    base = dict(params="auto", optimizer="auto", dtype="fp32", chunk_mb=SMALL_CHUNK_MB,
-                cpu_budget=1 << 26, threads=1, prefetch_depth=1)
-    return zo.OffloadConfig(**{**base, **kw})
-
-
 def _shares(engine):
     """(chunks updated on the device, trainable chunks), from the store's homes."""
     on = [engine.store.payload_spec(c.cid, "grads").home is Tier.GPU
@@ -42,7 +36,7 @@ def _shares(engine):
 
 
 def _rank(rank, world, kw, grow):
-    engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=_cfg(kw), device="cpu")
+    engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=auto_config(**kw), device="cpu")
     assert engine.shard.world == world
     shares = [_shares(engine)]
     for i, (x, y) in enumerate(gpt_batches(STEPS * kw.get("grad_accum", 1), batch=2 * world)):
@@ -92,7 +86,7 @@ def test_ranks_grow_the_share_after_a_measured_step(tmp_path):
 def test_a_move_that_fails_falls_back_to_the_host(monkeypatch):
     """The third payload move runs out of memory: the chunk's moved payloads go back, it and the
     chunks after it stay on the host, the report says so, and training matches torch."""
-    engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=_cfg(PARTIAL), device="cpu")
+    engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=auto_config(**PARTIAL), device="cpu")
     before, n = _shares(engine)
     assert 0 < before < n - 1
     batches = gpt_batches(STEPS)
@@ -124,7 +118,7 @@ def test_a_move_that_fails_falls_back_to_the_host(monkeypatch):
 
 
 def test_grow_share_between_windows_only():
-    engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=_cfg(dict(PARTIAL, grad_accum=2)),
+    engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=auto_config(**PARTIAL, grad_accum=2),
                            device="cpu")
     try:
         x, y = gpt_batches(1)[0]

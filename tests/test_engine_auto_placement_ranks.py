@@ -15,7 +15,7 @@ from zero_offload.runtime.placement import Budgets, ChunkNeed, Measured, Placeme
 from zero_offload.runtime.store import Tier
 from zero_offload.runtime.vocab import Placement
 from _dist_util import run_ranks, values
-from _engine_util import Reference, SMALL_CHUNK_MB, assert_params_close, gpt_batches, gpt_loss, micro_gpt
+from _engine_util import Reference, assert_params_close, auto_config, gpt_batches, gpt_loss, micro_gpt
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 
@@ -32,12 +32,6 @@ PARTIAL = dict(gpu_budget=1 << 20, activation_reserve=(1 << 20) - 140_000)
 def _reference_on_the_cpu(monkeypatch):
     import _engine_util
     monkeypatch.setattr(_engine_util, "DEVICE", "cpu")
-
-
-def _cfg(kw):
-    base = dict(params="auto", optimizer="auto", dtype="fp32", chunk_mb=SMALL_CHUNK_MB,
-                cpu_budget=1 << 26, threads=1, prefetch_depth=1)
-    return zo.OffloadConfig(**{**base, **kw})
 
 
 def _homes(engine):
@@ -90,7 +84,7 @@ def _unequal_rank(rank, world, how):
             return out
 
         placement.resolve_budgets = resolve
-    engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=_cfg(kw), device="cpu")
+    engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=auto_config(**kw), device="cpu")
     first = _homes(engine)
     budgets = engine.plan.budgets
     _train(engine, rank, gpt_batches(STEPS, batch=2 * world))
@@ -127,7 +121,7 @@ def _fit_rank(rank, world, how):
 
         engine_module.plan_placement = refuse
     try:
-        engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=_cfg(kw), device="cpu")
+        engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=auto_config(**kw), device="cpu")
     except Exception as e:  # noqa: BLE001 - what the rank saw is the result
         return "initialize", type(e).__name__, str(e)
     try:  # (before: rank 0 went on, into a collective rank 1 never calls)
@@ -175,7 +169,7 @@ def _differ_rank(rank, world):
 
         engine_module.plan_placement = plan
     try:
-        zo.initialize(micro_gpt(), optimizer=SPEC, config=_cfg(ALL), device="cpu")
+        zo.initialize(micro_gpt(), optimizer=SPEC, config=auto_config(**ALL), device="cpu")
     except Exception as e:  # noqa: BLE001
         return type(e).__name__, str(e)
     return "built", ""
@@ -191,7 +185,7 @@ def test_plans_that_differ_raise_on_every_rank(tmp_path):
 
 def _weights_rank(rank, world, missing):
     try:  # rank 1's weights path does not exist; rank 0 takes the model's own values
-        zo.initialize(micro_gpt(), optimizer=SPEC, config=_cfg(ALL), device="cpu",
+        zo.initialize(micro_gpt(), optimizer=SPEC, config=auto_config(**ALL), device="cpu",
                       weights=None if rank == 0 else missing)
     except Exception as e:  # noqa: BLE001
         return type(e).__name__, str(e)
@@ -221,7 +215,7 @@ def _share_delta(engine):
 
 
 def _grow_rank(rank, world, fail):
-    engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=_cfg(PARTIAL), device="cpu")
+    engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=auto_config(**PARTIAL), device="cpu")
     first = _homes(engine)
     seen = {}
 

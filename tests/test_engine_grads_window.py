@@ -13,12 +13,11 @@ import pytest
 import torch
 
 import zero_offload as zo
-from zero_offload.runtime.checkpoint import chunk_state
 from zero_offload.runtime.placement import FitError, Measured, host_window, plan_placement
 from zero_offload.runtime.store import Residency, Tier
 from _dist_util import run_ranks
-from _engine_util import (DEVICE, SMALL_CHUNK_MB, Reference, assert_params_close, config, gpt_batches,
-                          gpt_loss, micro_gpt, train_engine)
+from _engine_util import (DEVICE, SMALL_CHUNK_MB, Reference, assert_params_close, assert_same_state, config,
+                          engine_state, gpt_batches, gpt_loss, micro_gpt, train_engine)
 import _external_util as ext
 
 SPEC = zo.AdamW(lr=3e-3, weight_decay=0.1)
@@ -50,26 +49,6 @@ def _build(kw, tmp_path, host_grads, model=None):
         kw["nvme_dir"] = str(tmp_path / f"swap-{host_grads}")
     return zo.initialize(model if model is not None else micro_gpt(), optimizer=SPEC,
                          config=config(host_grads=host_grads, **kw), device=DEVICE)
-
-
-def _state(engine) -> dict:
-    """Everything a step depends on: the params, every chunk's optimizer state and step counts,
-    the counters, the loss scale."""
-    out = {f"param {k}": v for k, v in engine.state_dict().items()}
-    for layout in engine.partition.chunks:
-        for k, v in chunk_state(engine.group, layout).items():
-            out[f"chunk {layout.index} {k}"] = v
-    out["progress"] = (engine.global_step, engine.skipped_steps, engine.stats().loss_scale)
-    return out
-
-
-def _assert_same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        if isinstance(a[k], torch.Tensor):
-            assert torch.equal(a[k], b[k]), f"{k} differs"
-        else:
-            assert a[k] == b[k], f"{k}: {a[k]} != {b[k]}"
 
 
 def _host_chunks(engine) -> list:
@@ -105,7 +84,7 @@ def test_window_equals_persistent_bit_for_bit(name, tmp_path):
             windowed.synchronize()
             _assert_window_layout(windowed)
         assert got == want
-        _assert_same(_state(windowed), _state(plain))
+        assert_same_state(engine_state(windowed), engine_state(plain))
         if "nvme" not in kw.values():  # (NVMe: cache copies in host memory beside the homes)
             _homes_match_the_plan(plain)
             _homes_match_the_plan(windowed)
@@ -154,7 +133,7 @@ def test_params_read_outside_their_module(reads, tmp_path):
         batches = ext.batches(6)
         losses = [train_engine(e, batches, ext.loss_fn, accum=2) for e in engines]
         assert losses[0] == losses[1]
-        _assert_same(_state(engines[1]), _state(engines[0]))
+        assert_same_state(engine_state(engines[1]), engine_state(engines[0]))
         for b in batches:
             ref.step(b, ext.loss_fn)
         assert_params_close(engines[1].state_dict(), ref.master_state(), rtol=1e-5)
@@ -183,7 +162,7 @@ def test_checkpoint_resume_across_layouts(tmp_path):
             try:
                 again.load_checkpoint(tmp_path / "ckpt")
                 assert got + train_engine(again, batches[4:], gpt_loss, accum=2) == want
-                _assert_same(_state(again), _state(plain))
+                assert_same_state(engine_state(again), engine_state(plain))
             finally:
                 again.close()
     finally:
@@ -202,7 +181,7 @@ def test_park_and_resume(target, tmp_path):
         parked.resume()
         got += train_engine(parked, batches[3:], gpt_loss)
         assert got == want
-        _assert_same(_state(parked), _state(plain))
+        assert_same_state(engine_state(parked), engine_state(plain))
         parked.synchronize()
         _assert_window_layout(parked)
     finally:
@@ -258,7 +237,7 @@ def test_auto_takes_the_window_where_it_keeps_state_out_of_nvme(tmp_path):
         assert plain.plan.need[Tier.NVME] == 0
         batches = gpt_batches(3)
         assert train_engine(engine, batches, gpt_loss) == train_engine(plain, batches, gpt_loss)
-        _assert_same(_state(engine), _state(plain))
+        assert_same_state(engine_state(engine), engine_state(plain))
     finally:
         engine.close()
         plain.close()
@@ -299,7 +278,7 @@ def test_grads_waiting_for_the_decision_are_dropped_whole(host_grads, tmp_path):
             assert engine.store.window.taken == 0
             got += train_engine(engine, batches[2:], gpt_loss)
             assert got == want
-            _assert_same(_state(engine), _state(plain))
+            assert_same_state(engine_state(engine), engine_state(plain))
         finally:
             engine.close()
     finally:
@@ -336,7 +315,7 @@ def test_backward_waits_for_a_slot_when_the_updates_fall_behind(tmp_path, monkey
     engine = _build(kw, tmp_path, "window")
     try:
         assert train_engine(engine, batches, gpt_loss) == want
-        _assert_same(_state(engine), _state(plain))
+        assert_same_state(engine_state(engine), engine_state(plain))
         stats = engine.stats()
         assert stats.grads_window_wait_s > 0.02 and stats.update_stall_s >= stats.grads_window_wait_s
     finally:
@@ -384,7 +363,7 @@ def test_the_share_grows_out_of_the_window(fail, tmp_path, monkeypatch):
             losses[h] += train_engine(engine, batches[1:], gpt_loss)
             _homes_match_the_plan(engine)
         assert losses["window"] == losses["persistent"]
-        _assert_same(_state(engines["window"]), _state(engines["persistent"]))
+        assert_same_state(engine_state(engines["window"]), engine_state(engines["persistent"]))
         if fail:
             _assert_window_layout(engines["window"])
     finally:

@@ -13,12 +13,11 @@ import pytest
 import torch
 
 import zero_offload as zo
-from zero_offload.runtime.checkpoint import chunk_state
 from zero_offload.runtime import parking
 from zero_offload.runtime.store import Residency, Tier
 from zero_offload.runtime.vocab import round_up
-from _engine_util import (DEVICE, Reference, assert_params_close, config, gpt_batches, gpt_loss,
-                          micro_gpt, train_engine)
+from _engine_util import (DEVICE, Reference, assert_params_close, assert_same_state, config, engine_state,
+                          gpt_batches, gpt_loss, micro_gpt, train_engine)
 
 SPEC = zo.AdamW(lr=3e-3, weight_decay=0.1)
 PARTIAL, WHOLE = 250_000, 1_000_000
@@ -39,26 +38,6 @@ def _build(kw, tmp_path, seed=0):
     if "nvme" in kw.values() or kw.pop("nvme_dir", False):
         kw["nvme_dir"] = str(tmp_path / "swap")
     return zo.initialize(micro_gpt(seed=seed), optimizer=SPEC, config=config(**kw), device=DEVICE)
-
-
-def _state(engine) -> dict:
-    """Everything a step depends on: the params, every chunk's optimizer state and step counts,
-    the counters, the loss scale."""
-    out = {f"param {k}": v for k, v in engine.state_dict().items()}
-    for layout in engine.partition.chunks:
-        for k, v in chunk_state(engine.group, layout).items():
-            out[f"chunk {layout.index} {k}"] = v
-    out["progress"] = (engine.global_step, engine.skipped_steps, engine.stats().loss_scale)
-    return out
-
-
-def _assert_same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        if isinstance(a[k], torch.Tensor):
-            assert torch.equal(a[k], b[k]), f"{k} differs"
-        else:
-            assert a[k] == b[k], f"{k}: {a[k]} != {b[k]}"
 
 
 def _round_trip_equals_no_park(kw, tmp_path, *, target, accum=1, before=2, after=2, check=None):
@@ -82,7 +61,7 @@ def _round_trip_equals_no_park(kw, tmp_path, *, target, accum=1, before=2, after
         assert parked.store.gpu_home_bytes() == on_device
         got += train_engine(parked, batches[cut:], gpt_loss, accum=accum)
         assert got == want
-        _assert_same(_state(parked), _state(plain))
+        assert_same_state(engine_state(parked), engine_state(plain))
         return parked, batches
     finally:
         plain.close()
@@ -149,7 +128,7 @@ def test_many_round_trips_and_the_parking_memory_goes_back(keep, tmp_path):
             assert store.bytes(Tier.CPU) == host - cached and store.budgets == budgets
             kept = store.spare_bytes()
             assert (store.gpu_home_bytes() - cached <= kept <= store.gpu_home_bytes()) if keep else kept == 0
-        _assert_same(_state(parked), _state(plain))
+        assert_same_state(engine_state(parked), engine_state(plain))
         if keep:
             parked.park("nvme")  # a park elsewhere lets the kept host memory go
             assert store.spare_bytes() == 0
@@ -237,7 +216,7 @@ def _untouched(engine, kw, tmp_path, batches, done):
         accum = kw.get("grad_accum", 1)
         train_engine(plain, batches, gpt_loss, accum=accum)
         train_engine(engine, batches[done:], gpt_loss, accum=accum)
-        _assert_same(_state(engine), _state(plain))
+        assert_same_state(engine_state(engine), engine_state(plain))
     finally:
         plain.close()
 
@@ -434,7 +413,7 @@ def test_state_reads_while_parked_equal_those_before(target, tmp_path):
         try:
             loaded.load_checkpoint(str(tmp_path / "ckpt"))
             train_engine(loaded, batches[2:], gpt_loss)
-            _assert_same(_state(loaded), _state(engine))
+            assert_same_state(engine_state(loaded), engine_state(engine))
         finally:
             loaded.close()
     finally:
@@ -457,7 +436,7 @@ def test_a_checkpoint_loaded_while_parked_is_what_resume_brings_back(target, tmp
             engine.load_checkpoint(str(tmp_path / "ckpt"))
             engine.resume()
             train_engine(engine, batches[2:], gpt_loss)
-            _assert_same(_state(engine), _state(source))
+            assert_same_state(engine_state(engine), engine_state(source))
         finally:
             engine.close()
     finally:
