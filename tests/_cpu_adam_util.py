@@ -22,6 +22,20 @@ def each_isa(request):
     set_isa(before)
 
 
+def on_each_isa(run):
+    """``[(name, run())]`` with each ISA path this CPU supports selected in turn; the default path
+    is restored after (also when ``run`` raises)."""
+    before = isa()
+    try:
+        results = []
+        for name in supported_isas():
+            set_isa(name)
+            results.append((name, run()))
+        return results
+    finally:
+        set_isa(before)
+
+
 @pytest.fixture
 def torch_one_thread():
     """Runs torch's side on one intra-op thread. Its fused Adam is elementwise, so the result does

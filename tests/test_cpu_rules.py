@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from _cpu_adam_util import each_isa, torch_one_thread  # noqa: F401
+from _cpu_adam_util import each_isa, on_each_isa, torch_one_thread  # noqa: F401
 from zero_offload import _C
-from zero_offload.ops.cpu_adam import KernelTicket, adam_step, adam_step_async, isa, set_isa, supported_isas
+from zero_offload.ops.cpu_adam import KernelTicket, adam_step, adam_step_async, isa
 from zero_offload.ops.cpu_rules import LionHyper, SgdHyper, lion_step, lion_step_async, sgd_step, sgd_step_async
 
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -203,19 +203,9 @@ def test_lion_update_is_the_sign_of_the_interpolation(each_isa):
 @pytest.mark.parametrize("rule", ["sgd", "lion"])
 def test_every_path_and_thread_count_gives_the_same_bits(rule):
     size = 300_007
-    results = []
-    before = isa()
-    try:
-        for name in supported_isas():
-            set_isa(name)
-            for threads in (1, 2, 5):
-                if rule == "sgd":
-                    param = _run_sgd_steps(size, threads)
-                else:
-                    param = _run_lion_steps(size, threads)
-                results.append((f"{name}/{threads} threads", param))
-    finally:
-        set_isa(before)
+    steps = _run_sgd_steps if rule == "sgd" else _run_lion_steps
+    per_isa = on_each_isa(lambda: [(threads, steps(size, threads)) for threads in (1, 2, 5)])
+    results = [(f"{name}/{threads} threads", param) for name, runs in per_isa for threads, param in runs]
     for what, param in results[1:]:
         _assert_bits(param, results[0][1], f"{what} vs {results[0][0]}")
 

@@ -18,9 +18,9 @@ import math
 import pytest
 import torch
 
-from _cpu_adam_util import each_isa, torch_one_thread  # noqa: F401
+from _cpu_adam_util import each_isa, on_each_isa, torch_one_thread  # noqa: F401
 from zero_offload import _C
-from zero_offload.ops.cpu_adam import adam_step_async, isa, set_isa, supported_isas
+from zero_offload.ops.cpu_adam import adam_step_async
 from zero_offload.ops.cpu_rules import (AdafactorHyper, MuonHyper, adafactor_step, adafactor_step_async,
                                         muon_apply, muon_apply_async, muon_momentum, muon_momentum_async)
 from zero_offload.runtime.rules import adafactor_state_shapes
@@ -145,20 +145,16 @@ def test_adafactor_equals_torch_bit_for_bit_where_no_sum_can_differ(each_isa, to
 def test_adafactor_sums_do_not_depend_on_the_thread_count():
     """[Note: Adafactor's row blocks]: the same bits on 1, 2 and 5 threads (each ISA path), and
     within 1e-6 across the paths."""
-    runs = []
-    before = isa()
-    try:
-        for name in supported_isas():
-            set_isa(name)
-            for threads in (1, 2, 5):
-                results = []
-                for shape in [(257, 3001), (4099,), (2, 129, 65)]:
-                    param, state, _, _ = _run_adafactor(shape, grad_dtype=torch.bfloat16, steps=3,
-                                                        threads=threads, weight_decay=0.01)
-                    results.append(torch.cat([param.flatten(), *(v.flatten() for v in state.values())]))
-                runs.append((name, threads, torch.cat(results)))
-    finally:
-        set_isa(before)
+    def run(threads):
+        results = []
+        for shape in [(257, 3001), (4099,), (2, 129, 65)]:
+            param, state, _, _ = _run_adafactor(shape, grad_dtype=torch.bfloat16, steps=3,
+                                                threads=threads, weight_decay=0.01)
+            results.append(torch.cat([param.flatten(), *(v.flatten() for v in state.values())]))
+        return torch.cat(results)
+
+    per_isa = on_each_isa(lambda: [(threads, run(threads)) for threads in (1, 2, 5)])
+    runs = [(name, threads, got) for name, per_thread in per_isa for threads, got in per_thread]
     for name, threads, got in runs:
         first = next(r for n, t, r in runs if n == name)
         assert torch.equal(got.view(torch.int32), first.view(torch.int32)), f"{name}/{threads} threads"
@@ -257,21 +253,18 @@ def test_muon_apply_matches_torch(each_isa, torch_one_thread, size, out_dtype, w
 @pytest.mark.parametrize("threads", [1, 2, 5])
 def test_muon_passes_give_the_same_bits_on_every_path_and_thread_count(threads):
     size = 300_007
-    results = []
-    before = isa()
-    try:
-        for name in supported_isas():
-            set_isa(name)
-            gen = torch.Generator().manual_seed(1)
-            buf, param = torch.randn(size, generator=gen), torch.randn(size, generator=gen)
-            update, out = torch.empty(size, dtype=torch.bfloat16), torch.empty(size, dtype=torch.float16)
-            for _ in range(3):
-                grad = torch.randn(size, generator=gen).half()
-                muon_momentum(grad, buf, update, momentum=0.9, nesterov=True, grad_scale=8.0, threads=threads)
-                muon_apply(param, update, out, lr=0.1, weight_decay=0.1, adjusted_lr=0.2, threads=threads)
-            results.append((name, torch.cat([buf, param, update.float(), out.float()])))
-    finally:
-        set_isa(before)
+
+    def run():
+        gen = torch.Generator().manual_seed(1)
+        buf, param = torch.randn(size, generator=gen), torch.randn(size, generator=gen)
+        update, out = torch.empty(size, dtype=torch.bfloat16), torch.empty(size, dtype=torch.float16)
+        for _ in range(3):
+            grad = torch.randn(size, generator=gen).half()
+            muon_momentum(grad, buf, update, momentum=0.9, nesterov=True, grad_scale=8.0, threads=threads)
+            muon_apply(param, update, out, lr=0.1, weight_decay=0.1, adjusted_lr=0.2, threads=threads)
+        return torch.cat([buf, param, update.float(), out.float()])
+
+    results = on_each_isa(run)
     for name, got in results[1:]:
         assert torch.equal(got.view(torch.int32), results[0][1].view(torch.int32)), f"{name} vs {results[0][0]}"
 
