@@ -30,23 +30,12 @@ import sys
 import threading
 import time
 
-
-def _kib(path: str, key: str) -> int:
-    with open(path) as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    return 0
+from _host import proc_kib, statm_rss_bytes as rss
 
 
 def pss() -> int:
     """This process's PSS in bytes."""
-    return _kib("/proc/self/smaps_rollup", "Pss") * 1024
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return proc_kib("/proc/self/smaps_rollup", "Pss") * 1024
 
 
 class Sampler(threading.Thread):
@@ -167,7 +156,7 @@ def child(args) -> dict:
     peak = _SAMPLER.peak_pss  # (RSS during the timed steps counts shared pages whole: reported beside it)
     row["peak_pss_bytes"] = _SAMPLER.peak_pss
     row["peak_rss_timed_bytes"] = _SAMPLER.peak_rss_timed
-    row["vm_hwm_bytes"] = _kib("/proc/self/status", "VmHWM") * 1024
+    row["vm_hwm_bytes"] = proc_kib("/proc/self/status", "VmHWM") * 1024
     row["host_bytes_per_param"] = peak / params  # from the start of the script
     row["host_bytes_per_param_beyond_device"] = (peak - stages["device_up"]) / params
     row["pss_bytes_per_param_by_stage"] = {k: v / params for k, v in stages.items()}

@@ -39,14 +39,14 @@ Usage (GPU machine; results in benchmarks/results/init_<hardware>_<date>.json):
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
+
+from _host import machine
 
 T_START = time.time()
 
@@ -255,19 +255,6 @@ def write_weights(args) -> float:
     save_file(sd, os.path.join(args.weights_dir, WEIGHTS_FILE), metadata={"format": "pt"})
     return time.perf_counter() - t
 
-
-def machine() -> dict:
-    import psutil
-    import torch
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            cpu = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "cpu": cpu,
-            "cores": len(os.sched_getaffinity(0)), "ram_gib": round(psutil.virtual_memory().total / GiB),
-            "torch": torch.__version__, "date": datetime.date.today().isoformat()}
 
 
 def main(argv=None) -> int:

@@ -26,18 +26,17 @@ Usage (GPU machine; results in benchmarks/results/park_<hardware>_<date>.json):
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-import psutil
 import torch
+
+from _host import machine
 
 GiB = float(2 ** 30)
 CASES = {"auto": dict(params="auto", optimizer="auto"), "auto-keep": dict(params="auto", optimizer="auto"),
@@ -166,17 +165,6 @@ def run_case(args) -> dict:
                 "params_on_gpu": sum(1 for h in engine.plan.homes if getattr(h.params, "value", None) == "gpu"),
                 "chunks": len(engine.plan.homes)}}
 
-
-def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            cpu = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "cpu": cpu,
-            "cores": len(os.sched_getaffinity(0)), "ram_gib": round(psutil.virtual_memory().total / GiB),
-            "torch": torch.__version__, "date": datetime.date.today().isoformat()}
 
 
 def main(argv=None) -> int:

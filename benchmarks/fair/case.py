@@ -73,14 +73,8 @@ import time
 
 _T0 = time.time()  # process start, for --time-budget
 
-
-def _proc_kib(path: str, key: str) -> int:
-    """The kB value of line ``key:`` in a /proc file (0 if absent)."""
-    with open(path) as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    return 0
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _host
+from _host import proc_kib as _proc_kib, statm_rss_bytes  # noqa: E402
 
 
 def _read_pss_kib() -> int:
@@ -93,8 +87,7 @@ def mem_available_kib() -> int:
 
 def _read_statm_rss_kib() -> int:
     """Resident set size from /proc/self/statm: two counters, no page-table walk."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * (os.sysconf("SC_PAGE_SIZE") // 1024)
+    return statm_rss_bytes() // 1024
 
 
 def read_vm_hwm_kib() -> int:
