@@ -104,12 +104,18 @@ def hyper_checker(owner: Optional[str]):
     return number, bad
 
 
+def checked_nonneg(number, bad, name: str, value: Any, torch_words: str, need: Optional[str] = None) -> float:
+    """``value`` as a finite float >= 0, else ``bad``'s ValueError with torch's words (``number``,
+    ``bad``: ``hyper_checker``'s; ``need`` defaults to "a finite NAME >= 0")."""
+    value = number(name, value)
+    if not (math.isfinite(value) and value >= 0):
+        raise bad(name, value, torch_words, need or f"a finite {name} >= 0")
+    return value
+
+
 def checked_lr(number, bad, lr: Any) -> float:
     """A learning rate: finite and >= 0 (``number``, ``bad``: ``hyper_checker``'s)."""
-    lr = number("lr", lr)
-    if not (math.isfinite(lr) and lr >= 0):
-        raise bad("lr", lr, "Invalid learning rate", "a finite lr >= 0")
-    return lr
+    return checked_nonneg(number, bad, "lr", lr, "Invalid learning rate")
 
 
 def checked_betas(number, bad, betas: Any, owner: Optional[str], *, one_allowed: bool,
@@ -155,12 +161,8 @@ class AdamHyper:
 
         lr = checked_lr(number, bad, lr)
         beta1, beta2 = checked_betas(number, bad, betas, owner, one_allowed=False, example="(0.9, 0.999)")
-        eps = number("eps", eps)
-        if not (math.isfinite(eps) and eps >= 0):
-            raise bad("eps", eps, "Invalid epsilon value", "a finite eps >= 0")
-        weight_decay = number("weight_decay", weight_decay)
-        if not (math.isfinite(weight_decay) and weight_decay >= 0):
-            raise bad("weight_decay", weight_decay, "Invalid weight_decay value", "a finite weight_decay >= 0")
+        eps = checked_nonneg(number, bad, "eps", eps, "Invalid epsilon value")
+        weight_decay = checked_nonneg(number, bad, "weight_decay", weight_decay, "Invalid weight_decay value")
         if not isinstance(adamw, bool):
             raise TypeError(f"adamw must be a bool, got {type(adamw).__name__}")
         return cls(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw)

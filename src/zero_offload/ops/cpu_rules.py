@@ -45,7 +45,7 @@ import torch
 
 from ._native import TORCH_DTYPES, Dtype, default_threads, rules
 from .cpu_adam import (FLOAT_DTYPES, LOWP_DTYPES, KernelTicket, as_float, bump_versions, check_buffer,
-                       check_grad_scale, check_no_overlap, check_threads, checked_betas, checked_lr,
+                       check_grad_scale, check_no_overlap, check_threads, checked_betas, checked_lr, checked_nonneg,
                        hyper_checker)
 
 __all__ = ["AdafactorHyper", "LionHyper", "MuonHyper", "SgdHyper", "adafactor_step", "adafactor_step_async",
@@ -75,15 +75,11 @@ class SgdHyper:
                 nesterov: Any = False, owner: Optional[str] = None) -> "SgdHyper":
         number, bad = hyper_checker(owner)
         lr = checked_lr(number, bad, lr)
-        momentum = number("momentum", momentum)
-        if not (math.isfinite(momentum) and momentum >= 0):
-            raise bad("momentum", momentum, "Invalid momentum value", "a finite momentum >= 0")
+        momentum = checked_nonneg(number, bad, "momentum", momentum, "Invalid momentum value")
         dampening = number("dampening", dampening)
         if not math.isfinite(dampening):
             raise bad("dampening", dampening, "Invalid dampening value", "a finite dampening")
-        weight_decay = number("weight_decay", weight_decay)
-        if not (math.isfinite(weight_decay) and weight_decay >= 0):
-            raise bad("weight_decay", weight_decay, "Invalid weight_decay value", "a finite weight_decay >= 0")
+        weight_decay = checked_nonneg(number, bad, "weight_decay", weight_decay, "Invalid weight_decay value")
         if not isinstance(nesterov, bool):
             raise TypeError(f"nesterov must be a bool, got {type(nesterov).__name__}")
         if nesterov and (momentum <= 0 or dampening != 0):
@@ -113,9 +109,7 @@ class LionHyper:
         number, bad = hyper_checker(owner)
         lr = checked_lr(number, bad, lr)
         beta1, beta2 = checked_betas(number, bad, betas, owner, one_allowed=True, example="(0.9, 0.99)")
-        weight_decay = number("weight_decay", weight_decay)
-        if not (math.isfinite(weight_decay) and weight_decay >= 0):
-            raise bad("weight_decay", weight_decay, "Invalid weight_decay value", "a finite weight_decay >= 0")
+        weight_decay = checked_nonneg(number, bad, "weight_decay", weight_decay, "Invalid weight_decay value")
         return cls(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
 
 
@@ -152,15 +146,11 @@ class AdafactorHyper:
         eps1 = None if eps[0] is None else number("eps[0]", eps[0])
         if eps1 is not None and not (math.isfinite(eps1) and eps1 >= 0):
             raise bad("eps[0]", eps1, "epsilon1 should be >= 0", "None or a finite eps1 >= 0")
-        eps2 = number("eps[1]", eps[1])
-        if not (math.isfinite(eps2) and eps2 >= 0):
-            raise bad("eps[1]", eps2, "epsilon2 should be >= 0", "a finite eps2 >= 0")
+        eps2 = checked_nonneg(number, bad, "eps[1]", eps[1], "epsilon2 should be >= 0", "a finite eps2 >= 0")
         d = number("d", d)
         if not (math.isfinite(d) and d >= 1):
             raise bad("d", d, "Clipping threshold d should be >= 1", "a finite d >= 1")
-        weight_decay = number("weight_decay", weight_decay)
-        if not (math.isfinite(weight_decay) and weight_decay >= 0):
-            raise bad("weight_decay", weight_decay, "weight_decay should be >= 0", "a finite weight_decay >= 0")
+        weight_decay = checked_nonneg(number, bad, "weight_decay", weight_decay, "weight_decay should be >= 0")
         return cls(lr=lr, beta2_decay=beta2_decay, eps1=eps1, eps2=eps2, d=d, weight_decay=weight_decay)
 
 
@@ -183,12 +173,8 @@ class MuonHyper:
                 owner: Optional[str] = None) -> "MuonHyper":
         number, bad = hyper_checker(owner)
         lr = checked_lr(number, bad, lr)
-        weight_decay = number("weight_decay", weight_decay)
-        if not (math.isfinite(weight_decay) and weight_decay >= 0):
-            raise bad("weight_decay", weight_decay, "Weight decay should be >= 0", "a finite weight_decay >= 0")
-        momentum = number("momentum", momentum)
-        if not (math.isfinite(momentum) and momentum >= 0):
-            raise bad("momentum", momentum, "Momentum should be >= 0", "a finite momentum >= 0")
+        weight_decay = checked_nonneg(number, bad, "weight_decay", weight_decay, "Weight decay should be >= 0")
+        momentum = checked_nonneg(number, bad, "momentum", momentum, "Momentum should be >= 0")
         if not isinstance(nesterov, bool):
             raise TypeError(f"nesterov must be a bool, got {type(nesterov).__name__}")
         return cls(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov)
@@ -368,6 +354,12 @@ def _run(kernel, native: dict, written: list) -> float:
     return seconds
 
 
+def _queue(kernel_async, native: dict, written: list, operands: tuple) -> KernelTicket:
+    """``_run``'s counterpart for the ``*_async`` forms: queues the checked call on the native
+    kernel thread; the ticket keeps ``operands`` alive and bumps ``written``'s versions on wait."""
+    return KernelTicket(kernel_async(**native), operands, written)
+
+
 # ---------------------------------------------------------------------------------------------
 # Flat-buffer API.
 
@@ -429,8 +421,7 @@ def sgd_step_async(
     native, written = _checked_sgd(param, grad, momentum_buffer, out_lowp, lr=lr, momentum=momentum,
                                    dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                                    first_step=first_step, grad_scale=grad_scale, threads=threads)
-    ticket = rules.sgd_step_async(**native)
-    return KernelTicket(ticket, (param, grad, momentum_buffer, out_lowp), written)
+    return _queue(rules.sgd_step_async, native, written, (param, grad, momentum_buffer, out_lowp))
 
 
 def lion_step(
@@ -475,8 +466,7 @@ def lion_step_async(
     """``lion_step`` queued on the native kernel thread, as ``sgd_step_async``."""
     native, written = _checked_lion(param, grad, exp_avg, out_lowp, lr=lr, betas=betas,
                                     weight_decay=weight_decay, grad_scale=grad_scale, threads=threads)
-    ticket = rules.lion_step_async(**native)
-    return KernelTicket(ticket, (param, grad, exp_avg, out_lowp), written)
+    return _queue(rules.lion_step_async, native, written, (param, grad, exp_avg, out_lowp))
 
 
 def adafactor_step(
@@ -539,8 +529,7 @@ def adafactor_step_async(
     native, written = _checked_adafactor(param, grad, row_var, col_var, variance, out_lowp, shape=shape, step=step,
                                          lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay,
                                          grad_scale=grad_scale, threads=threads)
-    ticket = rules.adafactor_step_async(**native)
-    return KernelTicket(ticket, (param, grad, row_var, col_var, variance, out_lowp), written)
+    return _queue(rules.adafactor_step_async, native, written, (param, grad, row_var, col_var, variance, out_lowp))
 
 
 def muon_momentum(
@@ -578,8 +567,7 @@ def muon_momentum_async(
     """``muon_momentum`` queued on the native kernel thread, as ``sgd_step_async``."""
     native, written = _checked_muon_momentum(grad, momentum_buffer, out, momentum=momentum, nesterov=nesterov,
                                              grad_scale=grad_scale, threads=threads)
-    ticket = rules.muon_momentum_async(**native)
-    return KernelTicket(ticket, (grad, momentum_buffer, out), written)
+    return _queue(rules.muon_momentum_async, native, written, (grad, momentum_buffer, out))
 
 
 def muon_apply(
@@ -617,5 +605,4 @@ def muon_apply_async(
     """``muon_apply`` queued on the native kernel thread, as ``sgd_step_async``."""
     native, written = _checked_muon_apply(param, ortho, out_lowp, lr=lr, weight_decay=weight_decay,
                                           adjusted_lr=adjusted_lr, threads=threads)
-    ticket = rules.muon_apply_async(**native)
-    return KernelTicket(ticket, (param, ortho, out_lowp), written)
+    return _queue(rules.muon_apply_async, native, written, (param, ortho, out_lowp))
