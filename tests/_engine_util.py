@@ -57,6 +57,16 @@ def micro_gpt(seed: int = 0, **overrides) -> GPT:
     return GPT(dataclasses.replace(MICRO_GPT, **overrides))
 
 
+def init_weights_reference(cfg: GPTConfig, seed: int) -> GPT:
+    """What ``GPT.init_weights`` gives on the CPU after ``to_empty``, from ``seed``: the values a
+    model built on the meta device must get."""
+    m = GPT(cfg, device="meta")
+    m.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    m.init_weights()
+    return m
+
+
 def mlp_batches(n: int, *, seed: int = 1, batch: int = 8, d_in: int = 16, d_out: int = 4) -> list:
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(batch, d_in, generator=g), torch.randn(batch, d_out, generator=g))

@@ -16,7 +16,7 @@ import zero_offload as zo
 from zero_offload import initial_values
 from zero_offload.models import GPT, GPTConfig
 from _dist_util import run_ranks, values
-from _engine_util import DEVICE
+from _engine_util import DEVICE, init_weights_reference
 
 SPEC = zo.AdamW(lr=1e-3)
 # Big enough that its large parameters are drawn in slices (ops/rng.py: >= 2 x 256K elements):
@@ -29,14 +29,6 @@ def _config(**kw):
                 cpu_budget=1 << 28, threads=2)
     base.update(kw)
     return zo.OffloadConfig(**base)
-
-
-def _reference_gpt(seed):
-    m = GPT(WIDE_GPT, device="meta")
-    m.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    m.init_weights()
-    return m
 
 
 @pytest.fixture
@@ -66,7 +58,7 @@ def test_meta_gpt_drawn_on_threads_equals_the_serial_init_and_leaves_the_generat
     engine = zo.initialize(model, optimizer=SPEC, config=_config(), device=DEVICE, init=model.init_param)
     after = torch.get_rng_state()
     try:
-        reference = _reference_gpt(11)
+        reference = init_weights_reference(WIDE_GPT, 11)
         assert torch.equal(after, torch.get_rng_state())  # the next draw is the serial init's next
         _assert_values(engine, reference)
         assert sliced and sliced[0] >= 8192 * 128
@@ -111,7 +103,7 @@ def _save(model, path, dtype=None):
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
 def test_weights_read_in_pieces_on_threads_equal_the_file(tmp_path, monkeypatch, dtype):
     monkeypatch.setattr(initial_values, "_PIECE", 64 << 10)  # many pieces per tensor
-    source = _reference_gpt(2)
+    source = init_weights_reference(WIDE_GPT, 2)
     path = str(tmp_path / "model.safetensors")
     saved = _save(source, path, dtype)
     with torch.device("meta"):
@@ -126,7 +118,7 @@ def test_weights_read_in_pieces_on_threads_equal_the_file(tmp_path, monkeypatch,
 
 
 def test_a_truncated_or_corrupt_weights_file_is_refused_before_anything_changes(tmp_path):
-    source = _reference_gpt(2)
+    source = init_weights_reference(WIDE_GPT, 2)
     path = str(tmp_path / "model.safetensors")
     _save(source, path)
     cut = str(tmp_path / "cut.safetensors")
@@ -162,7 +154,7 @@ def _rank_init(rank, world, path):
 
 
 def test_two_ranks_fill_their_shards_with_the_serial_values(tmp_path):
-    reference = _reference_gpt(11)
+    reference = init_weights_reference(WIDE_GPT, 11)
     path = str(tmp_path / "model.safetensors")
     _save(reference, path)
     for sd in values(run_ranks(_rank_init, 2, tmp_path / "ranks", path, timeout_s=240)):

@@ -16,7 +16,8 @@ from torch import nn
 import zero_offload as zo
 from zero_offload.models import GPT
 from _engine_util import (DEVICE, MICRO_GPT, MLP, Reference, assert_params_close, config,
-                          gpt_batches, gpt_loss, micro_gpt, mlp_batches, mlp_loss, train_engine)
+                          gpt_batches, gpt_loss, init_weights_reference, micro_gpt, mlp_batches, mlp_loss,
+                          train_engine)
 
 SPEC = zo.AdamW(lr=3e-3, weight_decay=0.1)
 
@@ -24,15 +25,6 @@ SPEC = zo.AdamW(lr=3e-3, weight_decay=0.1)
 def _meta_gpt():
     with torch.device("meta"):
         return GPT(MICRO_GPT)
-
-
-def _cpu_values_of_init_weights(seed):
-    """What GPT.init_weights gives after to_empty, from ``seed``: the reference values."""
-    m = GPT(MICRO_GPT, device="meta")
-    m.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    m.init_weights()
-    return m
 
 
 def _train_and_compare(engine, ref_model, batches, loss_fn):
@@ -47,7 +39,7 @@ def test_meta_gpt_with_init_param_gets_init_weights_values_and_trains_like_torch
     model = _meta_gpt()
     torch.manual_seed(7)
     engine = zo.initialize(model, optimizer=SPEC, config=config(), device=DEVICE, init=model.init_param)
-    expect = _cpu_values_of_init_weights(7)
+    expect = init_weights_reference(MICRO_GPT, 7)
     got = engine.state_dict()
     for k, v in expect.state_dict().items():
         assert torch.equal(got[k], v), k  # the same values, RNG stream included
