@@ -66,6 +66,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cpu_rules.h"
 
@@ -495,41 +496,44 @@ void lion_by_decay(const Buffers& b, const LionScalars& s, int64_t begin, int64_
   return rule_range<V, LionBlock<V, G, O, false>>(b, s, begin, end);
 }
 
-template <class V, Dtype G>
-void sgd_by_out(const Buffers& b, const SgdScalars& s, int64_t begin, int64_t end) {
-  switch (b.out_dtype) {
-    case Dtype::kBFloat16: return sgd_by_decay<V, G, Dtype::kBFloat16>(b, s, begin, end);
-    case Dtype::kFloat16: return sgd_by_decay<V, G, Dtype::kFloat16>(b, s, begin, end);
-    default: return sgd_by_decay<V, G, Dtype::kNone>(b, s, begin, end);  // checked by caller
+// A call's grad (or copy-out) dtype as a template argument: fn(std::integral_constant<Dtype, D>{})
+// for the D it holds, so fn picks the instantiation of that dtype (the loops are untouched). Any
+// other grad dtype reads as fp32, any other copy-out dtype as none: the caller checked them.
+template <class Fn>
+auto by_grad_dtype(Dtype d, Fn&& fn) {
+  switch (d) {
+    case Dtype::kBFloat16: return fn(std::integral_constant<Dtype, Dtype::kBFloat16>{});
+    case Dtype::kFloat16: return fn(std::integral_constant<Dtype, Dtype::kFloat16>{});
+    default: return fn(std::integral_constant<Dtype, Dtype::kFloat32>{});
   }
 }
 
-template <class V, Dtype G>
-void lion_by_out(const Buffers& b, const LionScalars& s, int64_t begin, int64_t end) {
-  switch (b.out_dtype) {
-    case Dtype::kBFloat16: return lion_by_decay<V, G, Dtype::kBFloat16>(b, s, begin, end);
-    case Dtype::kFloat16: return lion_by_decay<V, G, Dtype::kFloat16>(b, s, begin, end);
-    default: return lion_by_decay<V, G, Dtype::kNone>(b, s, begin, end);  // checked by caller
+template <class Fn>
+auto by_out_dtype(Dtype d, Fn&& fn) {
+  switch (d) {
+    case Dtype::kBFloat16: return fn(std::integral_constant<Dtype, Dtype::kBFloat16>{});
+    case Dtype::kFloat16: return fn(std::integral_constant<Dtype, Dtype::kFloat16>{});
+    default: return fn(std::integral_constant<Dtype, Dtype::kNone>{});
   }
 }
 
 // Kernels::sgd and Kernels::lion for trait V.
 template <class V>
 void sgd_kernel(const Buffers& b, const SgdScalars& s, int64_t begin, int64_t end) {
-  switch (b.grad_dtype) {
-    case Dtype::kBFloat16: return sgd_by_out<V, Dtype::kBFloat16>(b, s, begin, end);
-    case Dtype::kFloat16: return sgd_by_out<V, Dtype::kFloat16>(b, s, begin, end);
-    default: return sgd_by_out<V, Dtype::kFloat32>(b, s, begin, end);  // checked by caller
-  }
+  by_grad_dtype(b.grad_dtype, [&](auto g) {
+    by_out_dtype(b.out_dtype, [&](auto o) {
+      sgd_by_decay<V, decltype(g)::value, decltype(o)::value>(b, s, begin, end);
+    });
+  });
 }
 
 template <class V>
 void lion_kernel(const Buffers& b, const LionScalars& s, int64_t begin, int64_t end) {
-  switch (b.grad_dtype) {
-    case Dtype::kBFloat16: return lion_by_out<V, Dtype::kBFloat16>(b, s, begin, end);
-    case Dtype::kFloat16: return lion_by_out<V, Dtype::kFloat16>(b, s, begin, end);
-    default: return lion_by_out<V, Dtype::kFloat32>(b, s, begin, end);  // checked by caller
-  }
+  by_grad_dtype(b.grad_dtype, [&](auto g) {
+    by_out_dtype(b.out_dtype, [&](auto o) {
+      lion_by_decay<V, decltype(g)::value, decltype(o)::value>(b, s, begin, end);
+    });
+  });
 }
 
 // Muon's and Adafactor's dispatch, likewise.
@@ -541,11 +545,9 @@ void muon_momentum_by_nesterov(const Buffers& b, const MuonScalars& s, int64_t b
 
 template <class V>
 void muon_momentum_kernel(const Buffers& b, const MuonScalars& s, int64_t begin, int64_t end) {
-  switch (b.grad_dtype) {
-    case Dtype::kBFloat16: return muon_momentum_by_nesterov<V, Dtype::kBFloat16>(b, s, begin, end);
-    case Dtype::kFloat16: return muon_momentum_by_nesterov<V, Dtype::kFloat16>(b, s, begin, end);
-    default: return muon_momentum_by_nesterov<V, Dtype::kFloat32>(b, s, begin, end);
-  }
+  return by_grad_dtype(b.grad_dtype, [&](auto d) {
+    return muon_momentum_by_nesterov<V, decltype(d)::value>(b, s, begin, end);
+  });
 }
 
 template <class V, Dtype O>
@@ -556,43 +558,33 @@ void muon_apply_by_decay(const Buffers& b, const MuonScalars& s, int64_t begin, 
 
 template <class V>
 void muon_apply_kernel(const Buffers& b, const MuonScalars& s, int64_t begin, int64_t end) {
-  switch (b.out_dtype) {
-    case Dtype::kBFloat16: return muon_apply_by_decay<V, Dtype::kBFloat16>(b, s, begin, end);
-    case Dtype::kFloat16: return muon_apply_by_decay<V, Dtype::kFloat16>(b, s, begin, end);
-    default: return muon_apply_by_decay<V, Dtype::kNone>(b, s, begin, end);
-  }
+  return by_out_dtype(b.out_dtype, [&](auto d) {
+    return muon_apply_by_decay<V, decltype(d)::value>(b, s, begin, end);
+  });
 }
 
 template <class V>
 double factor_sums_kernel(const FactorBuffers& b, const FactorScalars& s, int64_t row0,
                           int64_t row1, double* row_sq, double* col_sq) {
-  switch (b.grad_dtype) {
-    case Dtype::kBFloat16:
-      return factor_sums_range<V, Dtype::kBFloat16>(b, s, row0, row1, row_sq, col_sq);
-    case Dtype::kFloat16:
-      return factor_sums_range<V, Dtype::kFloat16>(b, s, row0, row1, row_sq, col_sq);
-    default: return factor_sums_range<V, Dtype::kFloat32>(b, s, row0, row1, row_sq, col_sq);
-  }
+  return by_grad_dtype(b.grad_dtype, [&](auto d) {
+    return factor_sums_range<V, decltype(d)::value>(b, s, row0, row1, row_sq, col_sq);
+  });
 }
 
 template <class V>
 double factor_norm_kernel(const FactorBuffers& b, const FactorScalars& s, int64_t row0,
                           int64_t row1) {
-  switch (b.grad_dtype) {
-    case Dtype::kBFloat16: return factor_norm_range<V, Dtype::kBFloat16>(b, s, row0, row1);
-    case Dtype::kFloat16: return factor_norm_range<V, Dtype::kFloat16>(b, s, row0, row1);
-    default: return factor_norm_range<V, Dtype::kFloat32>(b, s, row0, row1);
-  }
+  return by_grad_dtype(b.grad_dtype, [&](auto d) {
+    return factor_norm_range<V, decltype(d)::value>(b, s, row0, row1);
+  });
 }
 
 template <class V>
 void vector_sums_kernel(const FactorBuffers& b, const FactorScalars& s, int64_t begin,
                         int64_t end, double* sums) {
-  switch (b.grad_dtype) {
-    case Dtype::kBFloat16: return vector_sums_range<V, Dtype::kBFloat16>(b, s, begin, end, sums);
-    case Dtype::kFloat16: return vector_sums_range<V, Dtype::kFloat16>(b, s, begin, end, sums);
-    default: return vector_sums_range<V, Dtype::kFloat32>(b, s, begin, end, sums);
-  }
+  return by_grad_dtype(b.grad_dtype, [&](auto d) {
+    return vector_sums_range<V, decltype(d)::value>(b, s, begin, end, sums);
+  });
 }
 
 // An apply pass (factor_apply_range or vector_apply_range) for the call's grad and copy-out
@@ -605,22 +597,13 @@ struct ApplyByDecay {
   }
 };
 
-template <template <class, Dtype, Dtype, bool> class Apply, class V, Dtype G>
-void apply_by_out(const FactorBuffers& b, const FactorScalars& s, int64_t begin, int64_t end) {
-  switch (b.out_dtype) {
-    case Dtype::kBFloat16: return ApplyByDecay<Apply, V, G, Dtype::kBFloat16>::run(b, s, begin, end);
-    case Dtype::kFloat16: return ApplyByDecay<Apply, V, G, Dtype::kFloat16>::run(b, s, begin, end);
-    default: return ApplyByDecay<Apply, V, G, Dtype::kNone>::run(b, s, begin, end);
-  }
-}
-
 template <template <class, Dtype, Dtype, bool> class Apply, class V>
 void apply_kernel(const FactorBuffers& b, const FactorScalars& s, int64_t begin, int64_t end) {
-  switch (b.grad_dtype) {
-    case Dtype::kBFloat16: return apply_by_out<Apply, V, Dtype::kBFloat16>(b, s, begin, end);
-    case Dtype::kFloat16: return apply_by_out<Apply, V, Dtype::kFloat16>(b, s, begin, end);
-    default: return apply_by_out<Apply, V, Dtype::kFloat32>(b, s, begin, end);
-  }
+  by_grad_dtype(b.grad_dtype, [&](auto g) {
+    by_out_dtype(b.out_dtype, [&](auto o) {
+      ApplyByDecay<Apply, V, decltype(g)::value, decltype(o)::value>::run(b, s, begin, end);
+    });
+  });
 }
 
 template <class V, Dtype G, Dtype O, bool W>
