@@ -104,12 +104,18 @@ def test_bad_arguments():
 def _stall(tmp_path, depth: int) -> tuple[float, float]:
     """Stall seconds and wall seconds of the third pass over 10 NVMe-homed chunks of 16 MiB,
     each used for 25 ms of simulated compute; CPU holds only 5 chunks, so on-demand use must
-    read from the file every time."""
+    read from the file every time. (Each chunk is written first: an extent of the swap file
+    never written reads as zeros without touching the disk.)"""
     nbytes = 16 * MiB
     store = ChunkStore(StoreConfig(device="cpu", nvme_dir=tmp_path,
                                    budgets={"gpu": 5 * nbytes, "cpu": 5 * nbytes, "nvme": 12 * nbytes}))
     try:
         cids = [store.add_chunk({"params": PayloadSpec(nbytes // 4, torch.float32, Tier.NVME)}) for _ in range(10)]
+        for c in cids:
+            store.allocate(c, "params", "cpu").fill_(float(c))
+            store.mark_dirty(c, "params", "cpu")
+            store.evict(c, "params", "cpu")  # written home first
+        store.synchronize()
         pf = Prefetcher(store, depth=depth, nvme_depth=2 * depth)
         for p in range(3):
             pf.start_pass()
