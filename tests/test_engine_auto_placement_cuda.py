@@ -147,3 +147,16 @@ def test_two_gpus_with_different_budgets_plan_alike(tmp_path):
         ref.step(b, gpt_loss)
     for *_, sd in out:
         assert_params_close(sd, ref.master_state(), rtol=1e-4)
+
+
+def test_a_memory_fraction_bounds_the_auto_budget_and_the_measured_limit():
+    """set_per_process_memory_fraction holds "auto" to the script's share of the card."""
+    from zero_offload.runtime.placement import measure_device
+    from zero_offload.runtime.store import StoreConfig, resolve_budgets
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(0.25, 0)
+    try:
+        assert measure_device("cuda:0").device_limit <= int(0.25 * total)
+        assert 0 < resolve_budgets(StoreConfig(device="cuda:0"))[Tier.GPU] <= int(0.25 * total)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)

@@ -168,3 +168,28 @@ def test_the_share_leaves_room_for_the_replicas():
     assert plan.need[Tier.GPU] + replicas <= gpu
     grown = grow_share(plan, Measured(device_limit=1 << 50, device_peak=0))
     assert grown.grown == () and "gpu_budget" in grown.why
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.25])
+def test_the_measured_limit_and_auto_budget_keep_to_the_memory_fraction(fraction, monkeypatch):
+    """A script that holds its process to a share of the card (set_per_process_memory_fraction)
+    gets an "auto" GPU budget and a measured limit within that share, not the card's free memory:
+    the allocator refuses beyond it, so a share planned past it would run out of memory."""
+    from zero_offload.runtime import placement, store
+    total, free, reserved = 80 * GiB, 70 * GiB, 6 * GiB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: reserved)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: fraction,
+                        raising=False)
+    room, limit = store.cuda_room("cuda:0")
+    measured = placement.measure_device("cuda:0")
+    if fraction == 1.0:
+        assert (room, limit) == (free, total) and measured.device_limit == free + reserved
+    else:
+        assert limit == 20 * GiB and room == 14 * GiB  # 20 GiB allowed, 6 already held
+        assert measured.device_limit == 20 * GiB
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = store.StoreConfig(device=torch.device("cuda:0"), budgets={Tier.GPU: "auto"})
+    gpu = store.resolve_budgets(cfg)[Tier.GPU]
+    assert gpu == int(room - cfg.auto_reserve_fraction * limit)

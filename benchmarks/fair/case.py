@@ -698,6 +698,10 @@ def parse_args(argv=None):
                     help="offload-adamw: OffloadAdamW(overlap_forward=...)")
     ap.add_argument("--opt", default="adamw", choices=("adamw", "sgd", "lion", "adafactor", "muon"),
                     help="the update rule of engine, offload-adamw and torch-opt (issue 25)")
+    ap.add_argument("--gpu-cap", type=float, default=0.0,
+                    help="engine-auto: hold the process to this many GiB of GPU memory "
+                         "(torch.cuda.set_per_process_memory_fraction; \"auto\" plans within it), e.g. "
+                         "torchao's footprint; 0: the whole card")
     ap.add_argument("--compile", default="0", choices=("0", "1"),
                     help="engine, ddp: 1 compiles each block (block.compile(), inductor) before the case "
                          "wraps the model; the warm-up steps compile (the row: compile_s)")
@@ -735,6 +739,10 @@ def run(args, row: dict, sampler: MemSampler) -> dict:
     if args.device == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
+        if args.gpu_cap:  # the whole process held to this many GiB (the allocator refuses beyond)
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_cap * GiB / total), device)
+            row["gpu_cap_gib"] = args.gpu_cap
     else:
         device = torch.device("cpu")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",

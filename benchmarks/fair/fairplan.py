@@ -54,7 +54,7 @@ CASES: dict[str, CaseInfo] = {
     "engine-auto": CaseInfo(
         "bf16 working params (no autocast), fp32 master + moments on the CPU; zero_offload engine "
         "params=auto optimizer=auto",
-        short=BF16_MASTER, knobs=("opt",), startup_s=35, step_s={1: 0.35, 2: 0.40, 4: 0.45}),
+        short=BF16_MASTER, knobs=("opt", "gpu-cap"), startup_s=35, step_s={1: 0.35, 2: 0.40, 4: 0.45}),
     "offload-adamw": CaseInfo(
         TORCH_AUTOCAST + " on the CPU (zero_offload OffloadAdamW, overlap_forward=True; knob "
         "overlap=0: overlap_forward=False; knob opt=: the rule's offload optimizer)",

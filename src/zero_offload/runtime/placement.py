@@ -173,7 +173,7 @@ from typing import Mapping
 
 import torch
 
-from .store import PayloadSpec, StoreConfig, Tier, resolve_budgets
+from .store import PayloadSpec, StoreConfig, Tier, cuda_room, resolve_budgets
 from .swap_io import NVME_AUTO_RESERVE, auto_nvme_budget, disk_holders
 from .update_rule import StateSpec, UpdateRule
 from .vocab import ALIGNMENT, Placement, round_up
@@ -348,7 +348,7 @@ def measure_device(device, *, store_peak: int = 0) -> "Measured | None":
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    free, _ = torch.cuda.mem_get_info(device)
+    free, _ = cuda_room(device)  # held to the script's per-process memory fraction
     return Measured(device_limit=int(free + torch.cuda.memory_reserved(device)),
                     device_peak=int(torch.cuda.max_memory_reserved(device)), store_peak=int(store_peak))
 

@@ -307,6 +307,19 @@ _PARK_BATCH = 8
 """Payloads a park to NVMe (or its unpark) stages through host memory at once ([Note: parking])."""
 
 
+def cuda_room(device) -> tuple[int, int]:
+    """(bytes this process may still take on ``device``, the most it may hold there): the device's
+    free and total memory, held to ``torch.cuda.set_per_process_memory_fraction`` where the script
+    set one (the allocator refuses beyond it, so "auto" budgets and the measured share must not
+    plan past it)."""
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _d: 1.0)(device)
+    if fraction < 1.0:
+        total = int(fraction * total)
+        free = max(0, min(free, total - torch.cuda.memory_reserved(device)))
+    return int(free), int(total)
+
+
 def resolve_budgets(config: StoreConfig) -> dict[Tier, int]:
     """Bytes per tier of ``config.budgets``, "auto" resolved as ``StoreConfig.budgets`` says (what
     a store built from ``config`` now would get)."""
@@ -316,7 +329,7 @@ def resolve_budgets(config: StoreConfig) -> dict[Tier, int]:
         if value != "auto":
             out[tier] = value
         elif tier is Tier.GPU and config.cuda:
-            free, total = torch.cuda.mem_get_info(config.device)
+            free, total = cuda_room(config.device)
             out[tier] = max(0, int(free - reserve * total))
         elif tier in (Tier.GPU, Tier.CPU):
             vm = psutil.virtual_memory()
