@@ -403,7 +403,9 @@ def build_engine(args, cfg, device, world, sd, auto=False):
     clock = _CompileClock(args)
     ocfg = zo.OffloadConfig(params="auto" if auto else "cpu", optimizer="auto" if auto else "cpu",
                             dtype="bf16", threads=args.threads,
-                            nvme_dir=args.nvme_dir if auto and args.nvme_dir else None)
+                            nvme_dir=args.nvme_dir if auto and args.nvme_dir else None,
+                            activation_reserve=int(args.activation_reserve * GiB) if args.activation_reserve
+                            else "auto")
     spec = {"adamw": zo.AdamW, "sgd": zo.SGD, "lion": zo.Lion, "adafactor": zo.Adafactor,
             "muon": zo.Muon}[args.opt](**_rule_kwargs(args.opt))
     groups = None
@@ -702,6 +704,9 @@ def parse_args(argv=None):
                     help="engine-auto: hold the process to this many GiB of GPU memory "
                          "(torch.cuda.set_per_process_memory_fraction; \"auto\" plans within it), e.g. "
                          "torchao's footprint; 0: the whole card")
+    ap.add_argument("--activation-reserve", type=float, default=0.0,
+                    help="engine-auto: OffloadConfig.activation_reserve in GiB (0: \"auto\", half the GPU "
+                         "budget until the first step measures)")
     ap.add_argument("--compile", default="0", choices=("0", "1"),
                     help="engine, ddp: 1 compiles each block (block.compile(), inductor) before the case "
                          "wraps the model; the warm-up steps compile (the row: compile_s)")

@@ -54,7 +54,7 @@ CASES: dict[str, CaseInfo] = {
     "engine-auto": CaseInfo(
         "bf16 working params (no autocast), fp32 master + moments on the CPU; zero_offload engine "
         "params=auto optimizer=auto",
-        short=BF16_MASTER, knobs=("opt", "gpu-cap"), startup_s=35, step_s={1: 0.35, 2: 0.40, 4: 0.45}),
+        short=BF16_MASTER, knobs=("opt", "gpu-cap", "activation-reserve"), startup_s=35, step_s={1: 0.35, 2: 0.40, 4: 0.45}),
     "offload-adamw": CaseInfo(
         TORCH_AUTOCAST + " on the CPU (zero_offload OffloadAdamW, overlap_forward=True; knob "
         "overlap=0: overlap_forward=False; knob opt=: the rule's offload optimizer)",
@@ -104,7 +104,7 @@ OPTS = ("adamw", "sgd", "lion", "adafactor", "muon")
 """Values of the ``opt=`` knob (engine, offload-adamw, torch-opt): the update rule of the case
 (issue 25: each rule offloaded vs the same torch optimizer without offload vs AdamW offloaded)."""
 
-KNOB_ALIASES = {"overlap": "overlap-forward", "reshard": "fsdp-reshard", "prefetch": "ds-prefetch-bucket",
+KNOB_ALIASES = {"reserve": "activation-reserve", "overlap": "overlap-forward", "reshard": "fsdp-reshard", "prefetch": "ds-prefetch-bucket",
                 "reduce": "ds-reduce-bucket", "ratio": "ds-ratio", "sub-group": "ds-sub-group"}
 
 # [Note: plan order is priority] (run.py): when a plan's expected time exceeds the deadline, its
@@ -145,6 +145,15 @@ PLANS: dict[str, list[str]] = {
     # issue 23's before/after (needs .trees/before: benchmarks/fair/tree.sh pack before 0795af2):
     # the engine (params cpu and auto) and OffloadAdamW (overlap_forward on and off) on one GPU,
     # the engine on 2 GPUs, each beside the same case of the commit the restructuring started from
+    # issue 24 on one GPU: the engine held to torchao's footprint (25.6 GiB, its measured peak at
+    # 1.31B) beside torchao and the ceiling; reserve=17.5: the activations' GiB the first plan leaves
+    # (the last item: "auto"'s own first plan, half the budget, under the same cap)
+    "share1": ["engine-auto:gpu-cap=25.6,reserve=17.5@1", "torchao@1", "ddp@1", "engine-auto@1",
+               "engine-auto:gpu-cap=25.6@1"],
+    # issue 23's before/after on one GPU (i23 without its 2-GPU pair)
+    "i23n1": ["engine@1", "engine:tree=before@1", "offload-adamw:overlap=0@1",
+              "offload-adamw:overlap=0,tree=before@1", "engine-auto@1", "engine-auto:tree=before@1",
+              "offload-adamw@1", "offload-adamw:tree=before@1"],
     "i23": ["engine@1", "engine:tree=before@1", "offload-adamw:overlap=0@1", "offload-adamw:overlap=0,tree=before@1",
             "engine@2", "engine:tree=before@2", "engine-auto@1", "engine-auto:tree=before@1",
             "offload-adamw@1", "offload-adamw:tree=before@1"],
