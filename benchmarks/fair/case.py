@@ -406,8 +406,9 @@ def build_engine(args, cfg, device, world, sd, auto=False):
                             nvme_dir=args.nvme_dir if auto and args.nvme_dir else None,
                             activation_reserve=int(args.activation_reserve * GiB) if args.activation_reserve
                             else "auto")
-    spec = {"adamw": zo.AdamW, "sgd": zo.SGD, "lion": zo.Lion, "adafactor": zo.Adafactor,
-            "muon": zo.Muon}[args.opt](**_rule_kwargs(args.opt))
+    # by name, looked up only for the rule asked (a tree= commit older than the rules has AdamW only)
+    spec = getattr(zo, {"adamw": "AdamW", "sgd": "SGD", "lion": "Lion", "adafactor": "Adafactor",
+                        "muon": "Muon"}[args.opt])(**_rule_kwargs(args.opt))
     groups = None
     if args.opt == "muon":  # torch's recipe: AdamW for what is not a hidden matrix
         groups = [{"params": [n for n, p in model.named_parameters() if not _hidden(n, p)],
@@ -437,8 +438,8 @@ def build_offload_adamw(args, cfg, device, world, sd):
     model = _torch_model(args, cfg, device, sd)
     wrapped, info = _ddp(model, device, world)
     kw = dict(threads=args.threads, overlap_forward=args.overlap_forward == "1")
-    cls = {"adamw": zo.OffloadAdamW, "sgd": zo.OffloadSGD, "lion": zo.OffloadLion,
-           "adafactor": zo.OffloadAdafactor, "muon": zo.OffloadMuon}[args.opt]
+    cls = getattr(zo, {"adamw": "OffloadAdamW", "sgd": "OffloadSGD", "lion": "OffloadLion",
+                       "adafactor": "OffloadAdafactor", "muon": "OffloadMuon"}[args.opt])
     if args.opt == "muon":  # torch's recipe: AdamW for what is not a hidden matrix
         named = list(model.named_parameters())
         opts = [cls([p for n, p in named if _hidden(n, p)], **_rule_kwargs(args.opt), **kw),
@@ -683,7 +684,9 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, required=True, help="CPU threads per rank (= OMP_NUM_THREADS)")
     ap.add_argument("--init", required=True, help="make_init.py's state dict file")
     ap.add_argument("--json-out", required=True)
-    ap.add_argument("--checkpointing", action="store_true")
+    ap.add_argument("--checkpointing", nargs="?", const="1", default="0", choices=("0", "1"),
+                    help="activation checkpointing of every block (the run's flag, or a plan item's "
+                         "ckpt=1 knob)")
     ap.add_argument("--nvme-dir", default=None)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--data-seed", type=int, default=1234)
@@ -710,7 +713,9 @@ def parse_args(argv=None):
     ap.add_argument("--compile", default="0", choices=("0", "1"),
                     help="engine, ddp: 1 compiles each block (block.compile(), inductor) before the case "
                          "wraps the model; the warm-up steps compile (the row: compile_s)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    args.checkpointing = args.checkpointing == "1"
+    return args
 
 
 def write_json(path: str, row: dict) -> None:

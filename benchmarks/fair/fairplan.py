@@ -90,6 +90,9 @@ CASES: dict[str, CaseInfo] = {
 }
 
 COMMON_KNOBS = ("threads", "tree")
+CASE_KNOBS = ("checkpointing",)
+"""Knobs every case takes as its own flag (``ckpt=1``: activation checkpointing for this item
+only, e.g. the engine under a GPU cap; the row's ``checkpointing`` says so)."""
 """Knobs every case takes, applied by the driver:
 
 - ``threads=T`` runs the case with T CPU threads per rank instead of the run's rule (cores // N),
@@ -104,7 +107,7 @@ OPTS = ("adamw", "sgd", "lion", "adafactor", "muon")
 """Values of the ``opt=`` knob (engine, offload-adamw, torch-opt): the update rule of the case
 (issue 25: each rule offloaded vs the same torch optimizer without offload vs AdamW offloaded)."""
 
-KNOB_ALIASES = {"reserve": "activation-reserve", "overlap": "overlap-forward", "reshard": "fsdp-reshard", "prefetch": "ds-prefetch-bucket",
+KNOB_ALIASES = {"ckpt": "checkpointing", "reserve": "activation-reserve", "overlap": "overlap-forward", "reshard": "fsdp-reshard", "prefetch": "ds-prefetch-bucket",
                 "reduce": "ds-reduce-bucket", "ratio": "ds-ratio", "sub-group": "ds-sub-group"}
 
 # [Note: plan order is priority] (run.py): when a plan's expected time exceeds the deadline, its
@@ -220,7 +223,7 @@ def parse_item(text: str) -> Item:
         k = KNOB_ALIASES.get(k.strip(), k.strip())
         if not eq or not v.strip():
             raise ValueError(f"plan item {text!r}: knob {kv!r} needs a value (knob=value)")
-        if k not in info.knobs + COMMON_KNOBS:
+        if k not in info.knobs + COMMON_KNOBS + CASE_KNOBS:
             raise ValueError(f"plan item {text!r}: case {name} takes no knob {k!r}; its knobs: "
                              f"{', '.join(info.knobs) or 'none'}")
         if k == "opt" and v.strip() not in OPTS:
