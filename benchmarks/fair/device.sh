@@ -9,8 +9,9 @@
 #
 # `phases`: several run.py phases in ONE call, one argument each, `MODEL:PLAN [run.py args]`, run
 # in the order given, each its own run.py (its own run id, model, batch, checkpointing, ...). The
-# weights are `--init seeded:0` (FAIR_INIT overrides; seed 0 gives make_init.py's values, with no
-# file: the only way at 14B-30B). Each phase gets the time left split evenly over the phases still
+# weights are `--init seeded:0` (FAIR_INIT overrides): torch.manual_seed(0) then GPT.init_weights,
+# drawn in every case, no file (the only way at 14B-30B; not make_init.py's values, which come
+# after the modules' own init drew from the same seed). Each phase gets the time left split evenly over the phases still
 # to run (a `--deadline S` in its args overrides). Files under $OUT: rows_<i>_<MODEL>.jsonl per
 # phase, one summary.md over every phase, logs.tar.gz (every phase's case logs), device.log,
 # machine.txt, setup.log (+ tests.log with FAIR_TESTS): at most 8 files with two phases.
