@@ -15,9 +15,15 @@
 # to run (a `--deadline S` in its args overrides). Files under $OUT: rows_<i>_<MODEL>.jsonl per
 # phase, one summary.md over every phase, logs.tar.gz (every phase's case logs), device.log,
 # machine.txt, setup.log (+ tests.log with FAIR_TESTS): at most 8 files with two phases.
-# The big runs of issue 24 (kind nvidia-h100-x4; nvidia-h100-x1 for "big1"), e.g.:
-#   bash benchmarks/fair/device.sh phases "7b:7b4 --batch 8 --checkpointing" "30b:big4 --batch 8 --checkpointing"
-#   bash benchmarks/fair/device.sh phases "14b:big4-base --batch 8 --checkpointing"
+# PLAN is a plan name or items joined by ';' (no spaces inside one argument's PLAN), e.g.
+# "7b:engine-auto@4;engine@4". The estimates (run.py --dry-run prints them; fairplan [Note:
+# estimates scale with the model]) with --checkpointing --batch 8: 7b engine-auto@4 ~130 s,
+# 14b engine-auto@4 ~250 s, 30b engine-auto@4 ~320 s, 14b engine-auto@1 ~220 s, 14b ds-zero3@4
+# ~380 s: one 30B case fills a call. The big runs of issue 24 (kind nvidia-h100-x4;
+# nvidia-h100-x1 for "big1"), e.g.:
+#   bash benchmarks/fair/device.sh phases "30b:big4 --batch 8 --checkpointing"
+#   bash benchmarks/fair/device.sh phases "7b:engine-auto@4 --batch 8 --checkpointing --deadline 170" \
+#     "14b:big4-base --batch 8 --checkpointing"
 #   bash benchmarks/fair/device.sh phases "14b:big1 --batch 8 --checkpointing --nvme-dir /tmp/zo_nvme"
 #
 # Carry `.whl` (a copy of ../shared/wheels: deepspeed/ and torchao/; see its README) for the
