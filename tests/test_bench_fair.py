@@ -44,11 +44,16 @@ def _driver(tmp_path, *args, name="out"):
     return r, rows, out
 
 
-def _reference_losses(seed: int) -> dict:
-    """Step 0's loss on rank 0 from GPT(seed) as make_init.py builds it, in each recipe: fp32
-    params under bf16 autocast (ddp, offload-adamw) and bf16 params (the engine's working copy)."""
+def _reference_losses(seed: int, seeded: bool = False) -> dict:
+    """Step 0's loss on rank 0 from GPT(seed) as make_init.py builds it (``seeded``: as
+    ``--init seeded:SEED`` draws it: the seed, then ``init_weights`` on the built model), in each
+    recipe: fp32 params under bf16 autocast (ddp, offload-adamw) and bf16 params (the engine's
+    working copy)."""
     torch.manual_seed(seed)
     model = GPT(preset(MODEL, seq_len=SEQ, init_std=STD))
+    if seeded:  # the modules' own reset_parameters drew first in GPT(); the seed restarts here
+        torch.manual_seed(seed)
+        model.init_weights()
     x, y = batch_for(0, 0, batch=BATCH, seq=SEQ, vocab=model.config.vocab_size, seed=1234)
     with torch.no_grad():
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -240,3 +245,102 @@ def test_the_opt_knob_picks_the_rule_of_the_cases_that_take_it():
         parse_plan("engine:opt=rmsprop@1")
     with pytest.raises(ValueError, match="case ddp takes no knob 'opt'"):
         parse_plan("ddp:opt=sgd@1")
+
+
+def test_seeded_init_needs_no_file_and_gives_every_case_init_weights_values(tmp_path):
+    """``--init seeded:SEED`` (issue 24: no 120 GB init file at 30B): the engine draws through its
+    own meta path (``init=model.init_param``), the torch cases per parameter; both give the values
+    ``GPT.init_weights`` gives right after ``torch.manual_seed(SEED)``, on one rank and on two (rank 0's batch is the same at every N), so the step-0 losses are the
+    recipes' references and the two engine rows agree."""
+    r, rows, out = _driver(tmp_path, "--plan", "ddp@1 engine@1 engine-auto@2", "--seed", "2",
+                           "--init", "seeded:0")
+    assert r.returncode == 0, r.stderr[-2000:] + r.stdout[-2000:]
+    assert not (tmp_path / "init.pt").exists()  # no file written or read
+    assert sorted((row["label"], row["world"]) for row in rows) == [("ddp", 1), ("engine", 1), ("engine-auto", 2)]
+    for row in rows:
+        missing = [k for k in REQUIRED + ("init", "init_s", "host_bytes_per_param", "case_timeout_s")
+                   if k not in row]
+        assert not missing, f"{row['label']}@{row['world']} lacks {missing}"
+        assert row["error"] is None and row["init_file"] is None
+        assert row["init"].startswith("seeded: init_weights values (torch.manual_seed(0)")
+        assert row["init_fingerprint"] == f"seeded:0:init_std={STD}"
+        assert row["params"] == preset(MODEL, seq_len=SEQ).num_params()
+        assert row["host_bytes_per_param"] == row["driver_host_bytes_per_param"]
+    by = {row["label"]: row for row in rows}
+    assert "gpu" in by["engine"]["engine_peak_gib"] and "cpu" in by["engine"]["engine_held_gib"]
+    ref, other = _reference_losses(0, seeded=True), _reference_losses(1, seeded=True)
+    for row in rows:
+        case = "engine" if row["case"].startswith("engine") else row["case"]
+        assert abs(other[case] - ref[case]) > 10 * 1e-3 * ref[case]
+        assert abs(row["step0_loss"] - ref[case]) < 1e-3 * ref[case], (row["label"], row["step0_loss"], ref[case])
+    assert by["engine"]["step0_loss"] == by["engine-auto"]["step0_loss"]  # the same weights, bit for bit
+    summary = (out / "summary.md").read_text()
+    assert "seeded: init_weights values" in summary and "bf16: " in summary
+
+
+def test_seeded_values_are_init_weights_values_and_rows_of_other_weights_are_not_compared():
+    import case
+    from summarize import step0_groups
+    cfg = preset(MODEL, seq_len=SEQ, init_std=STD)
+    want = GPT(cfg)
+    torch.manual_seed(7)
+    want.init_weights()
+    want = want.state_dict()
+    model = GPT(cfg, device="meta")
+    model.to_empty(device="cpu")
+    weights = case.Weights("seeded:7", cfg, threads=2)
+    assert weights.load(model) == len(list(model.parameters()))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in want.items())
+    with pytest.raises(case.CaseError, match="seeded:SEED with an integer SEED"):
+        case.Weights("seeded:x", cfg, threads=1)
+    rows = [{"case": "engine", "init_fingerprint": "seeded:0", "step0_loss": 1.0},
+            {"case": "engine-auto", "init_fingerprint": "seeded:0", "step0_loss": 1.0},
+            {"case": "ddp-bf16", "init_fingerprint": "9:abc", "step0_loss": 2.0},
+            {"case": "ddp", "init_fingerprint": "seeded:0", "step0_loss": 3.0}]
+    assert step0_groups(rows) == {("bf16", "seeded:0"): [1.0, 1.0], ("bf16", "9:abc"): [2.0],
+                                  ("autocast", "seeded:0"): [3.0]}
+
+
+def test_estimates_scale_with_params_and_flops_per_step():
+    """[Note: estimates scale with the model]: start-up per billion params beyond 1.31B, a step by
+    the FLOPs per rank (batch, seq, checkpointing) or the params, whichever is larger; 5 timed
+    steps once a step passes 10 s; the case timeout follows (at least 300 s)."""
+    from fairplan import (REF_PARAMS, REF_STEP_FLOPS, case_timeout, expected_seconds, parse_plan,
+                          step_flops)
+    from run import _preset
+    ref = preset("1.3b")
+    assert REF_PARAMS == ref.num_params() == _preset("1.3b", 1024).num_params()
+    assert REF_STEP_FLOPS == step_flops(ref.flops_per_token(1024), batch=8, seq=1024, checkpointing=False)
+    [eng] = parse_plan("engine-auto@4")
+    [ds] = parse_plan("ds-zero3@4")
+
+    def est(item, name, batch=8, ckpt=False, steps=20):
+        cfg = preset(name)
+        return expected_seconds(item, params=cfg.num_params(), warmup=3, steps=steps, cuda=True,
+                                flops=step_flops(cfg.flops_per_token(1024), batch=batch, seq=1024,
+                                                 checkpointing=ckpt))
+    base = est(eng, "1.3b")
+    assert base == pytest.approx(35 + 23 * 0.45)  # the 1.31B numbers, unchanged
+    big = preset("30b")
+    work = big.flops_per_token(1024) * 8 * 1024 * 4 / 3 / REF_STEP_FLOPS
+    assert work > big.num_params() / REF_PARAMS  # at 8x1024 the FLOPs ratio rules
+    startup = 35 + 6 * (big.num_params() - REF_PARAMS) / 1e9
+    assert est(eng, "30b", ckpt=True) == pytest.approx(startup + (3 + 5) * 0.45 * work)  # 5 timed steps
+    # a smaller batch does not make the CPU side's per-param work smaller
+    assert est(eng, "30b", batch=1) == pytest.approx(startup + 8 * 0.45 * big.num_params() / REF_PARAMS)
+    assert est(ds, "30b", ckpt=True) - est(eng, "30b", ckpt=True) > 9 * 29  # zero.Init's start-up
+    assert case_timeout(base) == 300.0 and case_timeout(est(eng, "30b", ckpt=True)) > 2 * startup
+    for name in ("big4", "big4-base", "big1", "7b4"):
+        assert parse_plan(name)[0].label == "engine-auto"
+
+
+def test_driver_dry_run_of_a_30b_plan_imports_no_torch(tmp_path):
+    # the driver's estimates read presets.py alone: a 30B plan is priced without torch or a file
+    code = ("import sys, runpy; sys.argv = ['run.py', '--plan', 'big4', '--model', '30b', '--init', 'seeded:0', "
+            f"'--out', {str(tmp_path)!r}, '--device', 'cpu', '--dry-run', '--checkpointing'];\n"
+            "try:\n    runpy.run_path(" + repr(str(FAIR / "run.py")) + ", run_name='__main__')\n"
+            "except SystemExit as e:\n    assert not e.code, e.code\n"
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "engine-auto@4" in r.stdout and not (tmp_path / "rows.jsonl").exists()

@@ -35,6 +35,10 @@ def test_preset_sizes_match_baselines():
     assert 120e6 < PRESETS["125m"].num_params() < 130e6
     assert 340e6 < PRESETS["350m"].num_params() < 370e6
     assert 12e9 < PRESETS["13b"].num_params() < 14e9
+    # issue 24's goals are ">= 14B" and ">= 30B": the presets must not fall short of them
+    assert 14.0e9 <= PRESETS["14b"].num_params() < 14.1e9
+    assert 30.0e9 <= PRESETS["30b"].num_params() < 31e9
+    assert PRESETS["30b"].d_model // PRESETS["30b"].n_head == 128
     assert PRESETS["tiny"].num_params() < 2e6
 
 

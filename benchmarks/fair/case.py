@@ -9,7 +9,10 @@ its row to ``<json-out>.rank<r>``). Every case shares, by construction:
   engine / optimizer given ``threads=T`` (DeepSpeedCPUAdam's OpenMP loop and torch's CPU AdamW
   read the same T);
 - weights: the fp32 state dict of ``--init`` (``make_init.py``: ``GPT`` built after
-  ``torch.manual_seed(0)``), memory-mapped and copied into whatever the case trains;
+  ``torch.manual_seed(0)``), memory-mapped and copied into whatever the case trains; or, with
+  ``--init seeded:SEED`` (no file: the only way at 14B-30B), the values ``GPT.init_weights``
+  gives after ``torch.manual_seed(SEED)``, drawn per parameter in every case ([Note: seeded
+  init]);
 - data: the batch of step i on rank r comes from a generator seeded by (``--data-seed``, r, i)
   alone (the same at every N and in every case); inputs and next-token targets;
 - AdamW lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight decay 0.1, no clipping; ``--batch``
@@ -217,6 +220,89 @@ def load_init(path: str, cfg) -> dict:
     return blob["state_dict"]
 
 
+class Weights:
+    """The first values of every case (``--init``): a make_init.py file, or ``seeded:SEED``.
+
+    [Note: seeded init] ``seeded:SEED`` draws the values ``GPT.init_weights`` gives after
+    ``torch.manual_seed(SEED)`` on the CPU: ``GPT.init_param`` per distinct parameter, in
+    ``named_parameters()`` order, in fp32 from torch's global CPU generator. The engine cases get
+    them through ``zero_offload.initialize(model, init=model.init_param)`` right after the seed
+    (the engine's own meta path, ops/rng.py's parallel draws); every other case draws the same
+    stream here one parameter at a time (``tensors``, on ``threads`` threads through the same
+    ``ParallelDraws``) and copies each into what it trains: the whole model on the device (torch
+    cases), each rank's rows of a DTensor (fsdp2 built on meta), or rank 0's gathered parameter
+    (ds-zero3 under ``zero.Init``). No full host copy of the model anywhere, and the same weights
+    in every case: the step-0 losses of one compute kind agree as with a file. The row's
+    ``init`` says how its values were made and ``init_fingerprint`` names them (rows are
+    compared only when it is equal)."""
+
+    def __init__(self, spec: str, cfg, threads: int):
+        self.spec, self.cfg, self.threads = spec, cfg, threads
+        self.sd = None
+        self.seed = None
+        if spec.startswith("seeded"):
+            _, _, seed = spec.partition(":")
+            if not seed.strip().lstrip("-").isdigit():
+                raise CaseError(f"--init {spec!r}: write seeded:SEED with an integer SEED, e.g. seeded:1234")
+            self.seed = int(seed)
+            self.label = ("seeded: init_weights values (torch.manual_seed(%d), GPT.init_param per parameter "
+                          "in named_parameters order, fp32 on the CPU)" % self.seed)
+            self.fingerprint = f"seeded:{self.seed}:init_std={cfg.init_std}"
+        else:
+            self.sd = load_init(spec, cfg)
+            self.label = "file: make_init.py state dict, memory-mapped"
+            self.fingerprint = file_fingerprint(spec)
+
+    @property
+    def seeded(self) -> bool:
+        return self.seed is not None
+
+    def __getitem__(self, name: str):
+        if self.sd is None:
+            raise CaseError(f"--init {self.spec}: seeded values come in order (Weights.tensors), not by name")
+        return self.sd[name]
+
+    def tensors(self, model):
+        """(name, param, fp32 CPU values) for every distinct parameter of ``model`` in
+        ``named_parameters()`` order ([Note: seeded init]); one parameter's values at a time."""
+        if not self.seeded:
+            for name, p in model.named_parameters():
+                yield name, p, self.sd[name]
+            return
+        from zero_offload.models import GPT
+        from zero_offload.ops.rng import ParallelDraws
+        torch.manual_seed(self.seed)
+        with ParallelDraws(threads=max(1, self.threads)) as draws:
+            for name, p in model.named_parameters():
+                values = torch.empty(tuple(getattr(p, "ds_shape", p.shape)), dtype=torch.float32)
+                with draws.mode():  # never held across the yield: the caller's ops run outside it
+                    GPT.init_param(model, name, values)
+                yield name, p, values
+
+    def load(self, model) -> int:
+        """Fill a model whose parameters are materialized (on any device, in any dtype)."""
+        if not self.seeded:
+            return _load_module(model, self.sd)
+        n = 0
+        with torch.no_grad():
+            for _, p, values in self.tensors(model):
+                p.copy_(values)
+                n += 1
+        return n
+
+    def engine_init(self, model):
+        """``init=`` for ``zero_offload.initialize`` of ``model`` built on meta: the file's
+        tensors, or ``model.init_param`` from the seeded generator ([Note: seeded init])."""
+        if not self.seeded:
+            sd = self.sd
+            return lambda name, t: t.copy_(sd[name])
+        torch.manual_seed(self.seed)
+        return model.init_param
+
+    def release(self) -> None:
+        self.sd = None  # unmaps the init file once the case holds its own copy
+
+
 def file_fingerprint(path: str) -> str:
     """size + sha256 of the first and last MiB: tells two init files apart, cheaply."""
     h = hashlib.sha256()
@@ -256,7 +342,7 @@ def _torch_model(args, cfg, device, sd, dtype=None):
     from zero_offload.models import GPT
     model = GPT(cfg, device="meta", dtype=dtype)
     model.to_empty(device=device)
-    _load_module(model, sd)
+    sd.load(model) if isinstance(sd, Weights) else _load_module(model, sd)
     model.set_activation_checkpointing(args.checkpointing)
     return model
 
@@ -414,14 +500,15 @@ def build_engine(args, cfg, device, world, sd, auto=False):
         groups = [{"params": [n for n, p in model.named_parameters() if not _hidden(n, p)],
                    "optimizer": zo.AdamW(**_rule_kwargs("adamw"))}]
     engine = zo.initialize(model, optimizer=spec, config=ocfg, device=device, param_groups=groups,
-                           init=lambda name, t: t.copy_(sd[name]))
+                           init=sd.engine_init(model))
 
     step = _engine_step(engine)
 
     def extra():
         st = engine.stats()
         return {"engine_stats": _jsonable(st.as_dict()),
-                "engine_held_gib": {str(k): v / GiB for k, v in st.bytes_held.items()}, **clock.facts()}
+                "engine_held_gib": {str(k): v / GiB for k, v in st.bytes_held.items()},
+                "engine_peak_gib": {str(k): v / GiB for k, v in st.peak_bytes.items()}, **clock.facts()}
 
     def on_timed():
         engine.reset_stats()
@@ -480,13 +567,24 @@ def build_fsdp2(args, cfg, device, world, sd):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     reshard = bool(int(args.fsdp_reshard))
-    model = _torch_model(args, cfg, device, sd)
+    # seeded and the fp32 model over a third of a GPU: built on meta, sharded, then each rank fills
+    # its rows of every parameter ([Note: seeded init]); else the whole model on the GPU first
+    on_meta = sd.seeded and cfg.num_params() * 4 > torch.cuda.get_device_properties(device).total_memory / 3
+    if on_meta:
+        from zero_offload.models import GPT
+        model = GPT(cfg, device="meta")
+        model.set_activation_checkpointing(args.checkpointing)
+    else:
+        model = _torch_model(args, cfg, device, sd)
     mesh = init_device_mesh("cuda", (world,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     off = CPUOffloadPolicy(pin_memory=True)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=reshard)
+    if on_meta:
+        model.to_empty(device="cpu")  # the CPU-offloaded shards (torchtitan's meta path)
+        _fill_shards(model, sd, dist.get_rank(), world)
     state = {"fused": True, "fused_error": None}
 
     def make_opt(fused):
@@ -523,6 +621,21 @@ def build_fsdp2(args, cfg, device, world, sd):
                           "mp_policy": repr(mp), "offload_policy": repr(off), "autocast": "off",
                           "optimizer": "torch.optim.AdamW(fused=True) on the CPU shards"},
                   threads={"optimizer": f"torch intra-op ({torch.get_num_threads()})"})
+
+
+def _fill_shards(model, sd, rank: int, world: int) -> None:
+    """Each rank's rows of every fully_shard parameter (dim-0 chunks, ``torch.chunk``'s split,
+    as FSDP2 shards) from the full values ([Note: seeded init])."""
+    with torch.no_grad():
+        for name, p, values in sd.tensors(model):
+            local = p.to_local() if hasattr(p, "to_local") else p
+            pieces = values.chunk(world, dim=0)
+            piece = pieces[rank] if rank < len(pieces) else values[:0]
+            if tuple(piece.shape) != tuple(local.shape):
+                raise CaseError(f"fsdp2 seeded init: {name}'s shard on rank {rank} is {tuple(local.shape)}, "
+                                f"dim-0 chunk {rank} of {world} of {tuple(values.shape)} is {tuple(piece.shape)}; "
+                                f"FSDP2 shards differently here: use --init FILE for fsdp2")
+            local.copy_(piece)
 
 
 def ds_config(args, cfg, world, case) -> dict:
@@ -567,12 +680,14 @@ def build_deepspeed(args, cfg, device, world, sd, case):
             model = GPT(cfg)
         # the tied LM head reads wte.weight outside wte's forward (wheels/README.md)
         deepspeed.zero.register_external_parameter(model, model.wte.weight)
-        n = 0
+        values = sd.tensors(model) if rank == 0 else None  # rank 0 draws or reads, one at a time
         for name, p in model.named_parameters():
             with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
                 if rank == 0:
-                    p.data.copy_(sd[name])
-            n += 1
+                    got, _, v = next(values)
+                    if got != name:
+                        raise CaseError(f"ds-zero3 init: values for {got} came for {name}")
+                    p.data.copy_(v)
     else:
         model = _torch_model(args, cfg, device, sd)
     model.set_activation_checkpointing(args.checkpointing)
@@ -682,7 +797,11 @@ def parse_args(argv=None):
     ap.add_argument("--min-steps", type=int, default=5,
                     help="timed steps never cut below this (long steps, --time-budget)")
     ap.add_argument("--threads", type=int, required=True, help="CPU threads per rank (= OMP_NUM_THREADS)")
-    ap.add_argument("--init", required=True, help="make_init.py's state dict file")
+    ap.add_argument("--init", required=True,
+                    help="make_init.py's state dict file, or seeded:SEED (no file: GPT.init_weights' "
+                         "values after torch.manual_seed(SEED), drawn in every case)")
+    ap.add_argument("--init-std", type=float, default=None,
+                    help="seeded: the config's init_std (default the preset's; the CPU tests use a large one)")
     ap.add_argument("--json-out", required=True)
     ap.add_argument("--checkpointing", nargs="?", const="1", default="0", choices=("0", "1"),
                     help="activation checkpointing of every block (the run's flag, or a plan item's "
@@ -745,7 +864,10 @@ def run(args, row: dict, sampler: MemSampler) -> dict:
                         f"threads per rank; launch through benchmarks/fair/run.py or export "
                         f"OMP_NUM_THREADS={args.threads}")
     torch.set_num_threads(args.threads)
-    cfg = preset(args.model, seq_len=args.seq) if args.seq != preset(args.model).seq_len else preset(args.model)
+    over = {"seq_len": args.seq} if args.seq != preset(args.model).seq_len else {}
+    if args.init_std:
+        over["init_std"] = args.init_std
+    cfg = preset(args.model, **over)
     if args.device == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -759,21 +881,24 @@ def run(args, row: dict, sampler: MemSampler) -> dict:
                             timeout=datetime.timedelta(seconds=args.collective_timeout))
     params = cfg.num_params()
     row.update(params=params, threads=args.threads, omp_num_threads=omp,
-               torch_threads_at_start=torch.get_num_threads(), init_file=os.path.abspath(args.init),
-               init_fingerprint=file_fingerprint(args.init), data_seed=args.data_seed)
+               torch_threads_at_start=torch.get_num_threads(), data_seed=args.data_seed)
     batches = [batch_for(i, rank, batch=args.batch, seq=args.seq, vocab=cfg.vocab_size, seed=args.data_seed)
                for i in range(args.warmup + args.steps)]
     batches = [(x.to(device), y.to(device)) for x, y in batches]
 
     t_build = time.perf_counter()
-    sd = load_init(args.init, cfg)
+    sd = Weights(args.init, cfg, args.threads)
+    row.update(init=sd.label, init_fingerprint=sd.fingerprint,
+               init_file=None if sd.seeded else os.path.abspath(args.init))
     runner = BUILDERS[args.case](args, cfg, device, world, sd)
-    del sd  # unmaps the init file once the case holds its own copy
+    sd.release()
+    del sd
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         row["gpu_peak_init_alloc_gib_rank0"] = torch.cuda.max_memory_allocated(device) / GiB
         torch.cuda.reset_peak_memory_stats(device)
     row["init_s"] = time.perf_counter() - t_build
+    row["init_s_per_billion"] = row["init_s"] / (params / 1e9)
     row["config"] = runner.config
     row["threads_reported"] = {"torch_after_build": torch.get_num_threads(), **runner.threads}
     sampler.mark()

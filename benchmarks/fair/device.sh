@@ -5,6 +5,26 @@
 #   bash benchmarks/fair/device.sh setup-tests-n1   # kind nvidia-h100-x1 (or any): smoke + plan n1
 #   bash benchmarks/fair/device.sh n2n4             # kind nvidia-h100-x4: plans n2 and n4
 #   bash benchmarks/fair/device.sh n4               # any plan name of fairplan.PLANS, or items
+#   bash benchmarks/fair/device.sh phases "7b:7b4 --batch 8 --checkpointing" "30b:big4 --checkpointing"
+#
+# `phases`: several run.py phases in ONE call, one argument each, `MODEL:PLAN [run.py args]`, run
+# in the order given, each its own run.py (its own run id, model, batch, checkpointing, ...). The
+# weights are `--init seeded:0` (FAIR_INIT overrides): torch.manual_seed(0) then GPT.init_weights,
+# drawn in every case, no file (the only way at 14B-30B; not make_init.py's values, which come
+# after the modules' own init drew from the same seed). Each phase gets the time left split evenly over the phases still
+# to run (a `--deadline S` in its args overrides). Files under $OUT: rows_<i>_<MODEL>.jsonl per
+# phase, one summary.md over every phase, logs.tar.gz (every phase's case logs), device.log,
+# machine.txt, setup.log (+ tests.log with FAIR_TESTS): at most 8 files with two phases.
+# PLAN is a plan name or items joined by ';' (no spaces inside one argument's PLAN), e.g.
+# "7b:engine-auto@4;engine@4". The estimates (run.py --dry-run prints them; fairplan [Note:
+# estimates scale with the model]) with --checkpointing --batch 8: 7b engine-auto@4 ~130 s,
+# 14b engine-auto@4 ~250 s, 30b engine-auto@4 ~320 s, 14b engine-auto@1 ~220 s, 14b ds-zero3@4
+# ~380 s: one 30B case fills a call. The big runs of issue 24 (kind nvidia-h100-x4;
+# nvidia-h100-x1 for "big1"), e.g.:
+#   bash benchmarks/fair/device.sh phases "30b:big4 --batch 8 --checkpointing"
+#   bash benchmarks/fair/device.sh phases "7b:engine-auto@4 --batch 8 --checkpointing --deadline 170" \
+#     "14b:big4-base --batch 8 --checkpointing"
+#   bash benchmarks/fair/device.sh phases "14b:big1 --batch 8 --checkpointing --nvme-dir /tmp/zo_nvme"
 #
 # Carry `.whl` (a copy of ../shared/wheels: deepspeed/ and torchao/; see its README) for the
 # DeepSpeed and torchao cases; without it those rows say "No module named ...".
@@ -26,6 +46,11 @@ BUDGET=${FAIR_BUDGET:-540}
 OUT=${OUT:-/tmp/zo_fair_out}; mkdir -p "$OUT"
 exec > >(tee -a "$OUT/device.log") 2>&1
 PHASE=${1:-setup-tests-n1}
+PHASES=("${@:2}")  # `phases`: MODEL:PLAN [run.py args], one argument each
+if [ "$PHASE" = phases ] && [ ${#PHASES[@]} -eq 0 ]; then
+  echo "device.sh phases: give each phase as one argument, MODEL:PLAN [run.py args], e.g. \"30b:big4 --checkpointing\"" >&2
+  exit 2
+fi
 export PYTHONUNBUFFERED=1 DS_ACCELERATOR=cuda TORCH_CUDA_ARCH_LIST=9.0 TORCH_EXTENSIONS_DIR=/tmp/ds_ext
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 say() { echo "[device.sh $((SECONDS - START))s] $*"; }
@@ -44,6 +69,7 @@ done
 need_kib=$(( 6 * 1024 * 1024 ))  # the 1.31B init file is 5.3 GB; /dev/shm of a container may be small
 shm_kib=$(df -k --output=avail /dev/shm 2>/dev/null | tail -1 | tr -d ' ')
 if [ -n "${FAIR_INIT:-}" ]; then INIT=$FAIR_INIT
+elif [ "$PHASE" = phases ]; then INIT=seeded:0
 elif [ "${shm_kib:-0}" -gt $(( 2 * need_kib )) ]; then INIT=/dev/shm/zo_fair_init_${model}_s${seq}.pt
 else INIT=/tmp/zo_fair_init_${model}_s${seq}.pt; fi
 wheels=$(ls .whl/deepspeed/*.whl .whl/torchao/*.whl 2>/dev/null)
@@ -62,7 +88,7 @@ fi
       > /tmp/ds_build.log 2>&1 && echo "cpu_adam op built" || { echo "cpu_adam op build FAILED:"; tail -5 /tmp/ds_build.log; }
   else echo "deepspeed not importable: ds-* rows will say so"; fi ) > /tmp/ds_build.status 2>&1 &
 ds_pid=$!
-( [ -f "$INIT" ] || PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} timeout 300 python3 benchmarks/fair/make_init.py \
+( [ -f "$INIT" ] || [ "${INIT#seeded}" != "$INIT" ] || PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} timeout 300 python3 benchmarks/fair/make_init.py \
     --model "$model" --seq "$seq" --out "$INIT" ) > /tmp/make_init.log 2>&1 &
 init_pid=$!
 # carried .trees/NAME (tree.sh pack; the tree= knob): their extensions build beside the package
@@ -103,6 +129,27 @@ case $PHASE in
   *) plan=$PHASE ;;
 esac
 seed=${FAIR_SEED:-$(date +%s)}
+if [ "$PHASE" = phases ]; then
+  logs=/tmp/fair_logs_$(date +%s); rc=0; i=0; rows=()
+  for spec in "${PHASES[@]}"; do
+    i=$((i + 1)); read -r head rest <<< "$spec"; pmodel=${head%%:*}; pplan=${head#*:}
+    if [ "$pmodel" = "$head" ] || [ -z "$pplan" ]; then say "phase $i: '$spec' is not MODEL:PLAN [args]; skipped"; rc=2; continue; fi
+    share=$(( ($(left) - 15) / (${#PHASES[@]} - i + 1) ))
+    rm -rf "/tmp/fair_phase$i"  # ours, from an earlier call on a warm machine: run.py appends rows
+    say "phase $i: model $pmodel, plan $pplan, args '${rest}', deadline $share s, init $INIT"
+    # shellcheck disable=SC2086
+    python3 benchmarks/fair/run.py --plan "$pplan" --model "$pmodel" --out "/tmp/fair_phase$i" --init "$INIT" \
+      --seed "$seed" --deadline "$share" --log-dir "$logs/phase${i}_$pmodel" --log-tar "$OUT/logs.tar.gz" ${FAIR_ARGS:-} $rest
+    prc=$?; say "phase $i: run.py exit $prc"; [ $prc -ne 0 ] && rc=$prc
+    if [ -f "/tmp/fair_phase$i/rows.jsonl" ]; then
+      cp "/tmp/fair_phase$i/rows.jsonl" "$OUT/rows_${i}_$pmodel.jsonl"; rows+=("$OUT/rows_${i}_$pmodel.jsonl")
+      cat "${rows[@]}" > /tmp/fair_phases_rows.jsonl
+      python3 benchmarks/fair/summarize.py /tmp/fair_phases_rows.jsonl --out "$OUT/summary.md" > /dev/null
+    fi
+  done
+  tar -czf "$OUT/logs.tar.gz.tmp" -C "$logs" . 2>/dev/null && mv "$OUT/logs.tar.gz.tmp" "$OUT/logs.tar.gz"
+  exit $rc
+fi
 say "plan $plan, shuffle seed $seed, deadline $(( $(left) - 15 )) s"
 python3 benchmarks/fair/run.py --plan "$plan" --out "$OUT" --init "$INIT" --seed "$seed" \
   --deadline $(( $(left) - 15 )) --log-dir "/tmp/fair_logs_$(date +%s)" --log-tar "$OUT/logs.tar.gz" ${FAIR_ARGS:-}

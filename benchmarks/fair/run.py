@@ -8,12 +8,16 @@ as it finishes, OUT/summary.md rewritten after each.
 Fairness it enforces: one process group per case (no heap carried from an earlier case), order
 shuffled by --seed, the same threads per rank for every case at one N (OMP_NUM_THREADS and
 case.py's --threads: --threads-per-rank, default cores // N), the same init file (written once by
-make_init.py) and data seed, the same model / batch / seq / warm-up / steps / checkpointing.
+make_init.py) or, with ``--init seeded:SEED``, no file: every case draws GPT.init_weights' values
+after torch.manual_seed(SEED) itself (case.py [Note: seeded init]; the way to 14B-30B, where the
+fp32 file alone would be 56-120 GB), and the same data seed, model / batch / seq / warm-up /
+steps / checkpointing.
 
-Deadline: before a case, its expected time (fairplan.expected_seconds, corrected by how long the
+Deadline: before a case, its expected time (fairplan.expected_seconds, scaled by the model's
+params and FLOPs per step [Note: estimates scale with the model], corrected by how long the
 cases so far took against their estimates) must fit what is left of --deadline; otherwise the
-row says "not run: deadline". A case gets at most --case-timeout seconds and never more than is
-left; case.py is told its budget and cuts timed steps (not below 5) to end inside it; a case
+row says "not run: deadline". A case gets at most --case-timeout seconds (default: twice its
+estimate, at least 300 s) and never more than is left; case.py is told its budget and cuts timed steps (not below 5) to end inside it; a case
 that still overruns is killed (its process group) and its row says so. The device machine kills
 a call at 10 minutes: give --deadline well inside it (device.sh does).
 
@@ -39,7 +43,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from fairplan import CASES, PLANS, expected_seconds, parse_plan, threads_for  # noqa: E402
+from fairplan import CASES, PLANS, case_timeout, expected_seconds, parse_plan, step_flops, threads_for  # noqa: E402
 from summarize import markdown  # noqa: E402
 
 GiB = float(2 ** 30)
@@ -47,6 +51,21 @@ DEVICE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", 
               "PYTHONUNBUFFERED": "1"}
 """Set for every case: the device machines need NVLink multicast off (device README, KINDS.md)."""
 RESERVE_S = 8.0  # what the driver keeps back at the end: the last summary and log tarball
+
+
+def _preset(model: str, seq: int):
+    """The preset's GPTConfig at ``seq``, from zero_offload/presets.py loaded alone (no torch
+    import in the driver: the package's __init__ imports torch)."""
+    import importlib.util
+    presets = sys.modules.get("_fair_presets")
+    if presets is None:
+        spec = importlib.util.spec_from_file_location("_fair_presets",
+                                                      os.path.join(REPO, "src", "zero_offload", "presets.py"))
+        presets = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = presets  # (dataclasses looks its module up)
+        spec.loader.exec_module(presets)
+    cfg = presets.preset(model)
+    return presets.preset(model, seq_len=seq) if seq != cfg.seq_len else cfg
 
 
 def item_threads(item, rule: int) -> int:
@@ -242,6 +261,11 @@ class Driver:
         self.ratios: list = []  # actual / expected seconds of the cases run so far
         self.rows: list = []
         self.mem = NodeMemory(args.mem_period)
+        # the estimates and every row's params: the preset's closed form (presets.py has no torch)
+        cfg = _preset(args.model, args.seq)
+        self.params = cfg.num_params()
+        self.flops = step_flops(cfg.flops_per_token(args.seq), batch=args.batch, seq=args.seq,
+                                checkpointing=args.checkpointing)
 
     def left(self) -> float:
         if not self.args.deadline:
@@ -250,7 +274,7 @@ class Driver:
 
     def ensure_init(self) -> None:
         a = self.args
-        if os.path.isfile(a.init):
+        if a.init.startswith("seeded") or os.path.isfile(a.init):
             return
         cmd = [a.python, os.path.join(HERE, "make_init.py"), "--model", a.model, "--seq", str(a.seq),
                "--out", a.init] + (["--init-std", str(a.init_std)] if a.init_std else [])
@@ -294,7 +318,8 @@ class Driver:
                 "threads": item_threads(item, threads_for(item.world, self.cores, a.threads_per_rank)),
                 "threads_policy": (f"auto: cores {self.cores} // N" if a.threads_per_rank == "auto"
                                    else a.threads_per_rank),
-                "recipe": CASES[item.case].recipe, "zero_offload_commit": self.commit}
+                "recipe": CASES[item.case].recipe, "zero_offload_commit": self.commit,
+                "params": self.params or None, "init_arg": a.init}
 
     def run_item(self, item, order: int, params: int, *, keep_s: float = 0.0) -> dict:
         """Run one case; ``keep_s``: expected seconds of the anchors still to run after it
@@ -311,7 +336,7 @@ class Driver:
         if a.device == "cuda" and item.world > self.gpus:
             row["not_run"] = f"needs {item.world} GPUs, this machine has {self.gpus}"
             return row
-        guess = expected_seconds(item, params=params, warmup=a.warmup, steps=a.steps, cuda=a.device == "cuda")
+        guess = self.expect(item)
         if self.ratios:
             guess *= min(3.0, max(0.5, sorted(self.ratios)[len(self.ratios) // 2]))
         left = self.left() - RESERVE_S
@@ -321,7 +346,9 @@ class Driver:
                               + (f", {keep_s:.0f} s of them kept for the engine and ddp rows still to run"
                                  if keep_s else "") + ")")
             return row
-        timeout = min(a.case_timeout, left)
+        limit = a.case_timeout if a.case_timeout else case_timeout(guess)
+        timeout = min(limit, left)
+        row["case_timeout_s"] = round(limit, 1)
         json_out = os.path.join(self.log_dir, f"{order:02d}_{item.slug}.json")
         log = os.path.join(self.log_dir, f"{order:02d}_{item.slug}.log")
         for stale in [json_out] + [f"{json_out}.rank{r}" for r in range(item.world)]:
@@ -335,6 +362,8 @@ class Driver:
                "--time-budget", f"{max(1.0, timeout - 5):.0f}"] + item.case_args()
         if a.checkpointing:
             cmd.append("--checkpointing")
+        if a.init_std and a.init.startswith("seeded"):  # a file carries its own
+            cmd += ["--init-std", str(a.init_std)]
         if a.nvme_dir:
             cmd += ["--nvme-dir", os.path.join(a.nvme_dir, f"{order:02d}_{item.slug}")]
         env = {**os.environ, **DEVICE_ENV, "OMP_NUM_THREADS": str(row["threads"]),
@@ -382,7 +411,7 @@ class Driver:
         if case_row is not None:
             row.update(case_row)
         if timed_out:
-            row["error"] = (f"timeout: killed after {elapsed:.0f} s (--case-timeout {a.case_timeout:.0f} s "
+            row["error"] = (f"timeout: killed after {elapsed:.0f} s (case timeout {limit:.0f} s "
                             f"or the deadline)")
         elif code != 0 and not row.get("error"):
             first = min(rank_errors, key=lambda e: e.get("failed_unix", 0), default=None)
@@ -392,17 +421,25 @@ class Driver:
             row["error"] = f"exit {code} but case.py wrote no row: {last_error_line(lines)}"
         if row.get("error"):
             row["log_tail"] = lines
-        if "params" in row:
-            row["driver_host_bytes_per_param"] = (before - low) / row["params"]
+        if row.get("params"):
+            # the issue's host_bytes_per_param: the node's MemAvailable before the launch minus its
+            # minimum during the case (every rank from its start), per param; rank 0's own
+            # from-its-start figure stays as case_host_bytes_per_param
+            if "host_bytes_per_param" in row:
+                row["case_host_bytes_per_param"] = row["host_bytes_per_param"]
+            row["driver_host_bytes_per_param"] = row["host_bytes_per_param"] = (before - low) / row["params"]
         return row
+
+    def expect(self, item) -> float:
+        """fairplan.expected_seconds of ``item`` at this run's model, batch, seq and checkpointing."""
+        a = self.args
+        return expected_seconds(item, params=self.params, warmup=a.warmup, steps=a.steps,
+                                cuda=a.device == "cuda", flops=self.flops)
 
     def run(self) -> int:
         a = self.args
         items = parse_plan(a.plan)
-        params = 0
-        if a.device == "cuda":  # the estimates scale with the model; torch's import is paid here only
-            from zero_offload.models import preset
-            params = preset(a.model, seq_len=a.seq).num_params()
+        params = self.params
         cuda = a.device == "cuda"
 
         def cost(item) -> float:  # 0 for what will not launch (skipped, too few GPUs)
@@ -410,7 +447,7 @@ class Driver:
             if (info.gpu_only and not cuda) or (info.max_world and item.world > info.max_world) or \
                     (cuda and item.world > self.gpus):
                 return 0.0
-            return expected_seconds(item, params=params, warmup=a.warmup, steps=a.steps, cuda=cuda)
+            return self.expect(item)
         if not a.dry_run:
             self.mem.start()
             self.ensure_init()
@@ -491,11 +528,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="shuffle seed")
     ap.add_argument("--data-seed", type=int, default=1234)
     ap.add_argument("--deadline", type=float, default=0.0, help="wall seconds for the whole driver (0: none)")
-    ap.add_argument("--case-timeout", type=float, default=300.0)
+    ap.add_argument("--case-timeout", type=float, default=None,
+                    help="seconds a case may run (default: twice its estimate, at least 300)")
     ap.add_argument("--init", default=None,
                     help="init state dict (default /dev/shm/zo_fair_init_<model>_s<seq>.pt; written by "
-                         "make_init.py when missing)")
-    ap.add_argument("--init-std", type=float, default=None, help="make_init.py --init-std (tests)")
+                         "make_init.py when missing), or seeded:SEED: no file, every case draws "
+                         "GPT.init_weights' values after torch.manual_seed(SEED) (large models)")
+    ap.add_argument("--init-std", type=float, default=None,
+                    help="make_init.py --init-std, or case.py's with --init seeded (tests)")
     ap.add_argument("--device", choices=("cuda", "cpu"),
                     default="cuda" if shutil.which("nvidia-smi") else "cpu")
     ap.add_argument("--nvme-dir", default=None, help="engine-auto: a per-case swap directory under it")

@@ -76,14 +76,14 @@ def table(rows: list, world: int) -> list:
     lines = [f"## N = {world}", "",
              "| case | recipe | s/step median [p25-p75] | wall s/step | tokens/s | TFLOPS/GPU | "
              + " | ".join(f"tok/s vs {k}" for k in ref) + (" | " if ref else "")
-             + "step-0 loss | GPU peak GiB alloc/res | PSS/rank GiB | MemAvail drop GiB | B/param | "
-             "threads torch / engine | notes |",
-             "|" + "---|" * (13 + len(ref))]
+             + "step-0 loss | GPU peak GiB alloc/res | PSS/rank GiB | MemAvail drop GiB | host B/param | "
+             "init s | threads torch / engine | notes |",
+             "|" + "---|" * (14 + len(ref))]
     for r in sorted(rows, key=lambda r: (not _ok(r), -(r.get("tokens_per_s") or 0), r["label"])):
         info = CASES.get(r.get("case"))
         short = info.short if info else "?"
         if not _ok(r):
-            lines.append("| " + " | ".join([r["label"], short] + [""] * (10 + len(ref)) + [_status(r)]) + " |")
+            lines.append("| " + " | ".join([r["label"], short] + [""] * (11 + len(ref)) + [_status(r)]) + " |")
             continue
         gpu = (max(r.get("gpu_peak_alloc_per_rank_gib") or [0]),
                max(r.get("gpu_peak_reserved_per_rank_gib") or [0]))
@@ -96,17 +96,25 @@ def table(rows: list, world: int) -> list:
             + "".join(f"{v} | " for v in vs)
             + f"{r['step0_loss']:.4f} | {gpu[0]:.1f} / {gpu[1]:.1f} | "
             f"{max(pss) if pss else 0:.1f} (max of {len(pss)}) | {_f(drop, '.1f')} | "
-            f"{_f(r.get('driver_host_bytes_per_param', r.get('host_bytes_per_param')), '.1f')} | "
-            f"{_threads(r)} | {_notes(r)} |")
-    losses: dict = {}
-    for r in ok.values():
-        kind = CASES[r["case"]].compute if r.get("case") in CASES else "?"
-        losses.setdefault(kind, []).append(r["step0_loss"])
-    if losses:
-        lines += ["", "Step-0 loss spread (same weights and data in every case: equal up to rounding "
-                  "within one compute kind): " + "; ".join(
-                      f"{k}: {min(v):.4f}-{max(v):.4f} over {len(v)} rows" for k, v in losses.items())]
+            f"{_f(r.get('host_bytes_per_param', r.get('driver_host_bytes_per_param')), '.1f')} | "
+            f"{_f(r.get('init_s'), '.0f')} | {_threads(r)} | {_notes(r)} |")
+    groups = step0_groups(ok.values())
+    if groups:
+        lines += ["", "Step-0 loss spread (rows with the same weights (`init_fingerprint`) and data: equal "
+                  "up to rounding within one compute kind): " + "; ".join(
+                      f"{k}{f' [{w}]' if len({g[1] for g in groups}) > 1 else ''}: {min(v):.4f}-{max(v):.4f} "
+                      f"over {len(v)} rows" for (k, w), v in groups.items())]
     return lines
+
+
+def step0_groups(rows) -> dict:
+    """(compute kind, init_fingerprint) -> the step-0 losses of those rows: only rows that start
+    from identical weights (case.py [Note: seeded init]) and compute alike are compared."""
+    out: dict = {}
+    for r in rows:
+        kind = CASES[r["case"]].compute if r.get("case") in CASES else "?"
+        out.setdefault((kind, r.get("init_fingerprint", "?")), []).append(r["step0_loss"])
+    return out
 
 
 def _plan_text(rows: list) -> str:
@@ -143,7 +151,8 @@ def markdown(rows: list) -> str:
                 "zero_offload " + _commits(rs) + ".", "",
                 f"Model {first.get('model', '?')} ({_f(first.get('params'), ',', '?')} params), "
                 f"{first.get('batch_per_rank', '?')} x {first.get('seq', '?')} tokens per rank, checkpointing "
-                f"{'on' if first.get('checkpointing') else 'off'}; one process group per (case, N), in "
+                f"{'on' if first.get('checkpointing') else 'off'}; weights: "
+                f"{first.get('init') or first.get('init_arg', '?')}; one process group per (case, N), in "
                 f"shuffled order: {order}. s/step: median of the timed steps [IQR]; wall s/step: total wall "
                 "time over the timed steps, ending after the engine's own finish, / steps; tokens/s "
                 "global, from the median; PSS: peak per rank from process start; MemAvail drop: the node's "

@@ -73,7 +73,7 @@ class GPTConfig:
 
 
 # name -> GPTConfig. Counts (checked by tests/test_models.py): tiny 0.85M, small 10.8M,
-# 125m 124.5M, 350m 354.9M, 1.3b 1.314B, 5b 5.05B, 7b 6.58B, 13b 12.75B.
+# 125m 124.5M, 350m 354.9M, 1.3b 1.314B, 5b 5.05B, 7b 6.58B, 13b 12.75B, 14b 14.01B, 30b 30.53B.
 PRESETS: dict[str, GPTConfig] = {
     # trains in about a minute on 2 CPU cores through the offload engine
     "tiny": GPTConfig(vocab_size=256, n_layer=4, n_head=4, d_model=128, seq_len=128),
@@ -86,6 +86,9 @@ PRESETS: dict[str, GPTConfig] = {
     "5b": GPTConfig(vocab_size=32000, n_layer=32, n_head=28, d_model=3584, seq_len=1024),
     "7b": GPTConfig(vocab_size=32000, n_layer=32, n_head=32, d_model=4096, seq_len=1024),
     "13b": GPTConfig(vocab_size=32000, n_layer=40, n_head=40, d_model=5120, seq_len=1024),
+    # issue 24's size goals: >= 14B exact on one H100 + its host, >= 30B on the 4-GPU node
+    "14b": GPTConfig(vocab_size=32000, n_layer=44, n_head=40, d_model=5120, seq_len=1024),
+    "30b": GPTConfig(vocab_size=32000, n_layer=57, n_head=52, d_model=6656, seq_len=1024),
 }
 
 
