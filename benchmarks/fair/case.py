@@ -887,6 +887,7 @@ def run(args, row: dict, sampler: MemSampler) -> dict:
     batches = [(x.to(device), y.to(device)) for x, y in batches]
 
     t_build = time.perf_counter()
+    row["before_init_s"] = time.time() - _T0  # imports, the process group, the batches
     sd = Weights(args.init, cfg, args.threads)
     row.update(init=sd.label, init_fingerprint=sd.fingerprint,
                init_file=None if sd.seeded else os.path.abspath(args.init))
@@ -898,6 +899,7 @@ def run(args, row: dict, sampler: MemSampler) -> dict:
         row["gpu_peak_init_alloc_gib_rank0"] = torch.cuda.max_memory_allocated(device) / GiB
         torch.cuda.reset_peak_memory_stats(device)
     row["init_s"] = time.perf_counter() - t_build
+    _say(rank, f"initialized in {row['init_s']:.1f} s ({row['before_init_s']:.1f} s before)")
     row["init_s_per_billion"] = row["init_s"] / (params / 1e9)
     row["config"] = runner.config
     row["threads_reported"] = {"torch_after_build": torch.get_num_threads(), **runner.threads}
@@ -914,6 +916,7 @@ def run(args, row: dict, sampler: MemSampler) -> dict:
         losses.append(runner.step(*batches[i]))
         sync()
         warm_times.append(time.perf_counter() - t0)
+        _say(rank, f"warm-up step {i + 1}: {warm_times[-1]:.2f} s")
     steps, reason = args.steps, None
     est = max(warm_times[-1:] or [0.0])
     if est > LONG_STEP_S and steps > args.min_steps:
@@ -978,8 +981,19 @@ def run(args, row: dict, sampler: MemSampler) -> dict:
     row["memavail_drop_gib"] = row["memavail_start_gib"] - row["memavail_min_gib"]
     row["host_bytes_per_param"] = row["memavail_drop_gib"] * GiB / params
     row["versions"] = versions(device)
+    _say(rank, f"timed steps done ({total:.1f} s); closing")
+    t_close = time.perf_counter()
     runner.close()
+    row["close_s"] = time.perf_counter() - t_close  # the engine's close() (issue 24 part 4)
+    _say(rank, f"closed in {row['close_s']:.1f} s")
     return row
+
+
+def _say(rank: int, text: str) -> None:
+    """A progress line in the case's log (rank 0), with the seconds since the process started: a
+    case killed by its time budget shows where it was."""
+    if rank == 0:
+        print(f"[fair case {time.time() - _T0:7.1f}s] {text}", file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:
