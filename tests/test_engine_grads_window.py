@@ -16,6 +16,7 @@ import zero_offload as zo
 from zero_offload.runtime.placement import FitError, Measured, host_window, plan_placement
 from zero_offload.runtime.store import Residency, Tier
 from _dist_util import run_ranks
+from _pipeline_util import late_read_ahead
 from _engine_util import (DEVICE, SMALL_CHUNK_MB, Reference, assert_params_close, assert_same_state, config,
                           engine_state, gpt_batches, gpt_loss, micro_gpt, train_engine)
 import _external_util as ext
@@ -369,6 +370,32 @@ def test_the_share_grows_out_of_the_window(fail, tmp_path, monkeypatch):
     finally:
         for e in engines.values():
             e.close()
+
+
+@pytest.mark.parametrize("host_grads", ["persistent", "window"])
+def test_a_late_read_ahead_leaves_no_host_copy(host_grads, tmp_path, monkeypatch):
+    """[Note: state read-ahead] in runtime/pipeline.py: the caller's read-ahead of a chunk's
+    master (homed on the device, updated on the host) fetched only once that chunk's update has
+    run and dropped its host copy (the caller lost the CPU meanwhile) is dropped too: between
+    steps the store holds exactly the plan's host homes (test_the_share_grows_out_of_the_window
+    failed so under load, one chunk's payload over), and the steps are unchanged."""
+    kw = dict(params="gpu", optimizer="cpu")
+    batches = gpt_batches(3)
+    plain = _build(kw, tmp_path, host_grads)
+    want = train_engine(plain, batches, gpt_loss)
+    late = late_read_ahead(monkeypatch)
+    engine = _build(kw, tmp_path, host_grads)
+    try:
+        got = []
+        for b in batches:
+            got += train_engine(engine, [b], gpt_loss)
+            _homes_match_the_plan(engine)
+        assert late  # the race ran: fetches after the updates they read ahead for
+        assert got == want
+        assert_same_state(engine_state(engine), engine_state(plain))
+    finally:
+        engine.close()
+        plain.close()
 
 
 # ---- two ranks (gloo) -------------------------------------------------------------------------

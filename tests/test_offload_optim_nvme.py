@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from _offload_optim_util import batches, make_model, max_rel_diff, train
+from _pipeline_util import late_read_ahead
 from zero_offload.offload_optim import OffloadAdamW
 from zero_offload.store import Residency
 
@@ -77,6 +78,26 @@ def test_copy_back_reads_the_kept_master(evicted_between, overlap_forward, tmp_p
     assert written == 4 * 12 * n
     assert _state_on_host(opt) == []
     opt.close()
+
+
+def test_a_late_read_ahead_leaves_no_state_on_host(tmp_path, monkeypatch):
+    """[Note: state read-ahead] in runtime/pipeline.py: a read-ahead from the caller's thread
+    that fetches a chunk's state only after its update has written it behind and dropped it (the
+    caller lost the CPU meanwhile) drops what it fetched: nothing of the state stays in host RAM
+    after the steps, and they equal torch's."""
+    late = late_read_ahead(monkeypatch)
+    model, reference = make_model(), make_model()
+    opt = OffloadAdamW(model.parameters(), lr=3e-3, state="nvme", nvme_dir=tmp_path, chunk_mb=0.02,
+                       threads=1, prefetch_depth=2)
+    try:
+        data = batches(3)
+        train(model, opt, data)
+        train(reference, torch.optim.AdamW(reference.parameters(), lr=3e-3), data)
+        assert late  # the race ran: fetches after the updates they read ahead for
+        assert _state_on_host(opt) == []
+        assert max_rel_diff(model, reference) < 1e-5
+    finally:
+        opt.close()
 
 
 def test_nvme_load_state_dict(tmp_path):

@@ -43,6 +43,15 @@ blocks on a grad move while a job is in flight: it completes that one first
 the next ``prefetch_depth`` queued updates, in the order of [Note: job order] (the queue is the
 schedule, so no recorded order is needed), and written back home right after each update, its
 host copy dropped (write-behind: the store keeps the copy until the write has read it).
+A read-ahead runs on the worker (``_begin``), where the jobs it reads for cannot end meanwhile,
+and on the caller's thread (``_put``), where they can: the caller may lose the CPU between taking
+the queue's snapshot and fetching, and the update then runs and drops its host copies before
+the fetch makes one again, which nothing would drop (host memory holding more than the plan's
+homes between steps, by one chunk's payload, depending on timing). So the fetch is followed by a
+check, under the queue's lock, for a job of the chunk that has not yet dropped its copies (a job
+is marked ``behind`` under that lock before it drops them, and leaves the queue after); with
+none left, the read-ahead drops what it fetched itself. Either the check comes first, and that
+job drops the copy, or the mark does, and the read-ahead drops it.
 
 [Note: what an update writes] The job's rule (``UpdateJob.rule``, runtime/update_rule.py)
 updates ``master`` and its state payloads in place in their CPU copies and, when ``lowp`` is
@@ -164,6 +173,9 @@ class _Queued:
     priority: int
     seq: int
     running: bool = False
+    behind: bool = False
+    """Its update is dropping its host copies of the state (the write-behind's last part): those
+    fetched before, none fetched after ([Note: state read-ahead])."""
 
     @property
     def key(self) -> tuple:
@@ -390,11 +402,21 @@ class StepPipeline:
                         if not q.running and q.updates}
         try:
             for cid, job in list(upcoming.items())[:self.prefetch_depth]:
-                for name in (self.payloads.master, *job.state):
-                    if self.store.payload_spec(cid, name).home is not Tier.CPU:
-                        self.store.fetch(cid, name, Tier.CPU)
+                names = [n for n in (self.payloads.master, *job.state)
+                         if self.store.payload_spec(cid, n).home is not Tier.CPU]
+                for name in names:
+                    self.store.fetch(cid, name, Tier.CPU)
+                if names and not self._drops_later(cid):  # its update ended meanwhile: ours to drop
+                    for name in names:
+                        self.store.evict(cid, name, Tier.CPU, defer=True)
         except BudgetError:
             pass  # host memory is full of copies in use: the update fetches on demand
+
+    def _drops_later(self, cid: int) -> bool:
+        """A job of chunk ``cid`` will drop its host copies of the state after this call
+        ([Note: state read-ahead])."""
+        with self._cv:
+            return any(q.cid == cid and q.updates and not q.behind for q in self._queue)
 
     # ---- worker ([Note: two jobs in flight]) -------------------------------------------------
 
@@ -536,6 +558,8 @@ class StepPipeline:
             store.flush(cid, n)
         if self.on_update_done is not None:
             self.on_update_done(cid)  # may pin a host copy to read it on: its eviction waits for that
+        with self._cv:
+            run.q.behind = True  # a read-ahead fetching from here on drops its copies itself
         for n in behind:
             store.evict(cid, n, Tier.CPU, defer=True)
 
