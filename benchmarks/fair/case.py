@@ -619,7 +619,7 @@ def ds_muon_config(args) -> dict:
     return conf
 
 
-def _torch_muon_split(model, ds_tags: Callable) -> Callable:
+def _torch_muon_split(ds_tags: Callable) -> Callable:
     """[Note: ds-muon's split] ``deepspeed.initialize`` tags every param ``use_muon`` by its own
     rule (``set_optimizer_flags``: 2-D and no "embed" / "lm_head" in the name) before it builds the
     optimizer, and its ZeRO optimizers read the tag, not the param groups. Our GPT's tied
@@ -641,7 +641,7 @@ def build_ds_muon(args, cfg, device, world, sd):
     import deepspeed
     conf = ds_muon_config(args)
     model = _torch_model(args, cfg, device, sd)
-    tag = _torch_muon_split(model, deepspeed.set_optimizer_flags)
+    tag = _torch_muon_split(deepspeed.set_optimizer_flags)
     deepspeed.set_optimizer_flags, ds_tags = tag, deepspeed.set_optimizer_flags  # [Note: ds-muon's split]
     try:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
@@ -649,10 +649,12 @@ def build_ds_muon(args, cfg, device, world, sd):
         deepspeed.set_optimizer_flags = ds_tags
     muon = getattr(engine.optimizer, "optimizer", engine.optimizer)
     wrong = [n for n, p in model.named_parameters() if getattr(p, "use_muon", None) != _hidden(n, p)]
-    if type(muon).__name__ != "MuonWithAuxAdam" or wrong:
-        raise CaseError(f"ds-muon: DeepSpeed built {type(muon).__name__} with use_muon off torch's split on "
-                        f"{wrong[:3]}: deepspeed {deepspeed.__version__} tags params otherwise than 0.19.8; "
-                        f"update _torch_muon_split")
+    if type(muon).__name__ != "MuonWithAuxAdam":
+        raise CaseError(f"ds-muon: deepspeed {deepspeed.__version__} built {type(muon).__name__}, not "
+                        f"MuonWithAuxAdam, for optimizer type Muon; check ds_muon_config against its engine.py")
+    if wrong:
+        raise CaseError(f"ds-muon: use_muon off torch's split on {wrong[:3]}: deepspeed {deepspeed.__version__} "
+                        f"tags params otherwise than 0.19.8; update _torch_muon_split")
     groups = [{k: v for k, v in g.items() if k != "params"} | {"numel": sum(p.numel() for p in g["params"])}
               for g in muon.param_groups]
     aux = getattr(muon, "aux_optimizer", None)
