@@ -344,3 +344,103 @@ def test_driver_dry_run_of_a_30b_plan_imports_no_torch(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "engine-auto@4" in r.stdout and not (tmp_path / "rows.jsonl").exists()
+
+
+def test_muon_plan_and_the_ds_stage_knob_of_ds_muon():
+    """Issue 25's Muon table in one plan (AdamW offloaded as the reference row: engine's default
+    rule, so the summary's "vs engine" column stands), and ds-muon's stage knob: the stages
+    DeepSpeed runs Muon at without offload, refused elsewhere and beyond them."""
+    from case import parse_args
+    from fairplan import CASES, parse_plan
+    items = parse_plan("muon")
+    assert [(i.label, i.world) for i in items] == [
+        ("engine[opt=muon]", 1), ("engine", 1), ("engine-auto[opt=muon]", 1), ("offload-adamw[opt=muon]", 1),
+        ("torch-opt[opt=muon]", 1), ("ds-muon", 1), ("torch-opt", 1), ("ds-muon[ds-stage=1]", 1)]
+    assert items[-1].case_args() == ["--ds-stage", "1"] and items[5].case_args() == []
+    assert CASES["ds-muon"].gpu_only and "no offload" in CASES["ds-muon"].recipe
+    with pytest.raises(ValueError, match="ds-stage=3: DeepSpeed runs Muon at ZeRO stage 1 or 2 here"):
+        parse_plan("ds-muon:ds-stage=3@1")
+    with pytest.raises(ValueError, match="case ds-zero2 takes no knob 'ds-stage'"):
+        parse_plan("ds-zero2:ds-stage=1@1")
+    base = ["--case", "ds-muon", "--threads", "1", "--init", "x", "--json-out", "y"]
+    assert parse_args(base).ds_stage == "2" and parse_args(base + ["--ds-stage", "1"]).ds_stage == "1"
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--ds-stage", "0"])
+
+
+def test_ds_muon_config_is_torch_muons_recipe_without_offload():
+    import argparse
+    from case import BETAS, EPS, LR, WD, ds_muon_config
+    two, one = (ds_muon_config(argparse.Namespace(ds_stage=s, batch=3)) for s in ("2", "1"))
+    for conf in (two, one):
+        assert "offload" not in json.dumps(conf) and conf["bf16"] == {"enabled": True}
+        assert conf["train_micro_batch_size_per_gpu"] == 3 and conf["gradient_clipping"] == 0.0
+        assert conf["optimizer"] == {"type": "Muon", "params": {
+            "lr": LR, "weight_decay": WD, "momentum": torch.optim.Muon([torch.zeros(2, 2)]).defaults["momentum"],
+            "ns_method": "standard", "betas": list(BETAS), "eps": EPS, "torch_adam": True}}
+    assert two["zero_optimization"]["stage"] == 2 and two["zero_optimization"]["overlap_comm"] and "data_types" not in two
+    assert one["zero_optimization"] == {"stage": 1} and one["data_types"] == {"grad_accum_dtype": "fp32"}
+
+
+def _ds_name_rule(config_class, model):
+    """deepspeed 0.19.8's set_optimizer_flags for a model without zero.Init: Muon for 2-D params
+    whose names hold neither "embed" nor "lm_head"."""
+    for name, p in model.named_parameters():
+        p.use_muon = p.dim() >= 2 and not any(k in name.lower() for k in ("embed", "lm_head"))
+
+
+def _fake_deepspeed(monkeypatch, *, fail=False, own_rule=False):
+    """A stand-in for ``deepspeed`` whose initialize tags params the way 0.19.8's does (through the
+    module's set_optimizer_flags, or, with own_rule, through a reference it holds itself) and
+    returns an engine whose optimizer is a MuonWithAuxAdam with one group per half."""
+    import types
+    ds = types.ModuleType("deepspeed")
+    ds.__version__ = "0.19.8-fake"
+    ds.set_optimizer_flags = _ds_name_rule
+    ds.models = []
+
+    def initialize(model, model_parameters, config):
+        ds.models.append(model)
+        (_ds_name_rule if own_rule else ds.set_optimizer_flags)(None, model)
+        if fail:
+            raise RuntimeError("initialize failed")
+        params = list(model_parameters)
+        muon = type("MuonWithAuxAdam", (), {})()
+        muon.param_groups = [{"params": [p for p in params if p.use_muon is h], "use_muon": h} for h in (True, False)]
+        muon.aux_optimizer = torch.optim.AdamW([torch.zeros(1)])
+        engine = types.SimpleNamespace(optimizer=types.SimpleNamespace(optimizer=muon), module=model)
+        return engine, muon, None, None
+    ds.initialize = initialize
+    monkeypatch.setitem(sys.modules, "deepspeed", ds)
+    return ds
+
+
+def test_ds_muon_gives_muon_torch_opts_params_and_says_what_it_retagged(monkeypatch):
+    """[Note: ds-muon's split] DeepSpeed's name rule would give Muon the tied embedding/head (wte)
+    and wpe; ds-muon tags torch-opt[opt=muon]'s split for the one initialize call, records the
+    names it changed, puts DeepSpeed's function back (also when initialize fails), and refuses a
+    DeepSpeed that tags without it."""
+    import argparse
+    from case import CaseError, _torch_rule, build_ds_muon
+    cfg = preset(MODEL, seq_len=SEQ)
+    sd = GPT(cfg).state_dict()
+    args = argparse.Namespace(ds_stage="2", batch=BATCH, checkpointing=False)
+    ds = _fake_deepspeed(monkeypatch)
+    runner = build_ds_muon(args, cfg, torch.device("cpu"), 1, sd)
+    assert ds.set_optimizer_flags is _ds_name_rule
+    model, = ds.models
+    facts = runner.extra()
+    assert facts["ds_muon_retagged"] == ["wte.weight", "wpe.weight"] and facts["ds_aux_adam"] == "AdamW"
+    torch_muon = {id(p) for p in _torch_rule("muon", model).opts[0].param_groups[0]["params"]}
+    assert {id(p) for p in model.parameters() if p.use_muon} == torch_muon
+    assert facts["muon_params"] == sum(p.numel() for p in model.parameters() if id(p) in torch_muon)
+    assert [g["numel"] for g in facts["ds_param_groups"]] == [
+        facts["muon_params"], sum(p.numel() for p in model.parameters()) - facts["muon_params"]]
+
+    ds = _fake_deepspeed(monkeypatch, fail=True)
+    with pytest.raises(RuntimeError, match="initialize failed"):
+        build_ds_muon(args, cfg, torch.device("cpu"), 1, sd)
+    assert ds.set_optimizer_flags is _ds_name_rule
+    _fake_deepspeed(monkeypatch, own_rule=True)
+    with pytest.raises(CaseError, match=r"use_muon off torch's split on \['wte.weight', 'wpe.weight'\]"):
+        build_ds_muon(args, cfg, torch.device("cpu"), 1, sd)

@@ -53,6 +53,9 @@ Cases and their recipes (the row's "recipe" says it; fairplan.CASES is the table
   ``--ds-ratio`` (the share of the optimizer's sub-groups on the CPU; the rest updates on the
   GPU). The split is per sub-group, so ``sub_group_size`` defaults to 1e8 here (with one
   sub-group per rank no split exists); the row records the split DeepSpeed made.
+- ``ds-muon``: DeepSpeed's Muon (optimizer type "Muon") without offload, ZeRO-2 (``--ds-stage 1``:
+  ZeRO-1 with fp32 grad accumulation), bf16, torch's Muon/AdamW split and hyperparameters where
+  DeepSpeed has them (``ds_muon_config``; the recipe names every difference).
 
 ``--compile 1`` (knob ``compile=1``; engine, ddp and their variants): each block compiled
 (``block.compile()``: inductor, default mode) before ``initialize`` / DDP; the warm-up steps
@@ -180,7 +183,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fairplan import CASES  # noqa: E402
+from fairplan import CASES, DS_MUON_STAGES  # noqa: E402
 
 GiB = float(2 ** 30)
 LR, BETAS, EPS, WD = 1e-4, (0.9, 0.999), 1e-8, 0.1
@@ -707,6 +710,83 @@ def build_deepspeed(args, cfg, device, world, sd, case):
                   threads={"ds_cpu_adam": f"OpenMP, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"})
 
 
+def ds_muon_config(args) -> dict:
+    """ds-muon's DeepSpeed config: optimizer type Muon (deepspeed 0.19.8: engine.py
+    ``_configure_basic_optimizer`` / ``_muon_param_groups``, runtime/zero/muon/), no offload. The
+    Muon half takes lr, momentum, weight_decay and ns_method; the AdamW half lr, betas, eps and
+    weight_decay (the same lr and decay: no muon_lr / adam_lr). ns_steps (5), Nesterov (on) and the
+    lr scale sqrt(max(1, rows/cols)) are fixed in DeepSpeed's ``muon_update`` and equal torch's
+    defaults; momentum is torch.optim.Muon's default. ``torch_adam`` makes the AdamW half
+    torch.optim.AdamW (foreach) instead of DeepSpeed's FusedAdam, a CUDA op that would JIT-build
+    inside the case (the GPU machine's setup builds only cpu_adam)."""
+    import inspect
+    stage = int(args.ds_stage)
+    zero: dict[str, Any] = {"stage": stage}
+    if stage == 2:  # ds-zero2's buckets and overlap, without the offload
+        zero.update(overlap_comm=True, contiguous_gradients=True, reduce_bucket_size=int(5e8),
+                    allgather_bucket_size=int(5e8), reduce_scatter=True)
+    momentum = inspect.signature(torch.optim.Muon).parameters["momentum"].default
+    conf = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+            "gradient_clipping": 0.0, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False,
+            "bf16": {"enabled": True}, "zero_optimization": zero,
+            "optimizer": {"type": "Muon", "params": {**_rule_kwargs("muon"), "momentum": momentum,
+                                                     "ns_method": "standard", "betas": list(BETAS), "eps": EPS,
+                                                     "torch_adam": True}}}
+    if stage == 1:  # BF16_Optimizer: fp32 grads, fp32 momentum (bf16 grads at stage 1 would be ZeRO-1's)
+        conf["data_types"] = {"grad_accum_dtype": "fp32"}
+    return conf
+
+
+def _torch_muon_split(ds_tags: Callable) -> Callable:
+    """[Note: ds-muon's split] ``deepspeed.initialize`` tags every param ``use_muon`` by its own
+    rule (``set_optimizer_flags``: 2-D and no "embed" / "lm_head" in the name) before it builds the
+    optimizer, and its ZeRO optimizers read the tag, not the param groups. Our GPT's tied
+    embedding/head is ``wte`` and its position table ``wpe``: DeepSpeed's rule would give both to
+    Muon, where torch's recipe (``_hidden``) gives Muon the blocks' matrices only. The returned
+    function, put in place of ``deepspeed.set_optimizer_flags`` for the one ``initialize`` call,
+    runs DeepSpeed's rule, records the names it tags otherwise (``retagged``) and tags torch's split."""
+    def tag(config_class, module):
+        ds_tags(config_class, module)
+        for name, p in module.named_parameters():
+            if bool(getattr(p, "use_muon", False)) != _hidden(name, p):
+                tag.retagged.append(name)
+            p.use_muon = _hidden(name, p)
+    tag.retagged = []
+    return tag
+
+
+def build_ds_muon(args, cfg, device, world, sd):
+    import deepspeed
+    conf = ds_muon_config(args)
+    model = _torch_model(args, cfg, device, sd)
+    tag = _torch_muon_split(deepspeed.set_optimizer_flags)
+    deepspeed.set_optimizer_flags, ds_tags = tag, deepspeed.set_optimizer_flags  # [Note: ds-muon's split]
+    try:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
+    finally:
+        deepspeed.set_optimizer_flags = ds_tags
+    muon = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    wrong = [n for n, p in model.named_parameters() if getattr(p, "use_muon", None) != _hidden(n, p)]
+    if type(muon).__name__ != "MuonWithAuxAdam":
+        raise CaseError(f"ds-muon: deepspeed {deepspeed.__version__} built {type(muon).__name__}, not "
+                        f"MuonWithAuxAdam, for optimizer type Muon; check ds_muon_config against its engine.py")
+    if wrong:
+        raise CaseError(f"ds-muon: use_muon off torch's split on {wrong[:3]}: deepspeed {deepspeed.__version__} "
+                        f"tags params otherwise than 0.19.8; update _torch_muon_split")
+    groups = [{k: v for k, v in g.items() if k != "params"} | {"numel": sum(p.numel() for p in g["params"])}
+              for g in muon.param_groups]
+    aux = getattr(muon, "aux_optimizer", None)
+
+    def extra():
+        return {"deepspeed": deepspeed.__version__, "ds_optimizer": type(muon).__name__,
+                "ds_optimizer_wrapper": type(engine.optimizer).__name__,
+                "ds_aux_adam": type(aux).__name__ if aux is not None else "MuonWithAuxAdam's inline Adam",
+                "ds_param_groups": _jsonable(groups), "ds_muon_retagged": tag.retagged,
+                "muon_params": sum(p.numel() for n, p in model.named_parameters() if _hidden(n, p))}
+    return Runner(step=_engine_step(engine), extra=extra, config={"deepspeed_config": conf, "opt": "muon"},
+                  threads={"optimizer": "n/a (GPU optimizer)"})
+
+
 BUILDERS = {
     "ddp": build_ddp,
     "ddp-bf16": lambda *a: build_ddp(*a, bf16_params=True),
@@ -719,6 +799,7 @@ BUILDERS = {
     "ds-zero2": lambda *a: build_deepspeed(*a, case="ds-zero2"),
     "ds-zero3": lambda *a: build_deepspeed(*a, case="ds-zero3"),
     "ds-zero3-ratio": lambda *a: build_deepspeed(*a, case="ds-zero3-ratio"),
+    "ds-muon": build_ds_muon,
 }
 assert set(BUILDERS) == set(CASES), "fairplan.CASES and case.BUILDERS must name the same cases"
 
@@ -817,6 +898,8 @@ def parse_args(argv=None):
     ap.add_argument("--ds-reduce-bucket", default=None)
     ap.add_argument("--ds-sub-group", default=None)
     ap.add_argument("--ds-ratio", default="0.5")
+    ap.add_argument("--ds-stage", default="2", choices=DS_MUON_STAGES,
+                    help="ds-muon: the ZeRO stage (2; 1 = ZeRO-1 with fp32 grad accumulation)")
     ap.add_argument("--fsdp-reshard", default="0", choices=("0", "1"))
     ap.add_argument("--overlap-forward", default="1", choices=("0", "1"),
                     help="offload-adamw: OffloadAdamW(overlap_forward=...)")

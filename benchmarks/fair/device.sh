@@ -38,7 +38,7 @@
 # csrc/ did not change), FAIR_TESTS a pytest command line run beside the setup (before any timed
 # case; FAIR_TESTS_TIMEOUT, default 240 s: `-m gpu tests` took more than 200 s on the x4 kind, so
 # give the GPU suite a call of its own: FAIR_TESTS="-m gpu tests" FAIR_TESTS_TIMEOUT=500 with a
-# short plan). Carried .trees/NAME copies (tree.sh pack; the tree= knob of a plan item) are built
+# short plan). FAIR_BENCH_ADAM runs `bench adam` before the plan (see below). Carried .trees/NAME copies (tree.sh pack; the tree= knob of a plan item) are built
 # in place during the setup (carry: [".whl", ".trees"]).
 set -u -o pipefail
 START=$SECONDS
@@ -118,6 +118,19 @@ if [ -n "${tests_pid:-}" ]; then wait $tests_pid; say "tests: $(tail -2 "$OUT/te
 say "setup done"
 
 left() { echo $(( BUDGET - (SECONDS - START) )); }
+# FAIR_BENCH_ADAM: arguments of `zero-offload bench adam` (issue 22's CPU-Adam row: ours, torch's
+# and DeepSpeedCPUAdam, its op built above), run here, after the setup and before the plan, on every
+# core of the node (OMP_NUM_THREADS = torch's = ours = nproc); $OUT/cpu_adam.md and .json (with the
+# 6 files above, 8 come back: leave FAIR_TESTS out); its time comes out of the plan's deadline
+if [ -n "${FAIR_BENCH_ADAM:-}" ]; then
+  T=$(nproc)
+  say "bench adam on $T threads: ${FAIR_BENCH_ADAM}"
+  # shellcheck disable=SC2086
+  OMP_NUM_THREADS=$T timeout $(( $(left) > 120 ? $(left) - 60 : 60 )) python3 -m zero_offload.bench.cpu_adam \
+    --threads "$T" ${FAIR_BENCH_ADAM} --json-out "$OUT/cpu_adam.json" --md-out "$OUT/cpu_adam.md" \
+    > /tmp/cpu_adam.log 2>&1 || say "bench adam FAILED: $(tail -1 /tmp/cpu_adam.log)"
+  grep -E '^(DeepSpeedCPUAdam|parity|\|)' /tmp/cpu_adam.log
+fi
 case $PHASE in
   setup-tests-*) plan=${PHASE#setup-tests-}
     if [ "${FAIR_SMOKE:-1}" != 0 ]; then  # the harness's GPU path on a tiny model, outside $OUT's rows

@@ -92,12 +92,24 @@ CASES: dict[str, CaseInfo] = {
         "(DeepSpeedCPUAdam), the rest on the GPU (ZeRO-3, offload_optimizer cpu with ratio)",
         short=BF16_MASTER, gpu_only=True, knobs=("ds-ratio",) + DS3_KNOBS,
         startup_s=50, startup_per_b=15.0, step_s={1: 0.9, 2: 0.9, 4: 0.9}),
+    "ds-muon": CaseInfo(
+        "DeepSpeed bf16 params, fp32 master + optimizer state on the GPU (no offload: DeepSpeed's Muon "
+        "offload path is not supported), ZeRO-2 (knob ds-stage=1: ZeRO-1 with fp32 grad accumulation, "
+        "DeepSpeed's BF16_Optimizer); optimizer type Muon: DeepSpeed's Muon on the blocks' matrices "
+        "(momentum 0.95, Nesterov, 5 quintic Newton-Schulz steps in bf16 = ns_method standard, lr x "
+        "sqrt(max(1, rows/cols)) as torch's 'original'), AdamW on the rest (torch.optim.AdamW, foreach, "
+        "through DeepSpeed's torch_adam). Differences from torch-opt[opt=muon]: bf16 params + fp32 "
+        "master, not fp32 params + autocast; at ZeRO-2 grads and Muon momentum in bf16 (DeepSpeed keeps "
+        "the momentum in the grad's dtype; ds-stage=1: fp32); Newton-Schulz is DeepSpeed's own (same "
+        "coefficients, another op order: 15-19% from torch's on a tiny GPT's first update, both bf16), "
+        "torch.compiled; "
+        "AdamW foreach, not fused; use_muon re-tagged to torch's split (DeepSpeed's name rule would also "
+        "give Muon the tied embedding wte and wpe: the row's ds_muon_retagged)",
+        short=BF16_MASTER, gpu_only=True, knobs=("ds-stage",), startup_s=75,
+        step_s={1: 0.5, 2: 0.5, 4: 0.5}),  # not yet measured: torch-opt[opt=muon] 0.28 s + ZeRO's copies
 }
 
 COMMON_KNOBS = ("threads", "tree")
-CASE_KNOBS = ("checkpointing",)
-"""Knobs every case takes as its own flag (``ckpt=1``: activation checkpointing for this item
-only, e.g. the engine under a GPU cap; the row's ``checkpointing`` says so)."""
 """Knobs every case takes, applied by the driver:
 
 - ``threads=T`` runs the case with T CPU threads per rank instead of the run's rule (cores // N),
@@ -108,9 +120,18 @@ only, e.g. the engine under a GPU cap; the row's ``checkpointing`` says so)."""
   installed package: a before/after comparison of two commits in one call, interleaved in the
   shuffled order (``engine:tree=before@1 engine@1``). The row records the path it imported."""
 
+CASE_KNOBS = ("checkpointing",)
+"""Knobs every case takes as its own flag (``ckpt=1``: activation checkpointing for this item
+only, e.g. the engine under a GPU cap; the row's ``checkpointing`` says so)."""
+
 OPTS = ("adamw", "sgd", "lion", "adafactor", "muon")
 """Values of the ``opt=`` knob (engine, offload-adamw, torch-opt): the update rule of the case
 (issue 25: each rule offloaded vs the same torch optimizer without offload vs AdamW offloaded)."""
+
+DS_MUON_STAGES = ("1", "2")
+"""Values of ds-muon's ``ds-stage=`` knob: the ZeRO stages DeepSpeed 0.19.8 runs Muon at without
+offload and without zero.Init (2: the default; 1 with fp32 grad accumulation: BF16_Optimizer).
+Stage 0 applies the raw gradient (no Newton-Schulz, DeepSpeed PR 8442); stage 3 needs zero.Init."""
 
 KNOB_ALIASES = {"ckpt": "checkpointing", "reserve": "activation-reserve", "overlap": "overlap-forward", "reshard": "fsdp-reshard", "prefetch": "ds-prefetch-bucket",
                 "reduce": "ds-reduce-bucket", "ratio": "ds-ratio", "sub-group": "ds-sub-group"}
@@ -186,6 +207,10 @@ PLANS: dict[str, list[str]] = {
     "big4-base": ["engine-auto@4", "ds-zero3@4", "fsdp2:reshard=1@4"],
     "big1": ["engine-auto@1", "engine@1"],
     "7b4": ["engine-auto@4", "engine@4", "ds-zero3@4"],
+    # issue 25's Muon row: Muon offloaded (engine host-only and auto, OffloadMuon) vs AdamW offloaded
+    # vs torch.optim.Muon on the GPU vs DeepSpeed's Muon without offload (its ZeRO-1 path last)
+    "muon": ["engine:opt=muon@1", "engine@1", "engine-auto:opt=muon@1", "offload-adamw:opt=muon@1",
+             "torch-opt:opt=muon@1", "ds-muon@1", "torch-opt@1", "ds-muon:ds-stage=1@1"],
     # what runs on a CPU (tests, smoke): no GPU-only case
     "cpu": ["ddp@1", "ddp-bf16@1", "engine@1", "engine-auto@1", "offload-adamw@1", "ddp@2", "engine@2"],
 }
@@ -242,6 +267,9 @@ def parse_item(text: str) -> Item:
                              f"{', '.join(info.knobs) or 'none'}")
         if k == "opt" and v.strip() not in OPTS:
             raise ValueError(f"plan item {text!r}: opt={v.strip()} is not a rule; choose from {', '.join(OPTS)}")
+        if k == "ds-stage" and v.strip() not in DS_MUON_STAGES:
+            raise ValueError(f"plan item {text!r}: ds-stage={v.strip()}: DeepSpeed runs Muon at ZeRO stage "
+                             f"{' or '.join(DS_MUON_STAGES)} here (no offload; stage 0 runs no Newton-Schulz)")
         knobs.append((k, v.strip()))
     return Item(case=name, world=int(n), knobs=tuple(knobs))
 
