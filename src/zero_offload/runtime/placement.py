@@ -431,6 +431,12 @@ class PlacementRequest:
     """A chunk's update reads its grads only after a decision over the whole window (clipping,
     fp16 overflow, or updates after backward) and there is no accumulation buffer they were
     summed into: the grads window must then hold every host-updated chunk's grads at once."""
+    host_params: str = "copy"
+    """How the working params of chunks whose params are homed in host memory live there ([Note:
+    params from the master]): "copy" (a host buffer of the working dtype, the home the device
+    fetches and the host update writes), "from-master" (none where the chunk's fp32 master is in
+    host memory: the fetch casts the master on the device) or "auto" (from the master only where
+    the copy's plan puts state on NVMe or does not fit). The plan's request has it resolved."""
 
     def __post_init__(self):
         object.__setattr__(self, "chunks", tuple(self.chunks))
@@ -466,6 +472,12 @@ class PlacementRequest:
             raise ValueError(f"{self._prefix}host_grads='window' serves a front end that pages the params "
                              f"(the engine): grads copied in piece by piece (params=None) need their "
                              f"persistent host buffer")
+        if self.host_params not in ("copy", "from-master", "auto"):
+            raise ValueError(f"PlacementRequest.host_params must be 'copy', 'from-master' or 'auto', got "
+                             f"{self.host_params!r}")
+        if self.host_params == "from-master" and self.params is None:
+            raise ValueError(f"{self._prefix}host_params='from-master' serves a front end that pages the "
+                             f"params (the engine); a front end keeping its own params has none to make")
 
     @property
     def _prefix(self) -> str:
@@ -484,6 +496,9 @@ class ChunkHomes:
     """Home of the params (None when the front end keeps them)."""
     optimizer: "Tier | None"
     """Home of master and the rule's state (None for frozen chunks)."""
+    from_master: bool = False
+    """The params (homed on the CPU, as the master) are made from the master on the way to the
+    device, with no host copy of their own ([Note: params from the master])."""
 
 
 @dataclass(frozen=True)
@@ -507,6 +522,9 @@ class PlacementPlan:
     """Chunks whose move into the share failed and that stayed on the host (``fall_back``)."""
     grads_window: int = 0
     """Slots of the host grads window ([Note: grads window]); 0: the persistent layout."""
+    params_why: str = ""
+    """With ``host_params="from-master"``: why some chunks' params on the host keep their copy
+    (their master is not in host memory, fp32 or frozen chunks), for the report; "" if none."""
 
     @property
     def budgets(self) -> Budgets:
@@ -548,6 +566,8 @@ class PlacementPlan:
         for i, (c, h) in enumerate(zip(request.chunks, self.homes)):
             state = optimizer_payloads(c, request)
             for name, spec in self.payloads(i).items():
+                if spec.source is not None:
+                    continue  # made from the master: no bytes of its own
                 kind = ("params" if name == "params" else "optimizer" if name in state
                         else "grads" if name == "grads" else "other")
                 tiers[spec.home.value][kind] += round_up(spec.numel * spec.dtype.itemsize, ALIGNMENT)
@@ -569,7 +589,10 @@ class PlacementPlan:
                     "activation_peak": m.activation_peak, "margin": m.margin_bytes,
                     "headroom": m.headroom},
                 "grown": len(self.grown), "fell_back": len(self.fell_back), "why": self.why,
-                "host_grads": request.host_grads, "grads_window": self.grads_window}
+                "host_grads": request.host_grads, "grads_window": self.grads_window,
+                "host_params": request.host_params,
+                "params_from_master": sum(1 for h in self.homes if h.from_master),
+                "params_copy_why": self.params_why}
 
     def rest(self) -> Budgets:
         """What a plan of chunks added later may take: the budgets less this plan's homes
@@ -657,7 +680,8 @@ def chunk_payloads(request: PlacementRequest, chunk: ChunkNeed, homes: ChunkHome
         # (a state payload of no elements, e.g. Adafactor's "variance" of a chunk of matrices: one
         # element, as the store holds no empty buffer)
         out[name] = PayloadSpec(numel=max(1, spec.numel), dtype=spec.dtype, home=home,
-                                transient=name == "grads" and request.host_grads == "window")
+                                transient=name == "grads" and request.host_grads == "window",
+                                source="master" if name == "params" and homes.from_master else None)
     return out
 
 
@@ -721,24 +745,28 @@ def plan_placement(request: PlacementRequest) -> PlacementPlan:
     first. ``host_grads="auto"`` is resolved here ([Note: grads window]): the plan's request
     says "persistent" or "window".
     """
-    if request.host_grads != "auto":
-        return _plan(request)
-    persistent = window = None
-    try:
-        persistent = _plan(dataclasses.replace(request, host_grads="persistent"))
-    except FitError:
-        pass
-    if persistent is not None and (request.grads_wait or not persistent.need[Tier.NVME]):
-        return persistent  # nothing to gain: the window costs step time where grads pile up
-    try:
-        window = _plan(dataclasses.replace(request, host_grads="window"))
-    except FitError:
-        if persistent is None:
-            raise  # (the window's message: it is the layout that needs the least host memory)
-        return persistent
-    if persistent is None or window.need[Tier.NVME] < persistent.need[Tier.NVME]:
-        return window
-    return persistent
+    grads = ("persistent", "window") if request.host_grads == "auto" else (request.host_grads,)
+    params = ("copy", "from-master") if request.host_params == "auto" else (request.host_params,)
+    if request.grads_wait:
+        grads = grads[:1]  # a window holding every chunk's grads saves nothing ([Note: grads window])
+    # In the order of what each layout costs in step time: none, waits for the grads window
+    # (only where host updates fall behind), PCIe bytes on every fetch ([Note: params from the
+    # master]). The first one that keeps state out of NVMe, else the one spilling least.
+    best, error = None, None
+    for host_params in params:
+        for host_grads in grads:
+            try:
+                plan = _plan(dataclasses.replace(request, host_grads=host_grads, host_params=host_params))
+            except FitError as e:
+                error = e  # (the last one's message: the layout needing the least host memory)
+                continue
+            if not plan.need[Tier.NVME]:
+                return plan
+            if best is None or plan.need[Tier.NVME] < best.need[Tier.NVME]:
+                best = plan
+    if best is None:
+        raise error
+    return best
 
 
 def host_window(request: PlacementRequest) -> tuple:
@@ -757,6 +785,34 @@ def _windowed_grads(chunk: ChunkNeed, request: PlacementRequest) -> int:
     return chunk_bytes(chunk, request, ("grads",)) if request.host_grads == "window" else 0
 
 
+DERIVE_STAGING = 2
+"""fp32 staging buffers on the device the plan counts for making params from the master (one per
+move in flight: the store's moves run on its H2D stream, at most two at once in practice)."""
+
+
+def _derive_staging(request: PlacementRequest) -> int:
+    """Device bytes of the fp32 staging of params made from the master ([Note: params from the
+    master]): ``DERIVE_STAGING`` shards of the largest trainable bf16/fp16 chunk, when any chunk's
+    params may be homed on the host."""
+    if request.host_params != "from-master" or request.params in (None, Placement.GPU):
+        return 0
+    sizes = [round_up(c.numel * 4, ALIGNMENT) for c in request.chunks
+             if c.trainable and c.dtype is not torch.float32]
+    return DERIVE_STAGING * max(sizes, default=0)
+
+
+def _copy_why(chunk: ChunkNeed, homes: ChunkHomes) -> str:
+    """Why a chunk whose params are homed on the host keeps their copy under "from-master" ("":
+    they are made from its master)."""
+    if not chunk.trainable:
+        return "frozen chunks have no master"
+    if chunk.dtype is torch.float32:
+        return "fp32 params are the master themselves"
+    if homes.optimizer is not Tier.CPU:
+        return f"the master is on {homes.optimizer.value} (from the master needs it in host memory)"
+    return ""
+
+
 def _host_freed(chunk: ChunkNeed, request: PlacementRequest) -> int:
     """Host bytes a chunk's joining the GPU share frees: its state, grads (homed on the host:
     not the window's) and accumulation buffer, and the host update's copy out."""
@@ -767,8 +823,9 @@ def _plan(request: PlacementRequest) -> PlacementPlan:
     """``plan_placement`` of a request whose ``host_grads`` is decided."""
     chunks, budgets, has_nvme = request.chunks, request.budgets, request.nvme_dir is not None
     gpu_window = window_bytes(request, whole=True)  # gathers hold whole chunks ([Note: working window])
-    gpu_extra = _grads_window_bytes(request)
+    gpu_extra = _grads_window_bytes(request) + _derive_staging(request)
     slots, grads_window = host_window(request)
+    from_master = request.host_params == "from-master"
     # Host memory every placement needs: what the host update reads and writes beside the state
     # (grads, accum, a copy out) of the trainable chunks; the GPU share takes it back. Grads
     # through the window count as the window's bytes instead.
@@ -797,15 +854,19 @@ def _plan(request: PlacementRequest) -> PlacementPlan:
                     else sum(_params_bytes(chunks[i], request) for i in auto_gpu))
     replicas = _replica_bytes(request)  # beside the homes: the share leaves them room
     share = request.optimizer is Placement.AUTO and request.gpu_optimizer
-    share_ended, why = False, ""
+    share_ended, why, copy_why = False, "", []
     for i, c in enumerate(chunks):
         pbytes = _params_bytes(c, request)
+        obytes = chunk_bytes(c, request, optimizer_payloads(c, request)) if c.trainable else 0
+        # From the master: params on the host cost no host bytes where the master is there too.
+        derivable = (from_master and c.trainable and c.dtype is not torch.float32
+                     and request.optimizer in (Placement.CPU, Placement.AUTO))
         if request.params is None:
             ptier = None  # the front end's own tensors (on its device)
         elif request.params is Placement.AUTO:
             if i in auto_gpu:
                 ptier = Tier.GPU
-            elif host_room(pbytes) or not has_nvme:
+            elif host_room(pbytes) or not has_nvme or (derivable and host_room(obytes)):
                 ptier = Tier.CPU
             else:
                 ptier = Tier.NVME
@@ -813,11 +874,11 @@ def _plan(request: PlacementRequest) -> PlacementPlan:
             ptier = Tier(request.params.value)
         if ptier is Tier.GPU and request.params is not None:
             params_ahead -= pbytes
-        if ptier is not None:
+        deferred = derivable and ptier is Tier.CPU  # counted once the master's home is known
+        if ptier is not None and not deferred:
             need[ptier] += pbytes
         otier = None
         if c.trainable:
-            obytes = chunk_bytes(c, request, optimizer_payloads(c, request))
             moves = chunk_bytes(c, request, ("grads", "accum"))  # with the update, to the device
             if share and ptier in (None, Tier.GPU):
                 if need[Tier.GPU] + params_ahead + replicas + obytes + moves <= gpu_auto:
@@ -836,7 +897,14 @@ def _plan(request: PlacementRequest) -> PlacementPlan:
             elif otier is None:
                 otier = Tier(request.optimizer.value)
             need[otier] += obytes
-        homes.append(ChunkHomes(params=ptier, optimizer=otier))
+        derived = deferred and otier is Tier.CPU
+        if deferred and not derived:  # the master went to NVMe: the params keep their copy
+            if request.params is Placement.AUTO and not (host_room(pbytes) or not has_nvme):
+                ptier = Tier.NVME
+            need[ptier] += pbytes
+        if from_master and ptier is Tier.CPU and not derived:
+            copy_why.append(f"chunk {i}: {_copy_why(c, ChunkHomes(params=ptier, optimizer=otier)) or 'kept'}")
+        homes.append(ChunkHomes(params=ptier, optimizer=otier, from_master=derived))
 
     uses_nvme = any(h.params is Tier.NVME or h.optimizer is Tier.NVME for h in homes)
     working = {Tier.GPU: gpu_window + gpu_extra, Tier.CPU: (staging if uses_nvme else 0) + grads_window,
@@ -849,10 +917,17 @@ def _plan(request: PlacementRequest) -> PlacementPlan:
                "optimizer state is not 'auto'" if request.optimizer is not Placement.AUTO else
                "the front end updates on the host only" if not request.gpu_optimizer else "")
     plan = PlacementPlan(request=request, homes=tuple(homes), need=need, working=working,
-                         share_ended=share_ended, why=why, grads_window=slots)
+                         share_ended=share_ended, why=why, grads_window=slots,
+                         params_why=_summary(copy_why))
     if request.replicas:
         _check_replicas(plan)
     return plan
+
+
+def _summary(lines: list, limit: int = 3) -> str:
+    """The first ``limit`` of ``lines`` joined, and how many more."""
+    more = f"; and {len(lines) - limit} more" if len(lines) > limit else ""
+    return "; ".join(lines[:limit]) + more
 
 
 def largest_need(needs, request: PlacementRequest) -> ChunkNeed:
@@ -918,11 +993,15 @@ def _check_fits(request: PlacementRequest, need: dict, *, gpu_window: int, gpu_e
     if need[Tier.GPU] > budgets.gpu:
         big_bytes = max(_params_bytes(c, request) for c in request.chunks)
         home = need[Tier.GPU] - gpu_window - gpu_extra
+        derive = _derive_staging(request)
+        grads = gpu_extra - derive
         raise FitError(
             f"{prefix}gpu_budget={budgets.gpu} bytes cannot hold the working set: {home} bytes of "
             f"params homed on the compute device + "
-            + (f"{gpu_extra} bytes of fp32 grads window (grad_sync='final'; 'every' keeps it in host "
-               f"memory) + " if gpu_extra else "")
+            + (f"{grads} bytes of fp32 grads window (grad_sync='final'; 'every' keeps it in host "
+               f"memory) + " if grads else "")
+            + (f"{derive} bytes of fp32 staging for params made from the master (host_params="
+               f"'from-master') + " if derive else "")
             + f"a working window of {gpu_window} bytes "
             f"((prefetch_depth {request.prefetch_depth} + {3 + PARKED_CHUNKS}) params chunks + 3 grads "
             f"chunks; the largest chunk holds {big_bytes} bytes of params) = {need[Tier.GPU]} bytes. "
