@@ -11,7 +11,10 @@ shard, padding included; the rule's state has the sizes the rule gives):
 payload        dtype                   home
 =============  ======================  ==========================================================
 params         the chunk's dtype       ``PlacementRequest.params`` (auto: GPU, then CPU, then
-                                       NVMe). A front end that keeps the params in its own
+                                       NVMe); on the CPU with its master there too and
+                                       ``host_params="from-master"`` made from the master on
+                                       the way to the device, no host bytes ([Note: params from
+                                       the master]). A front end that keeps the params in its own
                                        tensors (``params=None``: OffloadAdam) has one only in
                                        bf16/fp16 chunks updated on the host: host memory the
                                        host update writes the rounded params to, for the front
@@ -123,6 +126,27 @@ the persistent layout's bytes. "auto" takes the window only where it pays in mem
 persistent plan puts state on NVMe that the window's keeps in host memory, or does not fit at
 all; never with ``grads_wait``. The plan's request says what was chosen.
 
+[Note: params from the master] A trainable bf16/fp16 chunk whose params are homed in host memory
+keeps there, in the copy layout, both its fp32 master (4 bytes per param) and its working copy (2
+bytes per param: the home the device fetches, the buffer the CPU update writes the rounded
+params to). The working copy is the master rounded to nearest even, so it can be made on the way
+to the device instead: with ``host_params="from-master"`` the chunk's "params" payload is derived
+from "master" (store.py, [Note: derived payloads]; ``ChunkHomes.from_master``): no host bytes, a
+fetch sends the fp32 master up into a staging buffer on the device and one cast kernel writes the
+working copy (with ranks each rank casts its shard, and the all-gather moves the working dtype as
+before), and the CPU update writes no copy-out. What it costs: 4 bytes per param over PCIe per
+fetch instead of 2 (a chunk is fetched for forward, and again for backward unless kept: +2 to +4
+B/param per step of host-to-device traffic), a cast on the device per fetch, and
+``DERIVE_STAGING`` fp32 shards of the largest chunk of device memory (counted in ``need``); the
+CPU update saves its 2 B/param copy-out writes. Only where the master lives in host memory:
+chunks whose state is on NVMe or the GPU, fp32 chunks (the params are the master) and frozen ones
+keep the copy (``PlacementPlan.params_why``, in the report). "auto" takes it only where it pays in
+memory, as the grads window: where the copy's plan puts state on NVMe that this one keeps in
+host memory, or does not fit at all; of the two savings the window (no PCIe bytes) is tried
+first. Results are identical bit for bit: the CPU kernels' copy-out and torch's cast on the
+device round alike (tests/test_engine_host_params.py checks both against each other), NaN aside
+(its bit pattern may differ; it stays NaN).
+
 [Note: host bytes] Host memory per param of the engine's plan, bf16 working params, fp32 state
 on the host, one rank (N ranks: each holds 1/N of every payload; the node the same per param),
 ``need[Tier.CPU]`` per param, and what lives outside the store:
@@ -134,8 +158,11 @@ host bytes per param            params   params   notes
 =============================  =======  =======  =========================================
 master (fp32)                   4        4        home; ``optimizer="cpu"``
 exp_avg, exp_avg_sq (fp32)      8        8        home (bf16 moments: 4, inexact, opt-in)
-params (bf16)                   0        2        home of the working copy the GPU fetches;
+params (bf16), copy             0        2        home of the working copy the GPU fetches;
                                                   the CPU update writes it
+params, ``host_params=          0        0        made from the master on the way: 4 B/param
+"from-master"``                                   over PCIe per fetch instead of 2, a cast on
+                                                  the device, no copy-out written by the CPU
 grads (bf16), persistent        2        2        home: the D2H copy lands here, CPU-Adam
                                                   reads it
 grads, ``host_grads="window"``  0        0        + the window: ``window_slots`` x one
@@ -148,8 +175,9 @@ copy-out of the update          0        0        params on the GPU: the update 
                                                   sent to the GPU home and freed
 NVMe staging                    0        0        (prefetch_depth + 1) chunks of state, fixed,
                                                   only when state or params are on NVMe
-plan ``need[CPU]``, persistent  14       16
-plan ``need[CPU]``, window      12 + w   14 + w   w: the window, fixed (0.2 B/param at 1.31B)
+plan ``need[CPU]``, persistent  14       16       (params from the master: 14)
+plan ``need[CPU]``, window      12 + w   14 + w   w: the window, fixed (0.2 B/param at 1.31B);
+                                                  params from the master: 12 + w
 =============================  =======  =======  =========================================
 
 Outside the store, not per param: the CUDA context and torch's libraries (about 1-3 GiB), the
@@ -160,7 +188,8 @@ takes its values and frees them: initial_values.py) and whatever the script maps
 harness's memory-mapped init file is 4 B/param of page cache while mapped). The 19.7 B/param
 measured in issue 13 (params on the GPU, one H100 host, ``bench_train.py``'s 1.31B case) is the
 14 above plus those. ``benchmarks/bench_host_bytes.py`` measures them, from the start of the
-script, with both layouts.
+script, with both grads layouts, and with params on the host the copy against params from the
+master.
 """
 from __future__ import annotations
 
