@@ -823,7 +823,7 @@ def _derive_staging(request: PlacementRequest) -> int:
     """Device bytes of the fp32 staging of params made from the master ([Note: params from the
     master]): ``DERIVE_STAGING`` shards of the largest trainable bf16/fp16 chunk, when any chunk's
     params may be homed on the host."""
-    if request.host_params != "from-master" or request.params in (None, Placement.GPU):
+    if request.host_params != "from-master" or request.params in (None, Placement.GPU, Placement.NVME):
         return 0
     sizes = [round_up(c.numel * 4, ALIGNMENT) for c in request.chunks
              if c.trainable and c.dtype is not torch.float32]
