@@ -3,17 +3,23 @@
 Question: how much host memory does the engine take per param, measured as the process's peak
 PSS from its first line (before ``import torch``), and where does it go? With the grads window
 (``host_grads="window"``) exact fp32 state should take <= 12.5 B/param with params on the GPU
-(12 of state and a fixed window), and the step time should not move.
+(12 of state and a fixed window), and the step time should not move. With params on the host,
+making them from the master (``host_params="from-master"``) should save their 2 B/param copy, at
+the price of 4 B/param over PCIe per fetch instead of 2 (the row's ``h2d_bytes_per_param_per_step``)
+and of the step time that costs.
 
+A layout is ``HOST_GRADS`` or ``HOST_GRADS/HOST_PARAMS`` (``host_params`` "copy" when left out).
 Usage (one GPU; each layout in a fresh process, so each peak is its own)::
 
     python benchmarks/bench_host_bytes.py --model 1.3b --params gpu --layouts persistent,window \\
         --json-out host_bytes.jsonl
-    python benchmarks/bench_host_bytes.py --model 1.3b --params cpu --layouts persistent,window \\
-        --json-out host_bytes.jsonl
+    python benchmarks/bench_host_bytes.py --model 1.3b --params cpu \\
+        --layouts persistent/copy,persistent/from-master,window/copy,window/from-master --json-out host_bytes.jsonl
 
 Each row (JSON line): ``params``, ``world`` (1), ``host_bytes_per_param`` (peak PSS from the
-start / params), the PSS at each stage (after ``import torch``, after CUDA is up, after
+start / params), ``host_grads``/``host_params`` as asked and as the plan resolved them, the chunks
+whose params are made from the master, the host-to-device bytes per param per step, the PSS at
+each stage (after ``import torch``, after CUDA is up, after
 ``initialize``, peak over training; per param beyond the CUDA stage too), the kernel's peak RSS
 (VmHWM), what the store holds (the plan's ``need[cpu]``, bytes held, the pinned pool, the grads
 window), s/step (median of the timed steps) and the seconds backward waited for a window slot.
@@ -101,8 +107,10 @@ def child(args) -> dict:
     model = GPT(cfg, device="meta", dtype=torch.float32)
     model.set_activation_checkpointing(args.checkpointing)
     params = sum(p.numel() for p in model.parameters())  # the tied head once (distinct tensors)
+    host_grads, _, host_params = args.layout.partition("/")
     ocfg = zo.OffloadConfig(params=args.params, optimizer=args.optimizer, dtype="bf16", threads=args.threads,
-                            chunk_mb=args.chunk_mb, host_grads=args.layout, grads_window=args.grads_window)
+                            chunk_mb=args.chunk_mb, host_grads=host_grads, grads_window=args.grads_window,
+                            host_params=host_params or "copy")
     t0 = time.perf_counter()
     engine = zo.initialize(model, optimizer=zo.AdamW(lr=1e-4, weight_decay=0.1), config=ocfg, device=device,
                            init=lambda name, t: t.normal_(0.0, 0.02))
@@ -139,6 +147,10 @@ def child(args) -> dict:
     row = {
         "what": "host_bytes", "model": args.model, "params": params, "world": 1, "layout": args.layout,
         "host_grads": engine.plan.request.host_grads, "grads_window_slots": engine.plan.grads_window,
+        "host_params": engine.plan.request.host_params,
+        "params_from_master_chunks": sum(1 for h in engine.plan.homes if h.from_master),
+        "chunks": len(engine.plan.homes),
+        "h2d_bytes_per_param_per_step": st.bytes_moved["cpu->gpu"] / max(1, args.steps) / params,
         "placement": {"params": args.params, "optimizer": args.optimizer}, "chunk_mb": args.chunk_mb,
         "batch": args.batch, "seq": cfg.seq_len, "device": torch.cuda.get_device_name(device)
         if device.type == "cuda" else "cpu",
@@ -182,7 +194,8 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--params", default="gpu", choices=["gpu", "cpu", "auto"])
     ap.add_argument("--optimizer", default="cpu", choices=["cpu", "auto"])
-    ap.add_argument("--layouts", default="persistent,window", help="host_grads values, one process each")
+    ap.add_argument("--layouts", default="persistent,window",
+                    help="HOST_GRADS[/HOST_PARAMS] values, one process each (e.g. persistent/from-master)")
     ap.add_argument("--grads-window", type=int, default=4)
     ap.add_argument("--chunk-mb", type=float, default=64.0)
     ap.add_argument("--threads", type=int, default=None)
@@ -213,7 +226,9 @@ def main():
                   f"{row['host_bytes_per_param']:.2f} B/param from the start "
                   f"({row['host_bytes_per_param_beyond_device']:.2f} beyond torch+CUDA), plan "
                   f"{row['plan_need_cpu_bytes_per_param']:.2f}, {row['s_per_step']:.3f} s/step, window wait "
-                  f"{row['grads_window_wait_s_per_step'] * 1e3:.1f} ms/step", flush=True)
+                  f"{row['grads_window_wait_s_per_step'] * 1e3:.1f} ms/step, params from the master in "
+                  f"{row['params_from_master_chunks']}/{row['chunks']} chunks, H2D "
+                  f"{row['h2d_bytes_per_param_per_step']:.2f} B/param/step", flush=True)
         if args.json_out:
             with open(args.json_out, "a") as f:
                 f.write(json.dumps(row) + "\n")

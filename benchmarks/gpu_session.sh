@@ -90,8 +90,11 @@ for what in "$@"; do
       done | tee "$OUT/rss.txt" ;;
     hostbytes)  # issue 24.2: host PSS per param from the start of the script, 1.31B, both grads layouts
       # (one process per layout), params on the GPU (the 12 B/param target) and on the host
+      # (params on the host: the working copy against params made from the master, issue 24.2 ii)
       for p in gpu cpu; do
-        python3 benchmarks/bench_host_bytes.py --model 1.3b --batch 8 --params $p --layouts persistent,window \
+        layouts=persistent,window
+        [ $p = cpu ] && layouts=persistent/copy,persistent/from-master,window/copy,window/from-master
+        python3 benchmarks/bench_host_bytes.py --model 1.3b --batch 8 --params $p --layouts $layouts \
           --steps ${ZO_HB_STEPS:-5} --json-out "$OUT/host_bytes_1.3b.jsonl" 2>&1 | grep -E '^\[|Error'
       done ;;
     prefetch)  # issue 13.5: where depth matters (params on NVMe) and where it does not (all in pinned RAM).

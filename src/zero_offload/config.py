@@ -512,6 +512,17 @@ class OffloadConfig:
     window's decision, so the window holds them all (no saving: "auto" keeps "persistent")."""
     grads_window: int = 4
     """Slots of the grads window (``host_grads="window"``), >= 1; each holds one chunk's grads."""
+    host_params: str = "auto"
+    """How the bf16/fp16 working params of chunks whose params are homed in host memory live
+    there: "copy" (a host buffer of the working dtype, 2 bytes per param: the device fetches it
+    and the CPU update writes the rounded params into it), "from-master" (none where the chunk's
+    fp32 master is in host memory too, ``optimizer="cpu"`` or "auto" on the host: each fetch
+    sends the fp32 master up (4 bytes per param over PCIe instead of 2) and casts it on the
+    device, with ranks each rank its shard before the all-gather; the CPU update writes no
+    copy; chunks whose master is elsewhere (NVMe, the GPU) keep the copy, and the plan's report
+    says so) or "auto" (from the master only where the copy's placement would put state on NVMe
+    or not fit at all; else the copy, which costs no PCIe bytes). Results are identical bit for
+    bit either way (the same round to nearest even)."""
     bind_cores: bool = False
     """Several ranks on the node (torchrun): bind this process's threads to its own block of the
     node's cores, grouped by NUMA node, before the CPU-Adam threads start, so two ranks' CPU-Adam
@@ -580,6 +591,8 @@ class OffloadConfig:
             raise _fail(o, "grad_sync", self.grad_sync, "'every' or 'final'")
         if self.host_grads not in ("auto", "persistent", "window"):
             raise _fail(o, "host_grads", self.host_grads, "'auto', 'persistent' or 'window'")
+        if self.host_params not in ("auto", "copy", "from-master"):
+            raise _fail(o, "host_params", self.host_params, "'auto', 'copy' or 'from-master'")
         if self.moments_dtype not in ("fp32", "bf16"):
             raise _fail(o, "moments_dtype", self.moments_dtype,
                         "'fp32' (exact, the default) or 'bf16' (stochastically rounded, inexact)")

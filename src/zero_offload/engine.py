@@ -341,7 +341,7 @@ class Engine:
                 reserve=reserve, gpu_optimizer=True,
                 fp32_grads_window=self._final_sync, ranks=self.shard.world,
                 replicas=self._ranked and cfg.params == "gpu", host_grads=cfg.host_grads,
-                window_slots=cfg.grads_window,
+                window_slots=cfg.grads_window, host_params=cfg.host_params,
                 # the updates wait for the window's decision and read the grads themselves
                 grads_wait=not self._overlaps(cfg) and not cfg.host_accum)
             if self._ranked:  # every rank's needs are known here: plan the largest of each chunk

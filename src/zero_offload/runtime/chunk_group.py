@@ -657,7 +657,8 @@ class ChunkGroup:
         where the chunk has one, is its rounding."""
         p = self.payloads
         names = [name] + ([p.lowp] if name == p.master and p.lowp is not None
-                          and self.store.has_payload(chunk.cid, p.lowp) else [])
+                          and self.store.has_payload(chunk.cid, p.lowp)
+                          and not self.store.derived(chunk.cid, p.lowp) else [])  # (derived: remade)
         chunk.replica = None
         with self.hold(chunk, names, fresh=True) as bufs:
             self.shards.fill(bufs[0], chunk.whole if whole is None else whole, fill)

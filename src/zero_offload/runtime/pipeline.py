@@ -56,7 +56,8 @@ job drops the copy, or the mark does, and the read-ahead drops it.
 [Note: what an update writes] The job's rule (``UpdateJob.rule``, runtime/update_rule.py)
 updates ``master`` and its state payloads in place in their CPU copies and, when ``lowp`` is
 set, writes the updated params rounded to the working dtype into the CPU copy of ``lowp`` (the
-buffer the next forward fetches). Every
+buffer the next forward fetches), unless that working copy is made from the master on the way to
+the device ([Note: derived payloads] in store.py): then the update writes no copy-out. Every
 written copy is marked dirty in the store, so stale copies elsewhere (a GPU copy of the params,
 an NVMe home) are refreshed by the next fetch or written back. A working copy homed off the CPU
 (GPU or NVMe) is flushed home right after the update and its CPU copy dropped, so host memory
@@ -527,8 +528,8 @@ class StepPipeline:
         written = (names.master, *job.state)
         master, *state = (held.enter_context(store.use(cid, n, Tier.CPU, write=True)) for n in written)
         grad = held.enter_context(store.use(cid, job.source, Tier.CPU))
-        lowp = (self._lowp_buffer(cid, job, held)
-                if names.lowp is not None and store.has_payload(cid, names.lowp) else None)
+        lowp = (self._lowp_buffer(cid, job, held) if names.lowp is not None and store.has_payload(cid, names.lowp)
+                and not store.derived(cid, names.lowp) else None)  # (derived: remade from the master)
         run.update = job
         run.written = written + (() if lowp is None else (names.lowp,))
         bufs = StepBuffers(cid=cid, param=master, grad=grad, state=dict(zip(job.state, state)),

@@ -11,7 +11,10 @@ shard, padding included; the rule's state has the sizes the rule gives):
 payload        dtype                   home
 =============  ======================  ==========================================================
 params         the chunk's dtype       ``PlacementRequest.params`` (auto: GPU, then CPU, then
-                                       NVMe). A front end that keeps the params in its own
+                                       NVMe); on the CPU with its master there too and
+                                       ``host_params="from-master"`` made from the master on
+                                       the way to the device, no host bytes ([Note: params from
+                                       the master]). A front end that keeps the params in its own
                                        tensors (``params=None``: OffloadAdam) has one only in
                                        bf16/fp16 chunks updated on the host: host memory the
                                        host update writes the rounded params to, for the front
@@ -123,6 +126,27 @@ the persistent layout's bytes. "auto" takes the window only where it pays in mem
 persistent plan puts state on NVMe that the window's keeps in host memory, or does not fit at
 all; never with ``grads_wait``. The plan's request says what was chosen.
 
+[Note: params from the master] A trainable bf16/fp16 chunk whose params are homed in host memory
+keeps there, in the copy layout, both its fp32 master (4 bytes per param) and its working copy (2
+bytes per param: the home the device fetches, the buffer the CPU update writes the rounded
+params to). The working copy is the master rounded to nearest even, so it can be made on the way
+to the device instead: with ``host_params="from-master"`` the chunk's "params" payload is derived
+from "master" (store.py, [Note: derived payloads]; ``ChunkHomes.from_master``): no host bytes, a
+fetch sends the fp32 master up into a staging buffer on the device and one cast kernel writes the
+working copy (with ranks each rank casts its shard, and the all-gather moves the working dtype as
+before), and the CPU update writes no copy-out. What it costs: 4 bytes per param over PCIe per
+fetch instead of 2 (a chunk is fetched for forward, and again for backward unless kept: +2 to +4
+B/param per step of host-to-device traffic), a cast on the device per fetch, and
+``DERIVE_STAGING`` fp32 shards of the largest chunk of device memory (counted in ``need``); the
+CPU update saves its 2 B/param copy-out writes. Only where the master lives in host memory:
+chunks whose state is on NVMe or the GPU, fp32 chunks (the params are the master) and frozen ones
+keep the copy (``PlacementPlan.params_why``, in the report). "auto" takes it only where it pays in
+memory, as the grads window: where the copy's plan puts state on NVMe that this one keeps in
+host memory, or does not fit at all; of the two savings the window (no PCIe bytes) is tried
+first. Results are identical bit for bit: the CPU kernels' copy-out and torch's cast on the
+device round alike (tests/test_engine_host_params.py checks both against each other), NaN aside
+(its bit pattern may differ; it stays NaN).
+
 [Note: host bytes] Host memory per param of the engine's plan, bf16 working params, fp32 state
 on the host, one rank (N ranks: each holds 1/N of every payload; the node the same per param),
 ``need[Tier.CPU]`` per param, and what lives outside the store:
@@ -134,8 +158,11 @@ host bytes per param            params   params   notes
 =============================  =======  =======  =========================================
 master (fp32)                   4        4        home; ``optimizer="cpu"``
 exp_avg, exp_avg_sq (fp32)      8        8        home (bf16 moments: 4, inexact, opt-in)
-params (bf16)                   0        2        home of the working copy the GPU fetches;
+params (bf16), copy             0        2        home of the working copy the GPU fetches;
                                                   the CPU update writes it
+params, ``host_params=          0        0        made from the master on the way: 4 B/param
+"from-master"``                                   over PCIe per fetch instead of 2, a cast on
+                                                  the device, no copy-out written by the CPU
 grads (bf16), persistent        2        2        home: the D2H copy lands here, CPU-Adam
                                                   reads it
 grads, ``host_grads="window"``  0        0        + the window: ``window_slots`` x one
@@ -148,8 +175,9 @@ copy-out of the update          0        0        params on the GPU: the update 
                                                   sent to the GPU home and freed
 NVMe staging                    0        0        (prefetch_depth + 1) chunks of state, fixed,
                                                   only when state or params are on NVMe
-plan ``need[CPU]``, persistent  14       16
-plan ``need[CPU]``, window      12 + w   14 + w   w: the window, fixed (0.2 B/param at 1.31B)
+plan ``need[CPU]``, persistent  14       16       (params from the master: 14)
+plan ``need[CPU]``, window      12 + w   14 + w   w: the window, fixed (0.2 B/param at 1.31B);
+                                                  params from the master: 12 + w
 =============================  =======  =======  =========================================
 
 Outside the store, not per param: the CUDA context and torch's libraries (about 1-3 GiB), the
@@ -160,7 +188,8 @@ takes its values and frees them: initial_values.py) and whatever the script maps
 harness's memory-mapped init file is 4 B/param of page cache while mapped). The 19.7 B/param
 measured in issue 13 (params on the GPU, one H100 host, ``bench_train.py``'s 1.31B case) is the
 14 above plus those. ``benchmarks/bench_host_bytes.py`` measures them, from the start of the
-script, with both layouts.
+script, with both grads layouts, and with params on the host the copy against params from the
+master.
 """
 from __future__ import annotations
 
@@ -431,6 +460,12 @@ class PlacementRequest:
     """A chunk's update reads its grads only after a decision over the whole window (clipping,
     fp16 overflow, or updates after backward) and there is no accumulation buffer they were
     summed into: the grads window must then hold every host-updated chunk's grads at once."""
+    host_params: str = "copy"
+    """How the working params of chunks whose params are homed in host memory live there ([Note:
+    params from the master]): "copy" (a host buffer of the working dtype, the home the device
+    fetches and the host update writes), "from-master" (none where the chunk's fp32 master is in
+    host memory: the fetch casts the master on the device) or "auto" (from the master only where
+    the copy's plan puts state on NVMe or does not fit). The plan's request has it resolved."""
 
     def __post_init__(self):
         object.__setattr__(self, "chunks", tuple(self.chunks))
@@ -466,6 +501,12 @@ class PlacementRequest:
             raise ValueError(f"{self._prefix}host_grads='window' serves a front end that pages the params "
                              f"(the engine): grads copied in piece by piece (params=None) need their "
                              f"persistent host buffer")
+        if self.host_params not in ("copy", "from-master", "auto"):
+            raise ValueError(f"PlacementRequest.host_params must be 'copy', 'from-master' or 'auto', got "
+                             f"{self.host_params!r}")
+        if self.host_params == "from-master" and self.params is None:
+            raise ValueError(f"{self._prefix}host_params='from-master' serves a front end that pages the "
+                             f"params (the engine); a front end keeping its own params has none to make")
 
     @property
     def _prefix(self) -> str:
@@ -484,6 +525,9 @@ class ChunkHomes:
     """Home of the params (None when the front end keeps them)."""
     optimizer: "Tier | None"
     """Home of master and the rule's state (None for frozen chunks)."""
+    from_master: bool = False
+    """The params (homed on the CPU, as the master) are made from the master on the way to the
+    device, with no host copy of their own ([Note: params from the master])."""
 
 
 @dataclass(frozen=True)
@@ -507,6 +551,9 @@ class PlacementPlan:
     """Chunks whose move into the share failed and that stayed on the host (``fall_back``)."""
     grads_window: int = 0
     """Slots of the host grads window ([Note: grads window]); 0: the persistent layout."""
+    params_why: str = ""
+    """With ``host_params="from-master"``: why some chunks' params on the host keep their copy
+    (their master is not in host memory, fp32 or frozen chunks), for the report; "" if none."""
 
     @property
     def budgets(self) -> Budgets:
@@ -548,6 +595,8 @@ class PlacementPlan:
         for i, (c, h) in enumerate(zip(request.chunks, self.homes)):
             state = optimizer_payloads(c, request)
             for name, spec in self.payloads(i).items():
+                if spec.source is not None:
+                    continue  # made from the master: no bytes of its own
                 kind = ("params" if name == "params" else "optimizer" if name in state
                         else "grads" if name == "grads" else "other")
                 tiers[spec.home.value][kind] += round_up(spec.numel * spec.dtype.itemsize, ALIGNMENT)
@@ -569,7 +618,10 @@ class PlacementPlan:
                     "activation_peak": m.activation_peak, "margin": m.margin_bytes,
                     "headroom": m.headroom},
                 "grown": len(self.grown), "fell_back": len(self.fell_back), "why": self.why,
-                "host_grads": request.host_grads, "grads_window": self.grads_window}
+                "host_grads": request.host_grads, "grads_window": self.grads_window,
+                "host_params": request.host_params,
+                "params_from_master": sum(1 for h in self.homes if h.from_master),
+                "params_copy_why": self.params_why}
 
     def rest(self) -> Budgets:
         """What a plan of chunks added later may take: the budgets less this plan's homes
@@ -657,7 +709,8 @@ def chunk_payloads(request: PlacementRequest, chunk: ChunkNeed, homes: ChunkHome
         # (a state payload of no elements, e.g. Adafactor's "variance" of a chunk of matrices: one
         # element, as the store holds no empty buffer)
         out[name] = PayloadSpec(numel=max(1, spec.numel), dtype=spec.dtype, home=home,
-                                transient=name == "grads" and request.host_grads == "window")
+                                transient=name == "grads" and request.host_grads == "window",
+                                source="master" if name == "params" and homes.from_master else None)
     return out
 
 
@@ -721,24 +774,28 @@ def plan_placement(request: PlacementRequest) -> PlacementPlan:
     first. ``host_grads="auto"`` is resolved here ([Note: grads window]): the plan's request
     says "persistent" or "window".
     """
-    if request.host_grads != "auto":
-        return _plan(request)
-    persistent = window = None
-    try:
-        persistent = _plan(dataclasses.replace(request, host_grads="persistent"))
-    except FitError:
-        pass
-    if persistent is not None and (request.grads_wait or not persistent.need[Tier.NVME]):
-        return persistent  # nothing to gain: the window costs step time where grads pile up
-    try:
-        window = _plan(dataclasses.replace(request, host_grads="window"))
-    except FitError:
-        if persistent is None:
-            raise  # (the window's message: it is the layout that needs the least host memory)
-        return persistent
-    if persistent is None or window.need[Tier.NVME] < persistent.need[Tier.NVME]:
-        return window
-    return persistent
+    grads = ("persistent", "window") if request.host_grads == "auto" else (request.host_grads,)
+    params = ("copy", "from-master") if request.host_params == "auto" else (request.host_params,)
+    if request.grads_wait:
+        grads = grads[:1]  # a window holding every chunk's grads saves nothing ([Note: grads window])
+    # In the order of what each layout costs in step time: none, waits for the grads window
+    # (only where host updates fall behind), PCIe bytes on every fetch ([Note: params from the
+    # master]). The first one that keeps state out of NVMe, else the one spilling least.
+    best, error = None, None
+    for host_params in params:
+        for host_grads in grads:
+            try:
+                plan = _plan(dataclasses.replace(request, host_grads=host_grads, host_params=host_params))
+            except FitError as e:
+                error = e  # (the last one's message: the layout needing the least host memory)
+                continue
+            if not plan.need[Tier.NVME]:
+                return plan
+            if best is None or plan.need[Tier.NVME] < best.need[Tier.NVME]:
+                best = plan
+    if best is None:
+        raise error
+    return best
 
 
 def host_window(request: PlacementRequest) -> tuple:
@@ -757,6 +814,34 @@ def _windowed_grads(chunk: ChunkNeed, request: PlacementRequest) -> int:
     return chunk_bytes(chunk, request, ("grads",)) if request.host_grads == "window" else 0
 
 
+DERIVE_STAGING = 2
+"""fp32 staging buffers on the device the plan counts for making params from the master (one per
+move in flight: the store's moves run on its H2D stream, at most two at once in practice)."""
+
+
+def _derive_staging(request: PlacementRequest) -> int:
+    """Device bytes of the fp32 staging of params made from the master ([Note: params from the
+    master]): ``DERIVE_STAGING`` shards of the largest trainable bf16/fp16 chunk, when any chunk's
+    params may be homed on the host."""
+    if request.host_params != "from-master" or request.params in (None, Placement.GPU, Placement.NVME):
+        return 0
+    sizes = [round_up(c.numel * 4, ALIGNMENT) for c in request.chunks
+             if c.trainable and c.dtype is not torch.float32]
+    return DERIVE_STAGING * max(sizes, default=0)
+
+
+def _copy_why(chunk: ChunkNeed, homes: ChunkHomes) -> str:
+    """Why a chunk whose params are homed on the host keeps their copy under "from-master" ("":
+    they are made from its master)."""
+    if not chunk.trainable:
+        return "frozen chunks have no master"
+    if chunk.dtype is torch.float32:
+        return "fp32 params are the master themselves"
+    if homes.optimizer is not Tier.CPU:
+        return f"the master is on {homes.optimizer.value} (from the master needs it in host memory)"
+    return ""
+
+
 def _host_freed(chunk: ChunkNeed, request: PlacementRequest) -> int:
     """Host bytes a chunk's joining the GPU share frees: its state, grads (homed on the host:
     not the window's) and accumulation buffer, and the host update's copy out."""
@@ -767,8 +852,9 @@ def _plan(request: PlacementRequest) -> PlacementPlan:
     """``plan_placement`` of a request whose ``host_grads`` is decided."""
     chunks, budgets, has_nvme = request.chunks, request.budgets, request.nvme_dir is not None
     gpu_window = window_bytes(request, whole=True)  # gathers hold whole chunks ([Note: working window])
-    gpu_extra = _grads_window_bytes(request)
+    gpu_extra = _grads_window_bytes(request) + _derive_staging(request)
     slots, grads_window = host_window(request)
+    from_master = request.host_params == "from-master"
     # Host memory every placement needs: what the host update reads and writes beside the state
     # (grads, accum, a copy out) of the trainable chunks; the GPU share takes it back. Grads
     # through the window count as the window's bytes instead.
@@ -797,15 +883,19 @@ def _plan(request: PlacementRequest) -> PlacementPlan:
                     else sum(_params_bytes(chunks[i], request) for i in auto_gpu))
     replicas = _replica_bytes(request)  # beside the homes: the share leaves them room
     share = request.optimizer is Placement.AUTO and request.gpu_optimizer
-    share_ended, why = False, ""
+    share_ended, why, copy_why = False, "", []
     for i, c in enumerate(chunks):
         pbytes = _params_bytes(c, request)
+        obytes = chunk_bytes(c, request, optimizer_payloads(c, request)) if c.trainable else 0
+        # From the master: params on the host cost no host bytes where the master is there too.
+        derivable = (from_master and c.trainable and c.dtype is not torch.float32
+                     and request.optimizer in (Placement.CPU, Placement.AUTO))
         if request.params is None:
             ptier = None  # the front end's own tensors (on its device)
         elif request.params is Placement.AUTO:
             if i in auto_gpu:
                 ptier = Tier.GPU
-            elif host_room(pbytes) or not has_nvme:
+            elif host_room(pbytes) or not has_nvme or (derivable and host_room(obytes)):
                 ptier = Tier.CPU
             else:
                 ptier = Tier.NVME
@@ -813,11 +903,11 @@ def _plan(request: PlacementRequest) -> PlacementPlan:
             ptier = Tier(request.params.value)
         if ptier is Tier.GPU and request.params is not None:
             params_ahead -= pbytes
-        if ptier is not None:
+        deferred = derivable and ptier is Tier.CPU  # counted once the master's home is known
+        if ptier is not None and not deferred:
             need[ptier] += pbytes
         otier = None
         if c.trainable:
-            obytes = chunk_bytes(c, request, optimizer_payloads(c, request))
             moves = chunk_bytes(c, request, ("grads", "accum"))  # with the update, to the device
             if share and ptier in (None, Tier.GPU):
                 if need[Tier.GPU] + params_ahead + replicas + obytes + moves <= gpu_auto:
@@ -836,7 +926,14 @@ def _plan(request: PlacementRequest) -> PlacementPlan:
             elif otier is None:
                 otier = Tier(request.optimizer.value)
             need[otier] += obytes
-        homes.append(ChunkHomes(params=ptier, optimizer=otier))
+        derived = deferred and otier is Tier.CPU
+        if deferred and not derived:  # the master went to NVMe: the params keep their copy
+            if request.params is Placement.AUTO and not (host_room(pbytes) or not has_nvme):
+                ptier = Tier.NVME
+            need[ptier] += pbytes
+        if from_master and ptier is Tier.CPU and not derived:
+            copy_why.append(f"chunk {i}: {_copy_why(c, ChunkHomes(params=ptier, optimizer=otier)) or 'kept'}")
+        homes.append(ChunkHomes(params=ptier, optimizer=otier, from_master=derived))
 
     uses_nvme = any(h.params is Tier.NVME or h.optimizer is Tier.NVME for h in homes)
     working = {Tier.GPU: gpu_window + gpu_extra, Tier.CPU: (staging if uses_nvme else 0) + grads_window,
@@ -849,10 +946,17 @@ def _plan(request: PlacementRequest) -> PlacementPlan:
                "optimizer state is not 'auto'" if request.optimizer is not Placement.AUTO else
                "the front end updates on the host only" if not request.gpu_optimizer else "")
     plan = PlacementPlan(request=request, homes=tuple(homes), need=need, working=working,
-                         share_ended=share_ended, why=why, grads_window=slots)
+                         share_ended=share_ended, why=why, grads_window=slots,
+                         params_why=_summary(copy_why))
     if request.replicas:
         _check_replicas(plan)
     return plan
+
+
+def _summary(lines: list, limit: int = 3) -> str:
+    """The first ``limit`` of ``lines`` joined, and how many more."""
+    more = f"; and {len(lines) - limit} more" if len(lines) > limit else ""
+    return "; ".join(lines[:limit]) + more
 
 
 def largest_need(needs, request: PlacementRequest) -> ChunkNeed:
@@ -918,11 +1022,15 @@ def _check_fits(request: PlacementRequest, need: dict, *, gpu_window: int, gpu_e
     if need[Tier.GPU] > budgets.gpu:
         big_bytes = max(_params_bytes(c, request) for c in request.chunks)
         home = need[Tier.GPU] - gpu_window - gpu_extra
+        derive = _derive_staging(request)
+        grads = gpu_extra - derive
         raise FitError(
             f"{prefix}gpu_budget={budgets.gpu} bytes cannot hold the working set: {home} bytes of "
             f"params homed on the compute device + "
-            + (f"{gpu_extra} bytes of fp32 grads window (grad_sync='final'; 'every' keeps it in host "
-               f"memory) + " if gpu_extra else "")
+            + (f"{grads} bytes of fp32 grads window (grad_sync='final'; 'every' keeps it in host "
+               f"memory) + " if grads else "")
+            + (f"{derive} bytes of fp32 staging for params made from the master (host_params="
+               f"'from-master') + " if derive else "")
             + f"a working window of {gpu_window} bytes "
             f"((prefetch_depth {request.prefetch_depth} + {3 + PARKED_CHUNKS}) params chunks + 3 grads "
             f"chunks; the largest chunk holds {big_bytes} bytes of params) = {need[Tier.GPU]} bytes. "

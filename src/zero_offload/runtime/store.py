@@ -64,6 +64,22 @@ grads window]). Home copies are never evicted, so a slot is only ever freed by `
 copy); budgets are not checked for slots (the plan counts the window). Homed on the GPU (the
 optimizer's GPU share) a transient payload is an ordinary one; ``rehome`` of a transient
 payload moves no bytes (between uses they are dead): a GPU home starts zeroed.
+
+[Note: derived payloads] A payload whose bytes are another payload's of the same chunk cast to
+its dtype (the bf16 working params of a chunk whose fp32 master is in host memory) need not be
+kept in host memory at all: ``PayloadSpec(source="master")`` holds no home bytes (its home copy,
+in the source's home tier, the CPU, stays ABSENT), and its GPU copy is made from the source's
+CPU copy by one move: the fp32 bytes go up into a staging buffer on the device (the H2D stream;
+4 bytes per element over PCIe instead of 2) and one cast kernel writes the GPU copy, on the same
+stream (round to nearest even, as the CPU kernels round: torch's ``copy_`` between dtypes). On a
+store whose device is the CPU the cast is a host copy. A write to any copy of the source
+(``mark_dirty``, ``allocate``) makes every copy of its derived payloads STALE, so the next fetch
+casts the new bytes; the move is a reader of the source's CPU copy, so a write into it waits for
+the move first ([Note: hazards]). A derived payload is read-only and lives on the GPU tier only:
+writing it (``allocate``, ``get(write=True)``, ``mark_dirty``), reading it in another tier,
+``flush`` and ``rehome`` (of it or of its source) raise; evicting its GPU copy writes nothing
+back (the source has the bytes). The source must be homed on the CPU, not transient, of the
+same size, and not derived itself; it is checked when the chunk is added.
 """
 from __future__ import annotations
 
@@ -178,6 +194,9 @@ class PayloadSpec:
     """Its bytes live only from a write until the owner's ``ChunkStore.release``: homed on the
     CPU, its home copy takes a slot of the store's window instead of memory of its own
     ([Note: transient payloads]). Homed on the GPU it is an ordinary payload."""
+    source: "str | None" = None
+    """The payload of the same chunk this one is made from, cast to ``dtype`` ([Note: derived
+    payloads]): no home bytes of its own, read-only, a GPU copy only. None: an ordinary payload."""
 
     def __post_init__(self):
         if isinstance(self.numel, bool) or not isinstance(self.numel, int) or self.numel <= 0:
@@ -187,6 +206,11 @@ class PayloadSpec:
         object.__setattr__(self, "home", Tier.of(self.home))
         if not isinstance(self.transient, bool):
             raise TypeError(f"PayloadSpec.transient must be True or False, got {self.transient!r}")
+        if self.source is not None and (not isinstance(self.source, str) or not self.source):
+            raise TypeError(f"PayloadSpec.source must be a payload name or None, got {self.source!r}")
+        if self.source is not None and self.transient:
+            raise ValueError("PayloadSpec: a derived payload (source=...) holds no bytes of its own; it "
+                             "cannot also be transient")
 
     @property
     def nbytes(self) -> int:
@@ -318,6 +342,22 @@ def cuda_room(device) -> tuple[int, int]:
         total = int(fraction * total)
         free = max(0, min(free, total - torch.cuda.memory_reserved(device)))
     return int(free), int(total)
+
+
+def _check_derived(name: str, spec: PayloadSpec, payloads: Mapping) -> None:
+    """A derived payload's source: in the chunk, ordinary, homed on the CPU with it, as large
+    ([Note: derived payloads])."""
+    src = payloads.get(spec.source)
+    why = ("the chunk has no such payload" if src is None else
+           "it is derived itself" if src.source is not None else
+           "it is transient" if src.transient else
+           f"it is homed on {src.home.value!r}, not the CPU" if src.home is not Tier.CPU else
+           f"the derived payload is homed on {spec.home.value!r}, not with it" if spec.home is not src.home else
+           f"it has {src.numel} elements, not {spec.numel}" if src.numel != spec.numel else "")
+    if why:
+        raise StoreError(f"add_chunk: payload {name!r} is made from {spec.source!r}, but {why}; a derived "
+                         f"payload's source is an ordinary payload of the same chunk and size homed on "
+                         f"the CPU ([Note: derived payloads])")
 
 
 def resolve_budgets(config: StoreConfig) -> dict[Tier, int]:
@@ -510,6 +550,10 @@ class _Payload:
     """Tier -> _Copy, one record per tier (all three always exist)."""
     away: "Tier | None" = None
     """Where the bytes of a GPU-homed payload are while the store is parked ([Note: parking])."""
+    source: "_Payload | None" = None
+    """The payload this one is made from ([Note: derived payloads]); None: an ordinary one."""
+    derived: list = field(default_factory=list)
+    """The payloads made from this one (their copies go STALE when it is written)."""
 
     @property
     def home(self) -> Tier:
@@ -665,9 +709,14 @@ class ChunkStore:
         with self._lock:
             if self._parking is not None and any(spec.home is Tier.GPU for spec in payloads.values()):
                 raise StoreError("add_chunk: the GPU tier is parked (ChunkStore.park); unpark() first")
+            for name, spec in payloads.items():
+                if spec.source is not None:
+                    _check_derived(name, spec, payloads)
             # Check the whole chunk fits before taking anything (no half-added chunk).
             need = {t: 0 for t in Tier}
             for name, spec in payloads.items():
+                if spec.source is not None:
+                    continue  # no bytes of its own ([Note: derived payloads])
                 if spec.transient and spec.home is Tier.CPU:
                     if not self.config.window_slots:
                         raise StoreError(f"add_chunk: payload {name!r} is transient, but this store has no "
@@ -686,7 +735,13 @@ class ChunkStore:
                 chunk.payloads[name] = p
             self._chunks.append(chunk)
             for p in chunk.payloads.values():
+                if p.spec.source is not None:
+                    p.source = chunk.payloads[p.spec.source]
+                    p.source.derived.append(p)
+            for p in chunk.payloads.values():
                 home = p.copies[p.spec.home]
+                if p.source is not None:
+                    continue  # ABSENT for good: its GPU copy is made from the source
                 if home.windowed:
                     self._window.grow_to(p.spec.nbytes)
                     continue  # ABSENT until its bytes are written ([Note: transient payloads])
@@ -719,7 +774,9 @@ class ChunkStore:
         (write-behind). GPU → CPU runs on the D2H stream."""
         with self._lock:
             tier = self._payload(cid, name).home if tier is None else tier
-            return self._ensure(self._copy(cid, name, tier), Residency.FLUSHING)
+            copy = self._copy(cid, name, tier)
+            self._refuse_derived(copy, "flush")
+            return self._ensure(copy, Residency.FLUSHING)
 
     def allocate(self, cid: int, name: str, tier: "Tier | str", *, zero: bool = False,
                  pin: bool = False) -> torch.Tensor:
@@ -735,6 +792,7 @@ class ChunkStore:
                              "'cpu', write, then flush(cid, name, 'nvme')")
         with self._lock:
             copy = self._copy(cid, name, tier)
+            self._refuse_derived(copy, "allocate")
             self._await_quiet(copy)
             if copy.state is Residency.ABSENT:
                 self._take_memory(copy)
@@ -761,6 +819,8 @@ class ChunkStore:
                              "then get it from 'cpu'")
         with self._lock:
             copy = self._copy(cid, name, tier)
+            if write:
+                self._refuse_derived(copy, "get(write=True)")
             self._settle(copy)
             if copy.state not in (Residency.VALID, Residency.LOADING, Residency.FLUSHING):
                 raise StoreError(f"get: {copy.where()} is {copy.state.name}, not resident; call "
@@ -799,6 +859,7 @@ class ChunkStore:
         """The caller changed the copy in ``tier``: it is now the only newest copy."""
         with self._lock:
             copy = self._copy(cid, name, tier)
+            self._refuse_derived(copy, "mark_dirty")
             self._settle(copy)
             if copy.state is not Residency.VALID:
                 raise StoreError(f"mark_dirty: {copy.where()} is {copy.state.name}; only a VALID copy can "
@@ -855,6 +916,9 @@ class ChunkStore:
                              "is set when the chunk is added")
         with self._lock:
             p = self._payload(cid, name)
+            if p.source is not None or p.derived:
+                raise StoreError(f"rehome: payload {name!r} of chunk {cid} is derived or the source of a "
+                                 f"derived payload ([Note: derived payloads]); their homes are fixed")
             old = p.copies[p.spec.home]
             if old.tier is tier:
                 return
@@ -1113,6 +1177,12 @@ class ChunkStore:
         """Whether chunk ``cid`` has a payload called ``name`` (chunks may differ)."""
         with self._lock:
             return name in self._chunk(cid).payloads
+
+    def derived(self, cid: int, name: str) -> bool:
+        """Whether the payload is made from another one ([Note: derived payloads]): read-only,
+        no host bytes of its own; its writers write the source instead."""
+        with self._lock:
+            return self._payload(cid, name).source is not None
 
     def set_policy(self, policy: EvictionPolicy) -> None:
         if not callable(getattr(policy, "order", None)):
@@ -1457,15 +1527,23 @@ class ChunkStore:
         copy.readers = [] if not cuda_gpu else [r for r in copy.readers if not r.done()]
 
     def _others_stale(self, newest: _Copy) -> None:
-        for c in newest.payload.copies.values():
-            if c is newest:
-                continue
+        others = [c for c in newest.payload.copies.values() if c is not newest]
+        # what is made from this payload is outdated too ([Note: derived payloads])
+        others += [c for d in newest.payload.derived for c in d.copies.values()]
+        for c in others:
             if c.state in _IN_FLIGHT:
                 # A move into it was issued before this write; let it land, then outdate it.
                 c.pending.wait()
                 self._settle(c, force=True)
             if c.state is Residency.VALID:
                 c.to(Residency.STALE, self)
+
+    def _refuse_derived(self, copy: _Copy, what: str) -> None:
+        p = copy.payload
+        if p.source is not None:
+            raise StoreError(f"{what}: payload {p.name!r} of chunk {p.cid} is made from {p.source.name!r} "
+                             f"([Note: derived payloads]) and read-only; write {p.source.name!r} instead "
+                             f"(its derived copies are then remade)")
 
     # ---- memory -------------------------------------------------------------------------
 
@@ -1589,7 +1667,7 @@ class ChunkStore:
         if copy.state in _IN_FLIGHT:
             self._await_quiet(copy)
         p = copy.payload
-        if copy.state is Residency.VALID and p.valid() == [copy] and \
+        if p.source is None and copy.state is Residency.VALID and p.valid() == [copy] and \
                 not any(c.state in _IN_FLIGHT for c in p.copies.values()):
             self._ensure(p.copies[p.home], Residency.FLUSHING)  # write it back home first
         self.stats.evictions += 1
@@ -1614,6 +1692,8 @@ class ChunkStore:
             return copy.pending
         if copy.state is Residency.EVICTING:
             self._await_quiet(copy)
+        if p.source is not None:
+            return self._derive(copy)
         src = self._source_for(copy)
         if src is None:
             if p.spec.transient:
@@ -1640,6 +1720,31 @@ class ChunkStore:
         hop = Hop.between(src.tier, copy.tier)
         self.stats.bytes_moved[hop] += p.spec.nbytes
         self.stats.moves[hop] += 1
+        return handle
+
+    def _derive(self, copy: _Copy) -> Handle:
+        """``_ensure`` of a derived payload's GPU copy: its source's CPU copy (made valid first)
+        cast into it ([Note: derived payloads])."""
+        p = copy.payload
+        if copy.tier is not Tier.GPU:
+            raise StoreError(f"{copy.where()}: payload {p.name!r} is made from {p.source.name!r} on the "
+                             f"way to the device and has no copy in tier {copy.tier.value!r} ([Note: "
+                             f"derived payloads]); read {p.source.name!r} there instead")
+        src = p.source.copies[Tier.CPU]
+        self._ensure(src, Residency.LOADING)  # (valid already unless a copy elsewhere was written)
+        if copy.state is Residency.ABSENT:
+            self._take_memory(copy)
+        copy.to(Residency.LOADING, self)
+        try:
+            handle = self._issue(src, copy)
+        except BaseException:
+            self._drop_memory(copy)
+            copy.to(Residency.ABSENT, self)
+            raise
+        copy.pending = handle
+        src.readers.append(handle)
+        self.stats.bytes_moved[Hop.CPU_TO_GPU] += p.source.spec.nbytes  # the source's bytes go up
+        self.stats.moves[Hop.CPU_TO_GPU] += 1
         return handle
 
     def _source_for(self, copy: _Copy) -> "_Copy | None":
@@ -1681,7 +1786,14 @@ class ChunkStore:
                 d.wait_stream(stream)  # host-side parts block here (we are off the hot path then)
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
                 stream.wait_event(after)
-                dst.buffer.copy_(src.buffer, non_blocking=True)
+                if dst.buffer.dtype is src.buffer.dtype:
+                    dst.buffer.copy_(src.buffer, non_blocking=True)
+                else:  # [Note: derived payloads]: the source's bytes up, one cast kernel
+                    # (allocated on this stream and used only on it: the allocator reuses it
+                    # for the next move only after this one's kernels, in stream order)
+                    staging = torch.empty(src.buffer.numel(), dtype=src.buffer.dtype, device=self.device)
+                    staging.copy_(src.buffer, non_blocking=True)
+                    dst.buffer.copy_(staging)
                 return stream.record_event()
 
         if all(d.host_done() for d in deps):
