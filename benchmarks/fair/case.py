@@ -516,7 +516,12 @@ def build_engine(args, cfg, device, world, sd, auto=False):
     def on_timed():
         engine.reset_stats()
         clock.mark()
-    return Runner(step=step, finish=engine.synchronize, close=engine.close, on_timed=on_timed,
+    # close(write_back=False): the case needs no trained values back in the module; with N ranks
+    # the default write-back gives every rank a whole fp32 copy on the host (a meta-built model's
+    # origin), 122 GB per rank at 30.5B, minutes outside any timed part (the first 30B try ran out
+    # of its case budget there)
+    return Runner(step=step, finish=engine.synchronize, close=lambda: engine.close(write_back=False),
+                  on_timed=on_timed,
                   extra=extra, config={**compiled, "offload_config": _jsonable(engine.config.to_dict()),
                                        "opt": args.opt, "optimizer": f"zero_offload.{type(spec).__name__}"
                                        + (" + AdamW" if args.opt == "muon" else "")},
