@@ -119,6 +119,26 @@ def train_engine(engine, batches, loss_fn, *, accum: int = 1) -> list:
     return losses
 
 
+def rank_engine(spec, rank: int, world: int, *, steps: int, accum: int, **kw):
+    """A micro-GPT engine on the CPU (params and optimizer "cpu", fp32, small chunks and budgets: the
+    gloo two-rank tests' layout; ``kw`` adds or overrides config fields) trained ``steps`` steps
+    of ``accum`` micro-batches on this rank's slice of each batch (2 sequences a rank).
+    Returns (engine, losses), the engine synchronized and open."""
+    cfg = zo.OffloadConfig(**{**dict(params="cpu", optimizer="cpu", dtype="fp32", chunk_mb=SMALL_CHUNK_MB,
+                                     gpu_budget=1 << 22, cpu_budget=1 << 26, threads=1, prefetch_depth=1,
+                                     grad_accum=accum), **kw})
+    engine = zo.initialize(micro_gpt(), optimizer=spec, config=cfg, device="cpu")
+    losses = []
+    for x, y in gpt_batches(steps * accum, batch=2 * world):
+        sl = slice(2 * rank, 2 * rank + 2)
+        loss = engine(x[sl], y[sl])
+        engine.backward(loss / accum)
+        engine.step()
+        losses.append(loss.item())
+    engine.synchronize()
+    return engine, losses
+
+
 def torch_optimizer(spec, params):
     cls = torch.optim.AdamW if spec.adamw else torch.optim.Adam
     return cls(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay,

@@ -401,22 +401,11 @@ def test_a_late_read_ahead_leaves_no_host_copy(host_grads, tmp_path, monkeypatch
 # ---- two ranks (gloo) -------------------------------------------------------------------------
 
 def _rank(rank, world, kw, steps, accum):
-    import zero_offload as zo
-    from _engine_util import SMALL_CHUNK_MB, gpt_batches, micro_gpt
+    from _engine_util import rank_engine
     out = {}
     for host_grads in ("persistent", "window"):
-        cfg = zo.OffloadConfig(**{**dict(params="cpu", optimizer="cpu", dtype="fp32", chunk_mb=SMALL_CHUNK_MB,
-                                         gpu_budget=1 << 22, cpu_budget=1 << 26, threads=1, prefetch_depth=1,
-                                         grad_accum=accum, host_grads=host_grads), **kw})
-        engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=cfg, device="cpu")
-        losses = []
-        for x, y in gpt_batches(steps * accum, batch=2 * world):
-            sl = slice(2 * rank, 2 * rank + 2)
-            loss = engine(x[sl], y[sl])
-            engine.backward(loss / accum)
-            engine.step()
-            losses.append(loss.item())
-        engine.synchronize()
+        engine, losses = rank_engine(SPEC, rank, world, steps=steps, accum=accum,
+                                     **{"host_grads": host_grads, **kw})
         out[host_grads] = (losses, engine.state_dict(), engine.plan.grads_window, engine.store.window.taken)
         engine.close()
     return out

@@ -319,24 +319,12 @@ def test_request_checks_host_params():
 # ---- two ranks (gloo) -------------------------------------------------------------------------
 
 def _rank(rank, world, kw, steps, accum):
-    import torch
-    import zero_offload as zo
     from zero_offload.runtime.store import Tier
-    from _engine_util import SMALL_CHUNK_MB, gpt_batches, micro_gpt
+    from _engine_util import rank_engine
     out = {}
     for host_params in ("copy", "from-master"):
-        cfg = zo.OffloadConfig(**{**dict(params="cpu", optimizer="cpu", dtype="bf16", chunk_mb=SMALL_CHUNK_MB,
-                                         gpu_budget=1 << 22, cpu_budget=1 << 26, threads=1, prefetch_depth=1,
-                                         grad_accum=accum, host_params=host_params), **kw})
-        engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=cfg, device="cpu")
-        losses = []
-        for x, y in gpt_batches(steps * accum, batch=2 * world):
-            sl = slice(2 * rank, 2 * rank + 2)
-            loss = engine(x[sl], y[sl])
-            engine.backward(loss / accum)
-            engine.step()
-            losses.append(loss.item())
-        engine.synchronize()
+        engine, losses = rank_engine(SPEC, rank, world, steps=steps, accum=accum,
+                                     **{"dtype": "bf16", "host_params": host_params, **kw})
         derived = sum(engine.store.derived(c.cid, "params") for c in engine.group.chunks)
         working = []
         for c in engine.group.chunks:

@@ -1706,6 +1706,16 @@ class ChunkStore:
             # NVMe <-> GPU: stage through a CPU copy (pinned), which stays as a cache copy.
             src = p.copies[Tier.CPU]
             self._ensure(src, how)
+        handle = self._fill(copy, src, how)
+        hop = Hop.between(src.tier, copy.tier)
+        self.stats.bytes_moved[hop] += p.spec.nbytes
+        self.stats.moves[hop] += 1
+        return handle
+
+    def _fill(self, copy: _Copy, src: _Copy, how: Residency) -> Handle:
+        """Issue the copy of ``src`` into ``copy`` (its memory taken first if it has none), ``copy``
+        in state ``how`` until it lands; on a failed issue the memory is dropped and ``copy`` is
+        absent again."""
         if copy.state is Residency.ABSENT:
             self._take_memory(copy)
         copy.to(how, self)
@@ -1717,9 +1727,6 @@ class ChunkStore:
             raise
         copy.pending = handle
         src.readers.append(handle)
-        hop = Hop.between(src.tier, copy.tier)
-        self.stats.bytes_moved[hop] += p.spec.nbytes
-        self.stats.moves[hop] += 1
         return handle
 
     def _derive(self, copy: _Copy) -> Handle:
@@ -1732,17 +1739,7 @@ class ChunkStore:
                              f"derived payloads]); read {p.source.name!r} there instead")
         src = p.source.copies[Tier.CPU]
         self._ensure(src, Residency.LOADING)  # (valid already unless a copy elsewhere was written)
-        if copy.state is Residency.ABSENT:
-            self._take_memory(copy)
-        copy.to(Residency.LOADING, self)
-        try:
-            handle = self._issue(src, copy)
-        except BaseException:
-            self._drop_memory(copy)
-            copy.to(Residency.ABSENT, self)
-            raise
-        copy.pending = handle
-        src.readers.append(handle)
+        handle = self._fill(copy, src, Residency.LOADING)
         self.stats.bytes_moved[Hop.CPU_TO_GPU] += p.source.spec.nbytes  # the source's bytes go up
         self.stats.moves[Hop.CPU_TO_GPU] += 1
         return handle
