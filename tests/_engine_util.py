@@ -139,6 +139,34 @@ def rank_engine(spec, rank: int, world: int, *, steps: int, accum: int, **kw):
     return engine, losses
 
 
+def check_resume_across_layouts(build, reference: str, saver: str, ckpt, *, also=None) -> None:
+    """A checkpoint saved half-way (4 of 8 micro-batches, accumulation 2) by the ``saver`` layout
+    loads into either layout, and training on equals the ``reference`` layout's engine that never
+    stopped (losses equal, state equal, then ``also(resumed, reference_engine)``). ``build(layout,
+    model=None)`` makes an engine."""
+    batches = gpt_batches(8)
+    plain, first = build(reference), build(saver)
+    try:
+        want = train_engine(plain, batches, gpt_loss, accum=2)
+        got = train_engine(first, batches[:4], gpt_loss, accum=2)
+        first.save_checkpoint(ckpt)
+    finally:
+        first.close()
+    try:
+        for layout in (saver, reference):
+            again = build(layout, model=micro_gpt(seed=7))
+            try:
+                again.load_checkpoint(ckpt)
+                assert got + train_engine(again, batches[4:], gpt_loss, accum=2) == want
+                assert_same_state(engine_state(again), engine_state(plain))
+                if also is not None:
+                    also(again, plain)
+            finally:
+                again.close()
+    finally:
+        plain.close()
+
+
 def torch_optimizer(spec, params):
     cls = torch.optim.AdamW if spec.adamw else torch.optim.Adam
     return cls(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay,

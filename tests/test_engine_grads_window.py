@@ -17,8 +17,9 @@ from zero_offload.runtime.placement import FitError, Measured, host_window, plan
 from zero_offload.runtime.store import Residency, Tier
 from _dist_util import run_ranks
 from _pipeline_util import late_read_ahead
-from _engine_util import (DEVICE, SMALL_CHUNK_MB, Reference, assert_params_close, assert_same_state, config,
-                          engine_state, gpt_batches, gpt_loss, micro_gpt, train_engine)
+from _engine_util import (DEVICE, Reference, assert_params_close, assert_same_state, config,
+                          check_resume_across_layouts, engine_state, gpt_batches, gpt_loss, micro_gpt,
+                          train_engine)
 import _external_util as ext
 
 SPEC = zo.AdamW(lr=3e-3, weight_decay=0.1)
@@ -148,26 +149,8 @@ def test_checkpoint_resume_across_layouts(tmp_path):
     """A checkpoint written with the window loads into either layout; training on equals an
     engine that never stopped."""
     kw = dict(params="cpu", optimizer="cpu", dtype="bf16", grad_accum=2)
-    batches = gpt_batches(8)
-    plain = _build(kw, tmp_path, "persistent")
-    first = _build(kw, tmp_path, "window")
-    try:
-        want = train_engine(plain, batches, gpt_loss, accum=2)
-        got = train_engine(first, batches[:4], gpt_loss, accum=2)
-        first.save_checkpoint(tmp_path / "ckpt")
-    finally:
-        first.close()
-    try:
-        for host_grads in ("window", "persistent"):
-            again = _build(kw, tmp_path, host_grads, model=micro_gpt(seed=7))
-            try:
-                again.load_checkpoint(tmp_path / "ckpt")
-                assert got + train_engine(again, batches[4:], gpt_loss, accum=2) == want
-                assert_same_state(engine_state(again), engine_state(plain))
-            finally:
-                again.close()
-    finally:
-        plain.close()
+    check_resume_across_layouts(lambda layout, model=None: _build(kw, tmp_path, layout, model=model),
+                                "persistent", "window", tmp_path / "ckpt")
 
 
 @pytest.mark.parametrize("target", ["cpu", "nvme"])

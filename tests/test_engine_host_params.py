@@ -18,7 +18,7 @@ from zero_offload.runtime.update_rule import AdamRule
 from zero_offload.runtime.vocab import Placement
 from _dist_util import run_ranks
 from _engine_util import (DEVICE, Reference, assert_params_close, assert_same_state, config, engine_state,
-                          gpt_batches, gpt_loss, micro_gpt, train_engine)
+                          check_resume_across_layouts, gpt_batches, gpt_loss, micro_gpt, train_engine)
 
 SPEC = zo.AdamW(lr=3e-3, weight_decay=0.1)
 BF16 = dict(params="cpu", optimizer="cpu", dtype="bf16")
@@ -155,28 +155,12 @@ def test_checkpoint_resume_across_layouts(tmp_path):
     """A checkpoint written from the master loads into either layout; training on equals an
     engine that never stopped."""
     kw = dict(BF16, grad_accum=2, grad_clip=0.5)
-    batches = gpt_batches(8)
-    plain = _build(kw, tmp_path, "copy")
-    first = _build(kw, tmp_path, "from-master")
-    try:
-        want = train_engine(plain, batches, gpt_loss, accum=2)
-        got = train_engine(first, batches[:4], gpt_loss, accum=2)
-        first.save_checkpoint(tmp_path / "ckpt")
-    finally:
-        first.close()
-    try:
-        for host_params in ("from-master", "copy"):
-            again = _build(kw, tmp_path, host_params, model=micro_gpt(seed=7))
-            try:
-                again.load_checkpoint(tmp_path / "ckpt")
-                assert got + train_engine(again, batches[4:], gpt_loss, accum=2) == want
-                assert_same_state(engine_state(again), engine_state(plain))
-                assert [torch.equal(a, b) for a, b in zip(_working_params(again), _working_params(plain))] \
-                    == [True] * len(again.group.chunks)
-            finally:
-                again.close()
-    finally:
-        plain.close()
+
+    def same_working(again, plain):
+        assert [torch.equal(a, b) for a, b in zip(_working_params(again), _working_params(plain))] \
+            == [True] * len(again.group.chunks)
+    check_resume_across_layouts(lambda layout, model=None: _build(kw, tmp_path, layout, model=model),
+                                "copy", "from-master", tmp_path / "ckpt", also=same_working)
 
 
 def test_park_and_resume(tmp_path):
