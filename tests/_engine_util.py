@@ -167,6 +167,24 @@ def check_resume_across_layouts(build, reference: str, saver: str, ckpt, *, also
         plain.close()
 
 
+def least_host_budget(request) -> int:
+    """The smallest cpu_budget (in 4 KiB steps) at which ``request``'s plan keeps every chunk's
+    state in host memory."""
+    import dataclasses
+    from zero_offload.runtime import placement
+    lo, hi = 0, request.budgets.cpu // 4096
+    while lo < hi:  # the plan spills less as the budget grows
+        mid = (lo + hi) // 2
+        try:
+            budgets = dataclasses.replace(request.budgets, cpu=mid * 4096)
+            plan = placement.plan_placement(dataclasses.replace(request, budgets=budgets))
+            spills = plan.need[placement.Tier.NVME] > 0
+        except placement.FitError:
+            spills = True
+        lo, hi = (lo, mid) if not spills else (mid + 1, hi)
+    return lo * 4096
+
+
 def torch_optimizer(spec, params):
     cls = torch.optim.AdamW if spec.adamw else torch.optim.Adam
     return cls(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay,

@@ -18,7 +18,7 @@ from zero_offload.runtime.store import Residency, Tier
 from _dist_util import run_ranks
 from _pipeline_util import late_read_ahead
 from _engine_util import (DEVICE, Reference, assert_params_close, assert_same_state, config,
-                          check_resume_across_layouts, engine_state, gpt_batches, gpt_loss, micro_gpt,
+                          check_resume_across_layouts, engine_state, least_host_budget, gpt_batches, gpt_loss, micro_gpt,
                           train_engine)
 import _external_util as ext
 
@@ -188,18 +188,7 @@ def _least_host_budget(kw, tmp_path, host_grads) -> int:
     probe = _build(kw, tmp_path, host_grads)
     request = probe.plan.request
     probe.close()
-    budget = request.budgets.cpu
-    lo, hi = 0, budget // 4096
-    while lo < hi:  # the plan spills less as the budget grows
-        mid = (lo + hi) // 2
-        try:
-            plan = plan_placement(dataclasses.replace(request, budgets=dataclasses.replace(request.budgets,
-                                                                                           cpu=mid * 4096)))
-            spills = plan.need[Tier.NVME] > 0
-        except FitError:
-            spills = True
-        lo, hi = (lo, mid) if not spills else (mid + 1, hi)
-    return lo * 4096
+    return least_host_budget(request)
 
 
 def test_auto_takes_the_window_where_it_keeps_state_out_of_nvme(tmp_path):

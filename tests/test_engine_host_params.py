@@ -18,7 +18,7 @@ from zero_offload.runtime.update_rule import AdamRule
 from zero_offload.runtime.vocab import Placement
 from _dist_util import run_ranks
 from _engine_util import (DEVICE, Reference, assert_params_close, assert_same_state, config, engine_state,
-                          check_resume_across_layouts, gpt_batches, gpt_loss, micro_gpt, train_engine)
+                          check_resume_across_layouts, gpt_batches, least_host_budget, gpt_loss, micro_gpt, train_engine)
 
 SPEC = zo.AdamW(lr=3e-3, weight_decay=0.1)
 BF16 = dict(params="cpu", optimizer="cpu", dtype="bf16")
@@ -192,22 +192,6 @@ def test_auto_keeps_the_copy_where_host_memory_does_not_bind(tmp_path):
         engine.close()
 
 
-def _least_host_budget(request) -> int:
-    """The smallest cpu_budget (in 4 KiB steps) at which ``request``'s plan keeps every chunk's
-    state in host memory."""
-    lo, hi = 0, request.budgets.cpu // 4096
-    while lo < hi:  # the plan spills less as the budget grows
-        mid = (lo + hi) // 2
-        try:
-            plan = plan_placement(dataclasses.replace(request, budgets=dataclasses.replace(request.budgets,
-                                                                                           cpu=mid * 4096)))
-            spills = plan.need[Tier.NVME] > 0
-        except FitError:
-            spills = True
-        lo, hi = (lo, mid) if not spills else (mid + 1, hi)
-    return lo * 4096
-
-
 def test_auto_makes_params_from_the_master_where_it_keeps_state_out_of_nvme(tmp_path):
     """A host budget that holds all the state only without the params' copy (and with the
     persistent grads: the window is tried first and does not suffice): "auto" makes them from
@@ -216,8 +200,8 @@ def test_auto_makes_params_from_the_master_where_it_keeps_state_out_of_nvme(tmp_
     probe = _build(kw, tmp_path, "from-master")
     request = probe.plan.request
     probe.close()
-    budget = _least_host_budget(request)
-    assert budget < _least_host_budget(dataclasses.replace(request, host_params="copy"))
+    budget = least_host_budget(request)
+    assert budget < least_host_budget(dataclasses.replace(request, host_params="copy"))
     engine = _build({**kw, "cpu_budget": budget}, tmp_path, "auto")
     plain = _build(kw, tmp_path, "copy")
     try:
