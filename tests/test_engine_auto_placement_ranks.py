@@ -114,12 +114,12 @@ def _fit_rank(rank, world, how):
     if how == "budget" and rank == 1:
         kw = dict(gpu_budget=1 << 12)  # not even the working window
     if how == "rank 1 only" and rank == 1:  # a plan only rank 1 cannot make
-        import zero_offload.engine as engine_module
+        import zero_offload.runtime.share as share_module  # where the plan is made
 
         def refuse(request):
             raise placement.FitError("cpu_budget=1 bytes is too small: ... Raise cpu_budget")
 
-        engine_module.plan_placement = refuse
+        share_module.plan_placement = refuse
     try:
         engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=auto_config(**kw), device="cpu")
     except Exception as e:  # noqa: BLE001 - what the rank saw is the result
@@ -159,15 +159,15 @@ def test_a_plan_that_fails_on_one_rank_only_raises_on_every_rank(tmp_path):
 def _differ_rank(rank, world):
     if rank == 1:  # a plan that differs on rank 1 (the safety net of the exchange)
         import dataclasses
-        import zero_offload.engine as engine_module
-        real = engine_module.plan_placement
+        import zero_offload.runtime.share as share_module  # where the plan is made
+        real = share_module.plan_placement
 
         def plan(request):
             out = real(request)
             flipped = dataclasses.replace(out.homes[-1], params=Tier.CPU)
             return dataclasses.replace(out, homes=out.homes[:-1] + (flipped,))
 
-        engine_module.plan_placement = plan
+        share_module.plan_placement = plan
     try:
         zo.initialize(micro_gpt(), optimizer=SPEC, config=auto_config(**ALL), device="cpu")
     except Exception as e:  # noqa: BLE001

@@ -148,3 +148,53 @@ def private_imports(root: pathlib.Path = ROOT) -> list:
 def test_no_module_takes_another_modules_private_names():
     bad = private_imports()
     assert not bad, "private names used across modules (make them public or keep them home): " + ", ".join(bad)
+
+
+def front_end_leaks(source: str) -> list:
+    """What a front end's source does that belongs below it (issue 23's must-hold): every call of
+    a method of a store (``x.store.m(...)``, ``store.m(...)``, ``x._store.m(...)``) and every use
+    of ``torch.distributed`` (an import, or ``torch.distributed.f``/``dist.f``), by line."""
+    tree = ast.parse(source)
+    dist_names = {"torch.distributed"}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("torch.distributed"):
+                    out.append(f"line {node.lineno}: import {a.name}")
+                    dist_names.add(a.asname or a.name)
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("torch"):
+            if (node.module or "").startswith("torch.distributed") or any(a.name == "distributed" for a in node.names):
+                out.append(f"line {node.lineno}: from {node.module} import ...")
+                dist_names.update(a.asname or a.name for a in node.names)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+            if name in ("store", "_store"):
+                out.append(f"line {node.lineno}: {ast.unparse(node.func)}(...)")
+        if isinstance(node, ast.Attribute) and ast.unparse(node.value) in dist_names:
+            out.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return sorted(set(out))
+
+
+def test_the_engine_front_end_is_thin():
+    """Issue 23: engine.py stays under 1,200 lines and calls neither the store nor a
+    torch.distributed collective itself: runtime/ does that (runtime/share.py places and grows
+    the GPU share, runtime/chunk_group.py runs the step, runtime/shards.py the collectives)."""
+    source = (ROOT / "engine.py").read_text()
+    lines = len(source.splitlines())
+    assert lines < 1200, (f"engine.py has {lines} lines (the must-hold of issue 23: under 1,200); "
+                          f"move what is not the front end's job into runtime/")
+    leaks = front_end_leaks(source)
+    assert not leaks, "engine.py calls the store or torch.distributed itself: " + "; ".join(leaks)
+
+
+def test_the_front_end_check_sees_leaks():
+    """The check of the test above is not blind: it sees each kind of leak."""
+    assert front_end_leaks("self.store.rehome(c, n, t)\nstore.close()\nself.group.store.peak_bytes(g)\n") == [
+        "line 1: self.store.rehome(...)", "line 2: store.close(...)", "line 3: self.group.store.peak_bytes(...)"]
+    assert front_end_leaks("import torch\ntorch.distributed.all_reduce(t)\n") == ["line 2: torch.distributed.all_reduce"]
+    assert len(front_end_leaks("import torch.distributed as dist\ndist.broadcast(t, 0)\n")) == 2
+    assert len(front_end_leaks("from torch import distributed as d\nd.barrier()\n")) == 2
+    assert front_end_leaks("self.store = place()\nx = self.shard.exchange(v)\ns = 'torch.distributed.f()'\n") == []

@@ -11,7 +11,8 @@ Usage::
         engine.step()              # clip / update / advance the lr schedule (every grad_accum calls)
 
 Ownership, outer to inner (docs/internals.md): ``Engine`` owns a ``Partition`` (which parameter
-lives where), a ``ChunkStore`` (bytes and tiers), a ``Prefetcher`` for the working params (which
+lives where), a ``ChunkStore`` (bytes and tiers; placed over the ranks, and its GPU share grown
+after a measured step, by runtime/share.py), a ``Prefetcher`` for the working params (which
 also decides what stays on the device: [Note: holds] there), a ``ParamGuard`` (param_guard.py) and
 a ``ChunkGroup`` (updates, over the CPU-Adam worker), whose ``GroupChunk`` is the one record of a
 chunk (its layout and device buffer included), and ``ModuleHooks`` (module_hooks.py: one
@@ -101,7 +102,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 import threading
 import time
 import warnings
@@ -123,13 +123,12 @@ from .runtime.chunk_group import ChunkGroup, GroupChunk, GroupSlot, Staging
 from .runtime.parking import ParkReport, Parking
 from .runtime.partition import ChunkLayout, Partition, partition_parameters, update_spans
 from .runtime.pipeline import PipelinePayloads, StepPipeline
-from .runtime.placement import (PARKED_CHUNKS, ChunkNeed, FitError, Measured, PlacementPlan, PlacementRequest,
-                                chunk_payloads, common_budgets, common_reserve, grow_share, keep_limit,
-                                largest_need, local_ranks, measure_device, plan_placement, rank_budgets,
-                                tightest)
+from .runtime.placement import (PARKED_CHUNKS, ChunkNeed, Measured, PlacementPlan, PlacementRequest,
+                                chunk_payloads, keep_limit)
 from .runtime.prefetch import Consumer, Prefetcher
 from .runtime.shards import Gather, Shards
-from .runtime.store import BudgetError, ChunkStore, StoreConfig, Tier
+from .runtime.share import abandon, grow, measure_step, place
+from .runtime.store import ChunkStore, Tier
 from .runtime.stats import EngineStats, PhaseStats
 from .runtime.trace import Trace, profile_range
 
@@ -265,10 +264,7 @@ class Engine:
         try:
             self._build(lr_scheduler)
         except BaseException:
-            if getattr(self, "group", None) is not None:
-                self.group.close(store=True)
-            else:  # (not built yet: the store is closed here, where it was made)
-                self.store.close()
+            abandon(self.store, getattr(self, "group", None))  # (the group, or the store alone)
             raise
         ref = weakref.ref(self)
         for m in model.modules():
@@ -301,81 +297,33 @@ class Engine:
 
     def _place(self, *, init, weights) -> ChunkStore:
         """The initial values checked (``self._values``), the budgets, the plan (``self.plan``) and
-        the store, before anything is allocated. Each rank alone up to its budgets, then all plan
-        from the same inputs, and a failure on any rank raises on every rank ([Note: ranks agree
-        on placement] in runtime/placement.py, [Note: ranks raise together] in
-        runtime/shards.py)."""
+        the store, before anything is allocated: runtime/share.py's ``place`` ([Note: ranks agree
+        on placement] in runtime/placement.py, [Note: ranks raise together] in runtime/shards.py)."""
         cfg = self.config
-        failure = budgets = nvme_dir = None
-        try:
+
+        def prepare() -> int:
             self._values = InitialValues(self.module, self.partition, init=init, weights=weights)
             self._values.check()  # before anything is allocated
-            nvme_dir = cfg.nvme_dir
-            if nvme_dir is not None:
-                from .runtime.swap_io import free_stale_spaces, prepare_swap_dir
-                prepare_swap_dir(nvme_dir, name="OffloadConfig.nvme_dir")  # created 0700 if missing
-                if self._ranked:  # each rank its own swap files
-                    nvme_dir = prepare_swap_dir(os.path.join(nvme_dir, f"rank{self.shard.rank}"),
-                                                name="OffloadConfig.nvme_dir")
-                free_stale_spaces(nvme_dir)  # dead runs' spaces: before the free space is measured
-            # This rank's share of the node's budgets ([Note: rank budgets]).
-            budgets = rank_budgets(
-                {Tier.GPU: cfg.gpu_budget, Tier.CPU: cfg.cpu_budget, Tier.NVME: cfg.nvme_budget},
-                device=self.device, nvme_dir=nvme_dir, local_ranks=local_ranks() if self._ranked else 1,
-                freed_host=handed_over_bytes(self.partition))  # the model's own host copy is freed as chunks fill
-        except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange
-            failure = e
-        asked = self.shard.exchange((budgets, cfg.activation_reserve), error=failure,
-                                    doing="prepare its shard (its weights, swap directory and budgets)",
-                                    what="the exchange of the ranks' budgets", owner="zero_offload.initialize")
-        budgets = common_budgets(b for b, _ in asked)
-        reserve = common_reserve((r for _, r in asked), budgets.gpu)
-        # Placement sees the shards of the chunks ([Note: data parallel]); the plan refuses what
-        # does not fit, before anything is allocated.
-        failure = store = None
-        try:
-            request = PlacementRequest(
-                chunks=tuple(self._need(c) for c in self.partition.chunks),
-                budgets=budgets, params=cfg.params, optimizer=cfg.optimizer, rule=self.rule,
+            return handed_over_bytes(self.partition)
+
+        def request(**kw) -> PlacementRequest:
+            return PlacementRequest(
+                **kw, params=cfg.params, optimizer=cfg.optimizer, rule=self.rule,
                 accum=cfg.host_accum, nvme_dir=cfg.nvme_dir, prefetch_depth=cfg.prefetch_depth,
-                reserve=reserve, gpu_optimizer=True,
-                fp32_grads_window=self._final_sync, ranks=self.shard.world,
+                gpu_optimizer=True, fp32_grads_window=self._final_sync, ranks=self.shard.world,
                 replicas=self._ranked and cfg.params == "gpu", host_grads=cfg.host_grads,
                 window_slots=cfg.grads_window, host_params=cfg.host_params,
                 # the updates wait for the window's decision and read the grads themselves
                 grads_wait=not self._overlaps(cfg) and not cfg.host_accum)
-            if self._ranked:  # every rank's needs are known here: plan the largest of each chunk
-                request = dataclasses.replace(request, chunks=tuple(
-                    largest_need([self._need(c, r) for r in range(self.shard.world)], request)
-                    for c in self.partition.chunks))
-            self.plan: PlacementPlan = plan_placement(request)
-            check_regions_fit(self.regions, self.partition, self.plan)  # [Note: compiled regions]
-            # The swap file is preallocated to the NVMe budget: exactly what the plan needs (each
-            # payload's slot rounded up to 4096, as the plan counts it).
-            store_budgets = {**budgets.as_dict(), Tier.NVME: self.plan.need[Tier.NVME]}
-            store = ChunkStore(StoreConfig(device=self.device, budgets=store_budgets,
-                                           nvme_dir=nvme_dir, io_threads=cfg.io_threads,
-                                           io_block_size=cfg.io_block_size,
-                                           io_queue_depth=cfg.io_queue_depth,
-                                           window_slots=self.plan.grads_window))
-        except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange
-            failure = e
-            whose = _whose_budgets(asked, self.shard.rank) if isinstance(e, FitError) else ""
-            if whose:  # (the budget the message names may be another rank's)
-                failure = FitError(f"{e} ({whose})").with_traceback(e.__traceback__)
-        try:
-            homes = self.shard.exchange(self.plan.homes if failure is None else None, error=failure,
-                                        doing="place its shard", what="the exchange of the ranks' placements",
-                                        owner="zero_offload.initialize")
-            if any(h != homes[0] for h in homes):  # (cannot happen: the safety net of the Note)
-                raise RuntimeError(
-                    f"zero_offload.initialize: the ranks planned different homes for their shards "
-                    f"(rank {self.shard.rank}: {self.plan.count(optimizer=Tier.GPU)} chunks' state on "
-                    f"the device); this is a bug of zero_offload, please report it with the config")
-        except BaseException:
-            if store is not None:
-                store.close()
-            raise
+
+        self.plan, store = place(
+            self.shard, device=self.device, reserve=cfg.activation_reserve, nvme_dir=cfg.nvme_dir,
+            budgets={Tier.GPU: cfg.gpu_budget, Tier.CPU: cfg.cpu_budget, Tier.NVME: cfg.nvme_budget},
+            prepare=prepare, request=request,
+            needs=lambda r: [self._need(c, r) for c in self.partition.chunks],
+            check=lambda plan: check_regions_fit(self.regions, self.partition, plan),  # [Note: compiled regions]
+            io=dict(io_threads=cfg.io_threads, io_block_size=cfg.io_block_size,
+                    io_queue_depth=cfg.io_queue_depth))
         return store
 
     def _need(self, layout: ChunkLayout, rank: Optional[int] = None) -> ChunkNeed:
@@ -753,7 +701,7 @@ class Engine:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         if self.plan.measured is None and self.device.type == "cuda":  # [Note: measured share]: once
-            measured = measure_device(self.device, store_peak=self.store.peak_bytes(Tier.GPU))
+            measured = measure_step(self.group, self.device)
             if measured is not None:
                 self.grow_share(measured)
 
@@ -763,66 +711,19 @@ class Engine:
         A chunk whose move fails stays on the host with the ones after it (``plan.report()``
         says so). Returns the new plan (``self.plan``). Collective with several ranks: each passes
         its own ``measured``, and every rank ends with the same share ([Note: ranks agree on
-        placement] in runtime/placement.py)."""
+        placement] in runtime/placement.py). runtime/share.py's ``grow`` does it."""
         self._check_open()
         self._require_idle("grow_share")
         if self.group.micro:
             raise RuntimeError("grow_share: call it between accumulation windows (after step())")
         try:
-            if self._ranked:
-                measured = tightest(self.shard.exchange(measured, doing="measure its device",
-                                                        what="the exchange of the ranks' measured steps",
-                                                        owner="engine.grow_share"))
-            plan = grow_share(self.plan, measured)
-            moved, error, fatal = len(plan.grown), None, None  # moved: of plan.grown, before a failure
-            for k, i in enumerate(plan.grown):
-                try:
-                    self.group.rehome(self.group.chunks[i], Tier.GPU)
-                except (torch.OutOfMemoryError, BudgetError) as e:
-                    moved, error = k, e
-                    break
-                except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange
-                    if not self._ranked:
-                        raise
-                    moved, fatal = k, e
-                    break
-            failed = moved
-            if self._ranked:
-                failed, error = self._agree_fall_back(moved, error, fatal)
-            if error is not None:
-                plan = plan.fall_back(plan.grown[failed], error)
-                for i in plan.fell_back[:moved - failed]:  # moved here, not on the failing rank: back
-                    self._rehome_as_planned(plan, i)
+            plan = grow(self.group, self.plan, measured, lambda i: self._need(self.partition.chunks[i]),
+                        owner="engine.grow_share")
         except BaseException as e:
             self._fail(e)  # (several ranks: their shares may differ now; one rank: nothing)
             raise
         self.plan = plan
         return plan
-
-    def _agree_fall_back(self, moved: int, error: Optional[BaseException],
-                         fatal: Optional[BaseException]) -> tuple:
-        """Several ranks: the first of the grown chunks whose move failed on any rank (this
-        rank's: ``moved``, its ``error``) and that error (another rank's: named), so every rank
-        falls back at the same chunk ([Note: ranks agree on placement] in runtime/placement.py).
-        ``fatal``: a move failed otherwise than for memory: every rank raises ([Note: ranks raise
-        together] in runtime/shards.py)."""
-        line = "" if error is None else (str(error).splitlines() or [""])[0][:200]
-        got = self.shard.exchange((moved, f"{type(error).__name__}: {line}"), error=fatal,
-                                  doing="move its optimizer state into the GPU share",
-                                  what="the exchange of the moves into the GPU share", owner="engine.grow_share")
-        first = min(range(len(got)), key=lambda r: got[r][0])  # (the lowest rank of the least)
-        failed = got[first][0]
-        if failed == moved:  # (none failed anywhere, or this rank's own error)
-            return failed, error
-        return failed, RuntimeError(f"rank {first} of {self.shard.world} could not move it ({got[first][1]})")
-
-    def _rehome_as_planned(self, plan: PlacementPlan, index: int) -> None:
-        """Chunk ``index``'s payloads back to the homes ``plan`` gives them (after a fall-back)."""
-        cid = self.group.chunks[index].cid
-        specs = chunk_payloads(plan.request, self._need(self.partition.chunks[index]), plan.homes[index])
-        for name in sorted(specs, key=lambda n: n != "grads"):  # "grads" first: updated on the host
-            if self.store.payload_spec(cid, name).home is not specs[name].home:
-                self.store.rehome(cid, name, specs[name].home)
 
     # ---- park and resume ([Note: parking] in runtime/parking.py) -----------------------------
 
@@ -1249,27 +1150,6 @@ def _check_shapes(partition: Partition, rule_of: dict) -> None:
                              f"with another optimizer: param_groups=[{{'params': [...], 'optimizer': "
                              f"zo.AdamW(...)}}] (torch's Muon recipe: AdamW for embeddings, norms, "
                              f"biases and the head)")
-
-
-def _whose_budgets(asked: list, rank: int) -> str:
-    """Which of the ranks' budgets (``asked``: per rank its ``Budgets`` and activation reserve)
-    every rank planned with where they are not ``rank``'s own, in words ("" when all are): [Note:
-    ranks agree on placement] in runtime/placement.py."""
-    own, reserve = asked[rank]
-    parts = []
-    for tier in Tier:
-        least = min(b[tier] for b, _ in asked)
-        if least < own[tier]:
-            r = next(r for r, (b, _) in enumerate(asked) if b[tier] == least)
-            parts.append(f"{tier.value}_budget {least} bytes is rank {r}'s")
-    gpu = min(b[Tier.GPU] for b, _ in asked)
-    bytes_of = [gpu // 2 if res == "auto" else res for _, res in asked]
-    if max(bytes_of) > bytes_of[rank]:
-        parts.append(f"activation_reserve {max(bytes_of)} bytes is rank {bytes_of.index(max(bytes_of))}'s")
-    if not parts:
-        return ""
-    return (f"every one of the {len(asked)} ranks plans with the least budgets and the largest reserve "
-            f"of them all: {', '.join(parts)}")
 
 
 def _check_not_managed(model: nn.Module) -> None:

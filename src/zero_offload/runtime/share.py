@@ -1,0 +1,210 @@
+"""The ranks' placement, carried out: the plan every rank reaches from the same inputs, the store
+it opens, and the GPU share grown after a measured step. placement.py decides (pure functions of
+a ``PlacementRequest``); this module runs the decisions against a ``ChunkStore`` and over the
+ranks (``Shards``), so a front end never calls the store or a collective for them ([Note: ranks
+agree on placement] in placement.py, [Note: ranks raise together] in shards.py, [Note: measured
+share] in placement.py). Its inputs are neutral (budgets, requests, callables for the front end's
+own checks): no front end or config is imported here.
+
+- ``place``: each rank alone up to its budgets, then all plan from the same inputs and open the
+  store; a failure on any rank raises on every rank.
+- ``measure_step``: after the first step, the device's measurement for ``grow``.
+- ``grow``: the GPU share grown by a measured step, a move that fails falling back at the same
+  chunk on every rank.
+- ``abandon``: clean-up of a front end whose construction failed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+
+from .chunk_group import ChunkGroup
+from .placement import (ChunkNeed, FitError, Measured, PlacementPlan, PlacementRequest, chunk_payloads,
+                        common_budgets, common_reserve, grow_share, largest_need, local_ranks,
+                        measure_device, plan_placement, rank_budgets, tightest)
+from .shards import Shards
+from .store import BudgetError, ChunkStore, StoreConfig, Tier
+
+__all__ = ["abandon", "grow", "measure_step", "place"]
+
+
+def place(shards: Shards, *, device: torch.device, budgets: Mapping, reserve: Any,
+          nvme_dir: Optional[str], prepare: Callable[[], int],
+          request: Callable[..., PlacementRequest], needs: Callable[[int], Sequence[ChunkNeed]],
+          check: Callable[[PlacementPlan], None], io: Mapping[str, int],
+          owner: str = "zero_offload.initialize") -> tuple[PlacementPlan, ChunkStore]:
+    """The plan and the store, before anything else is allocated. Each rank alone up to its
+    budgets, then all plan from the same inputs, and a failure on any rank raises on every rank
+    ([Note: ranks agree on placement] in placement.py, [Note: ranks raise together] in
+    shards.py).
+
+    Args:
+        budgets: the asked budget per tier (bytes or "auto"); ``reserve``: the activation reserve.
+        nvme_dir: the swap directory asked for (None: no NVMe tier); with several ranks each
+            rank's swap files go in its own ``rank{r}`` directory under it.
+        prepare: the front end's own checks of this rank (its initial values), run first;
+            returns the host bytes the model's own copy frees as the chunks fill.
+        request: ``request(chunks=, budgets=, reserve=)``, the ``PlacementRequest`` (this rank's
+            chunk needs; with several ranks the largest of each chunk over the ranks replaces them).
+        needs: ``needs(rank)``: every chunk's ``ChunkNeed`` for that rank's shard.
+        check: the front end's check of the plan (raises what does not fit).
+        io: the store's I/O settings (``StoreConfig`` fields: io_threads, io_block_size, ...).
+    """
+    ranked = shards.world > 1
+    failure = own = None
+    try:
+        freed = prepare()
+        if nvme_dir is not None:
+            from .swap_io import free_stale_spaces, prepare_swap_dir
+            prepare_swap_dir(nvme_dir, name="OffloadConfig.nvme_dir")  # created 0700 if missing
+            if ranked:  # each rank its own swap files
+                nvme_dir = prepare_swap_dir(os.path.join(nvme_dir, f"rank{shards.rank}"),
+                                            name="OffloadConfig.nvme_dir")
+            free_stale_spaces(nvme_dir)  # dead runs' spaces: before the free space is measured
+        # This rank's share of the node's budgets ([Note: rank budgets]).
+        own = rank_budgets(dict(budgets), device=device, nvme_dir=nvme_dir,
+                           local_ranks=local_ranks() if ranked else 1,
+                           freed_host=freed)  # the model's own host copy is freed as chunks fill
+    except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange
+        failure = e
+    asked = shards.exchange((own, reserve), error=failure,
+                            doing="prepare its shard (its weights, swap directory and budgets)",
+                            what="the exchange of the ranks' budgets", owner=owner)
+    common = common_budgets(b for b, _ in asked)
+    reserve = common_reserve((r for _, r in asked), common.gpu)
+    # Placement sees the shards of the chunks ([Note: data parallel] in engine.py); the plan
+    # refuses what does not fit, before anything is allocated.
+    failure = store = plan = None
+    try:
+        req = request(chunks=tuple(needs(shards.rank)), budgets=common, reserve=reserve)
+        if ranked:  # every rank's needs are known here: plan the largest of each chunk
+            per_rank = [tuple(needs(r)) for r in range(shards.world)]
+            req = dataclasses.replace(req, chunks=tuple(
+                largest_need(list(chunk), req) for chunk in zip(*per_rank)))
+        plan = plan_placement(req)
+        check(plan)
+        # The swap file is preallocated to the NVMe budget: exactly what the plan needs (each
+        # payload's slot rounded up to 4096, as the plan counts it).
+        store_budgets = {**common.as_dict(), Tier.NVME: plan.need[Tier.NVME]}
+        store = ChunkStore(StoreConfig(device=device, budgets=store_budgets, nvme_dir=nvme_dir,
+                                       window_slots=plan.grads_window, **io))
+    except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange
+        failure = e
+        whose = _whose_budgets(asked, shards.rank) if isinstance(e, FitError) else ""
+        if whose:  # (the budget the message names may be another rank's)
+            failure = FitError(f"{e} ({whose})").with_traceback(e.__traceback__)
+    try:
+        homes = shards.exchange(plan.homes if failure is None else None, error=failure,
+                                doing="place its shard", what="the exchange of the ranks' placements",
+                                owner=owner)
+        if any(h != homes[0] for h in homes):  # (cannot happen: the safety net of the Note)
+            raise RuntimeError(
+                f"{owner}: the ranks planned different homes for their shards "
+                f"(rank {shards.rank}: {plan.count(optimizer=Tier.GPU)} chunks' state on "
+                f"the device); this is a bug of zero_offload, please report it with the config")
+    except BaseException:
+        if store is not None:
+            store.close()
+        raise
+    return plan, store
+
+
+def _whose_budgets(asked: list, rank: int) -> str:
+    """Which of the ranks' budgets (``asked``: per rank its ``Budgets`` and activation reserve)
+    every rank planned with where they are not ``rank``'s own, in words ("" when all are): [Note:
+    ranks agree on placement] in placement.py."""
+    own, reserve = asked[rank]
+    parts = []
+    for tier in Tier:
+        least = min(b[tier] for b, _ in asked)
+        if least < own[tier]:
+            r = next(r for r, (b, _) in enumerate(asked) if b[tier] == least)
+            parts.append(f"{tier.value}_budget {least} bytes is rank {r}'s")
+    gpu = min(b[Tier.GPU] for b, _ in asked)
+    bytes_of = [gpu // 2 if res == "auto" else res for _, res in asked]
+    if max(bytes_of) > bytes_of[rank]:
+        parts.append(f"activation_reserve {max(bytes_of)} bytes is rank {bytes_of.index(max(bytes_of))}'s")
+    if not parts:
+        return ""
+    return (f"every one of the {len(asked)} ranks plans with the least budgets and the largest reserve "
+            f"of them all: {', '.join(parts)}")
+
+
+def measure_step(group: ChunkGroup, device: torch.device) -> Optional[Measured]:
+    """The device measured after a step, for ``grow`` ([Note: measured share]); None where it
+    cannot be measured."""
+    return measure_device(device, store_peak=group.store.peak_bytes(Tier.GPU))
+
+
+def grow(group: ChunkGroup, plan: PlacementPlan, measured: Measured, need: Callable[[int], ChunkNeed], *,
+         owner: str = "zero_offload") -> PlacementPlan:
+    """Grow the GPU share of the optimizer by what ``measured`` leaves free ([Note: measured
+    share] in placement.py); between windows. A chunk whose move fails stays on the host with the
+    ones after it (``plan.report()`` says so). Returns the new plan. Collective with several
+    ranks: each passes its own ``measured``, and every rank ends with the same share ([Note: ranks
+    agree on placement]). ``need(i)``: chunk i's ``ChunkNeed`` (this rank's shard)."""
+    shards = group.shards
+    ranked = shards.world > 1
+    if ranked:
+        measured = tightest(shards.exchange(measured, doing="measure its device",
+                                            what="the exchange of the ranks' measured steps", owner=owner))
+    plan = grow_share(plan, measured)
+    moved, error, fatal = len(plan.grown), None, None  # moved: of plan.grown, before a failure
+    for k, i in enumerate(plan.grown):
+        try:
+            group.rehome(group.chunks[i], Tier.GPU)
+        except (torch.OutOfMemoryError, BudgetError) as e:
+            moved, error = k, e
+            break
+        except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange
+            if not ranked:
+                raise
+            moved, fatal = k, e
+            break
+    failed = moved
+    if ranked:
+        failed, error = _agree_fall_back(shards, moved, error, fatal, owner=owner)
+    if error is not None:
+        plan = plan.fall_back(plan.grown[failed], error)
+        for i in plan.fell_back[:moved - failed]:  # moved here, not on the failing rank: back
+            _rehome_as_planned(group, plan, i, need(i))
+    return plan
+
+
+def _agree_fall_back(shards: Shards, moved: int, error: Optional[BaseException],
+                     fatal: Optional[BaseException], *, owner: str) -> tuple:
+    """Several ranks: the first of the grown chunks whose move failed on any rank (this
+    rank's: ``moved``, its ``error``) and that error (another rank's: named), so every rank
+    falls back at the same chunk ([Note: ranks agree on placement] in placement.py).
+    ``fatal``: a move failed otherwise than for memory: every rank raises ([Note: ranks raise
+    together] in shards.py)."""
+    line = "" if error is None else (str(error).splitlines() or [""])[0][:200]
+    got = shards.exchange((moved, f"{type(error).__name__}: {line}"), error=fatal,
+                          doing="move its optimizer state into the GPU share",
+                          what="the exchange of the moves into the GPU share", owner=owner)
+    first = min(range(len(got)), key=lambda r: got[r][0])  # (the lowest rank of the least)
+    failed = got[first][0]
+    if failed == moved:  # (none failed anywhere, or this rank's own error)
+        return failed, error
+    return failed, RuntimeError(f"rank {first} of {shards.world} could not move it ({got[first][1]})")
+
+
+def _rehome_as_planned(group: ChunkGroup, plan: PlacementPlan, index: int, need: ChunkNeed) -> None:
+    """Chunk ``index``'s payloads back to the homes ``plan`` gives them (after a fall-back)."""
+    store, cid = group.store, group.chunks[index].cid
+    specs = chunk_payloads(plan.request, need, plan.homes[index])
+    for name in sorted(specs, key=lambda n: n != "grads"):  # "grads" first: updated on the host
+        if store.payload_spec(cid, name).home is not specs[name].home:
+            store.rehome(cid, name, specs[name].home)
+
+
+def abandon(store: ChunkStore, group: Optional[ChunkGroup] = None) -> None:
+    """A front end's construction failed after ``place``: close the group (its worker and the
+    store) or, not built yet, the store."""
+    if group is not None:
+        group.close(store=True)
+    else:
+        store.close()
