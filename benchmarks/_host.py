@@ -5,6 +5,7 @@ fair/case.py import it before ``import torch``, so their samplers see torch's im
 Scripts run as ``python3 benchmarks/x.py`` find it on their own path; fair/case.py puts
 benchmarks/ on the path first."""
 import os
+import threading
 
 
 def proc_kib(path: str, key: str) -> int:
@@ -20,6 +21,36 @@ def statm_rss_bytes() -> int:
     """Resident set size from /proc/self/statm: two counters, no page-table walk."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class TimedSampler(threading.Thread):
+    """A daemon thread that calls ``sample()`` every ``period`` s, and once more at each edge of
+    the timed steps and at ``stop()``; ``timed`` tells ``sample`` that the steps run (read only
+    cheap counters then). Subclasses write ``sample``."""
+
+    def __init__(self, period: float, name: str):
+        super().__init__(daemon=True, name=name)
+        self.period, self.timed = period, False
+        self._halt = threading.Event()  # (not ``_stop``: threading.Thread has a method of that name)
+
+    def run(self):
+        while not self._halt.wait(self.period):
+            self.sample()
+
+    def sample(self):
+        raise NotImplementedError
+
+    def enter_timed(self):
+        self.sample()
+        self.timed = True
+
+    def leave_timed(self):
+        self.timed = False
+        self.sample()
+
+    def stop(self):
+        self._halt.set()
+        self.sample()
 
 
 def machine() -> dict:

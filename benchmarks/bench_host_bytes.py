@@ -33,10 +33,9 @@ read right before and after the timed steps as well.
 """
 import os
 import sys
-import threading
 import time
 
-from _host import proc_kib, statm_rss_bytes as rss
+from _host import TimedSampler, proc_kib, statm_rss_bytes as rss
 
 
 def pss() -> int:
@@ -44,37 +43,19 @@ def pss() -> int:
     return proc_kib("/proc/self/smaps_rollup", "Pss") * 1024
 
 
-class Sampler(threading.Thread):
+class Sampler(TimedSampler):
     """Peak PSS (outside timed steps) and peak RSS (during them) from the start."""
 
     def __init__(self, period: float):
-        super().__init__(daemon=True, name="host-bytes-sampler")
-        self.period, self.timed = period, False
+        super().__init__(period, "host-bytes-sampler")
         self.peak_pss = pss()
         self.peak_rss_timed = 0
-        self._stop = threading.Event()
-
-    def run(self):
-        while not self._stop.wait(self.period):
-            self.sample()
 
     def sample(self):
         if self.timed:
             self.peak_rss_timed = max(self.peak_rss_timed, rss())
         else:
             self.peak_pss = max(self.peak_pss, pss())
-
-    def enter_timed(self):
-        self.sample()
-        self.timed = True
-
-    def leave_timed(self):
-        self.timed = False
-        self.sample()
-
-    def stop(self):
-        self._stop.set()
-        self.sample()
 
 
 if __name__ == "__main__" and "--child" in sys.argv:  # first thing: the sampler sees torch's import

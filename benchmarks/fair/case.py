@@ -74,13 +74,12 @@ small preset; the GPU-only cases write a "needs CUDA" row and exit 0.
 import json
 import os
 import sys
-import threading
 import time
 
 _T0 = time.time()  # process start, for --time-budget
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _host
-from _host import proc_kib as _proc_kib, statm_rss_bytes  # noqa: E402
+from _host import TimedSampler, proc_kib as _proc_kib, statm_rss_bytes  # noqa: E402
 
 
 def _read_pss_kib() -> int:
@@ -101,7 +100,7 @@ def read_vm_hwm_kib() -> int:
     return _proc_kib("/proc/self/status", "VmHWM")
 
 
-class MemSampler(threading.Thread):
+class MemSampler(TimedSampler):
     """This process's peak PSS (from its start, and since ``mark()``) and, with ``node=True``, the
     node's lowest MemAvailable, every ``period`` s.
 
@@ -114,10 +113,8 @@ class MemSampler(threading.Thread):
     built is still there), and the kernel's VmHWM bounds RSS over the whole process."""
 
     def __init__(self, period: float = 0.05):
-        super().__init__(daemon=True, name="fair-mem-sampler")
-        self.period = period
+        super().__init__(period, "fair-mem-sampler")
         self.node = False
-        self.timed = False
         self.pss_peak = self.pss_peak_since_mark = _read_pss_kib()
         self.rss_peak_timed = 0
         self.avail_start = self.avail_min = mem_available_kib()
@@ -125,11 +122,6 @@ class MemSampler(threading.Thread):
         self.read_s = 0.0
         self.timed_samples = 0
         self.timed_read_s = 0.0
-        self._stop = threading.Event()
-
-    def run(self):
-        while not self._stop.wait(self.period):
-            self.sample()
 
     def sample(self):
         t0 = time.thread_time()
@@ -149,20 +141,8 @@ class MemSampler(threading.Thread):
             self.samples += 1
             self.read_s += spent
 
-    def enter_timed(self):
-        self.sample()
-        self.timed = True
-
-    def leave_timed(self):
-        self.timed = False
-        self.sample()
-
     def mark(self):
         self.pss_peak_since_mark = _read_pss_kib()
-
-    def stop(self):
-        self._stop.set()
-        self.sample()
 
 
 if __name__ == "__main__":  # first thing: the sampler sees the whole process, torch's import included
