@@ -220,8 +220,9 @@ class _HostEvent:
 
 
 def test_muon_pipeline_logic_with_the_host_standing_in_for_the_gpu(monkeypatch):
-    """[Note: Muon's pipeline]'s bookkeeping (slots cycled over more matrices than there are,
-    grown between jobs; every apply pass reading its own matrix's result) on a machine without
+    """[Note: Muon's pipeline]'s bookkeeping (two staging buffers taken in turn, grown between
+    jobs; apply passes deferred past the next job's start; every apply pass reading its own
+    matrix's result) on a machine without
     a GPU: the "device" is the host (copies are no-ops, events complete at once), so the job runs
     the pipelined code and must equal the op-for-op path bit for bit. Its GPU run:
     test_rules_cuda.py."""
@@ -232,15 +233,13 @@ def test_muon_pipeline_logic_with_the_host_standing_in_for_the_gpu(monkeypatch):
     monkeypatch.setattr(rules, "_side_stream", lambda device: _HostEvent())
     grown = []
 
-    def staging(numel, device):  # rules._staging without pinning (no CUDA here)
-        slots = rules._SLOTS
-        if not slots.buffers or slots.buffers[0].numel() < numel:
-            slots.buffers = [torch.empty(numel, dtype=torch.bfloat16) for _ in range(rules.STAGING_SLOTS)]
-            grown.append(numel)
-        return slots.buffers
+    def unpinned(numel):  # (no CUDA here to pin with)
+        grown.append(numel)
+        return torch.empty(numel, dtype=torch.bfloat16)
 
-    monkeypatch.setattr(rules, "_staging", staging)
-    monkeypatch.setattr(rules._SLOTS, "buffers", [])
+    monkeypatch.setattr(rules, "_pinned_bf16", unpinned)
+    monkeypatch.setattr(rules, "_SLOT_GRAIN", 1)
+    monkeypatch.setattr(rules, "_SLOTS", rules._Slots())
     rule = MuonRule()
     shapes = [(9, 7), (7, 9), (33, 70), (1, 9), (9, 1), (64, 48), (70, 33), (128, 96)]
     ours, bounds = _chunk(rule, shapes, seed=6)
@@ -253,10 +252,14 @@ def test_muon_pipeline_logic_with_the_host_standing_in_for_the_gpu(monkeypatch):
     for step in range(1, 4):
         ours.grad.copy_(torch.randn(ours.grad.numel(), generator=gen))
         segs = _segments(bounds, step, args)
-        for part in (segs[:4], segs[4:]):  # two jobs: the second grows the slots
-            _wait(rule.cpu_job(ours, part, threads=2))
+        # three jobs, each started before the one before it is waited for (as the step pipeline
+        # does), the third taking the first's staging (its apply passes run first) and growing it
+        jobs = [rule.cpu_job(ours, part, threads=2) for part in (segs[:3], segs[3:6], segs[6:])]
+        for tickets in jobs:
+            _wait(tickets)
         rule.device_step(theirs, segs)
         for name, a, b in (("param", ours.param, theirs.param), ("lowp", ours.lowp, theirs.lowp),
                            ("momentum_buffer", ours.state["momentum_buffer"], theirs.state["momentum_buffer"])):
             assert torch.equal(a, b), f"step {step}: {name}"
-    assert grown == [33 * 70, 128 * 96]
+    sizes = [sum(math.prod(s) for s in part) for part in (shapes[:3], shapes[3:6], shapes[6:])]
+    assert grown == sizes + [sizes[2]]  # (each thread's two buffers, grown to the largest job)

@@ -44,19 +44,23 @@ for bit except for Adafactor's sums of squares, which are fp64 in a fixed order 
 fp32): its norms and factor means may differ in their last bit ([Note: Muon and Adafactor
 formula order] in csrc/cpu_rules_kernel.h).
 
-[Note: Muon's pipeline] A host job's matrices go through STAGING_SLOTS (3) pinned bf16 slots of
-the worker thread (sized to the largest matrix seen), matrix i in slot i % 3. Its momentum pass
-is queued on the kernel thread before matrix i - 1's copies and iterations are issued, so the
-cores run it while the GPU works; once it is done, matrix i goes to the GPU and back into its
-slot on the side stream (an event marks the copy back), then the worker waits for matrix i - 1's
-event and queues its apply pass. So the kernel thread alternates momentum(i + 1) and apply(i - 1)
-while the GPU does matrix i, and nothing is copied from pageable memory. A slot is safe to
-reuse: the kernel queue runs in submission order, so matrix i's apply pass (queued before
-matrix i + 3's momentum pass is) has read it before that pass writes it, and matrix i's copy
-back has landed (its event was waited for) before either is queued; across jobs the same holds
-(every event is waited for before a job returns), and each worker thread has its own slots. The
-job returns with the last apply passes still queued: the worker completes them as it does
-CPU-Adam's kernels ([Note: two jobs in flight] in pipeline.py).
+[Note: Muon's pipeline] A host job's matrices are staged in one pinned bf16 buffer of the worker
+thread, laid out matrix after matrix (the job's staging; a thread has two and alternates them
+job by job, each grown to the largest job seen). Every momentum pass is queued on the kernel
+thread at once, each writing its matrix's update into its place in the staging; the worker waits
+for them in order and, as each is done, sends that matrix to the GPU and back into its place on
+the side stream (an event marks the copy back), so the cores run the later momentum passes while
+the GPU works. The job then returns without waiting for the GPU: its last ticket (``_Applies``)
+queues each matrix's apply pass once that matrix's event has fired, when the pipeline's worker
+completes the job, which it does after it has started the next one ([Note: two jobs in flight]
+in pipeline.py). So the kernel thread goes from this chunk's momentum passes to the next chunk's
+and then to this chunk's apply passes, and no chunk's last Newton-Schulz round trip leaves the
+cores idle (it did when a job waited for its own: about one round trip per chunk, most of Muon's
+extra step time on an H100). The staging is safe to write: a job takes the staging its thread
+used two jobs before only after that job's ``_Applies`` has completed (waited for again here if
+its owner has not: the wait is idempotent); a matrix's copy back has landed (its event was waited
+for) before its apply pass is queued; and nothing is copied from pageable memory. Pinned memory:
+two jobs' matrices in bf16 per worker thread (2 x 2 bytes per element of the largest chunk).
 """
 from __future__ import annotations
 
@@ -523,30 +527,89 @@ def muon_lr(lr: float, fn: Optional[str], shape: Sequence[int]) -> float:
     return lr
 
 
-class _Slots(threading.local):
-    """The pinned staging slots of one worker thread (see [Note: Muon's pipeline])."""
+class _Staging:
+    """One of a worker thread's two pinned staging buffers ([Note: Muon's pipeline])."""
+
+    __slots__ = ("buffer", "device", "pending")
 
     def __init__(self):
+        self.buffer: Optional[torch.Tensor] = None
         self.device = None
-        self.buffers: list = []
+        self.pending = None
+        """The ``_Applies`` of the job whose apply passes read ``buffer``."""
 
 
+class _Slots(threading.local):
+    """A worker thread's staging buffers, taken in turn job by job."""
+
+    def __init__(self):
+        self.sets = [_Staging() for _ in range(STAGING_SETS)]
+        self.turn = 0
+
+
+STAGING_SETS = 2
+"""Pinned bf16 staging buffers per worker thread: one for the job being started, one for the job
+whose apply passes are still to run ([Note: Muon's pipeline])."""
 _SLOTS = _Slots()
-STAGING_SLOTS = 3
-"""Pinned bf16 buffers a worker cycles its matrices through ([Note: Muon's pipeline])."""
 _SLOT_GRAIN = 1 << 20
 
 
-def _staging(numel: int, device: torch.device) -> list:
-    """This thread's STAGING_SLOTS pinned bf16 buffers of at least ``numel`` elements (grown to
-    the largest matrix seen, in steps of a million elements; a slot a queued kernel still reads
-    stays alive in that kernel's ticket)."""
+def _staging(numel: int, device: torch.device) -> _Staging:
+    """This thread's next staging buffer, with room for ``numel`` bf16 elements (grown in steps of
+    a million) and free: the apply passes of the job that used it last have run."""
     slots = _SLOTS
-    if slots.device != device or not slots.buffers or slots.buffers[0].numel() < numel:
-        size = -(-numel // _SLOT_GRAIN) * _SLOT_GRAIN
-        slots.buffers = [torch.empty(size, dtype=torch.bfloat16, pin_memory=True) for _ in range(STAGING_SLOTS)]
-        slots.device = device
-    return slots.buffers
+    staging = slots.sets[slots.turn]
+    slots.turn = (slots.turn + 1) % len(slots.sets)
+    if staging.pending is not None:
+        wait_all([staging.pending])  # (its error, if any, is its own job's to report)
+        staging.pending = None
+    if staging.device != device or staging.buffer is None or staging.buffer.numel() < numel:
+        staging.buffer = _pinned_bf16(-(-numel // _SLOT_GRAIN) * _SLOT_GRAIN)
+        staging.device = device
+    return staging
+
+
+def _pinned_bf16(numel: int) -> torch.Tensor:
+    return torch.empty(numel, dtype=torch.bfloat16, pin_memory=True)
+
+
+class _Applies:
+    """The last ticket of a pipelined Muon job ([Note: Muon's pipeline]): its first ``wait()``
+    queues each matrix's apply pass once that matrix's Newton-Schulz round trip has landed, then
+    waits for them all and returns their kernel seconds; later waits return the same (or raise
+    the same error). ``start``: when the first apply pass began."""
+
+    __slots__ = ("_queued", "_stream", "_seconds", "_error", "start")
+
+    def __init__(self, queued: list, stream):
+        self._queued, self._stream = queued, stream
+        self._seconds: Optional[float] = None
+        self._error: Optional[BaseException] = None
+        self.start: Optional[float] = None
+
+    def wait(self) -> float:
+        if self._error is not None:
+            raise self._error
+        if self._seconds is not None:
+            return self._seconds
+        queued, self._queued, tickets = self._queued, [], []
+        try:
+            for event, queue in queued:
+                event.synchronize()  # its orthogonalised matrix is in the staging (GIL released)
+                tickets.append(queue())
+            seconds = sum(t.wait() for t in tickets)
+        except BaseException as e:
+            self._error = e
+            wait_all(tickets)
+            try:
+                self._stream.synchronize()  # no copy may still land in a staging buffer reused next
+            except BaseException:
+                pass
+            raise
+        starts = [t.start for t in tickets if getattr(t, "start", None) is not None]
+        self.start = min(starts) if starts else None
+        self._seconds = seconds
+        return seconds
 
 
 @functools.lru_cache(maxsize=None)
@@ -677,42 +740,33 @@ class MuonRule:
 
     def _pipelined_job(self, native, bufs: StepBuffers, segments: Sequence[Segment], threads, device) -> list:
         """See [Note: Muon's pipeline]."""
-        slots = _staging(max(seg.stop - seg.start for seg in segments), device)
+        offsets = [0]
+        for seg in segments:
+            offsets.append(offsets[-1] + seg.stop - seg.start)
+        staging = _staging(offsets[-1], device)
         stream = _side_stream(device)
-        n, tickets, done = len(segments), [], [None] * len(segments)
-
-        def stage(i: int) -> torch.Tensor:
-            seg = segments[i]
-            return slots[i % len(slots)][:seg.stop - seg.start]
-
-        def apply(i: int) -> None:
-            done[i].synchronize()  # its orthogonalised update is in the slot (GIL released)
-            tickets.append(self._apply(native, bufs, segments[i], stage(i), threads))
-
+        places = [staging.buffer[lo:hi] for lo, hi in zip(offsets, offsets[1:])]
+        tickets, queued = [], []
         try:
-            momentum = [self._momentum(native, bufs, segments[0], stage(0), threads)]
-            tickets.append(momentum[0])
+            for seg, place in zip(segments, places):  # all queued now: the cores run them in order
+                tickets.append(self._momentum(native, bufs, seg, place, threads))
             for i, seg in enumerate(segments):
-                if i + 1 < n:  # queued now: runs while this matrix goes to the GPU and back
-                    momentum.append(self._momentum(native, bufs, segments[i + 1], stage(i + 1), threads))
-                    tickets.append(momentum[-1])
-                momentum[i].wait()
-                a, host = seg.args, stage(i).view(seg.shape)
+                tickets[i].wait()
+                a, host = seg.args, places[i].view(seg.shape)
                 with torch.cuda.device(device), torch.cuda.stream(stream):
                     x = host.to(device, non_blocking=True)
                     ortho = newton_schulz(x, a.ns_coefficients, a.ns_steps, a.eps)
-                    host.copy_(ortho, non_blocking=True)  # into the same pinned slot
-                    done[i] = torch.cuda.Event(blocking=True)  # (waited for asleep, not spinning on a core
-                    done[i].record(stream)                     # the host passes need)
+                    host.copy_(ortho, non_blocking=True)  # back into its place
+                    done = torch.cuda.Event(blocking=True)  # (waited for asleep, not spinning on a core
+                    done.record(stream)                     # the host passes need)
                 del x, ortho  # (the caching allocator reuses them on this stream only: in order)
-                if i > 0:
-                    apply(i - 1)
-            apply(n - 1)
+                queued.append((done, functools.partial(self._apply, native, bufs, seg, places[i], threads)))
         except BaseException:
             wait_all(tickets)
             try:
-                stream.synchronize()  # no copy may still land in a slot the next job fills
+                stream.synchronize()  # no copy may still land in a staging buffer the next job fills
             except BaseException:
                 pass
             raise
-        return tickets
+        staging.pending = _Applies(queued, stream)
+        return tickets + [staging.pending]
