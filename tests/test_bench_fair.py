@@ -195,6 +195,27 @@ def test_plans_parse(text, labels):
         assert {i.world for i in items} == {4} and len(items) == len({i.label for i in items})
 
 
+def test_the_ckpt_knob_takes_a_fraction_of_the_blocks():
+    from case import parse_args, set_checkpointing
+    from fairplan import parse_plan, step_flops
+    item, = parse_plan("engine-auto:ckpt=0.5@4")
+    assert item.case_args() == ["--checkpointing", "0.5"]
+    for bad in ("1.5", "half", "-0.1"):
+        with pytest.raises(ValueError, match="fraction of blocks"):
+            parse_plan(f"engine-auto:ckpt={bad}@4")
+    base = ["--case", "engine", "--threads", "1", "--init", "x", "--json-out", "y"]
+    assert parse_args(base).checkpointing == 0.0
+    assert parse_args(base + ["--checkpointing"]).checkpointing == 1.0
+    assert parse_args(base + ["--checkpointing", "0.25"]).checkpointing == 0.25
+    model = GPT(preset(MODEL, seq_len=SEQ))
+    n = len(model.blocks)
+    for fraction, on in ((1.0, n), (0.0, 0), (0.5, round(n / 2)), (1 / n, 1)):
+        set_checkpointing(model, fraction)
+        assert [b.checkpoint for b in model.blocks] == [True] * on + [False] * (n - on), fraction
+    assert step_flops(6, batch=1, seq=1, checkpointing=0.5) == pytest.approx(6 * (1 + 0.5 / 3))
+    assert step_flops(6, batch=1, seq=1, checkpointing=True) == pytest.approx(8)
+
+
 def test_compile_knob_compiles_each_block_of_engine_and_ddp_only():
     import argparse
     from case import _compile_blocks, parse_args

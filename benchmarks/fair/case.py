@@ -163,7 +163,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fairplan import CASES, DS_MUON_STAGES  # noqa: E402
+from fairplan import CASES, DS_MUON_STAGES, checkpoint_fraction  # noqa: E402
 
 GiB = float(2 ** 30)
 LR, BETAS, EPS, WD = 1e-4, (0.9, 0.999), 1e-8, 0.1
@@ -321,12 +321,22 @@ def _load_module(model, sd) -> int:
     return len(sd)
 
 
+def set_checkpointing(model, fraction: float) -> None:
+    """Activation checkpointing of the first round(fraction x layers) blocks (GPT's per-block
+    switch; a model without one takes all or none)."""
+    if 0.0 < fraction < 1.0 and hasattr(model, "blocks"):
+        model.set_activation_checkpointing(False)
+        model.set_activation_checkpointing(True, layers=range(round(fraction * len(model.blocks))))
+    else:
+        model.set_activation_checkpointing(fraction > 0.0)
+
+
 def _torch_model(args, cfg, device, sd, dtype=None):
     from zero_offload.models import GPT
     model = GPT(cfg, device="meta", dtype=dtype)
     model.to_empty(device=device)
     sd.load(model) if isinstance(sd, Weights) else _load_module(model, sd)
-    model.set_activation_checkpointing(args.checkpointing)
+    set_checkpointing(model, args.checkpointing)
     return model
 
 
@@ -467,7 +477,7 @@ def build_engine(args, cfg, device, world, sd, auto=False):
     import zero_offload as zo
     from zero_offload.models import GPT
     model = GPT(cfg, device="meta")  # initialize fills the tiers chunk by chunk from --init
-    model.set_activation_checkpointing(args.checkpointing)
+    set_checkpointing(model, args.checkpointing)
     compiled = _compile_blocks(args, model)  # before initialize: each block is one unit
     clock = _CompileClock(args)
     ocfg = zo.OffloadConfig(params="auto" if auto else "cpu", optimizer="auto" if auto else "cpu",
@@ -561,7 +571,7 @@ def build_fsdp2(args, cfg, device, world, sd):
     if on_meta:
         from zero_offload.models import GPT
         model = GPT(cfg, device="meta")
-        model.set_activation_checkpointing(args.checkpointing)
+        set_checkpointing(model, args.checkpointing)
     else:
         model = _torch_model(args, cfg, device, sd)
     mesh = init_device_mesh("cuda", (world,))
@@ -678,7 +688,7 @@ def build_deepspeed(args, cfg, device, world, sd, case):
                     p.data.copy_(v)
     else:
         model = _torch_model(args, cfg, device, sd)
-    model.set_activation_checkpointing(args.checkpointing)
+    set_checkpointing(model, args.checkpointing)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
 
     step = _engine_step(engine)
@@ -869,9 +879,10 @@ def parse_args(argv=None):
     ap.add_argument("--init-std", type=float, default=None,
                     help="seeded: the config's init_std (default the preset's; the CPU tests use a large one)")
     ap.add_argument("--json-out", required=True)
-    ap.add_argument("--checkpointing", nargs="?", const="1", default="0", choices=("0", "1"),
-                    help="activation checkpointing of every block (the run's flag, or a plan item's "
-                         "ckpt=1 knob)")
+    ap.add_argument("--checkpointing", nargs="?", const="1", default="0", type=checkpoint_fraction,
+                    help="activation checkpointing: 1 (the flag alone) every block, a fraction F the "
+                         "first round(F x layers) blocks (selective: less recompute where the "
+                         "activations of the rest fit), 0 none (the run's flag, or a plan item's ckpt=F knob)")
     ap.add_argument("--nvme-dir", default=None)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--data-seed", type=int, default=1234)
@@ -901,7 +912,6 @@ def parse_args(argv=None):
                     help="engine, ddp: 1 compiles each block (block.compile(), inductor) before the case "
                          "wraps the model; the warm-up steps compile (the row: compile_s)")
     args = ap.parse_args(argv)
-    args.checkpointing = args.checkpointing == "1"
     return args
 
 

@@ -122,7 +122,8 @@ COMMON_KNOBS = ("threads", "tree")
 
 CASE_KNOBS = ("checkpointing",)
 """Knobs every case takes as its own flag (``ckpt=1``: activation checkpointing for this item
-only, e.g. the engine under a GPU cap; the row's ``checkpointing`` says so)."""
+only, e.g. the engine under a GPU cap; ``ckpt=0.5`` the first half of the blocks; the row's
+``checkpointing`` says which fraction)."""
 
 OPTS = ("adamw", "sgd", "lion", "adafactor", "muon")
 """Values of the ``opt=`` knob (engine, offload-adamw, torch-opt): the update rule of the case
@@ -265,6 +266,11 @@ def parse_item(text: str) -> Item:
         if k not in info.knobs + COMMON_KNOBS + CASE_KNOBS:
             raise ValueError(f"plan item {text!r}: case {name} takes no knob {k!r}; its knobs: "
                              f"{', '.join(info.knobs) or 'none'}")
+        if k == "checkpointing":
+            try:
+                checkpoint_fraction(v.strip())
+            except ValueError as e:
+                raise ValueError(f"plan item {text!r}: {e}") from None
         if k == "opt" and v.strip() not in OPTS:
             raise ValueError(f"plan item {text!r}: opt={v.strip()} is not a rule; choose from {', '.join(OPTS)}")
         if k == "ds-stage" and v.strip() not in DS_MUON_STAGES:
@@ -306,10 +312,21 @@ LONG_STEP_S = 10.0
 """case.py's LONG_STEP_S: a step longer than this runs 5 timed steps (the protocol's minimum)."""
 
 
-def step_flops(flops_per_token: int, *, batch: int, seq: int, checkpointing: bool) -> float:
-    """Model FLOPs one rank computes per step (checkpointing runs each block's forward twice:
-    4/3 of the work)."""
-    return flops_per_token * batch * seq * (4 / 3 if checkpointing else 1.0)
+def checkpoint_fraction(text) -> float:
+    """A ``ckpt`` value: 1 checkpoints every block, a fraction F the first round(F x layers), 0 none."""
+    try:
+        fraction = float(text)
+    except (TypeError, ValueError):
+        fraction = -1.0
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"checkpointing {text!r}: give 0, 1 or the fraction of blocks to checkpoint (0.5)")
+    return fraction
+
+
+def step_flops(flops_per_token: int, *, batch: int, seq: int, checkpointing: float) -> float:
+    """Model FLOPs one rank computes per step (checkpointing runs each checkpointed block's forward
+    twice: 4/3 of the work with every block)."""
+    return flops_per_token * batch * seq * (1.0 + float(checkpointing) / 3)
 
 
 def expected_seconds(item: Item, *, params: int, warmup: int, steps: int, cuda: bool,

@@ -360,7 +360,7 @@ class Driver:
                "--threads", str(row["threads"]), "--init", a.init, "--json-out", json_out,
                "--device", a.device, "--data-seed", str(a.data_seed),
                "--time-budget", f"{max(1.0, timeout - 5):.0f}"] + item.case_args()
-        if a.checkpointing:
+        if a.checkpointing and not any(k == "checkpointing" for k, _ in item.knobs):  # (the item's own wins)
             cmd.append("--checkpointing")
         if a.init_std and a.init.startswith("seeded"):  # a file carries its own
             cmd += ["--init-std", str(a.init_std)]

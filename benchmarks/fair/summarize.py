@@ -123,6 +123,15 @@ def _plan_text(rows: list) -> str:
                                       if r.get("knobs") else "") + f"@{r['world']}" for r in rows)
 
 
+def _checkpointing(rows) -> str:
+    """The run's activation checkpointing: on (every block), off, or each row's (ckpt=F knobs)."""
+    fractions = {float(r.get("checkpointing") or 0.0) for r in rows}
+    if len(fractions) > 1:
+        return "per row (its ckpt= knob: the fraction of blocks)"
+    f = fractions.pop() if fractions else 0.0
+    return "on" if f == 1.0 else "off" if f == 0.0 else f"on the first {f:g} of the blocks"
+
+
 def _commits(rows: list) -> str:
     """The commit every row ran, or each commit with the labels that ran it (the tree= knob)."""
     by: dict = {}
@@ -151,7 +160,7 @@ def markdown(rows: list) -> str:
                 "zero_offload " + _commits(rs) + ".", "",
                 f"Model {first.get('model', '?')} ({_f(first.get('params'), ',', '?')} params), "
                 f"{first.get('batch_per_rank', '?')} x {first.get('seq', '?')} tokens per rank, checkpointing "
-                f"{'on' if first.get('checkpointing') else 'off'}; weights: "
+                f"{_checkpointing(rs)}; weights: "
                 f"{first.get('init') or first.get('init_arg', '?')}; one process group per (case, N), in "
                 f"shuffled order: {order}. s/step: median of the timed steps [IQR]; wall s/step: total wall "
                 "time over the timed steps, ending after the engine's own finish, / steps; tokens/s "
