@@ -220,9 +220,9 @@ class _HostEvent:
 
 
 def test_muon_pipeline_logic_with_the_host_standing_in_for_the_gpu(monkeypatch):
-    """[Note: Muon's pipeline]'s bookkeeping (two staging buffers taken in turn, grown between
-    jobs; apply passes deferred past the next job's start; every apply pass reading its own
-    matrix's result) on a machine without
+    """[Note: Muon's pipeline]'s bookkeeping (three staging buffers taken in turn; a job's
+    stages advanced by the next jobs' starts or by its own ticket; every apply pass reading its
+    own matrix's result) on a machine without
     a GPU: the "device" is the host (copies are no-ops, events complete at once), so the job runs
     the pipelined code and must equal the op-for-op path bit for bit. Its GPU run:
     test_rules_cuda.py."""
@@ -252,8 +252,9 @@ def test_muon_pipeline_logic_with_the_host_standing_in_for_the_gpu(monkeypatch):
     for step in range(1, 4):
         ours.grad.copy_(torch.randn(ours.grad.numel(), generator=gen))
         segs = _segments(bounds, step, args)
-        # three jobs, each started before the one before it is waited for (as the step pipeline
-        # does), the third taking the first's staging (its apply passes run first) and growing it
+        # three jobs, each started before the ones before it are waited for (the step pipeline
+        # keeps two Muon jobs in flight): starting the third queues the first's apply passes and
+        # issues the second's iterations
         jobs = [rule.cpu_job(ours, part, threads=2) for part in (segs[:3], segs[3:6], segs[6:])]
         for tickets in jobs:
             _wait(tickets)
@@ -262,4 +263,4 @@ def test_muon_pipeline_logic_with_the_host_standing_in_for_the_gpu(monkeypatch):
                            ("momentum_buffer", ours.state["momentum_buffer"], theirs.state["momentum_buffer"])):
             assert torch.equal(a, b), f"step {step}: {name}"
     sizes = [sum(math.prod(s) for s in part) for part in (shapes[:3], shapes[3:6], shapes[6:])]
-    assert grown == sizes + [sizes[2]]  # (each thread's two buffers, grown to the largest job)
+    assert grown == sizes  # (the thread's three buffers, taken in turn: each job's own size fits)

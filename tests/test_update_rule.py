@@ -161,6 +161,74 @@ def test_sgd_rule_trains_like_torch_sgd(kw, tmp_path):
         engine.close()
 
 
+@dataclass(frozen=True)
+class LaggedSGDRule(SGDRule):
+    """SGDRule whose job runs only when its ticket is waited for, with ``lag`` 2: the step
+    pipeline starts two more jobs before it completes one ([Note: jobs in flight] in pipeline.py;
+    Muon's pipelined job is the real user)."""
+    lag = 2
+    log: list = field(default_factory=list, compare=False, hash=False)
+
+    def cpu_job(self, bufs, segments, *, threads=None):
+        self.log.append(("start", bufs.cid))
+        return [_Later(self, bufs, segments)]
+
+
+class _Later:
+    def __init__(self, rule, bufs, segments):
+        self.rule, self.bufs, self.segments, self.start, self.seconds = rule, bufs, segments, None, None
+
+    def wait(self):
+        if self.seconds is None:
+            done = Done.timing(self.rule._update, self.bufs, self.segments)
+            self.start, self.seconds = done.start, done.seconds
+            self.rule.log.append(("done", self.bufs.cid))
+        return self.seconds
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaggedSGD(SGD):
+    log: list = field(default_factory=list, compare=False, hash=False)
+
+    def rule(self, config):
+        return LaggedSGDRule(log=self.log)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(grad_clip=0.05),
+    dict(grad_accum=2),
+    dict(host_grads="window", grads_window=1),  # backward waits for the one slot a job in flight holds
+    dict(optimizer="nvme"),
+], ids=["plain", "clip", "accum", "window-1", "nvme"])
+def test_a_rule_with_a_lag_completes_each_job_after_later_starts_and_trains_like_torch(kw, tmp_path):
+    accum = kw.get("grad_accum", 1)
+    if kw.get("optimizer") == "nvme":
+        kw = dict(kw, nvme_dir=str(tmp_path / "swap"))
+    spec = LaggedSGD(lr=SPEC.lr, momentum=SPEC.momentum, weight_decay=SPEC.weight_decay)
+    engine = zo.initialize(micro_gpt(), optimizer=spec, config=config(**kw), device=DEVICE)
+    try:
+        assert engine.rule.lag == 2 and len(engine.group.chunks) >= 4
+        ref = _reference(micro_gpt(), accum=accum, grad_clip=kw.get("grad_clip"))
+        batches = gpt_batches(3 * accum)
+        for b in batches:
+            ref.step(b, gpt_loss)
+        train_engine(engine, batches, gpt_loss, accum=accum)
+        engine.synchronize()
+        assert_params_close(engine.state_dict(), ref.master_state(), rtol=1e-5)
+        log = spec.log
+        starts = [i for i, e in enumerate(log) if e[0] == "start"]
+        assert len(starts) == sum(e[0] == "done" for e in log) > 0  # every job completed
+        # jobs started between a job's start and its completion: at most the lag, and the lag
+        # itself when the grads keep coming; with one grads-window slot none (the next grads
+        # land only once the job in flight frees the slot: it completes as nothing can start)
+        lags = [sum(1 for j in starts if i < j < log.index(("done", cid), i)) for i, (kind, cid) in enumerate(log)
+                if kind == "start"]
+        assert max(lags) == (0 if kw.get("grads_window") == 1 else 2), log
+    finally:
+        engine.close()
+
+
 def test_sgd_rule_state_goes_through_a_checkpoint(tmp_path):
     """Saved by rule state key, loaded into a new engine: the run goes on as if uninterrupted."""
     batches = gpt_batches(5)

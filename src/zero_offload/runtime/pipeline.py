@@ -39,6 +39,16 @@ job still counts as queued (``busy``, ``wait_chunk``) until it is complete. The 
 blocks on a grad move while a job is in flight: it completes that one first
 (``_pick(can_defer=True)``).
 
+[Note: jobs in flight] How many jobs start after one before the worker completes it is its
+rule's ``lag`` (default 1: the two jobs above). A rule whose job runs in stages that need time
+between them sets more: Muon's (``MuonRule.lag`` = 2; [Note: Muon's pipeline] in rules.py)
+queues its apply passes when the job two after it starts, so a job completes after two more
+have started. The worker completes the oldest job in flight whenever it has no job to start
+(as above), so nothing waits on a job that no later start would advance: at the end of a step
+the last jobs complete one after the other (each job's last ticket runs its remaining stages),
+and a caller waiting for a chunk, or backward waiting for a grads-window slot a job in flight
+holds, is never left behind a job that waits for work that cannot come.
+
 [Note: state read-ahead] Optimizer state homed off the CPU (NVMe) is read into host memory for
 the next ``prefetch_depth`` queued updates, in the order of [Note: job order] (the queue is the
 schedule, so no recorded order is needed), and written back home right after each update, its
@@ -81,6 +91,7 @@ threads at exit] in csrc/kernel_queue.h.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import enum
 import itertools
@@ -205,6 +216,12 @@ class _Running:
     written: tuple = ()
     """Payloads the update writes in their CPU copies: see [Note: what an update writes]."""
     tickets: list = field(default_factory=list)
+
+
+def _lag(run: "_Running") -> int:
+    """Jobs to start after ``run`` before completing it ([Note: jobs in flight])."""
+    rule = run.update.rule if run.update is not None else None
+    return max(1, int(getattr(rule, "lag", 1)))
 
 
 def _describe(update: "UpdateJob") -> str:
@@ -422,24 +439,22 @@ class StepPipeline:
     # ---- worker ([Note: two jobs in flight]) -------------------------------------------------
 
     def _run(self) -> None:
-        inflight: Optional[_Running] = None
+        inflight: collections.deque = collections.deque()  # started, not completed; oldest first
         while True:
             with self._cv:
-                if inflight is None:
+                if not inflight:
                     self._cv.wait_for(lambda: self._closed or (self._queue and self._runnable()))
                     if self._closed and not self._queue:
                         return
-                q = self._pick(can_defer=inflight is not None)
+                q = self._pick(can_defer=bool(inflight))
                 if q is not None:
                     q.running = True
-            if q is None:  # nothing to start now: complete the job in flight first
-                self._finish(inflight)
-                inflight = None
+            if q is None:  # nothing to start now: complete the oldest job in flight first
+                self._finish(inflight.popleft())
                 continue
-            started = self._begin(q)
-            if inflight is not None:
-                self._finish(inflight)
-            inflight = started
+            inflight.append(self._begin(q))
+            while len(inflight) > _lag(inflight[0]):  # its lag of jobs started after it: [Note: jobs in flight]
+                self._finish(inflight.popleft())
 
     def _begin(self, q: _Queued) -> "_Running":
         """Start a job: wait for its grads, accumulate / add up stats, and queue its update's

@@ -44,23 +44,28 @@ for bit except for Adafactor's sums of squares, which are fp64 in a fixed order 
 fp32): its norms and factor means may differ in their last bit ([Note: Muon and Adafactor
 formula order] in csrc/cpu_rules_kernel.h).
 
-[Note: Muon's pipeline] A host job's matrices are staged in one pinned bf16 buffer of the worker
-thread, laid out matrix after matrix (the job's staging; a thread has two and alternates them
-job by job, each grown to the largest job seen). Every momentum pass is queued on the kernel
-thread at once, each writing its matrix's update into its place in the staging; the worker waits
-for them in order and, as each is done, sends that matrix to the GPU and back into its place on
-the side stream (an event marks the copy back), so the cores run the later momentum passes while
-the GPU works. The job then returns without waiting for the GPU: its last ticket (``_Applies``)
-queues each matrix's apply pass once that matrix's event has fired, when the pipeline's worker
-completes the job, which it does after it has started the next one ([Note: two jobs in flight]
-in pipeline.py). So the kernel thread goes from this chunk's momentum passes to the next chunk's
-and then to this chunk's apply passes, and no chunk's last Newton-Schulz round trip leaves the
-cores idle (it did when a job waited for its own: about one round trip per chunk, most of Muon's
-extra step time on an H100). The staging is safe to write: a job takes the staging its thread
-used two jobs before only after that job's ``_Applies`` has completed (waited for again here if
-its owner has not: the wait is idempotent); a matrix's copy back has landed (its event was waited
-for) before its apply pass is queued; and nothing is copied from pageable memory. Pinned memory:
-two jobs' matrices in bf16 per worker thread (2 x 2 bytes per element of the largest chunk).
+[Note: Muon's pipeline] A host job's matrices go through three stages: (A) the momentum passes on
+the kernel thread, each writing its matrix's update as bf16 into its place in a pinned staging
+buffer of the worker thread (laid out matrix after matrix); (B) each matrix to the GPU, its
+Newton-Schulz iterations on a side stream and back into its place (an event marks the copy
+back); (C) the apply passes on the kernel thread. A job (``_MuonJob``) does not run its stages
+back to back: the step pipeline keeps two Muon jobs started beside the one it starts
+(``MuonRule.lag`` = 2, [Note: jobs in flight] in pipeline.py), and starting job K queues job
+K - 2's apply passes (its iterations were issued one job earlier: their events have fired), then
+job K's momentum passes, then issues job K - 1's iterations (its momentum passes ran first).
+So the kernel thread always has one job's passes queued behind the one it runs, while the worker
+waits, issues the GPU work and completes job K - 2 (its bookkeeping between kernels); and each
+matrix's round trip (about 3 ms for a 2048 x 8192 bf16 matrix over PCIe and back) runs beside
+host passes. Each stage of a job finishes the stages before it first, so a job's ticket
+(``_MuonJob``, the last of its tickets) can always be waited for: at the end of a step the
+pipeline completes the last jobs that way, stage after stage. Measured on an H100 host before
+this: a job that ran its stages in order idled the cores for about a round trip per chunk, and
+with stage C queued only when the worker completed the job, for its bookkeeping too: 0.16 s of a
+0.51 s step at 1.31B. Staging: a worker thread has three buffers, taken in turn job by job
+(grown to the largest job seen: 3 x 2 bytes per element of the largest chunk's matrices); a job
+takes the buffer of the job three before it only after that job has completed (finished here if
+its owner has not waited for it yet); a matrix's copy back has landed (its event was waited for)
+before its apply pass is queued; nothing is copied from pageable memory.
 """
 from __future__ import annotations
 
@@ -528,41 +533,43 @@ def muon_lr(lr: float, fn: Optional[str], shape: Sequence[int]) -> float:
 
 
 class _Staging:
-    """One of a worker thread's two pinned staging buffers ([Note: Muon's pipeline])."""
+    """One of a worker thread's pinned staging buffers ([Note: Muon's pipeline])."""
 
-    __slots__ = ("buffer", "device", "pending")
+    __slots__ = ("buffer", "device", "job")
 
     def __init__(self):
         self.buffer: Optional[torch.Tensor] = None
         self.device = None
-        self.pending = None
-        """The ``_Applies`` of the job whose apply passes read ``buffer``."""
+        self.job: Optional["_MuonJob"] = None
+        """The job whose stages use ``buffer``."""
 
 
 class _Slots(threading.local):
-    """A worker thread's staging buffers, taken in turn job by job."""
+    """A worker thread's staging buffers, taken in turn job by job, and its jobs whose apply
+    passes are not queued yet, oldest first."""
 
     def __init__(self):
         self.sets = [_Staging() for _ in range(STAGING_SETS)]
         self.turn = 0
+        self.open: list = []
 
 
-STAGING_SETS = 2
-"""Pinned bf16 staging buffers per worker thread: one for the job being started, one for the job
-whose apply passes are still to run ([Note: Muon's pipeline])."""
+STAGING_SETS = 3
+"""Pinned bf16 staging buffers per worker thread: job K's, and those of jobs K - 1 and K - 2,
+whose iterations and apply passes are still to run ([Note: Muon's pipeline])."""
 _SLOTS = _Slots()
 _SLOT_GRAIN = 1 << 20
 
 
 def _staging(numel: int, device: torch.device) -> _Staging:
     """This thread's next staging buffer, with room for ``numel`` bf16 elements (grown in steps of
-    a million) and free: the apply passes of the job that used it last have run."""
+    a million) and free: the job that used it last has completed."""
     slots = _SLOTS
     staging = slots.sets[slots.turn]
     slots.turn = (slots.turn + 1) % len(slots.sets)
-    if staging.pending is not None:
-        wait_all([staging.pending])  # (its error, if any, is its own job's to report)
-        staging.pending = None
+    if staging.job is not None:
+        wait_all([staging.job])  # (its error, if any, is its own ticket's to report)
+        staging.job = None
     if staging.device != device or staging.buffer is None or staging.buffer.numel() < numel:
         staging.buffer = _pinned_bf16(-(-numel // _SLOT_GRAIN) * _SLOT_GRAIN)
         staging.device = device
@@ -573,43 +580,84 @@ def _pinned_bf16(numel: int) -> torch.Tensor:
     return torch.empty(numel, dtype=torch.bfloat16, pin_memory=True)
 
 
-class _Applies:
-    """The last ticket of a pipelined Muon job ([Note: Muon's pipeline]): its first ``wait()``
-    queues each matrix's apply pass once that matrix's Newton-Schulz round trip has landed, then
-    waits for them all and returns their kernel seconds; later waits return the same (or raise
-    the same error). ``start``: when the first apply pass began."""
+class _MuonJob:
+    """A pipelined Muon job's three stages ([Note: Muon's pipeline]) and its last ticket:
+    ``wait()`` runs what is left of them (the iterations, the apply passes), waits for the apply
+    passes and returns their kernel seconds; later waits return the same, or raise the same
+    error. ``start``: when its first apply pass began."""
 
-    __slots__ = ("_queued", "_stream", "_seconds", "_error", "start")
+    MOMENTUM, ITERATING, APPLYING = range(3)
 
-    def __init__(self, queued: list, stream):
-        self._queued, self._stream = queued, stream
+    def __init__(self, momentum: list, places: list, segments: Sequence[Segment], apply, stream, device):
+        self.stage = self.MOMENTUM
+        self._momentum, self._places, self._segments = momentum, places, segments
+        self._apply, self._stream, self._device = apply, stream, device
+        self._events: list = []
+        self._applies: list = []
         self._seconds: Optional[float] = None
         self._error: Optional[BaseException] = None
         self.start: Optional[float] = None
 
+    def iterate(self) -> None:
+        """Stage B: as each momentum pass is done, the matrix to the GPU and back."""
+        if self.stage != self.MOMENTUM:
+            return
+        self.stage = self.ITERATING
+        try:
+            for ticket, seg, place in zip(self._momentum, self._segments, self._places):
+                ticket.wait()
+                a, host = seg.args, place.view(seg.shape)
+                with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
+                    x = host.to(self._device, non_blocking=True)
+                    ortho = newton_schulz(x, a.ns_coefficients, a.ns_steps, a.eps)
+                    host.copy_(ortho, non_blocking=True)  # back into its place
+                    done = torch.cuda.Event(blocking=True)  # (waited for asleep, not spinning on a
+                    done.record(self._stream)               # core the host passes need)
+                del x, ortho  # (the caching allocator reuses them on this stream only: in order)
+                self._events.append(done)
+        except BaseException as e:
+            self._fail(e)
+
+    def queue_applies(self) -> None:
+        """Stage C: each apply pass queued once its matrix is back in its place."""
+        self.iterate()
+        if self.stage != self.ITERATING:
+            return
+        self.stage = self.APPLYING
+        try:
+            for done, seg, place in zip(self._events, self._segments, self._places):
+                done.synchronize()  # (GIL released)
+                self._applies.append(self._apply(seg, place))
+        except BaseException as e:
+            self._fail(e)
+
     def wait(self) -> float:
+        self.queue_applies()
+        if self._error is None and self._seconds is None:
+            try:
+                self._seconds = sum(t.wait() for t in self._applies)
+            except BaseException as e:
+                self._fail(e)
+            starts = [t.start for t in self._applies if getattr(t, "start", None) is not None]
+            self.start = min(starts) if starts else None
+            if self._error is None:  # done: let go of the buffers (the thread's list may hold us a while)
+                self._momentum = self._places = self._segments = self._applies = self._events = ()
+                self._apply = None
         if self._error is not None:
             raise self._error
-        if self._seconds is not None:
-            return self._seconds
-        queued, self._queued, tickets = self._queued, [], []
+        return self._seconds
+
+    def _fail(self, error: BaseException) -> None:
+        """Keep the first error; let nothing still queued or in flight touch the staging after."""
+        self.stage = self.APPLYING
+        if self._error is None:
+            self._error = error
+        wait_all(self._momentum)
+        wait_all(self._applies)
         try:
-            for event, queue in queued:
-                event.synchronize()  # its orthogonalised matrix is in the staging (GIL released)
-                tickets.append(queue())
-            seconds = sum(t.wait() for t in tickets)
-        except BaseException as e:
-            self._error = e
-            wait_all(tickets)
-            try:
-                self._stream.synchronize()  # no copy may still land in a staging buffer reused next
-            except BaseException:
-                pass
-            raise
-        starts = [t.start for t in tickets if getattr(t, "start", None) is not None]
-        self.start = min(starts) if starts else None
-        self._seconds = seconds
-        return seconds
+            self._stream.synchronize()  # no copy may still land in a staging buffer reused next
+        except BaseException:
+            pass
 
 
 @functools.lru_cache(maxsize=None)
@@ -628,6 +676,9 @@ class MuonRule:
 
     name = "Muon"
     elementwise = False
+    lag = 2
+    """Jobs the step pipeline starts after one of ours before it completes it ([Note: jobs in
+    flight] in pipeline.py): a job's stages run while the next two start ([Note: Muon's pipeline])."""
     state_keys = ("momentum_buffer",)
     hyper_keys = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
                   "adjust_lr_fn")
@@ -739,34 +790,32 @@ class MuonRule:
         return tickets
 
     def _pipelined_job(self, native, bufs: StepBuffers, segments: Sequence[Segment], threads, device) -> list:
-        """See [Note: Muon's pipeline]."""
+        """See [Note: Muon's pipeline]: queues job K - 2's apply passes and this job's momentum
+        passes, issues job K - 1's iterations; returns this job's momentum tickets and the job."""
+        slots = _SLOTS
+        *older, last = slots.open or [None]
+        for job in older:
+            job.queue_applies()  # (an error stays with its job's ticket)
+        slots.open = [last] if last is not None else []
         offsets = [0]
         for seg in segments:
             offsets.append(offsets[-1] + seg.stop - seg.start)
         staging = _staging(offsets[-1], device)
-        stream = _side_stream(device)
         places = [staging.buffer[lo:hi] for lo, hi in zip(offsets, offsets[1:])]
-        tickets, queued = [], []
+        momentum = []
         try:
             for seg, place in zip(segments, places):  # all queued now: the cores run them in order
-                tickets.append(self._momentum(native, bufs, seg, place, threads))
-            for i, seg in enumerate(segments):
-                tickets[i].wait()
-                a, host = seg.args, places[i].view(seg.shape)
-                with torch.cuda.device(device), torch.cuda.stream(stream):
-                    x = host.to(device, non_blocking=True)
-                    ortho = newton_schulz(x, a.ns_coefficients, a.ns_steps, a.eps)
-                    host.copy_(ortho, non_blocking=True)  # back into its place
-                    done = torch.cuda.Event(blocking=True)  # (waited for asleep, not spinning on a core
-                    done.record(stream)                     # the host passes need)
-                del x, ortho  # (the caching allocator reuses them on this stream only: in order)
-                queued.append((done, functools.partial(self._apply, native, bufs, seg, places[i], threads)))
+                momentum.append(self._momentum(native, bufs, seg, place, threads))
         except BaseException:
-            wait_all(tickets)
-            try:
-                stream.synchronize()  # no copy may still land in a staging buffer the next job fills
-            except BaseException:
-                pass
+            wait_all(momentum)
             raise
-        staging.pending = _Applies(queued, stream)
-        return tickets + [staging.pending]
+        job = _MuonJob(momentum, places, segments, functools.partial(self._staged_apply, native, bufs, threads),
+                       _side_stream(device), device)
+        staging.job = job
+        if last is not None:
+            last.iterate()
+        slots.open = [j for j in slots.open if j.stage != _MuonJob.APPLYING] + [job]
+        return momentum + [job]
+
+    def _staged_apply(self, native, bufs: StepBuffers, threads, seg: Segment, place: torch.Tensor):
+        return self._apply(native, bufs, seg, place, threads)
