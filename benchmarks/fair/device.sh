@@ -16,10 +16,13 @@
 # phase, one summary.md over every phase, logs.tar.gz (every phase's case logs), device.log,
 # machine.txt, setup.log (+ tests.log with FAIR_TESTS): at most 8 files with two phases.
 # PLAN is a plan name or items joined by ';' (no spaces inside one argument's PLAN), e.g.
-# "7b:engine-auto@4;engine@4". The estimates (run.py --dry-run prints them; fairplan [Note:
-# estimates scale with the model]) with --checkpointing --batch 8: 7b engine-auto@4 ~130 s,
-# 14b engine-auto@4 ~250 s, 30b engine-auto@4 ~320 s, 14b engine-auto@1 ~220 s, 14b ds-zero3@4
-# ~380 s: one 30B case fills a call. The big runs of issue 24 (kind nvidia-h100-x4;
+# "7b:engine-auto@4;engine@4". The estimates: run.py --dry-run prints them (on a GPU machine:
+# without one the GPU cases price at 0); fairplan [Note: estimates scale with the model],
+# WORK_EXPONENT. Measured in session 14 with --checkpointing --batch 8: 7b engine-auto@4 54-58 s,
+# fsdp2@4 108 s, ds-zero3@4 148-154 s; 14b engine-auto@1 with --nvme-dir on the x1 VM's disk:
+# init 79 s + 65 s a step (more than one call for 3 + 5 steps); 30b engine-auto@4 (s13) ~375 s.
+# When the driver's estimate would drop a case you need, give the phase `--deadline S` up to the
+# call's limit. The big runs of issue 24 (kind nvidia-h100-x4;
 # nvidia-h100-x1 for "big1"), e.g.:
 #   bash benchmarks/fair/device.sh phases "30b:big4 --batch 8 --checkpointing"
 #   bash benchmarks/fair/device.sh phases "7b:engine-auto@4 --batch 8 --checkpointing --deadline 170" \
