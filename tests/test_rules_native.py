@@ -219,13 +219,10 @@ class _HostEvent:
         pass
 
 
-def test_muon_pipeline_logic_with_the_host_standing_in_for_the_gpu(monkeypatch):
-    """[Note: Muon's pipeline]'s bookkeeping (three staging buffers taken in turn; a job's
-    stages advanced by the next jobs' starts or by its own ticket; every apply pass reading its
-    own matrix's result) on a machine without
-    a GPU: the "device" is the host (copies are no-ops, events complete at once), so the job runs
-    the pipelined code and must equal the op-for-op path bit for bit. Its GPU run:
-    test_rules_cuda.py."""
+@pytest.fixture
+def host_gpu(monkeypatch):
+    """The host standing in for the GPU in Muon's pipelined job: copies are no-ops, events
+    complete at once, staging is unpinned (no CUDA here); returns the sizes the staging grew to."""
     import contextlib
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
@@ -233,13 +230,23 @@ def test_muon_pipeline_logic_with_the_host_standing_in_for_the_gpu(monkeypatch):
     monkeypatch.setattr(rules, "_side_stream", lambda device: _HostEvent())
     grown = []
 
-    def unpinned(numel):  # (no CUDA here to pin with)
+    def unpinned(numel):
         grown.append(numel)
         return torch.empty(numel, dtype=torch.bfloat16)
 
     monkeypatch.setattr(rules, "_pinned_bf16", unpinned)
     monkeypatch.setattr(rules, "_SLOT_GRAIN", 1)
     monkeypatch.setattr(rules, "_SLOTS", rules._Slots())
+    return grown
+
+
+def test_muon_pipeline_logic_with_the_host_standing_in_for_the_gpu(host_gpu):
+    """[Note: Muon's pipeline]'s bookkeeping (three staging buffers taken in turn; a job's
+    stages advanced by the next jobs' starts or by its own ticket; every apply pass reading its
+    own matrix's result) on a machine without a GPU: the "device" is the host (copies are
+    no-ops, events complete at once), so the job runs the pipelined code and must equal the
+    op-for-op path bit for bit. Its GPU run: test_rules_cuda.py."""
+    grown = host_gpu
     rule = MuonRule()
     shapes = [(9, 7), (7, 9), (33, 70), (1, 9), (9, 1), (64, 48), (70, 33), (128, 96)]
     ours, bounds = _chunk(rule, shapes, seed=6)
@@ -264,3 +271,41 @@ def test_muon_pipeline_logic_with_the_host_standing_in_for_the_gpu(monkeypatch):
             assert torch.equal(a, b), f"step {step}: {name}"
     sizes = [sum(math.prod(s) for s in part) for part in (shapes[:3], shapes[3:6], shapes[6:])]
     assert grown == sizes  # (the thread's three buffers, taken in turn: each job's own size fits)
+
+
+def test_a_failed_apply_pass_fails_its_own_job_only(host_gpu, monkeypatch):
+    """Three staged Muon jobs in flight, the second's apply pass raising: its ticket raises (the
+    same error when waited for again), the first and third complete as the op-for-op path does,
+    and a fourth job reuses the staging as usual."""
+    rule = MuonRule()
+    shapes = [(9, 7), (33, 70), (64, 48), (7, 9), (48, 64), (70, 33)]
+    ours, bounds = _chunk(rule, shapes, seed=3)
+    ours = StepBuffers(cid=0, param=ours.param, grad=ours.grad, state=ours.state, lowp=ours.lowp,
+                       device=torch.device("cpu"))
+    theirs = _clone(ours)
+    args = rule.args({"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True,
+                      "ns_coefficients": rules.MUON_NS, "eps": 1e-7, "ns_steps": 5, "adjust_lr_fn": None})
+    ours.grad.copy_(torch.randn(ours.grad.numel(), generator=torch.Generator().manual_seed(4)))
+    segs = _segments(bounds, 1, args)
+    bad = segs[2]
+    real_apply = MuonRule._apply
+
+    def apply(native, bufs, seg, ortho, threads):
+        if seg is bad:
+            raise ValueError("apply exploded")
+        return real_apply(native, bufs, seg, ortho, threads)
+
+    monkeypatch.setattr(MuonRule, "_apply", staticmethod(apply))
+    parts = (segs[:2], segs[2:4], segs[4:])
+    jobs = [rule.cpu_job(ours, part, threads=2) for part in parts]
+    _wait(jobs[0])
+    for _ in range(2):
+        with pytest.raises(ValueError, match="apply exploded"):
+            _wait(jobs[1])
+    _wait(jobs[2])
+    rule.device_step(theirs, list(parts[0]) + list(parts[2]))
+    for seg in list(parts[0]) + list(parts[2]):
+        sl = slice(seg.start, seg.stop)
+        assert torch.equal(ours.param[sl], theirs.param[sl]), seg.shape
+        assert torch.equal(ours.lowp[sl], theirs.lowp[sl]), seg.shape
+    _wait(rule.cpu_job(ours, segs[:2], threads=2))  # the first job's staging, taken again
