@@ -240,6 +240,18 @@ def host_gpu(monkeypatch):
     return grown
 
 
+def _staged_muon(shapes, *, seed):
+    """A Muon chunk of ``shapes`` whose buffers name a "device" (the pipelined job runs), its
+    clone for the op-for-op path, the matrices' bounds and torch's default arguments."""
+    rule = MuonRule()
+    ours, bounds = _chunk(rule, shapes, seed=seed)
+    ours = StepBuffers(cid=0, param=ours.param, grad=ours.grad, state=ours.state, lowp=ours.lowp,
+                       device=torch.device("cpu"))
+    args = rule.args({"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True,
+                      "ns_coefficients": rules.MUON_NS, "eps": 1e-7, "ns_steps": 5, "adjust_lr_fn": None})
+    return rule, ours, _clone(ours), bounds, args
+
+
 def test_muon_pipeline_logic_with_the_host_standing_in_for_the_gpu(host_gpu):
     """[Note: Muon's pipeline]'s bookkeeping (three staging buffers taken in turn; a job's
     stages advanced by the next jobs' starts or by its own ticket; every apply pass reading its
@@ -247,14 +259,8 @@ def test_muon_pipeline_logic_with_the_host_standing_in_for_the_gpu(host_gpu):
     no-ops, events complete at once), so the job runs the pipelined code and must equal the
     op-for-op path bit for bit. Its GPU run: test_rules_cuda.py."""
     grown = host_gpu
-    rule = MuonRule()
     shapes = [(9, 7), (7, 9), (33, 70), (1, 9), (9, 1), (64, 48), (70, 33), (128, 96)]
-    ours, bounds = _chunk(rule, shapes, seed=6)
-    ours = StepBuffers(cid=0, param=ours.param, grad=ours.grad, state=ours.state, lowp=ours.lowp,
-                       device=torch.device("cpu"))
-    theirs = _clone(ours)
-    args = rule.args({"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True,
-                      "ns_coefficients": rules.MUON_NS, "eps": 1e-7, "ns_steps": 5, "adjust_lr_fn": None})
+    rule, ours, theirs, bounds, args = _staged_muon(shapes, seed=6)
     gen = torch.Generator().manual_seed(7)
     for step in range(1, 4):
         ours.grad.copy_(torch.randn(ours.grad.numel(), generator=gen))
@@ -277,14 +283,8 @@ def test_a_failed_apply_pass_fails_its_own_job_only(host_gpu, monkeypatch):
     """Three staged Muon jobs in flight, the second's apply pass raising: its ticket raises (the
     same error when waited for again), the first and third complete as the op-for-op path does,
     and a fourth job reuses the staging as usual."""
-    rule = MuonRule()
     shapes = [(9, 7), (33, 70), (64, 48), (7, 9), (48, 64), (70, 33)]
-    ours, bounds = _chunk(rule, shapes, seed=3)
-    ours = StepBuffers(cid=0, param=ours.param, grad=ours.grad, state=ours.state, lowp=ours.lowp,
-                       device=torch.device("cpu"))
-    theirs = _clone(ours)
-    args = rule.args({"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True,
-                      "ns_coefficients": rules.MUON_NS, "eps": 1e-7, "ns_steps": 5, "adjust_lr_fn": None})
+    rule, ours, theirs, bounds, args = _staged_muon(shapes, seed=3)
     ours.grad.copy_(torch.randn(ours.grad.numel(), generator=torch.Generator().manual_seed(4)))
     segs = _segments(bounds, 1, args)
     bad = segs[2]
