@@ -6,6 +6,7 @@ parameters ([Note: whole parameters] in runtime/partition.py); the shard cutter 
 code calls for such rules cuts at parameter boundaries."""
 import itertools
 import math
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -170,6 +171,8 @@ class LaggedSGDRule(SGDRule):
     log: list = field(default_factory=list, compare=False, hash=False)
 
     def cpu_job(self, bufs, segments, *, threads=None):
+        if not self.log:  # the first job: the rest of its step's jobs are queued meanwhile
+            time.sleep(0.5)
         self.log.append(("start", bufs.cid))
         return [_Later(self, bufs, segments)]
 
@@ -220,8 +223,9 @@ def test_a_rule_with_a_lag_completes_each_job_after_later_starts_and_trains_like
         starts = [i for i, e in enumerate(log) if e[0] == "start"]
         assert len(starts) == sum(e[0] == "done" for e in log) > 0  # every job completed
         # jobs started between a job's start and its completion: at most the lag, and the lag
-        # itself when the grads keep coming; with one grads-window slot none (the next grads
-        # land only once the job in flight frees the slot: it completes as nothing can start)
+        # itself where jobs were queued behind a job (the first one's start waits for that);
+        # with one grads-window slot none (the next grads land only once the job in flight frees
+        # the slot: it completes as nothing can start)
         lags = [sum(1 for j in starts if i < j < log.index(("done", cid), i)) for i, (kind, cid) in enumerate(log)
                 if kind == "start"]
         assert max(lags) == (0 if kw.get("grads_window") == 1 else 2), log
