@@ -108,6 +108,17 @@ def auto_config(**kw) -> zo.OffloadConfig:
     return zo.OffloadConfig(**{**base, **kw})
 
 
+def build_layout(kw: dict, tmp_path, *, spec, model=None, **layout):
+    """An engine of config ``kw`` with the layout options ``layout`` (e.g. host_grads="window")
+    on ``model`` (default: micro_gpt()); with an "nvme" tier its swap files go in a directory of
+    their own per layout under ``tmp_path``."""
+    kw = dict(kw)
+    if "nvme" in kw.values():
+        kw["nvme_dir"] = str(tmp_path / ("swap-" + "-".join(str(v) for v in layout.values())))
+    return zo.initialize(model if model is not None else micro_gpt(), optimizer=spec,
+                         config=config(**layout, **kw), device=DEVICE)
+
+
 def train_engine(engine, batches, loss_fn, *, accum: int = 1) -> list:
     """Losses (floats) of each micro-batch, stepping the engine after each."""
     losses = []
@@ -165,6 +176,35 @@ def check_resume_across_layouts(build, reference: str, saver: str, ckpt, *, also
                 again.close()
     finally:
         plain.close()
+
+
+def assert_trains_alike(engine, other, batches, loss_fn=None) -> None:
+    """Both engines train on ``batches`` to the same losses and end with the same state."""
+    loss_fn = gpt_loss if loss_fn is None else loss_fn
+    assert train_engine(engine, batches, loss_fn) == train_engine(other, batches, loss_fn)
+    assert_same_state(engine_state(engine), engine_state(other))
+
+
+def assert_host_homes_match_the_plan(engine) -> None:
+    """Between steps the store holds exactly the plan's host homes: ``need`` less the working
+    bytes (staging, the grads window: all free now)."""
+    from zero_offload.runtime.store import Tier
+    engine.synchronize()
+    plan = engine.plan
+    assert engine.store.bytes(Tier.CPU) == plan.need[Tier.CPU] - plan.working[Tier.CPU]
+
+
+def assert_spills_or_fails(request, **layout) -> None:
+    """``request`` with the layout options ``layout`` plans state onto NVMe, or does not fit at
+    all (what "auto" took another layout to avoid)."""
+    import dataclasses
+    from zero_offload.runtime.placement import FitError, plan_placement
+    from zero_offload.runtime.store import Tier
+    try:
+        spill = plan_placement(dataclasses.replace(request, **layout))
+    except FitError:
+        return
+    assert spill.need[Tier.NVME] > 0
 
 
 def least_host_budget(request) -> int:
