@@ -809,13 +809,10 @@ class MuonRule:
         except BaseException:
             wait_all(momentum)
             raise
-        job = _MuonJob(momentum, places, segments, functools.partial(self._staged_apply, native, bufs, threads),
+        job = _MuonJob(momentum, places, segments, functools.partial(self._apply, native, bufs, threads=threads),
                        _side_stream(device), device)
         staging.job = job
         if last is not None:
             last.iterate()
         slots.open = [j for j in slots.open if j.stage != _MuonJob.APPLYING] + [job]
         return momentum + [job]
-
-    def _staged_apply(self, native, bufs: StepBuffers, threads, seg: Segment, place: torch.Tensor):
-        return self._apply(native, bufs, seg, place, threads)
