@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from zero_offload.runtime.placement import (MARGIN_MIN, Budgets, ChunkNeed, FitError, Measured,
-                                            PlacementRequest, grow_share, plan_placement, window_bytes)
+                                            PlacementRequest, grow_share, plan_placement, promote_state,
+                                            window_bytes)
 from zero_offload.runtime.store import Tier
 from zero_offload.runtime.update_rule import AdamRule
 from zero_offload.runtime.vocab import Placement
@@ -23,11 +24,11 @@ CHUNKS = 40
 of bf16 grads."""
 
 
-def _request(ranks, *, gpu, cpu=512 * GiB, reserve="auto", params=Placement.AUTO, chunks=CHUNKS,
+def _request(ranks, *, gpu, cpu=512 * GiB, nvme=0, reserve="auto", params=Placement.AUTO, chunks=CHUNKS,
              **kw):
     """The engine's request on one of ``ranks`` ranks: each chunk's shard, "auto" everything."""
     need = tuple(ChunkNeed(numel=WHOLE // ranks, dtype=BF16) for _ in range(chunks))
-    return PlacementRequest(chunks=need, budgets=Budgets(gpu=gpu, cpu=cpu), params=params,
+    return PlacementRequest(chunks=need, budgets=Budgets(gpu=gpu, cpu=cpu, nvme=nvme), params=params,
                             optimizer=Placement.AUTO, rule=AdamRule(), prefetch_depth=2,
                             reserve=reserve, ranks=ranks, **{"gpu_optimizer": True, **kw})
 
@@ -113,6 +114,85 @@ def test_a_failed_move_falls_back_to_the_host():
     assert back.need[Tier.GPU] < grown.need[Tier.GPU] and back.need[Tier.CPU] > grown.need[Tier.CPU]
     report = back.report()
     assert report["fell_back"] == len(grown.grown) - 2 and "OutOfMemoryError" in report["why"]
+
+
+STATE = 12 * WHOLE
+"""A chunk's fp32 master and Adam moments."""
+
+
+def _spilled(ranks=1):
+    """A 5.4B-element model on one rank whose host budget holds 60 chunks' state: the first plan
+    puts the share's prefix on the device, the next chunks' state on the host, the rest on NVMe."""
+    return plan_placement(_request(ranks, gpu=72 * GiB, cpu=60 * STATE, nvme=1 << 50, chunks=4 * CHUNKS,
+                                   nvme_dir="/swap"))
+
+
+def _tiers(plan):
+    return [h.optimizer for h in plan.homes]
+
+
+SOME = Measured(device_limit=79 * GiB, device_peak=60 * GiB)
+"""A step that leaves room for some of the host chunks' state only."""
+
+
+def test_nvme_state_comes_into_the_host_memory_the_share_frees():
+    """The measured step grows the share by host chunks; the host memory they free takes NVMe
+    state back, in chunk order, while it fits the host budget less the plan's need."""
+    plan = _spilled()
+    tiers = _tiers(plan)
+    assert tiers == sorted(tiers, key=lambda t: t.level) and Tier.NVME in tiers and Tier.CPU in tiers
+    grown = grow_share(plan, SOME)
+    assert grown.grown and set(grown.grown_from) == {Tier.CPU} and Tier.CPU in _tiers(grown)
+    promoted = promote_state(grown)
+    nvme = [i for i, t in enumerate(_tiers(grown)) if t is Tier.NVME]
+    assert promoted.promoted and list(promoted.promoted) == nvme[:len(promoted.promoted)]
+    moved = len(promoted.promoted) * STATE
+    assert promoted.need[Tier.CPU] == grown.need[Tier.CPU] + moved <= plan.budgets.cpu
+    assert promoted.need[Tier.NVME] == grown.need[Tier.NVME] - moved
+    if Tier.NVME in _tiers(promoted):  # the next chunk's state would not have fit
+        assert promoted.need[Tier.CPU] + STATE > plan.budgets.cpu and "cpu_budget" in promoted.nvme_why
+    report = promoted.report()
+    assert report["promoted"] == len(promoted.promoted)
+    assert report["share"]["nvme_chunks"] == _tiers(promoted).count(Tier.NVME)
+    assert promote_state(plan).promoted == ()  # nothing freed yet, nothing comes in
+
+
+def test_the_share_grows_over_nvme_state_where_the_device_has_room():
+    """A step that leaves room for more than the host chunks: the share goes on over the chunks
+    whose state is on NVMe (their host bytes and disk bytes come off), so nothing is promoted."""
+    plan = _spilled()
+    grown = grow_share(plan, Measured(device_limit=79 * GiB, device_peak=20 * GiB))
+    origin = dict(zip(grown.grown, grown.grown_from))
+    assert {Tier.CPU, Tier.NVME} <= set(origin.values())
+    from_disk = [i for i, t in origin.items() if t is Tier.NVME]
+    assert grown.need[Tier.NVME] == plan.need[Tier.NVME] - len(from_disk) * STATE
+    assert all(_tiers(grown)[i] is Tier.GPU for i in origin)
+    back = grown.fall_back(from_disk[0], torch.OutOfMemoryError("CUDA out of memory."))
+    assert all(back.homes[i].optimizer is Tier.NVME for i in from_disk)  # back where they came from
+    assert back.need[Tier.NVME] == plan.need[Tier.NVME]
+    assert back.need[Tier.GPU] == grown.need[Tier.GPU] - len(from_disk) * (STATE + 2 * WHOLE)  # + bf16 grads
+    assert back.need[Tier.CPU] > grown.need[Tier.CPU]  # their grads are homed on the host again
+    assert back.grown_from == (Tier.CPU,) * len(back.grown) and back.fell_back == tuple(from_disk)
+
+
+def test_the_host_memory_free_now_bounds_what_comes_in():
+    grown = grow_share(_spilled(), SOME)
+    promoted = promote_state(grown, host_room=2 * STATE + 1)
+    assert len(promoted.promoted) == 2 and "host memory free now" in promoted.nvme_why
+    assert promote_state(grown, host_room=0).promoted == ()
+
+
+def test_a_failed_move_from_nvme_leaves_the_rest_there():
+    grown = grow_share(_spilled(), SOME)
+    promoted = promote_state(grown)
+    assert len(promoted.promoted) >= 3
+    at = promoted.promoted[1]
+    back = promoted.stop_promotion(at, OSError(5, "Input/output error"))
+    assert back.promoted == promoted.promoted[:1]
+    assert all(back.homes[i].optimizer is Tier.NVME for i in promoted.promoted[1:])
+    assert back.need[Tier.CPU] == grown.need[Tier.CPU] + STATE
+    assert back.need[Tier.NVME] == grown.need[Tier.NVME] - STATE
+    assert "Input/output error" in back.report()["nvme_why"]
 
 
 def test_auto_params_are_placed_before_the_share():

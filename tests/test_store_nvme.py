@@ -4,7 +4,7 @@ chunk in every tier."""
 import pytest
 import torch
 
-from zero_offload.store import ChunkStore, PayloadSpec, Residency, StoreConfig, StoreError, Tier
+from zero_offload.store import ChunkStore, Hop, PayloadSpec, Residency, StoreConfig, StoreError, Tier
 
 pytestmark = pytest.mark.nvme
 MiB = 1 << 20
@@ -126,3 +126,90 @@ def test_discard_refuses_a_chunk_in_use_and_changes_nothing(store):
     assert torch.equal(store.get(a, "params", "cpu"), torch.ones(n))
     store.discard(a)
     assert store.bytes("cpu") == 0
+
+
+def _nvme_home(store, data, *, cached):
+    """A chunk whose NVMe home holds ``data``; ``cached``: a valid host cache copy beside it."""
+    cid = store.add_chunk({"master": PayloadSpec(data.numel(), data.dtype, Tier.NVME)})
+    store.allocate(cid, "master", "cpu").copy_(data)
+    store.flush(cid, "master").wait()
+    if not cached:
+        store.evict(cid, "master", "cpu")
+    store.synchronize()
+    return cid
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["from-disk", "from-cache"])
+def test_rehome_from_nvme_into_host_memory_and_back(store, cached):
+    """The GPU share frees host memory and NVMe state moves into it (placement.py, [Note:
+    measured share]): the newest bytes come along, the slot is freed, the home is host memory
+    and serves reads and writes; and back to a slot of the swap file."""
+    data = torch.randn(300_000)
+    cid = _nvme_home(store, data, cached=cached)
+    read0 = store.stats.bytes_moved[Hop.NVME_TO_CPU]
+    store.rehome(cid, "master", Tier.CPU)
+    assert store.home(cid, "master") is Tier.CPU and store.bytes("nvme") == 0
+    assert store.bytes("cpu") == 1_200_128  # the home, 4 KiB-rounded; no cache copy beside it
+    assert store.stats.bytes_moved[Hop.NVME_TO_CPU] - read0 == (0 if cached else data.numel() * 4)
+    assert torch.equal(store.get(cid, "master", "cpu"), data)
+    store.get(cid, "master", "cpu", write=True).add_(1.0)
+    store.mark_dirty(cid, "master", "cpu")
+    store.rehome(cid, "master", Tier.NVME)
+    assert store.home(cid, "master") is Tier.NVME and store.bytes("cpu") == 0
+    store.fetch(cid, "master", "cpu")
+    assert torch.equal(store.get(cid, "master", "cpu"), data + 1.0)
+
+
+def test_rehome_writes_a_newer_cache_copy_home_first(store):
+    """A written host cache copy of an NVMe home is the newest: its bytes reach the new home."""
+    cid = _nvme_home(store, torch.zeros(50_000), cached=True)
+    store.get(cid, "master", "cpu", write=True).fill_(7.0)
+    store.mark_dirty(cid, "master", "cpu")
+    store.rehome(cid, "master", Tier.CPU)
+    assert torch.equal(store.get(cid, "master", "cpu"), torch.full((50_000,), 7.0))
+
+
+def test_a_failed_read_leaves_the_nvme_home_whole(store, monkeypatch):
+    data = torch.randn(40_000)
+    cid = _nvme_home(store, data, cached=False)
+    space = store._swap_space()
+
+    def broken(slot, tensor):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(space, "read", broken)
+    with pytest.raises(OSError, match="Input/output"):
+        store.rehome(cid, "master", Tier.CPU)
+    monkeypatch.undo()
+    assert store.home(cid, "master") is Tier.NVME and store.bytes("cpu") == 0
+    store.fetch(cid, "master", "cpu")
+    assert torch.equal(store.get(cid, "master", "cpu"), data)
+
+
+def test_rehome_between_the_device_and_nvme_goes_through_host_memory(store):
+    data = torch.randn(30_000)
+    cid = _nvme_home(store, data, cached=False)
+    store.rehome(cid, "master", Tier.GPU)
+    assert store.home(cid, "master") is Tier.GPU and store.bytes("nvme") == 0 and store.bytes("cpu") == 0
+    assert torch.equal(store.get(cid, "master", "gpu"), data)
+    store.rehome(cid, "master", Tier.NVME)
+    assert store.home(cid, "master") is Tier.NVME and store.bytes("gpu") == 0
+    store.fetch(cid, "master", "cpu")
+    assert torch.equal(store.get(cid, "master", "cpu"), data)
+
+
+def test_a_failed_second_hop_moves_the_payload_back(store, monkeypatch):
+    data = torch.randn(30_000)
+    cid = _nvme_home(store, data, cached=False)
+    store.rehome(cid, "master", Tier.GPU)
+    space = store._swap_space()
+
+    def full(nbytes):
+        raise RuntimeError("swap space full: a slot of 122880 bytes does not fit")
+
+    monkeypatch.setattr(space, "alloc", full)
+    with pytest.raises(RuntimeError, match="swap space full"):
+        store.rehome(cid, "master", Tier.NVME)
+    monkeypatch.undo()
+    assert store.home(cid, "master") is Tier.GPU and store.bytes("cpu") == 0
+    assert torch.equal(store.get(cid, "master", "gpu"), data)

@@ -1075,27 +1075,36 @@ class ChunkGroup:
 
     def rehome(self, chunk: GroupChunk, tier: Tier) -> None:
         """Move where the chunk is updated to ``tier`` ('gpu': it joins the GPU share; 'cpu': it
-        leaves it): its master, the rule's state, its grads and accumulation buffer homed there
+        leaves it, or its state comes from NVMe into host memory): its master, the rule's state,
+        its grads and accumulation buffer homed there
         (``ChunkStore.rehome``), from the next window on. Between windows only (no grad staged,
         no job: it waits for the chunk's last one); synchronous. The STORE sink only (the
         engine's params stay where placement put them; a TENSORS front end's copy-out payload
         would have to come and go)."""
+        p = self.payloads
+        # "grads" last: its home says where the chunk is updated (``_on_device``).
+        names = [n for n in dict.fromkeys([p.master, *self.rule.state_keys, p.accum, p.grads])
+                 if n is not None and self.store.has_payload(chunk.cid, n)]
+        self.rehome_payloads(chunk, {n: tier for n in names})
+
+    def rehome_payloads(self, chunk: GroupChunk, homes: Mapping[str, Tier]) -> None:
+        """``rehome`` by payload: each of ``homes`` (name -> tier) homed there, in that order
+        (e.g. the homes a plan gives the chunk: state brought from NVMe into host memory, the
+        params left where they are). All or nothing; between windows only; synchronous."""
         if self.sink is not ParamSink.STORE:
             raise ValueError(f"{self.owner}: rehome serves the engine's chunks (ParamSink.STORE)")
         self.wait(chunk)
         if chunk.phase is not ChunkPhase.IDLE or chunk.window or chunk.landed or chunk.total is not None:
             raise RuntimeError(f"{self.owner}: chunk {chunk.cid} has grads of this window; rehome it "
                                f"between windows (after step())")
-        p, store = self.payloads, self.store
-        # "grads" last: its home says where the chunk is updated (``_on_device``).
-        names = [n for n in dict.fromkeys([p.master, *self.rule.state_keys, p.accum, p.grads])
-                 if n is not None and store.has_payload(chunk.cid, n)]
-        before = {n: store.payload_spec(chunk.cid, n).home for n in names}
+        store = self.store
+        before = {n: store.payload_spec(chunk.cid, n).home for n in homes}
         moved = []
         try:
-            for name in names:
-                store.rehome(chunk.cid, name, tier)
-                moved.append(name)
+            for name, tier in homes.items():
+                if before[name] is not tier:
+                    store.rehome(chunk.cid, name, tier)
+                    moved.append(name)
         except BaseException:  # all or nothing: what moved goes back (never raising over the cause)
             for name in reversed(moved):
                 with contextlib.suppress(Exception):

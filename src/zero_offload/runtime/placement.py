@@ -68,6 +68,13 @@ and step-to-step variation, within ``gpu_budget``: the step's other allocations 
 were, so its new peak is the old one plus the bytes added. A chunk whose move then fails (out of
 memory after all) stays on the host, and so do the ones after it (``PlacementPlan.fall_back``:
 the report says so); the training goes on.
+The share grows over chunks whose state is on NVMe too (the first plan's host budget could not
+hold it all), through host memory (``ChunkStore.rehome``). Each host chunk that joined it freed
+its state's host memory: ``promote_state`` then brings the NVMe state left into that room, in
+chunk order, within the host budget less the plan's need and the host memory free now (less the
+"auto" reserve, divided by the node's ranks; the least over the ranks), so every promoted chunk's
+update reads and writes host memory instead of the disk, each step. A failed move leaves that
+chunk and the ones after it on NVMe (``PlacementPlan.stop_promotion``).
 
 [Note: rank budgets] Several ranks on one node (``local_ranks``: torchrun's
 ``LOCAL_WORLD_SIZE``) share its host memory and disk. An "auto" budget is this rank's share: the
@@ -208,9 +215,9 @@ from .update_rule import StateSpec, UpdateRule
 from .vocab import ALIGNMENT, Placement, round_up
 
 __all__ = ["Budgets", "ChunkHomes", "ChunkNeed", "FitError", "Measured", "PARKED_CHUNKS", "PlacementPlan",
-           "PlacementRequest", "common_budgets", "common_reserve", "grow_share", "host_window", "keep_limit",
-           "largest_need", "local_ranks", "measure_device", "plan_placement", "rank_budgets", "tightest",
-           "window_bytes"]
+           "PlacementRequest", "common_budgets", "common_reserve", "grow_share", "host_room", "host_window",
+           "keep_limit", "largest_need", "local_ranks", "measure_device", "plan_placement", "promote_state",
+           "rank_budgets", "tightest", "window_bytes"]
 
 PARKED_CHUNKS = 2
 """Chunks kept on the device after their last user let go (prefetch.py, [Note: holds]); part of
@@ -547,8 +554,15 @@ class PlacementPlan:
     """The step measurement the share was grown by ([Note: measured share]); None: not yet."""
     grown: tuple = ()
     """Chunks ``grow_share`` moved into the share (the front end rehomes them)."""
+    grown_from: tuple = ()
+    """The tier each chunk of ``grown`` came from (host memory or NVMe)."""
     fell_back: tuple = ()
     """Chunks whose move into the share failed and that stayed on the host (``fall_back``)."""
+    promoted: tuple = ()
+    """Chunks whose NVMe state ``promote_state`` brought into host memory (the front end rehomes
+    them)."""
+    nvme_why: str = ""
+    """Why state stays on NVMe after ``promote_state`` ("" where none was there), for the report."""
     grads_window: int = 0
     """Slots of the host grads window ([Note: grads window]); 0: the persistent layout."""
     params_why: str = ""
@@ -569,21 +583,38 @@ class PlacementPlan:
         return chunk_payloads(self.request, self.request.chunks[index], self.homes[index])
 
     def fall_back(self, index: int, error: BaseException) -> "PlacementPlan":
-        """This plan with the grown chunks from ``index`` on back on the host (their move into
-        the share failed with ``error``: [Note: measured share])."""
-        back = tuple(i for i in self.grown if i >= index)
+        """This plan with the grown chunks from ``index`` on back where they came from (host
+        memory or NVMe: their move into the share failed with ``error``: [Note: measured
+        share])."""
+        back = tuple((i, t) for i, t in zip(self.grown, self.grown_from) if i >= index)
         homes, need = list(self.homes), dict(self.need)
-        for i in back:
-            delta = _share_bytes(self.request.chunks[i], self.request)
-            homes[i] = dataclasses.replace(homes[i], optimizer=Tier.CPU)
-            need[Tier.GPU] -= delta
-            need[Tier.CPU] += _host_freed(self.request.chunks[i], self.request)
+        for i, tier in back:
+            homes[i] = dataclasses.replace(homes[i], optimizer=tier)
+            _leave(need, self.request.chunks[i], self.request, tier, -1)
+        kept = [(i, t) for i, t in zip(self.grown, self.grown_from) if i < index]
         line = str(error).splitlines()[0] if str(error) else ""
         return dataclasses.replace(
             self, homes=tuple(homes), need=need, share_ended=True,
-            grown=tuple(i for i in self.grown if i < index), fell_back=back,
-            why=f"fell back to host memory at chunk {index} ({type(error).__name__}: {line[:200]}); "
-                f"{len(back)} chunk(s) stay on the host")
+            grown=tuple(i for i, _ in kept), grown_from=tuple(t for _, t in kept),
+            fell_back=tuple(i for i, _ in back),
+            why=f"fell back at chunk {index} ({type(error).__name__}: {line[:200]}); "
+                f"{len(back)} chunk(s) stay where they were (host memory or NVMe)")
+
+    def stop_promotion(self, index: int, error: BaseException) -> "PlacementPlan":
+        """This plan with the promoted chunks from ``index`` on back on NVMe (their move into host
+        memory failed with ``error``: [Note: measured share])."""
+        back = tuple(i for i in self.promoted if i >= index)
+        homes, need = list(self.homes), dict(self.need)
+        for i in back:
+            moved = _state_bytes(self.request.chunks[i], self.request)
+            homes[i] = dataclasses.replace(homes[i], optimizer=Tier.NVME)
+            need[Tier.CPU] -= moved
+            need[Tier.NVME] += moved
+        line = str(error).splitlines()[0] if str(error) else ""
+        return dataclasses.replace(
+            self, homes=tuple(homes), need=need, promoted=tuple(i for i in self.promoted if i < index),
+            nvme_why=f"chunk {index}'s move into host memory failed ({type(error).__name__}: {line[:200]}); "
+                     f"{len(back)} chunk(s) stay on NVMe")
 
     def report(self) -> dict:
         """Where this rank's bytes are and why (plain values, for ``stats`` and logs): per tier
@@ -618,6 +649,7 @@ class PlacementPlan:
                     "activation_peak": m.activation_peak, "margin": m.margin_bytes,
                     "headroom": m.headroom},
                 "grown": len(self.grown), "fell_back": len(self.fell_back), "why": self.why,
+                "promoted": len(self.promoted), "nvme_why": self.nvme_why,
                 "host_grads": request.host_grads, "grads_window": self.grads_window,
                 "host_params": request.host_params,
                 "params_from_master": sum(1 for h in self.homes if h.from_master),
@@ -978,8 +1010,8 @@ def _share_bytes(chunk: ChunkNeed, request: PlacementRequest) -> int:
 
 def grow_share(plan: PlacementPlan, measured: Measured) -> PlacementPlan:
     """``plan`` with its GPU share grown by what ``measured`` leaves free ([Note: measured
-    share]): the trainable chunks after the share whose params are on the device and whose state
-    is in host memory join it in order, while their bytes fit both the measured headroom and the
+    share]): the trainable chunks after the share whose params are on the device (state in host
+    memory or on NVMe) join it in order, while their bytes fit both the measured headroom and the
     GPU budget less the plan's needs. Pure: the front end moves the chunks in ``grown``."""
     request = plan.request
     if not (request.optimizer is Placement.AUTO and request.gpu_optimizer):
@@ -993,9 +1025,6 @@ def grow_share(plan: PlacementPlan, measured: Measured) -> PlacementPlan:
         if h.params not in (None, Tier.GPU):
             why = f"chunk {i}'s params are not on the device (the share needs them there)"
             break
-        if h.optimizer is not Tier.CPU:
-            why = f"chunk {i}'s state is on NVMe (the share grows from host memory)"
-            break
         delta = _share_bytes(c, request)
         if delta > room:
             bound = ("gpu_budget" if budget_room < measured.headroom else
@@ -1004,16 +1033,67 @@ def grow_share(plan: PlacementPlan, measured: Measured) -> PlacementPlan:
                    f"{bound}")
             break
         room -= delta
-        need[Tier.GPU] += delta
-        need[Tier.CPU] -= _host_freed(c, request)
+        _leave(need, c, request, h.optimizer, +1)
         homes[i] = dataclasses.replace(h, optimizer=Tier.GPU)
-        grown.append(i)
+        grown.append((i, h.optimizer))
     if not why:
         why = "every trainable chunk's state is on the device"
     return dataclasses.replace(plan, homes=tuple(homes), need=need, share_ended=bool(why) and
                                any(c.trainable and h.optimizer is not Tier.GPU
                                    for c, h in zip(request.chunks, homes)),
-                               why=why, measured=measured, grown=tuple(grown))
+                               why=why, measured=measured, grown=tuple(i for i, _ in grown),
+                               grown_from=tuple(t for _, t in grown))
+
+
+def _leave(need: dict, chunk: ChunkNeed, request: PlacementRequest, tier: Tier, sign: int) -> None:
+    """``need`` with a chunk's state leaving ``tier`` (host memory or NVMe) for the GPU share
+    (``sign`` +1), or coming back (-1): its state, grads and accumulation buffer on the device; off
+    the host its grads, accumulation buffer and copy out, and its state off ``tier``."""
+    state = _state_bytes(chunk, request)
+    need[Tier.GPU] += sign * _share_bytes(chunk, request)
+    need[Tier.CPU] -= sign * (_host_freed(chunk, request) - state)
+    need[tier] -= sign * state
+
+
+def _state_bytes(chunk: ChunkNeed, request: PlacementRequest) -> int:
+    """Bytes of a chunk's optimizer payloads (the master and the rule's state)."""
+    return chunk_bytes(chunk, request, optimizer_payloads(chunk, request))
+
+
+def promote_state(plan: PlacementPlan, host_room: "int | None" = None) -> PlacementPlan:
+    """``plan`` with the trainable chunks whose optimizer state is on NVMe brought into host
+    memory, in order, while their state fits what the host budget leaves (less the plan's need,
+    which the GPU share grown before has lowered) and ``host_room`` (bytes free in host memory
+    now for this rank, None: the budget alone) ([Note: measured share]). Only "auto" state. Pure:
+    the front end moves the chunks in ``promoted``."""
+    request = plan.request
+    if request.optimizer is not Placement.AUTO:
+        return dataclasses.replace(plan, promoted=(), nvme_why="")
+    room = plan.budgets.cpu - plan.need[Tier.CPU]
+    bound = "cpu_budget less the plan's host memory"
+    if host_room is not None and host_room < room:
+        room, bound = host_room, "the host memory free now (less the auto reserve)"
+    room = max(0, room)
+    homes, need, promoted, why = list(plan.homes), dict(plan.need), [], ""
+    for i, (c, h) in enumerate(zip(request.chunks, homes)):
+        if not c.trainable or h.optimizer is not Tier.NVME:
+            continue
+        moved = _state_bytes(c, request)
+        if moved > room:
+            why = f"chunk {i}'s state ({moved} bytes) does not fit the {room} bytes left by {bound}"
+            break
+        room -= moved
+        need[Tier.CPU] += moved
+        need[Tier.NVME] -= moved
+        homes[i] = dataclasses.replace(h, optimizer=Tier.CPU)
+        promoted.append(i)
+    return dataclasses.replace(plan, homes=tuple(homes), need=need, promoted=tuple(promoted), nvme_why=why)
+
+
+def host_room(local_ranks: int = 1) -> int:
+    """Bytes of host memory free now for one of ``local_ranks`` ranks, less the store's "auto"
+    reserve: what an "auto" host budget resolved now would be ([Note: rank budgets])."""
+    return rank_budgets({Tier.CPU: "auto"}, local_ranks=local_ranks).cpu
 
 
 def _check_fits(request: PlacementRequest, need: dict, *, gpu_window: int, gpu_extra: int,

@@ -9,8 +9,8 @@ own checks): no front end or config is imported here.
 - ``place``: each rank alone up to its budgets, then all plan from the same inputs and open the
   store; a failure on any rank raises on every rank.
 - ``measure_step``: after the first step, the device's measurement for ``grow``.
-- ``grow``: the GPU share grown by a measured step, a move that fails falling back at the same
-  chunk on every rank.
+- ``grow``: the GPU share grown by a measured step, then NVMe state brought into the host memory
+  that leaves free; a move that fails falls back at the same chunk on every rank.
 - ``abandon``: clean-up of a front end whose construction failed.
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 
 from .chunk_group import ChunkGroup
 from .placement import (ChunkNeed, FitError, Measured, PlacementPlan, PlacementRequest, chunk_payloads,
-                        common_budgets, common_reserve, grow_share, largest_need, local_ranks,
-                        measure_device, plan_placement, rank_budgets, tightest)
+                        common_budgets, common_reserve, grow_share, host_room, largest_need, local_ranks,
+                        measure_device, plan_placement, promote_state, rank_budgets, tightest)
 from .shards import Shards
 from .store import BudgetError, ChunkStore, StoreConfig, Tier
 
@@ -141,9 +141,10 @@ def measure_step(group: ChunkGroup, device: torch.device) -> Optional[Measured]:
 
 def grow(group: ChunkGroup, plan: PlacementPlan, measured: Measured, need: Callable[[int], ChunkNeed], *,
          owner: str = "zero_offload") -> PlacementPlan:
-    """Grow the GPU share of the optimizer by what ``measured`` leaves free ([Note: measured
-    share] in placement.py); between windows. A chunk whose move fails stays on the host with the
-    ones after it (``plan.report()`` says so). Returns the new plan. Collective with several
+    """Grow the GPU share of the optimizer by what ``measured`` leaves free, then bring state on
+    NVMe into the host memory that frees ([Note: measured share] in placement.py); between
+    windows. A chunk whose move fails stays where it was with the ones after it (``plan.report()``
+    says so). Returns the new plan. Collective with several
     ranks: each passes its own ``measured``, and every rank ends with the same share ([Note: ranks
     agree on placement]). ``need(i)``: chunk i's ``ChunkNeed`` (this rank's shard)."""
     shards = group.shards
@@ -171,20 +172,65 @@ def grow(group: ChunkGroup, plan: PlacementPlan, measured: Measured, need: Calla
         plan = plan.fall_back(plan.grown[failed], error)
         for i in plan.fell_back[:moved - failed]:  # moved here, not on the failing rank: back
             _rehome_as_planned(group, plan, i, need(i))
+    return _promote(group, plan, need, owner=owner)
+
+
+_HOST_ERRORS = (MemoryError, OSError, torch.OutOfMemoryError)
+"""A move into host memory that fails for want of memory or of a transfer (``BudgetError`` is a
+MemoryError; pinning raises RuntimeError and is not among them: a bug or a broken driver)."""
+
+
+def _promote(group: ChunkGroup, plan: PlacementPlan, need: Callable[[int], ChunkNeed], *,
+             owner: str) -> PlacementPlan:
+    """``grow``'s second part: NVMe state brought into the host memory left free ([Note:
+    measured share] in placement.py), the ranks agreeing on the room (the least of theirs) and
+    on the first chunk whose move failed, from which on the chunks stay on NVMe."""
+    if not any(h.optimizer is Tier.NVME for h in plan.homes):
+        return plan
+    shards = group.shards
+    ranked = shards.world > 1
+    room = None
+    if Tier.CPU in plan.budgets.auto:
+        room = host_room(local_ranks() if ranked else 1)
+        if ranked:
+            room = min(shards.exchange(room, doing="measure its host memory",
+                                       what="the exchange of the ranks' free host memory", owner=owner))
+    plan = promote_state(plan, room)
+    moved, error, fatal = len(plan.promoted), None, None
+    for k, i in enumerate(plan.promoted):
+        try:
+            _rehome_as_planned(group, plan, i, need(i))
+        except _HOST_ERRORS as e:
+            moved, error = k, e
+            break
+        except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange
+            if not ranked:
+                raise
+            moved, fatal = k, e
+            break
+    failed = moved
+    if ranked:
+        failed, error = _agree_fall_back(shards, moved, error, fatal, owner=owner,
+                                         doing="move its optimizer state from NVMe into host memory")
+    if error is not None:
+        back = plan.promoted[failed:moved]  # moved here, not on the failing rank: back to NVMe
+        plan = plan.stop_promotion(plan.promoted[failed], error)
+        for i in back:
+            _rehome_as_planned(group, plan, i, need(i))
     return plan
 
 
 def _agree_fall_back(shards: Shards, moved: int, error: Optional[BaseException],
-                     fatal: Optional[BaseException], *, owner: str) -> tuple:
+                     fatal: Optional[BaseException], *, owner: str,
+                     doing: str = "move its optimizer state into the GPU share") -> tuple:
     """Several ranks: the first of the grown chunks whose move failed on any rank (this
     rank's: ``moved``, its ``error``) and that error (another rank's: named), so every rank
     falls back at the same chunk ([Note: ranks agree on placement] in placement.py).
     ``fatal``: a move failed otherwise than for memory: every rank raises ([Note: ranks raise
-    together] in shards.py)."""
+    together] in shards.py). ``doing``: the moves, for the messages."""
     line = "" if error is None else (str(error).splitlines() or [""])[0][:200]
-    got = shards.exchange((moved, f"{type(error).__name__}: {line}"), error=fatal,
-                          doing="move its optimizer state into the GPU share",
-                          what="the exchange of the moves into the GPU share", owner=owner)
+    got = shards.exchange((moved, f"{type(error).__name__}: {line}"), error=fatal, doing=doing,
+                          what=f"the exchange of the ranks' moves ({doing})", owner=owner)
     first = min(range(len(got)), key=lambda r: got[r][0])  # (the lowest rank of the least)
     failed = got[first][0]
     if failed == moved:  # (none failed anywhere, or this rank's own error)
@@ -193,12 +239,12 @@ def _agree_fall_back(shards: Shards, moved: int, error: Optional[BaseException],
 
 
 def _rehome_as_planned(group: ChunkGroup, plan: PlacementPlan, index: int, need: ChunkNeed) -> None:
-    """Chunk ``index``'s payloads back to the homes ``plan`` gives them (after a fall-back)."""
-    store, cid = group.store, group.chunks[index].cid
+    """Chunk ``index``'s payloads to the homes ``plan`` gives them (after a fall-back, or its
+    state promoted from NVMe); all or nothing."""
     specs = chunk_payloads(plan.request, need, plan.homes[index])
-    for name in sorted(specs, key=lambda n: n != "grads"):  # "grads" first: updated on the host
-        if store.payload_spec(cid, name).home is not specs[name].home:
-            store.rehome(cid, name, specs[name].home)
+    names = sorted((n for n, spec in specs.items() if spec.source is None),
+                   key=lambda n: n != "grads")  # "grads" first: updated on the host
+    group.rehome_payloads(group.chunks[index], {n: specs[n].home for n in names})
 
 
 def abandon(store: ChunkStore, group: Optional[ChunkGroup] = None) -> None:

@@ -904,16 +904,16 @@ class ChunkStore:
             chunk.discarded = True
 
     def rehome(self, cid: int, name: str, tier: "Tier | str") -> None:
-        """Make ``tier`` (GPU or CPU memory) the payload's home: its newest bytes copied into a
-        home buffer there (within the tier's budget, evicting by policy), the old home's memory
-        freed. For an owner changing placement while nothing uses the payload (no pin, no job);
+        """Make ``tier`` the payload's home: its newest bytes copied into a home buffer there
+        (within the tier's budget, evicting by policy), or a slot of the swap file for NVMe, and
+        the old home's memory or slot freed; GPU <-> NVMe goes through a home in host memory
+        (host room for the payload needed on the way). For an owner changing placement while nothing uses the payload (no pin, no job);
         waits for moves still touching it. Synchronous, rare: the GPU share grown after the
-        first step (placement.py, [Note: measured share]). Raises before any change when the
-        room or the memory is missing (``BudgetError``, a CUDA out-of-memory error)."""
+        first step, and NVMe state brought into the host memory it freed (placement.py, [Note:
+        measured share]). Raises before any change when the room, the memory or the transfer
+        fails (``BudgetError``, a CUDA out-of-memory error, an I/O error); of two hops, a failed
+        second one moves the payload back to where it was."""
         tier = Tier.of(tier)
-        if tier is Tier.NVME:
-            raise StoreError("rehome moves a home between memory tiers ('gpu', 'cpu'); an NVMe home "
-                             "is set when the chunk is added")
         with self._lock:
             p = self._payload(cid, name)
             if p.source is not None or p.derived:
@@ -931,8 +931,21 @@ class ChunkStore:
                 for r in c.readers:
                     r.wait()
                 c.readers = []
-            if old.tier is Tier.NVME:
-                raise StoreError(f"rehome: {old.where()} is on NVMe; rehome moves homes in memory")
+            if abs(old.tier.level - tier.level) == 2:  # GPU <-> NVMe: through host memory
+                self.rehome(cid, name, Tier.CPU)
+                try:
+                    self.rehome(cid, name, tier)
+                except BaseException:
+                    with contextlib.suppress(Exception):  # (never raising over the cause)
+                        self.rehome(cid, name, old.tier)
+                    raise
+                return
+            if Tier.NVME in (old.tier, tier):
+                if p.spec.transient:
+                    raise StoreError(f"rehome: payload {name!r} of chunk {cid} is transient; it lives in "
+                                     f"memory ([Note: transient payloads])")
+                self._rehome_disk(p, tier)
+                return
             if p.spec.transient:
                 self._rehome_transient(p, tier)
                 return
@@ -962,6 +975,54 @@ class ChunkStore:
             target.buffer = buf
             target.to(Residency.VALID, self)
             target.last_use = self._tick()
+
+    def _rehome_disk(self, p: _Payload, tier: Tier) -> None:
+        """``rehome`` between host memory and NVMe (quiet, unpinned, not derived). The newest bytes
+        are written home first; then they go into the new home (from a valid host copy, or read
+        from the slot) before anything changes, so a failed transfer leaves the old home whole."""
+        old, target = p.copies[p.spec.home], p.copies[tier]
+        if old.state is not Residency.VALID:  # the newest bytes home first (a cache copy's)
+            self._ensure(old, Residency.FLUSHING).wait()
+            self._settle(old, force=True)
+        spec = p.spec
+        if tier is Tier.CPU:  # NVMe -> host memory
+            self._make_room(tier, old.nbytes, for_what=f"the new home of {target.where()}")
+            cache = target if target.state is Residency.VALID else None  # (the home's bytes)
+            buf = aligned_empty(spec.nbytes, dtype=spec.dtype, pin=self.config.pin)
+            if cache is not None:
+                buf.copy_(cache.buffer)
+            else:
+                old.space.read(old.slot, _padded(buf)).wait()
+                self.stats.bytes_moved[Hop.NVME_TO_CPU] += spec.nbytes
+                self.stats.moves[Hop.NVME_TO_CPU] += 1
+            self._evict(target)  # the cache copy, if any: the home is valid, nothing is written back
+            self._await_quiet(target)
+        else:  # host memory -> a slot of the swap file
+            self._check_nvme()
+            self._make_room(tier, target.nbytes, for_what=f"the new home of {target.where()}")
+            self._evict(target)
+            self._await_quiet(target)
+            space = self._swap_space()
+            slot = space.alloc(target.nbytes)
+            try:
+                space.write(slot, self._raw(old)).wait()
+            except BaseException:
+                space.free(slot)
+                raise
+            self.stats.bytes_moved[Hop.CPU_TO_NVME] += spec.nbytes
+            self.stats.moves[Hop.CPU_TO_NVME] += 1
+        p.spec = replace(spec, home=tier)
+        self._drop_memory(old, home=True)  # the old home's memory or slot: freed
+        old.to(Residency.ABSENT, self)
+        for c in p.copies.values():
+            if c.state is Residency.VALID:
+                c.to(Residency.STALE, self)  # (none is newer than the new home)
+        if tier is Tier.CPU:
+            target.buffer = buf
+        else:
+            target.slot, target.space = slot, space
+        target.to(Residency.VALID, self)
+        target.last_use = self._tick()
 
     def _rehome_transient(self, p: _Payload, tier: Tier) -> None:
         """``rehome`` of a transient payload (quiet, unpinned): no bytes move (between its uses
@@ -1814,7 +1875,11 @@ class ChunkStore:
         """The 4 KiB-rounded uint8 view of a CPU copy's memory (what O_DIRECT moves)."""
         if copy.pool_buffer is not None:
             return copy.pool_buffer.raw
-        buf = copy.buffer
-        n = round_up(buf.numel() * buf.element_size(), ALIGNMENT)
-        # aligned_empty memory runs to the 4 KiB boundary: view the padded extent.
-        return torch.empty(0, dtype=torch.uint8).set_(buf.untyped_storage(), buf.storage_offset() * buf.element_size(), (n,))
+        return _padded(copy.buffer)
+
+
+def _padded(buf: torch.Tensor) -> torch.Tensor:
+    """The 4 KiB-rounded uint8 view of an ``aligned_empty`` buffer (its memory runs to the 4 KiB
+    boundary): the extent O_DIRECT moves."""
+    n = round_up(buf.numel() * buf.element_size(), ALIGNMENT)
+    return torch.empty(0, dtype=torch.uint8).set_(buf.untyped_storage(), buf.storage_offset() * buf.element_size(), (n,))
