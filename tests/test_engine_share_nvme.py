@@ -6,7 +6,6 @@ share grows over host chunks and the freed host memory takes NVMe state back
 themselves. Training goes on exactly as torch AdamW's, with 1 and 2 ranks; a move from NVMe that
 fails leaves that chunk and the later ones on the disk."""
 import pytest
-import torch
 
 import zero_offload as zo
 from zero_offload.runtime.placement import Measured

@@ -311,6 +311,7 @@ class Runner:
     threads: dict = dataclasses.field(default_factory=dict)
     on_timed: Callable = lambda: None  # called once, before the first timed step (reset stats)
     extra: Callable = lambda: {}  # after the timed steps: case-specific facts for the row
+    note: Callable = lambda: ""  # after each warm-up step: one line for the case log ("" none)
 
 
 def _load_module(model, sd) -> int:
@@ -480,7 +481,7 @@ def build_engine(args, cfg, device, world, sd, auto=False):
     set_checkpointing(model, args.checkpointing)
     compiled = _compile_blocks(args, model)  # before initialize: each block is one unit
     clock = _CompileClock(args)
-    ocfg = zo.OffloadConfig(params="auto" if auto else "cpu", optimizer="auto" if auto else "cpu",
+    ocfg = zo.OffloadConfig(params=args.engine_params if auto else "cpu", optimizer="auto" if auto else "cpu",
                             dtype="bf16", threads=args.threads,
                             nvme_dir=args.nvme_dir if auto and args.nvme_dir else None,
                             activation_reserve=int(args.activation_reserve * GiB) if args.activation_reserve
@@ -510,8 +511,14 @@ def build_engine(args, cfg, device, world, sd, auto=False):
     # the default write-back gives every rank a whole fp32 copy on the host (a meta-built model's
     # origin), 122 GB per rank at 30.5B, minutes outside any timed part (the first 30B try ran out
     # of its case budget there)
+    def note():  # where the state is after the step (the share grows after the first one)
+        r = engine.plan.report()
+        share = r["share"]
+        return (f"state chunks gpu/host/nvme {share['chunks']}/{share['host_chunks']}/{share['nvme_chunks']}, "
+                f"grown {r['grown']}, from NVMe {r.get('promoted', 0)}")
+
     return Runner(step=step, finish=engine.synchronize, close=lambda: engine.close(write_back=False),
-                  on_timed=on_timed,
+                  on_timed=on_timed, note=note,
                   extra=extra, config={**compiled, "offload_config": _jsonable(engine.config.to_dict()),
                                        "opt": args.opt, "optimizer": f"zero_offload.{type(spec).__name__}"
                                        + (" + AdamW" if args.opt == "muon" else "")},
@@ -905,6 +912,9 @@ def parse_args(argv=None):
                     help="engine-auto: hold the process to this many GiB of GPU memory "
                          "(torch.cuda.set_per_process_memory_fraction; \"auto\" plans within it), e.g. "
                          "torchao's footprint; 0: the whole card")
+    ap.add_argument("--engine-params", default="auto", choices=("auto", "gpu"),
+                    help="engine-auto: OffloadConfig.params (gpu: with ranks a whole replica of the bf16 "
+                         "params on every GPU, gathered once per step after the update: ZeRO-2 style)")
     ap.add_argument("--activation-reserve", type=float, default=0.0,
                     help="engine-auto: OffloadConfig.activation_reserve in GiB (0: \"auto\", half the GPU "
                          "budget until the first step measures)")
@@ -994,7 +1004,8 @@ def run(args, row: dict, sampler: MemSampler) -> dict:
         losses.append(runner.step(*batches[i]))
         sync()
         warm_times.append(time.perf_counter() - t0)
-        _say(rank, f"warm-up step {i + 1}: {warm_times[-1]:.2f} s")
+        note = runner.note()
+        _say(rank, f"warm-up step {i + 1}: {warm_times[-1]:.2f} s" + (f" ({note})" if note else ""))
     steps, reason = args.steps, None
     est = max(warm_times[-1:] or [0.0])
     if est > LONG_STEP_S and steps > args.min_steps:

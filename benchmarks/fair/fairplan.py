@@ -59,7 +59,7 @@ CASES: dict[str, CaseInfo] = {
     "engine-auto": CaseInfo(
         "bf16 working params (no autocast), fp32 master + moments on the CPU; zero_offload engine "
         "params=auto optimizer=auto",
-        short=BF16_MASTER, knobs=("opt", "gpu-cap", "activation-reserve"), startup_s=35, step_s={1: 0.35, 2: 0.40, 4: 0.45}),
+        short=BF16_MASTER, knobs=("opt", "gpu-cap", "activation-reserve", "engine-params"), startup_s=35, step_s={1: 0.35, 2: 0.40, 4: 0.45}),
     "offload-adamw": CaseInfo(
         TORCH_AUTOCAST + " on the CPU (zero_offload OffloadAdamW, overlap_forward=True; knob "
         "overlap=0: overlap_forward=False; knob opt=: the rule's offload optimizer)",
@@ -134,7 +134,7 @@ DS_MUON_STAGES = ("1", "2")
 offload and without zero.Init (2: the default; 1 with fp32 grad accumulation: BF16_Optimizer).
 Stage 0 applies the raw gradient (no Newton-Schulz, DeepSpeed PR 8442); stage 3 needs zero.Init."""
 
-KNOB_ALIASES = {"ckpt": "checkpointing", "reserve": "activation-reserve", "overlap": "overlap-forward", "reshard": "fsdp-reshard", "prefetch": "ds-prefetch-bucket",
+KNOB_ALIASES = {"ckpt": "checkpointing", "reserve": "activation-reserve", "params": "engine-params", "overlap": "overlap-forward", "reshard": "fsdp-reshard", "prefetch": "ds-prefetch-bucket",
                 "reduce": "ds-reduce-bucket", "ratio": "ds-ratio", "sub-group": "ds-sub-group"}
 
 # [Note: plan order is priority] (run.py): when a plan's expected time exceeds the deadline, its
