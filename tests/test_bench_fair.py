@@ -226,6 +226,10 @@ def test_compile_knob_compiles_each_block_of_engine_and_ddp_only():
     assert items[1].case_args() == ["--compile", "1"]
     with pytest.raises(ValueError, match="takes no knob 'compile'"):
         parse_plan("offload-adamw:compile=1@1")
+    with pytest.raises(ValueError, match="holds another knob; separate knobs with ','"):
+        parse_plan("engine-auto:gpu-cap=25.6:ckpt=1@1")  # (the case got '--gpu-cap 25.6:ckpt=1')
+    assert parse_plan("engine-auto:gpu-cap=25.6,ckpt=0.5,params=gpu@1")[0].knobs == (
+        ("gpu-cap", "25.6"), ("checkpointing", "0.5"), ("engine-params", "gpu"))
     assert parse_args(["--case", "engine", "--threads", "1", "--init", "x", "--json-out", "y",
                        "--compile", "1"]).compile == "1"
     model = GPT(preset(MODEL, seq_len=SEQ))

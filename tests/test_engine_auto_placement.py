@@ -128,3 +128,31 @@ def test_grow_share_between_windows_only():
             engine.grow_share(Measured(device_limit=1 << 40, device_peak=0, margin=0))
     finally:
         engine.close()
+
+
+def test_running_out_of_memory_before_the_first_measurement_names_the_reserve(monkeypatch):
+    """A first step whose activations exceed the reserve the first plan left them (the s15 30.5B
+    run with half its blocks checkpointed): one line naming the reserve and the fix, still an
+    out-of-memory error; after a measured step the error passes as it is."""
+    engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=auto_config(**PARTIAL), device="cpu")
+    try:
+        x, y = gpt_batches(1)[0]
+        real = type(engine.module.blocks[0]).forward
+
+        def oom(self, *a, **k):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 312.00 MiB.")
+
+        monkeypatch.setattr(type(engine.module.blocks[0]), "forward", oom)
+        with pytest.raises(torch.OutOfMemoryError) as info:
+            engine(x, y)
+        text = str(info.value)
+        assert "\n" not in text and "before the first was measured" in text
+        assert f"activation_reserve={PARTIAL['activation_reserve']} bytes" in text
+        assert "Pass a larger activation_reserve" in text and "Tried to allocate 312.00 MiB" in text
+        monkeypatch.setattr(type(engine.module.blocks[0]), "forward", real)
+        engine.grow_share(Measured(device_limit=1 << 40, device_peak=0, margin=0))
+        monkeypatch.setattr(type(engine.module.blocks[0]), "forward", oom)
+        with pytest.raises(torch.OutOfMemoryError, match=r"^CUDA out of memory\. Tried"):
+            engine(x, y)
+    finally:
+        engine.close()

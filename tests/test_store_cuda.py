@@ -73,6 +73,30 @@ def test_nvme_to_gpu_with_cuda(tmp_path):
     store.close()
 
 
+def test_rehome_from_nvme_onto_the_gpu_and_back_with_cuda(tmp_path):
+    """The measured share grows over NVMe state (placement.py, [Note: measured share]): the
+    payload goes home to pinned host memory, then to the device, bytes intact; a written GPU
+    home goes back to the disk the same way."""
+    store = cuda_store(tmp_path)
+    cid = store.add_chunk({"master": PayloadSpec(4 * MiB, torch.float32, Tier.NVME)})
+    data = torch.randn(4 * MiB)
+    store.allocate(cid, "master", "cpu").copy_(data)
+    store.flush(cid, "master").wait()
+    store.evict(cid, "master", "cpu")
+    store.synchronize()
+    store.rehome(cid, "master", Tier.CPU)
+    assert store.get(cid, "master", "cpu").is_pinned()
+    store.rehome(cid, "master", Tier.GPU)
+    assert store.home(cid, "master") is Tier.GPU and store.bytes("cpu") == 0 and store.bytes("nvme") == 0
+    store.get(cid, "master", "gpu", write=True).mul_(2.0)
+    store.mark_dirty(cid, "master", "gpu")
+    store.rehome(cid, "master", Tier.NVME)
+    assert store.home(cid, "master") is Tier.NVME and store.bytes("gpu") == 0
+    store.fetch(cid, "master", "gpu")
+    assert torch.equal(store.get(cid, "master", "gpu").cpu(), data * 2.0)
+    store.close()
+
+
 def test_prefetch_hides_copies_behind_gpu_compute():
     def stall(depth):
         store = cuda_store(gpu=6 * 64 * MiB)

@@ -263,6 +263,9 @@ def parse_item(text: str) -> Item:
         k = KNOB_ALIASES.get(k.strip(), k.strip())
         if not eq or not v.strip():
             raise ValueError(f"plan item {text!r}: knob {kv!r} needs a value (knob=value)")
+        if ":" in v or "=" in v:
+            raise ValueError(f"plan item {text!r}: knob {kv!r} holds another knob; separate knobs with ',' "
+                             f"(case:knob=value,knob=value@N)")
         if k not in info.knobs + COMMON_KNOBS + CASE_KNOBS:
             raise ValueError(f"plan item {text!r}: case {name} takes no knob {k!r}; its knobs: "
                              f"{', '.join(info.knobs) or 'none'}")

@@ -504,7 +504,7 @@ class Engine:
         except BaseException as e:
             self._fail(e)
             self._clean_up_after(e)
-            raise self._guard.explain(e) from e
+            raise self.plan.unmeasured_oom(self._guard.explain(e)) from e
         finally:
             with self._lock:
                 self._guard.end_forward()
@@ -625,7 +625,7 @@ class Engine:
             self._fail(e)
             self._clean_up_after(e)
             self._set_phase(Phase.IDLE)
-            raise self._guard.explain(e) from e
+            raise self.plan.unmeasured_oom(self._guard.explain(e)) from e
         self._finish_backward()
         self._stats.span("backward", t0)
 

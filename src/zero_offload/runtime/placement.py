@@ -600,6 +600,25 @@ class PlacementPlan:
             why=f"fell back at chunk {index} ({type(error).__name__}: {line[:200]}); "
                 f"{len(back)} chunk(s) stay where they were (host memory or NVMe)")
 
+    def unmeasured_oom(self, error: BaseException) -> BaseException:
+        """``error`` (a CUDA out-of-memory error of a step before the first was measured: [Note:
+        measured share]) as one naming the cause and the fix: the activations needed more than
+        the reserve the first plan left them. Other errors, or after the measurement: ``error``."""
+        if not isinstance(error, torch.OutOfMemoryError) or self.measured is not None:
+            return error
+        request, budgets = self.request, self.budgets
+        reserve = budgets.gpu // 2 if request.reserve == "auto" else request.reserve
+        homes = self.need[Tier.GPU] - self.working[Tier.GPU]
+        line = (str(error).splitlines() or [""])[0][:160]
+        return torch.OutOfMemoryError(
+            f"{request._prefix}CUDA out of memory in a step before the first was measured ({line}): the "
+            f"first plan left activation_reserve={reserve} bytes ({reserve / 2**30:.1f} GiB"
+            + (', "auto": half of gpu_budget' if request.reserve == "auto" else "")
+            + f") to the activations beside {homes / 2**30:.1f} GiB of homes on the device "
+            f"({self.count(optimizer=Tier.GPU)} chunks' optimizer state), and this step's activations "
+            f"need more. Pass a larger activation_reserve (the share grows back after the first "
+            f"step measures), or checkpoint more blocks")
+
     def stop_promotion(self, index: int, error: BaseException) -> "PlacementPlan":
         """This plan with the promoted chunks from ``index`` on back on NVMe (their move into host
         memory failed with ``error``: [Note: measured share])."""
