@@ -153,21 +153,9 @@ def grow(group: ChunkGroup, plan: PlacementPlan, measured: Measured, need: Calla
         measured = tightest(shards.exchange(measured, doing="measure its device",
                                             what="the exchange of the ranks' measured steps", owner=owner))
     plan = grow_share(plan, measured)
-    moved, error, fatal = len(plan.grown), None, None  # moved: of plan.grown, before a failure
-    for k, i in enumerate(plan.grown):
-        try:
-            group.rehome(group.chunks[i], Tier.GPU)
-        except (torch.OutOfMemoryError, BudgetError) as e:
-            moved, error = k, e
-            break
-        except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange
-            if not ranked:
-                raise
-            moved, fatal = k, e
-            break
-    failed = moved
-    if ranked:
-        failed, error = _agree_fall_back(shards, moved, error, fatal, owner=owner)
+    moved, failed, error = _moves(shards, plan.grown, lambda i: group.rehome(group.chunks[i], Tier.GPU),
+                                  memory=(torch.OutOfMemoryError, BudgetError), owner=owner,
+                                  doing="move its optimizer state into the GPU share")
     if error is not None:
         plan = plan.fall_back(plan.grown[failed], error)
         for i in plan.fell_back[:moved - failed]:  # moved here, not on the failing rank: back
@@ -196,11 +184,29 @@ def _promote(group: ChunkGroup, plan: PlacementPlan, need: Callable[[int], Chunk
             room = min(shards.exchange(room, doing="measure its host memory",
                                        what="the exchange of the ranks' free host memory", owner=owner))
     plan = promote_state(plan, room)
-    moved, error, fatal = len(plan.promoted), None, None
-    for k, i in enumerate(plan.promoted):
-        try:
+    moved, failed, error = _moves(shards, plan.promoted, lambda i: _rehome_as_planned(group, plan, i, need(i)),
+                                  memory=_HOST_ERRORS, owner=owner,
+                                  doing="move its optimizer state from NVMe into host memory")
+    if error is not None:
+        back = plan.promoted[failed:moved]  # moved here, not on the failing rank: back to NVMe
+        plan = plan.stop_promotion(plan.promoted[failed], error)
+        for i in back:
             _rehome_as_planned(group, plan, i, need(i))
-        except _HOST_ERRORS as e:
+    return plan
+
+
+def _moves(shards: Shards, chunks: Sequence[int], move: Callable[[int], None], *, memory: tuple,
+           owner: str, doing: str) -> tuple:
+    """``move(i)`` for each of ``chunks`` in order, until one fails: ``(moved, failed, error)``,
+    the moves done here, the first failed one over the ranks (``_agree_fall_back``) and its error
+    (None: all moved). A failure for want of memory (``memory``: exception types) is the error;
+    any other raises (one rank), or on every rank (several)."""
+    ranked = shards.world > 1
+    moved, error, fatal = len(chunks), None, None
+    for k, i in enumerate(chunks):
+        try:
+            move(i)
+        except memory as e:
             moved, error = k, e
             break
         except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange
@@ -210,19 +216,12 @@ def _promote(group: ChunkGroup, plan: PlacementPlan, need: Callable[[int], Chunk
             break
     failed = moved
     if ranked:
-        failed, error = _agree_fall_back(shards, moved, error, fatal, owner=owner,
-                                         doing="move its optimizer state from NVMe into host memory")
-    if error is not None:
-        back = plan.promoted[failed:moved]  # moved here, not on the failing rank: back to NVMe
-        plan = plan.stop_promotion(plan.promoted[failed], error)
-        for i in back:
-            _rehome_as_planned(group, plan, i, need(i))
-    return plan
+        failed, error = _agree_fall_back(shards, moved, error, fatal, owner=owner, doing=doing)
+    return moved, failed, error
 
 
 def _agree_fall_back(shards: Shards, moved: int, error: Optional[BaseException],
-                     fatal: Optional[BaseException], *, owner: str,
-                     doing: str = "move its optimizer state into the GPU share") -> tuple:
+                     fatal: Optional[BaseException], *, owner: str, doing: str) -> tuple:
     """Several ranks: the first of the grown chunks whose move failed on any rank (this
     rank's: ``moved``, its ``error``) and that error (another rank's: named), so every rank
     falls back at the same chunk ([Note: ranks agree on placement] in placement.py).
