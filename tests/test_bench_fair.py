@@ -471,3 +471,40 @@ def test_ds_muon_gives_muon_torch_opts_params_and_says_what_it_retagged(monkeypa
     _fake_deepspeed(monkeypatch, own_rule=True)
     with pytest.raises(CaseError, match=r"use_muon off torch's split on \['wte.weight', 'wpe.weight'\]"):
         build_ds_muon(args, cfg, torch.device("cpu"), 1, sd)
+
+
+def test_nvme_on_the_same_machine_and_placement_both_engines(tmp_path):
+    """Issue 22: our engine with its optimizer state on NVMe (params on the host) beside DeepSpeed
+    ZeRO-3 with offload_optimizer on NVMe (ZeRO-Infinity; offload_param cpu): the knobs, the
+    DeepSpeed config its docs give, a clear error without a swap directory, and on the CPU the
+    engine's case training from the same weights in a swap directory the driver made and removed."""
+    import argparse
+    from case import CaseError, ds_config
+    from fairplan import parse_plan
+    engine, ds = parse_plan("engine:optimizer=nvme@1 ds-zero3:nvme=1@1")
+    assert engine.case_args() == ["--engine-optimizer", "nvme"] and ds.case_args() == ["--ds-nvme", "1"]
+    with pytest.raises(ValueError, match="engine-optimizer=gpu: choose from cpu, nvme"):
+        parse_plan("engine:optimizer=gpu@1")
+    with pytest.raises(ValueError, match="case ds-zero2 takes no knob 'ds-nvme'"):
+        parse_plan("ds-zero2:nvme=1@1")
+    cfg = preset("tiny")
+    args = argparse.Namespace(batch=2, ds_reduce_bucket=None, ds_prefetch_bucket=None, ds_sub_group=None,
+                              ds_ratio="0.5", ds_nvme="1", nvme_dir=str(tmp_path / "ds"))
+    conf = ds_config(args, cfg, 1, "ds-zero3")
+    zero = conf["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "nvme", "nvme_path": str(tmp_path / "ds"), "pin_memory": True,
+                                         "buffer_count": 4, "fast_init": False}
+    assert zero["offload_param"] == {"device": "cpu", "pin_memory": True}
+    assert conf["aio"]["block_size"] == 1 << 20 and conf["aio"]["queue_depth"] == 8
+    assert "aio" not in ds_config(argparse.Namespace(**{**vars(args), "ds_nvme": "0"}), cfg, 1, "ds-zero3")
+    with pytest.raises(CaseError, match="ds-nvme=1 needs a swap directory: give the run --nvme-dir"):
+        ds_config(argparse.Namespace(**{**vars(args), "nvme_dir": None}), cfg, 1, "ds-zero3")
+
+    make_init(["--model", MODEL, "--seq", str(SEQ), "--init-std", str(STD), "--out", str(tmp_path / "init.pt")])
+    swap = tmp_path / "swap"
+    r, rows, _ = _driver(tmp_path, "--plan", "engine:optimizer=nvme@1", "--nvme-dir", str(swap))
+    assert r.returncode == 0, r.stderr[-2000:] + r.stdout[-2000:]
+    [row] = rows
+    assert row["error"] is None and row["config"]["offload_config"]["optimizer"] == "nvme"
+    assert abs(row["step0_loss"] - _reference_losses(0)["engine"]) < 1e-3 * row["step0_loss"]
+    assert swap.is_dir() and list(swap.iterdir()) == []  # the case's own directory made and removed

@@ -49,6 +49,9 @@ Cases and their recipes (the row's "recipe" says it; fairplan.CASES is the table
 - ``ds-zero3``: ZeRO-3 with ``offload_param`` and ``offload_optimizer`` cpu (pin_memory), bf16,
   overlap_comm, contiguous_gradients; buckets ``--ds-prefetch-bucket`` / ``--ds-reduce-bucket``
   (default the HF "auto" values 0.9 h^2 / h^2), persistence 10 h, sub_group_size 1e9.
+  ``--ds-nvme 1`` (knob ``nvme=1``): the optimizer state on NVMe under ``--nvme-dir`` (ZeRO-Infinity,
+  its docs' offload_optimizer settings and the aio defaults), beside ``engine:optimizer=nvme`` (the
+  same placement: params on the host, the state in our swap file).
 - ``ds-zero3-ratio``: ZeRO-3, params on the GPU, ``offload_optimizer`` cpu with ``ratio``
   ``--ds-ratio`` (the share of the optimizer's sub-groups on the CPU; the rest updates on the
   GPU). The split is per sub-group, so ``sub_group_size`` defaults to 1e8 here (with one
@@ -481,9 +484,13 @@ def build_engine(args, cfg, device, world, sd, auto=False):
     set_checkpointing(model, args.checkpointing)
     compiled = _compile_blocks(args, model)  # before initialize: each block is one unit
     clock = _CompileClock(args)
-    ocfg = zo.OffloadConfig(params=args.engine_params if auto else "cpu", optimizer="auto" if auto else "cpu",
+    nvme = not auto and args.engine_optimizer == "nvme"
+    if nvme and not args.nvme_dir:
+        raise CaseError("engine with optimizer=nvme needs a swap directory: give the run --nvme-dir DIR")
+    ocfg = zo.OffloadConfig(params=args.engine_params if auto else "cpu",
+                            optimizer="auto" if auto else args.engine_optimizer,
                             dtype="bf16", threads=args.threads,
-                            nvme_dir=args.nvme_dir if auto and args.nvme_dir else None,
+                            nvme_dir=args.nvme_dir if (auto or nvme) and args.nvme_dir else None,
                             activation_reserve=int(args.activation_reserve * GiB) if args.activation_reserve
                             else "auto")
     # by name, looked up only for the rule asked (a tree= commit older than the rules has AdamW only)
@@ -662,17 +669,26 @@ def ds_config(args, cfg, world, case) -> dict:
                     offload_optimizer={"device": "cpu", "pin_memory": True})
         if case == "ds-zero3":
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+            if args.ds_nvme == "1":  # ZeRO-Infinity: the optimizer state on NVMe (its docs' settings)
+                if not args.nvme_dir:
+                    raise CaseError("ds-zero3 with ds-nvme=1 needs a swap directory: give the run --nvme-dir DIR")
+                zero["offload_optimizer"] = {"device": "nvme", "nvme_path": args.nvme_dir, "pin_memory": True,
+                                             "buffer_count": 4, "fast_init": False}
         else:
             ratio = float(args.ds_ratio)
             if not 0.0 <= ratio <= 1.0:
                 raise CaseError(f"--ds-ratio {args.ds_ratio}: DeepSpeed's offload_optimizer.ratio is the "
                                 f"share on the CPU, in [0, 1]")
             zero["offload_optimizer"]["ratio"] = ratio
-    return {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+    conf = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
             "gradient_clipping": 0.0, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False,
             "bf16": {"enabled": True}, "zero_optimization": zero,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
                                                       "weight_decay": WD}}}
+    if zero["offload_optimizer"]["device"] == "nvme":  # a top-level key; DeepSpeed 0.19.8's defaults
+        conf["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1,
+                       "single_submit": False, "overlap_events": True}
+    return conf
 
 
 def build_deepspeed(args, cfg, device, world, sd, case):
@@ -901,6 +917,12 @@ def parse_args(argv=None):
     ap.add_argument("--ds-reduce-bucket", default=None)
     ap.add_argument("--ds-sub-group", default=None)
     ap.add_argument("--ds-ratio", default="0.5")
+    ap.add_argument("--ds-nvme", default="0", choices=("0", "1"),
+                    help="ds-zero3: 1 puts the optimizer state on NVMe under --nvme-dir (ZeRO-Infinity: "
+                         "offload_optimizer device nvme, buffer_count 4, the aio defaults)")
+    ap.add_argument("--engine-optimizer", default="cpu", choices=("cpu", "nvme"),
+                    help="engine: OffloadConfig.optimizer (nvme: the state in a swap file under --nvme-dir, "
+                         "ds-zero3 with ds-nvme=1's placement)")
     ap.add_argument("--ds-stage", default="2", choices=DS_MUON_STAGES,
                     help="ds-muon: the ZeRO stage (2; 1 = ZeRO-1 with fp32 grad accumulation)")
     ap.add_argument("--fsdp-reshard", default="0", choices=("0", "1"))

@@ -30,7 +30,10 @@
 #   bash benchmarks/fair/device.sh phases "14b:big1 --batch 8 --checkpointing --nvme-dir /tmp/zo_nvme"
 #
 # Carry `.whl` (a copy of ../shared/wheels: deepspeed/ and torchao/; see its README) for the
-# DeepSpeed and torchao cases; without it those rows say "No module named ...".
+# DeepSpeed and torchao cases; without it those rows say "No module named ...". With its
+# deepspeed/deb/ libaio is unpacked for DeepSpeed's async_io, built during the setup when a plan
+# item has `nvme=1`: NVMe on one machine, both engines, the same placement (issue 22), e.g.
+#   bash benchmarks/fair/device.sh phases "1.3b:engine:optimizer=nvme@1;ds-zero3:nvme=1@1 --batch 8 --nvme-dir /tmp/zo_nvme"
 # Results under $OUT (at most 8 files come back): machine.txt, setup.log, rows.jsonl,
 # summary.md, logs.tar.gz (every case's log and JSON), device.log.
 # Knobs (env): FAIR_BUDGET total seconds for this script (default 540; the call is killed at
@@ -81,6 +84,12 @@ if [ -n "$wheels" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     $wheels >> "$OUT/setup.log" 2>&1 \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || say "wheel install failed (see setup.log)"
+  if ls .whl/deepspeed/deb/*.deb >/dev/null 2>&1; then  # libaio for DeepSpeed's async_io (ds-zero3:nvme=1)
+    mkdir -p /tmp/aio && for d in .whl/deepspeed/deb/*.deb; do dpkg -x "$d" /tmp/aio; done
+    L=/tmp/aio/usr/lib/x86_64-linux-gnu
+    export CFLAGS="-I/tmp/aio/usr/include" LDFLAGS="-L$L" CPATH=/tmp/aio/usr/include LIBRARY_PATH=$L \
+      LD_LIBRARY_PATH=$L${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  fi
 else
   say "no .whl/deepspeed or .whl/torchao carried: the ds-* and torchao rows will say so"
 fi
@@ -89,6 +98,10 @@ fi
 ( if python3 -c "import deepspeed" >/dev/null 2>&1; then
     timeout 300 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
       > /tmp/ds_build.log 2>&1 && echo "cpu_adam op built" || { echo "cpu_adam op build FAILED:"; tail -5 /tmp/ds_build.log; }
+    if [ -d /tmp/aio ] && [[ " $* " == *nvme=1* ]]; then  # only for a plan with DeepSpeed on NVMe
+      timeout 300 python3 -c "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()" \
+        > /tmp/ds_aio_build.log 2>&1 && echo "async_io op built" || { echo "async_io op build FAILED:"; tail -5 /tmp/ds_aio_build.log; }
+    fi
   else echo "deepspeed not importable: ds-* rows will say so"; fi ) > /tmp/ds_build.status 2>&1 &
 ds_pid=$!
 ( [ -f "$INIT" ] || [ "${INIT#seeded}" != "$INIT" ] || PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} timeout 300 python3 benchmarks/fair/make_init.py \

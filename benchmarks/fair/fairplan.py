@@ -55,7 +55,8 @@ CASES: dict[str, CaseInfo] = {
     "engine": CaseInfo(
         "bf16 working params (no autocast), fp32 master + moments on the CPU; zero_offload engine "
         "params=cpu optimizer=cpu",
-        short=BF16_MASTER, knobs=("opt", "compile"), startup_s=35, step_s={1: 0.45, 2: 0.40, 4: 0.65}),
+        short=BF16_MASTER, knobs=("opt", "compile", "engine-optimizer"), startup_s=35,
+        step_s={1: 0.45, 2: 0.40, 4: 0.65}),
     "engine-auto": CaseInfo(
         "bf16 working params (no autocast), fp32 master + moments on the CPU; zero_offload engine "
         "params=auto optimizer=auto",
@@ -86,7 +87,8 @@ CASES: dict[str, CaseInfo] = {
     "ds-zero3": CaseInfo(
         "DeepSpeed bf16 params, fp32 master + moments on the CPU (ZeRO-3, offload_param + "
         "offload_optimizer cpu, DeepSpeedCPUAdam)",
-        short=BF16_MASTER, gpu_only=True, knobs=DS3_KNOBS, startup_s=50, startup_per_b=8.0, step_s={1: 1.1, 2: 1.2, 4: 1.3}),
+        short=BF16_MASTER, gpu_only=True, knobs=DS3_KNOBS + ("ds-nvme",), startup_s=50, startup_per_b=8.0,
+        step_s={1: 1.1, 2: 1.2, 4: 1.3}),
     "ds-zero3-ratio": CaseInfo(
         "DeepSpeed bf16 params on the GPU, fp32 master + moments: the ds-ratio share on the CPU "
         "(DeepSpeedCPUAdam), the rest on the GPU (ZeRO-3, offload_optimizer cpu with ratio)",
@@ -134,7 +136,12 @@ DS_MUON_STAGES = ("1", "2")
 offload and without zero.Init (2: the default; 1 with fp32 grad accumulation: BF16_Optimizer).
 Stage 0 applies the raw gradient (no Newton-Schulz, DeepSpeed PR 8442); stage 3 needs zero.Init."""
 
-KNOB_ALIASES = {"ckpt": "checkpointing", "reserve": "activation-reserve", "params": "engine-params", "overlap": "overlap-forward", "reshard": "fsdp-reshard", "prefetch": "ds-prefetch-bucket",
+KNOB_CHOICES = {"engine-params": ("auto", "gpu"), "engine-optimizer": ("cpu", "nvme"), "ds-nvme": ("0", "1"),
+                "fsdp-reshard": ("0", "1"), "overlap-forward": ("0", "1"), "compile": ("0", "1")}
+"""Knobs with a fixed set of values, checked when the plan is read (not when the case starts)."""
+
+KNOB_ALIASES = {"ckpt": "checkpointing", "reserve": "activation-reserve", "params": "engine-params",
+                "optimizer": "engine-optimizer", "nvme": "ds-nvme", "overlap": "overlap-forward", "reshard": "fsdp-reshard", "prefetch": "ds-prefetch-bucket",
                 "reduce": "ds-reduce-bucket", "ratio": "ds-ratio", "sub-group": "ds-sub-group"}
 
 # [Note: plan order is priority] (run.py): when a plan's expected time exceeds the deadline, its
@@ -274,6 +281,8 @@ def parse_item(text: str) -> Item:
                 checkpoint_fraction(v.strip())
             except ValueError as e:
                 raise ValueError(f"plan item {text!r}: {e}") from None
+        if k in KNOB_CHOICES and v.strip() not in KNOB_CHOICES[k]:
+            raise ValueError(f"plan item {text!r}: {k}={v.strip()}: choose from {', '.join(KNOB_CHOICES[k])}")
         if k == "opt" and v.strip() not in OPTS:
             raise ValueError(f"plan item {text!r}: opt={v.strip()} is not a rule; choose from {', '.join(OPTS)}")
         if k == "ds-stage" and v.strip() not in DS_MUON_STAGES:

@@ -35,6 +35,7 @@ import random
 import shutil
 import signal
 import subprocess
+import tempfile
 import sys
 import tarfile
 import threading
@@ -364,8 +365,11 @@ class Driver:
             cmd.append("--checkpointing")
         if a.init_std and a.init.startswith("seeded"):  # a file carries its own
             cmd += ["--init-std", str(a.init_std)]
-        if a.nvme_dir:
-            cmd += ["--nvme-dir", os.path.join(a.nvme_dir, f"{order:02d}_{item.slug}")]
+        swap = None
+        if a.nvme_dir:  # a directory of the case's own, made here (so ours to remove after it)
+            os.makedirs(a.nvme_dir, exist_ok=True)
+            swap = tempfile.mkdtemp(prefix=f"{order:02d}_{item.slug}_", dir=a.nvme_dir)
+            cmd += ["--nvme-dir", swap]
         env = {**os.environ, **DEVICE_ENV, "OMP_NUM_THREADS": str(row["threads"]),
                "MKL_NUM_THREADS": str(row["threads"]), "ZO_FAIR_COMMIT": self.commit,
                "FAIR_MEM_PERIOD": str(a.mem_period)}
@@ -391,6 +395,9 @@ class Driver:
             except BaseException:  # the driver itself is stopped (SIGTERM, ^C): the case goes too
                 kill_case(proc)
                 raise
+            finally:
+                if swap is not None:  # what the case left there (DeepSpeed's swap files): the disk is shared
+                    shutil.rmtree(swap, ignore_errors=True)
         elapsed = time.monotonic() - t0
         low = self.mem.low
         self.ratios.append(elapsed / max(1.0, row["expected_s"]))
@@ -538,7 +545,9 @@ def main(argv=None) -> int:
                     help="make_init.py --init-std, or case.py's with --init seeded (tests)")
     ap.add_argument("--device", choices=("cuda", "cpu"),
                     default="cuda" if shutil.which("nvidia-smi") else "cpu")
-    ap.add_argument("--nvme-dir", default=None, help="engine-auto: a per-case swap directory under it")
+    ap.add_argument("--nvme-dir", default=None,
+                    help="engine-auto, engine:optimizer=nvme, ds-zero3:nvme=1: each case's swap directory is "
+                         "made under it and removed after the case")
     ap.add_argument("--log-dir", default=None, help="per-case logs and case JSONs (default OUT/logs)")
     ap.add_argument("--log-tar", default=None, help="rewrite this .tar.gz of the log dir after every case")
     ap.add_argument("--mem-period", type=float, default=0.05, help="PSS / MemAvailable sampling period, s")
