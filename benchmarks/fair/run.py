@@ -474,7 +474,7 @@ class Driver:
         print(f"[fair] run {self.run_id}: {len(order)} cases in this order: "
               + ", ".join(f"{i.label}@{i.world}" for i in order)
               + (f"; deadline {a.deadline:.0f} s, expected {total:.0f} s" if a.deadline else "")
-              + (f"; not run (the plan's last items, past the deadline): "
+              + ("; not run (the plan's last items, past the deadline): "
                  + " ".join(f"{i.label}@{i.world}" for i in dropped) if dropped else ""), flush=True)
         if a.dry_run:
             for i in order:

@@ -41,7 +41,10 @@ import time
 import traceback
 import uuid
 from pathlib import Path
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence
+
+if TYPE_CHECKING:  # annotations only: torch is imported where it is used ([Note: torch after parsing])
+    import torch
 
 # [Note: torch after parsing] Importing torch takes 3-30 s (CUDA libraries, a cold page cache);
 # a usage error must not wait for it. So this module, run_settings, presets and the parsers of
@@ -284,7 +287,7 @@ def _plan_resume(out: Path, sf: _StateFile) -> _Resume:
             from .runtime.checkpoint import CheckpointCorrupt
             raise CheckpointCorrupt(f"no whole checkpoint in {out}: " + ("; ".join(why for _, why in skipped)
                                     or f"{STATE_FILE} names none") + " (no earlier one to fall back "
-                                    f"to); start again with --overwrite")
+                                    "to); start again with --overwrite")
         if not sf.present and not on_disk:
             raise UsageError(f"--resume: no checkpoint in {out} (no {STATE_FILE}); run without "
                              f"--resume first, or pass the --out of an earlier run")

@@ -6,6 +6,7 @@ error must be answered before torch is imported (cli.py [Note: torch after parsi
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 from dataclasses import dataclass
 
 

@@ -13,7 +13,10 @@ import json
 import math
 import signal
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:  # annotations only: torch is imported where it is used ([Note: torch after parsing])
+    import torch
 
 from .runtime.vocab import human_bytes
 
