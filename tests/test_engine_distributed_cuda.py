@@ -3,7 +3,9 @@ next chunk's all-gather issued ahead, the grads' reduce-scatter waited for on a 
 before the shard goes to the host), which gloo on the CPU does not exercise. Parity with
 single-process torch AdamW on the same global batch, fp32, params on the CPU (gathered at each
 use) and on the GPU (a replica per GPU), accumulation reduced every micro-batch or at the
-window's end, global-norm clipping."""
+window's end, global-norm clipping; and the optimizer's GPU share ("auto"), whose accumulation,
+norms and updates run on the comm stream behind each reduce-scatter while backward goes on
+(chunk_group.py's [Note: GPU share])."""
 import pytest
 import torch
 
@@ -32,20 +34,26 @@ def _rank(rank, world, kw, steps, accum):
         if engine.step() and engine.last_grad_norm is not None:
             norms.append(engine.last_grad_norm)
     sd = engine.state_dict()
+    on_gpu = engine.stats().placement["tiers"]["gpu"]["optimizer"]
     engine.close()
-    return sd, norms
+    return sd, norms, on_gpu
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(params="gpu"), dict(grad_clip=0.05, grad_sync="every"),
-                                dict(grad_clip=0.05, grad_sync="final", params="gpu")],
-                         ids=["cpu", "gpu-replica", "clip-every", "clip-final-replica"])
+                                dict(grad_clip=0.05, grad_sync="final", params="gpu"),
+                                dict(params="auto", optimizer="auto"),
+                                dict(params="auto", optimizer="auto", grad_clip=0.05, grad_sync="every"),
+                                dict(params="gpu", optimizer="auto", grad_clip=0.05, grad_sync="final")],
+                         ids=["cpu", "gpu-replica", "clip-every", "clip-final-replica", "share",
+                              "share-clip-every", "share-clip-final-replica"])
 def test_nccl_ranks_train_like_one_torch_process(kw, tmp_path):
     accum = 2 if "grad_sync" in kw else 1
     out = values(run_ranks(_rank, WORLD, tmp_path, kw, 3, accum, backend="nccl", timeout_s=300))
     ref = Reference(micro_gpt(), SPEC, accum=accum, grad_clip=kw.get("grad_clip"))
     for b in gpt_batches(3 * accum, batch=2 * WORLD):
         ref.step(b, gpt_loss)
-    for sd, norms in out:
+    for sd, norms, on_gpu in out:
+        assert (on_gpu > 0) == (kw.get("optimizer") == "auto"), on_gpu  # the share is there to test
         assert_params_close(sd, ref.master_state(), rtol=1e-4)
         if "grad_clip" in kw:
             assert norms == pytest.approx(ref.norms, rel=1e-4)
