@@ -39,6 +39,7 @@ Usage (GPU machine; results in benchmarks/results/init_<hardware>_<date>.json):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -112,6 +113,8 @@ def run_case(args) -> dict:
     from zero_offload.models import GPT
 
     case = CASES[args.case]
+    from zero_offload.runtime import swap_io
+    swap_io.HUGE_PAGES = args.huge_pages  # [Note: huge pages]: the default, or the A/B without
     t_imported = time.time()
     device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
     if device.type == "cuda":
@@ -183,7 +186,7 @@ def run_case(args) -> dict:
     return {
         "case": args.case, "source": case["source"], "placement": {"params": case["params"],
                                                                    "optimizer": case["optimizer"]},
-        "model": args.model, "params": n, "world": 1, "device": str(device),
+        "model": args.model, "params": n, "world": 1, "device": str(device), "huge_pages": args.huge_pages,
         "init_s": init_s, "init_s_per_b": init_s / (n / 1e9), "init_cpu_s": init_cpu_s,
         "close_s": close_s, "close_s_per_b": None if close_s is None else close_s / (n / 1e9),
         "close_cpu_s": close_cpu_s,
@@ -212,6 +215,25 @@ def run_pin_probe(args) -> dict:
         m = mmap.mmap(-1, nbytes)
         return m, torch.frombuffer(memoryview(m), dtype=torch.uint8)
 
+    if torch.cuda.is_available() and hasattr(mmap, "MADV_HUGEPAGE"):
+        # the same touch and pin on memory advised to huge pages (swap_io's [Note: huge pages])
+        m, t = fresh()
+        m.madvise(mmap.MADV_HUGEPAGE)
+        t0 = time.perf_counter()
+        t.zero_()
+        out["touch_huge_gib_s"] = nbytes / GiB / (time.perf_counter() - t0)
+        cudart = torch.cuda.cudart()
+        t0 = time.perf_counter()
+        err = int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0))
+        out["register_huge_touched_gib_s"] = nbytes / GiB / (time.perf_counter() - t0) if err == 0 else None
+        if err == 0:
+            cudart.cudaHostUnregister(t.data_ptr())
+        del t
+        m.close()
+        for key in ("enabled", "defrag"):
+            with contextlib.suppress(OSError):
+                with open(f"/sys/kernel/mm/transparent_hugepage/{key}") as f:
+                    out[f"thp_{key}"] = f.read().strip()
     m, t = fresh()
     t0 = time.perf_counter()
     t.zero_()
@@ -279,6 +301,9 @@ def main(argv=None) -> int:
                    help="cProfile initialize; each row lists its top functions by own time")
     p.add_argument("--profile-top", type=int, default=15)
     p.add_argument("--probe-gib", type=float, default=4.0, help="memory the pin-probe case touches and pins")
+    p.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True,
+                   help="host buffers advised to transparent huge pages (the engine's default; "
+                        "--no-huge-pages for the A/B)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even when CUDA is there")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per case")
     p.add_argument("--json-out", default=None)

@@ -162,3 +162,31 @@ def test_two_ranks_fill_their_shards_with_the_serial_values(tmp_path):
             for k, v in reference.state_dict().items():
                 assert torch.equal(sd[source][k], v), (source, k)
 
+
+
+def test_init_seconds_say_where_initialize_spent_its_time(monkeypatch):
+    """``Engine.init_seconds``: the plan, the homes (allocated in aligned_empty), the values and
+    the rest add up to the total; slowing the host allocation shows in "homes" alone."""
+    from zero_offload.runtime import store as store_mod
+    real = store_mod.aligned_empty
+    slow = []
+
+    def slow_empty(*a, **kw):
+        slow.append(1)
+        import time
+        time.sleep(0.01)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(store_mod, "aligned_empty", slow_empty)
+    with torch.device("meta"):
+        model = GPT(WIDE_GPT)
+    engine = zo.initialize(model, optimizer=SPEC, config=_config(), device=DEVICE, init=model.init_param)
+    try:
+        parts = engine.init_seconds
+        assert set(parts) == {"plan", "homes", "values", "rest", "total"}
+        assert all(v >= 0 for v in parts.values()), parts
+        assert parts["total"] == pytest.approx(parts["plan"] + parts["homes"] + parts["values"] + parts["rest"])
+        assert slow and parts["homes"] >= 0.01 * len(slow) * 0.9, (len(slow), parts)
+        assert parts["values"] < parts["homes"], parts
+    finally:
+        engine.close()

@@ -315,6 +315,7 @@ class Runner:
     on_timed: Callable = lambda: None  # called once, before the first timed step (reset stats)
     extra: Callable = lambda: {}  # after the timed steps: case-specific facts for the row
     note: Callable = lambda: ""  # after each warm-up step: one line for the case log ("" none)
+    init_parts: dict = dataclasses.field(default_factory=dict)  # where init's time went (the engine's)
 
 
 def _load_module(model, sd) -> int:
@@ -507,7 +508,7 @@ def build_engine(args, cfg, device, world, sd, auto=False):
 
     def extra():
         st = engine.stats()
-        return {"engine_stats": _jsonable(st.as_dict()),
+        return {"engine_stats": _jsonable(st.as_dict()), "engine_init_seconds": engine.init_seconds,
                 "engine_held_gib": {str(k): v / GiB for k, v in st.bytes_held.items()},
                 "engine_peak_gib": {str(k): v / GiB for k, v in st.peak_bytes.items()}, **clock.facts()}
 
@@ -524,12 +525,13 @@ def build_engine(args, cfg, device, world, sd, auto=False):
         return (f"state chunks gpu/host/nvme {share['chunks']}/{share['host_chunks']}/{share['nvme_chunks']}, "
                 f"grown {r['grown']}, from NVMe {r.get('promoted', 0)}")
 
-    return Runner(step=step, finish=engine.synchronize, close=lambda: engine.close(write_back=False),
+    runner = Runner(step=step, finish=engine.synchronize, close=lambda: engine.close(write_back=False),
                   on_timed=on_timed, note=note,
                   extra=extra, config={**compiled, "offload_config": _jsonable(engine.config.to_dict()),
                                        "opt": args.opt, "optimizer": f"zero_offload.{type(spec).__name__}"
                                        + (" + AdamW" if args.opt == "muon" else "")},
-                  threads={"engine_cpu_adam": engine.config.threads})
+                  threads={"engine_cpu_adam": engine.config.threads}, init_parts=engine.init_seconds)
+    return runner
 
 
 def build_offload_adamw(args, cfg, device, world, sd):
@@ -1009,7 +1011,9 @@ def run(args, row: dict, sampler: MemSampler) -> dict:
         row["gpu_peak_init_alloc_gib_rank0"] = torch.cuda.max_memory_allocated(device) / GiB
         torch.cuda.reset_peak_memory_stats(device)
     row["init_s"] = time.perf_counter() - t_build
-    _say(rank, f"initialized in {row['init_s']:.1f} s ({row['before_init_s']:.1f} s before)")
+    parts = runner.init_parts  # the engine's own breakdown (Engine.init_seconds)
+    _say(rank, f"initialized in {row['init_s']:.1f} s ({row['before_init_s']:.1f} s before)"
+         + (" = " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()) if parts else ""))
     row["init_s_per_billion"] = row["init_s"] / (params / 1e9)
     row["config"] = runner.config
     row["threads_reported"] = {"torch_after_build": torch.get_num_threads(), **runner.threads}

@@ -260,7 +260,14 @@ class Engine:
             self.shard.check_settings(self._rank_settings(), owner="zero_offload.initialize")
         # grad_sync="final": the window's fp32 sum of each whole chunk's grads on the device.
         self._final_sync = cfg.grad_accum > 1 and not cfg.host_accum
+        self.init_seconds: dict[str, float] = {}
+        """Where ``initialize`` spent its time, in seconds: "plan" (the values checked, the
+        budgets, the plan, the store), "homes" (every chunk's home copies allocated: host memory
+        touched and pinned, NVMe slots), "values" (the first values drawn or read and written
+        into the chunks), "rest" (the hooks, the prefetcher, buffers); "total" from the start."""
+        t_place = time.perf_counter()
         self.store = self._place(init=init, weights=weights)  # and self._values, self.plan
+        self.init_seconds["plan"] = time.perf_counter() - t_place
         try:
             self._build(lr_scheduler)
         except BaseException:
@@ -270,6 +277,9 @@ class Engine:
         for m in model.modules():
             _OPEN_ENGINES[m] = ref
         self._guard.install()  # from here on every torch call reading a param is checked
+        self.init_seconds["total"] = time.perf_counter() - t_place
+        self.init_seconds["rest"] = self.init_seconds["total"] - sum(
+            self.init_seconds.get(k, 0.0) for k in ("plan", "homes", "values"))
 
     # ---- construction -----------------------------------------------------------------------
 
@@ -379,12 +389,19 @@ class Engine:
         self._handover = Handover(self.module, self.partition, self._values, self._guard.placeholders)
         with torch.no_grad(), self.shard.reusing_scratch(), \
                 self._values.drawing(cpu_threads(cfg.threads, self.device, ranked=self._ranked) or available_cores()):
+            spent = {"homes": 0.0, "values": 0.0}
             try:
                 for layout, homes in zip(self.partition.chunks, self.plan.homes):
-                    self._handover.take(self.group, self._add_chunk(layout, homes))
+                    t0 = time.perf_counter()
+                    chunk = self._add_chunk(layout, homes)
+                    t1 = time.perf_counter()
+                    self._handover.take(self.group, chunk)
+                    spent["homes"] += t1 - t0
+                    spent["values"] += time.perf_counter() - t1
             except BaseException:
                 self._handover.give_back(self.group)
                 raise
+        self.init_seconds.update(spent)
         self._handover.take_rest(self.device, self.dtype)
 
         self.prefetcher = Prefetcher(  # [Note: holds]: it decides what is on the device when
