@@ -508,7 +508,7 @@ def build_engine(args, cfg, device, world, sd, auto=False):
 
     def extra():
         st = engine.stats()
-        return {"engine_stats": _jsonable(st.as_dict()), "engine_init_seconds": engine.init_seconds,
+        return {"engine_stats": _jsonable(st.as_dict()), "engine_init_seconds": getattr(engine, "init_seconds", None),
                 "engine_held_gib": {str(k): v / GiB for k, v in st.bytes_held.items()},
                 "engine_peak_gib": {str(k): v / GiB for k, v in st.peak_bytes.items()}, **clock.facts()}
 
@@ -530,7 +530,7 @@ def build_engine(args, cfg, device, world, sd, auto=False):
                   extra=extra, config={**compiled, "offload_config": _jsonable(engine.config.to_dict()),
                                        "opt": args.opt, "optimizer": f"zero_offload.{type(spec).__name__}"
                                        + (" + AdamW" if args.opt == "muon" else "")},
-                  threads={"engine_cpu_adam": engine.config.threads}, init_parts=engine.init_seconds)
+                  threads={"engine_cpu_adam": engine.config.threads}, init_parts=getattr(engine, "init_seconds", {}))  # (tree= knob: older engines lack it)
     return runner
 
 
