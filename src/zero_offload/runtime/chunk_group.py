@@ -80,17 +80,9 @@ eviction on another thread writes the only copy into the window first.
 share; its params are there too) never goes through the worker: its grads are the store's GPU
 copy of "grads" (pinned from staging until its update consumes them); accumulation sums them
 into its "accum" payload (homed on the GPU too), the sum of squares goes to a device scalar, and
-its update runs on a stream: the rule's ``device_step`` (Adam: torch's fused Adam(W),
+its update runs on the caller's stream: the rule's ``device_step`` (Adam: torch's fused Adam(W),
 ``torch._fused_adamw_``) on the same segments and arguments its CPU job gets, which also rounds
 the params from the master. QUEUED -> IDLE happens at once: stream order is the ordering.
-Which stream: with NCCL ranks, the comm stream right behind the chunk's grads reduce-scatter
-(``_share_side``; [Note: comm streams] in shards.py), so backward's compute never waits for a
-collective (the caller's stream waiting for each reduce-scatter cost the 4-GPU step its
-overlap); the caller's stream waits for that stream once, at the end of the pass
-(``_join_side``), before anything reads the share again (the decision's norm, the next
-forward's gathers, moves, checkpoints). The comm stream comes after everything the caller's
-stream had issued when the reduce-scatter was (NCCL orders it so), the chunk's last reads of
-its params and grads included. One rank, or gloo: the caller's stream.
 
 [Note: param sinks] Where updated params go (``ParamSink``). STORE (the engine): the update
 writes the store's params payload (the working copy ``lowp`` or, in fp32, the master itself),
@@ -452,7 +444,6 @@ class ChunkGroup:
         self._device_sumsq: Optional[torch.Tensor] = None  # [Note: GPU share]: this window's stats
         self._updated = False  # an update was queued in this window (overlap)
         self._submitted: list[GroupChunk] = []  # this window's updates in hand-over order
-        self._side = False  # share work was issued on the comm stream in this pass ([Note: GPU share])
         self._kept = False  # a staged grad stays the caller's: end_backward orders its stream after
         self.wait_s = 0.0
         """Seconds the caller's thread waited in ``wait`` for updates (what overlap did not hide)."""
@@ -785,31 +776,9 @@ class ChunkGroup:
                     return
                 full, chunk.total = chunk.total, None
                 slots, chunk.total_slots = list(chunk.total_slots), set()
-            if not self._in_store:
-                ready = self._reduce(chunk, full)
-                chunk.flushed = True
-                with self._share_side(chunk):
-                    self._submit(chunk, slots, ready=ready)
-                return
-            ready = self._send_down(chunk)
+            ready = self._send_down(chunk) if self._in_store else self._reduce(chunk, full)
         chunk.flushed = True
         self._submit(chunk, slots, ready=ready)
-
-    def _share_side(self, chunk: GroupChunk):
-        """Where a reduced chunk of the GPU share is accumulated, measured and updated: the comm
-        stream, after its reduce-scatter, while backward goes on ([Note: GPU share]); the caller's
-        stream otherwise (one rank, gloo)."""
-        if not self._on_device(chunk) or self.shards.streams is None:
-            return contextlib.nullcontext()
-        self._side = True
-        return self.shards.after_reduce()
-
-    def _join_side(self) -> None:
-        """The caller's stream waits for the share's work on the comm stream (end of a pass):
-        what follows (the decision's norm, the next forward's gathers, checkpoints, moves) sees it."""
-        if self._side:
-            self._side = False
-            torch.cuda.current_stream(self.store.device).wait_stream(self.shards.streams.reduce)
 
     def _device_buffer(self, chunk: GroupChunk) -> torch.Tensor:
         """The store's GPU copy of the chunk's "grads", zeroed and pinned."""
@@ -829,7 +798,11 @@ class ChunkGroup:
             self._release_device_buffer(chunk)  # the pin taken above ([Note: collective failures])
             raise
         with self.shards.after_reduce():
-            return self._send_down(chunk)
+            handle = self._send_down(chunk)
+        if self._on_device(chunk) and self.shards.streams is not None:
+            # [Note: GPU share]: the update reads the shard on the caller's stream, after the reduce.
+            torch.cuda.current_stream(self.store.device).wait_stream(self.shards.streams.reduce)
+        return handle
 
     def _send_down(self, chunk: GroupChunk) -> Optional[Handle]:
         """The staged GPU copy of "grads" goes home (D2H, async; the returned handle) and is
@@ -958,10 +931,7 @@ class ChunkGroup:
             if (c.landed and not c.flushed) or (boundary and c.total is not None):
                 self._flush(c)
             elif boundary and c.accumulating and not c.flushed:
-                if self._on_device(c):  # on the caller's stream: after the side's sums so far
-                    self._join_side()
                 self._submit(c, (), ready=Handle.completed(), hold=True)
-        self._join_side()
         self._end_pass()
         if self._kept:  # the caller's grads may be overwritten or freed after our copies read them
             self._kept = False
@@ -975,7 +945,6 @@ class ChunkGroup:
                 if c.pinned_grads:  # staged in the store's own GPU copy
                     self._release_device_buffer(c)
                 c.grads = None
-        self._join_side()
         self._end_pass()
 
     def _end_pass(self) -> None:

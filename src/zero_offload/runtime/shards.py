@@ -26,9 +26,8 @@ one never calls (a hang, or a timeout much later that names nothing).
 
 [Note: comm streams] With NCCL on CUDA a grads reduce-scatter is issued async (NCCL runs it on
 its own stream after the compute stream's work so far); ``CommStreams.reduce`` waits for it and
-everything ordered after the reduction (the shard's copy to the host, or the update of a chunk
-of the GPU share: chunk_group.py's [Note: GPU share]) is issued on that stream, so the compute
-stream never waits for a collective during backward. The buffers the collective reads and writes
+everything ordered after the reduction (the shard's copy to the host) is issued on that stream,
+so the compute stream never waits for a collective. The buffers the collective reads and writes
 are recorded on that stream (``record_stream``), so the caching allocator does not reuse their
 memory before the stream has passed them. Param all-gathers issued ahead (``gather(ahead=True)``)
 are waited for device-side by their user (``finish``).

@@ -45,9 +45,11 @@ def _check_int(name: str, value, *, minimum: int) -> int:
     return value
 
 
-HUGE_PAGES = True
+HUGE_PAGES = False
 """``aligned_empty`` asks the kernel for transparent huge pages on buffers of 2 MiB or more
-([Note: huge pages]); False leaves them to the system's default (the benchmarks' A/B)."""
+([Note: huge pages]). Off: on the 4x H100 host (THP "madvise", 64 threads, 8 GiB) the touch ran
+4.28 GiB/s with the advice against 4.32 without, and cudaHostRegister 13.5 against 21.3 GiB/s
+(benchmarks/results/init_pin_probe_nvidia-h100-x4_2026-11-27_s16.json)."""
 _HUGE_PAGE = 2 << 20
 
 
