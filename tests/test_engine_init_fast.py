@@ -139,27 +139,54 @@ def test_a_truncated_or_corrupt_weights_file_is_refused_before_anything_changes(
         assert all(p.is_meta for p in model.parameters())
 
 
+def _normed(model):
+    """GPT's init, then wte scaled by its own norm: an init that reads its whole parameter."""
+    def init(name, t):
+        model.init_param(name, t)
+        if name == "wte.weight":
+            t.div_(t.norm())
+    return init
+
+
 def _rank_init(rank, world, path):
-    """Every rank builds the wide GPT on meta and fills its shards (no training)."""
+    """Every rank builds the wide GPT on meta and fills its shards (no training); with "init"
+    each rank draws only the slices it keeps ([Note: kept draws] in ops/rng.py)."""
+    skipped = []
+
+    class Counting(initial_values.ParallelDraws):
+        def close(self):
+            skipped.append(self.skipped)
+            super().close()
+
+    initial_values.ParallelDraws = Counting
     out = {}
-    for source in ("init", "weights"):
+    for source in ("init", "normed", "weights"):
         with torch.device("meta"):
             model = GPT(WIDE_GPT)
         torch.manual_seed(11)
-        kw = {"init": model.init_param} if source == "init" else {"weights": path}
+        kw = ({"init": model.init_param} if source == "init" else {"init": _normed(model)} if source == "normed"
+              else {"weights": path})
         engine = zo.initialize(model, optimizer=SPEC, config=_config(chunk_mb=0.5), device="cpu", **kw)
         out[source] = engine.state_dict()
+        out[source + "_rng"] = torch.get_rng_state()
         engine.close()
+    out["skipped"] = skipped
     return out
 
 
 def test_two_ranks_fill_their_shards_with_the_serial_values(tmp_path):
     reference = init_weights_reference(WIDE_GPT, 11)
+    after = torch.get_rng_state()
     path = str(tmp_path / "model.safetensors")
     _save(reference, path)
+    normed = {k: v.clone() for k, v in reference.state_dict().items()}
+    for k in ("wte.weight", "lm_head.weight"):
+        normed[k] = normed[k] / reference.wte.weight.norm()
     for sd in values(run_ranks(_rank_init, 2, tmp_path / "ranks", path, timeout_s=240)):
-        for source in ("init", "weights"):
-            for k, v in reference.state_dict().items():
+        assert sd["skipped"][0] > 0, sd["skipped"]  # this rank drew only what it keeps
+        assert torch.equal(sd["init_rng"], after) and torch.equal(sd["normed_rng"], after)
+        for source, expect in (("init", reference.state_dict()), ("normed", normed), ("weights", reference.state_dict())):
+            for k, v in expect.items():
                 assert torch.equal(sd[source][k], v), (source, k)
 
 

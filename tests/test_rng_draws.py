@@ -129,3 +129,79 @@ def test_without_the_native_advance_fills_are_serial_exact_and_say_so(monkeypatc
 def test_a_bad_thread_count_is_refused():
     with pytest.raises(ValueError, match="threads must be an int >= 1"):
         ParallelDraws(threads=0)
+
+
+# ---- kept draws ([Note: kept draws]) --------------------------------------------------------------
+
+@pytest.mark.parametrize("op", ["normal_", "uniform_"])
+@pytest.mark.parametrize("lo,hi", [(0, 3 * MIN), (3 * MIN + 5, 9 * MIN), (9 * MIN + 17, 20 * MIN + 9), (5, 6)])
+def test_a_kept_range_gets_the_whole_fills_values_and_the_rest_is_not_drawn(op, lo, hi):
+    n = 20 * MIN + 9  # region: a first param of 6 * MIN, a second of the rest (with a tail)
+    args = (0.1, 0.02) if op == "normal_" else (-0.1, 0.3)
+
+    def fills(region):
+        getattr(region[:6 * MIN], op)(*args)
+        getattr(region[6 * MIN:], op)(*args)
+        region[6 * MIN:].mul_(2.0)  # elementwise in place: keeps the kept elements right
+
+    torch.manual_seed(7)
+    expect = torch.zeros(n)
+    fills(expect)
+    after = torch.get_rng_state()
+    torch.manual_seed(7)
+    got = torch.zeros(n)
+    with ParallelDraws(threads=3, min_slice=MIN) as draws:
+        with draws.mode(), draws.keeping(got, lo, hi):
+            fills(got)
+        assert not draws.tainted and draws.skipped > 0
+    assert torch.equal(got[lo:hi], expect[lo:hi])
+    assert torch.equal(torch.get_rng_state(), after)  # the stream moved past every slice
+    assert (got == 0).sum() >= draws.skipped - 32  # what was skipped was left as it was
+
+
+@pytest.mark.parametrize("read", [
+    lambda w: w.div_(w.norm()),               # a reduction over the whole parameter
+    lambda w: w.copy_(w.flip(0)),             # elements moved: an out-of-place read
+    lambda w: w[:MIN].copy_(w[-MIN:]),        # in place, from elsewhere in the parameter
+])
+def test_an_init_that_reads_skipped_elements_taints_the_slot_and_undo_replays_it(read):
+    n = 12 * MIN
+    other = torch.Generator().manual_seed(5)  # an init's own generator comes back too
+
+    def init(w):
+        w.normal_(0.0, 0.02)
+        torch.rand(3, generator=other)
+        read(w)
+
+    torch.manual_seed(9)
+    expect = torch.zeros(n)
+    init(expect)
+    after, other_after = torch.get_rng_state(), other.get_state()
+    torch.manual_seed(9)
+    other.manual_seed(5)
+    got = torch.zeros(n)
+    with ParallelDraws(threads=2, min_slice=MIN) as draws:
+        with draws.mode():
+            with draws.keeping(got, 0, 3 * MIN):
+                init(got)
+            assert draws.tainted
+            draws.undo()
+            got.zero_()
+            init(got)
+    assert torch.equal(got, expect)
+    assert torch.equal(torch.get_rng_state(), after)
+    assert torch.equal(other.get_state(), other_after)
+
+
+def test_one_thread_draws_only_the_kept_slices():
+    n = 16 * MIN
+    torch.manual_seed(4)
+    expect = torch.empty(n).normal_()
+    after = torch.get_rng_state()
+    torch.manual_seed(4)
+    got = torch.zeros(n)
+    with ParallelDraws(threads=1, min_slice=MIN) as draws:
+        with draws.mode(), draws.keeping(got, 0, n // 2):
+            got.normal_()
+        assert draws.skipped >= n // 4
+    assert torch.equal(got[:n // 2], expect[:n // 2]) and torch.equal(torch.get_rng_state(), after)

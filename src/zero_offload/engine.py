@@ -388,7 +388,8 @@ class Engine:
         # The model's values go into the chunks (initial_values.py, [Note: hand-over]).
         self._handover = Handover(self.module, self.partition, self._values, self._guard.placeholders)
         with torch.no_grad(), self.shard.reusing_scratch(), \
-                self._values.drawing(cpu_threads(cfg.threads, self.device, ranked=self._ranked) or available_cores()):
+                self._values.drawing(cpu_threads(cfg.threads, self.device, ranked=self._ranked) or available_cores(),
+                                     ranked=self._ranked):
             spent = {"homes": 0.0, "values": 0.0}
             try:
                 for layout, homes in zip(self.partition.chunks, self.plan.homes):

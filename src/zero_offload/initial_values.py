@@ -22,8 +22,10 @@ the chunks) the values come in as fast as memory takes them, and stay exactly wh
 would give:
 - ``init`` and ``reset_parameters()`` run with their large ``normal_`` / ``uniform_`` fills drawn
   on ``threads`` threads (ops/rng.py, [Note: parallel draws]): the same values, the generator left
-  where the serial calls leave it. With several ranks every rank draws whole chunks (an init may
-  read what it drew anywhere in a parameter) and keeps its shard;
+  where the serial calls leave it. With several ranks a rank draws only the slices of a fill
+  that overlap its shard, the generator moved past the rest; an init that then reads what it
+  drew elsewhere in the parameter (a norm, a QR) is run again for that parameter in full
+  (ops/rng.py, [Note: kept draws]);
 - a weights file's tensors are read with ``preadv`` straight into the chunk (no copy in between),
   in pieces on ``threads`` threads, a rank reading only its shard's bytes (``fill(..., mine=)``);
   a tensor stored in another dtype is converted on the way.
@@ -140,12 +142,13 @@ class InitialValues:
         return next((name for name in self._aliases.get(slot.index, [slot.name]) if name in self.files), None)
 
     @contextlib.contextmanager
-    def drawing(self, threads: int):
-        """Within: ``fill`` draws and reads on ``threads`` threads ([Note: fill at memory speed])."""
+    def drawing(self, threads: int, *, ranked: bool = False):
+        """Within: ``fill`` draws and reads on ``threads`` threads ([Note: fill at memory speed]);
+        ``ranked``: each chunk is a rank's shard, its draws kept to it (even on one thread)."""
         try:
             if self.files:
                 self._reader = _Reader(threads)
-            elif threads > 1:
+            elif threads > 1 or ranked:
                 self._draws = ParallelDraws(threads=threads)
             yield
         finally:
@@ -177,7 +180,7 @@ class InitialValues:
                 p, dst = s.param, flat[s.offset:s.end].view(s.shape)
                 if p.is_meta and self.init is not None:
                     with torch.no_grad():
-                        self.init(s.name, dst)
+                        self._init(s, dst, flat, mine)
                     continue
                 if p.is_meta:
                     module = self._owner[s.index]
@@ -187,6 +190,21 @@ class InitialValues:
                     with torch.no_grad():
                         module.reset_parameters()
                 dst.copy_(p.detach())
+
+    def _init(self, s, dst: torch.Tensor, flat: torch.Tensor, mine: Optional[tuple[int, int]]) -> None:
+        """``init`` of one slot; a rank that keeps only ``mine`` of the chunk draws only the
+        slices of it that it keeps, and the slot again in full if the init read a skipped
+        element (ops/rng.py's [Note: kept draws])."""
+        draws = self._draws
+        if draws is None or mine is None or (mine[0] <= s.offset and s.end <= mine[1]):
+            self.init(s.name, dst)
+            return
+        with draws.keeping(flat, *mine):
+            self.init(s.name, dst)
+        if draws.tainted:
+            draws.undo()
+            dst.zero_()  # as the chunk's buffer was before
+            self.init(s.name, dst)
 
     def buffers(self) -> None:
         """Meta buffers get their values from the weights (``check`` made sure they are there)."""

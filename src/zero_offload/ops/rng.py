@@ -15,6 +15,18 @@ of drawing), fills the slices on a thread pool (torch releases the GIL), and mov
 generator to where the serial call would leave it. Every other op, and fills too small to be
 worth it, run unchanged.
 
+[Note: kept draws] With several ranks each rank keeps only its shard of a chunk, yet an init
+must see its whole parameter drawn in order (the stream). Inside ``keeping(region, lo, hi)`` a
+sliced fill of a tensor lying in ``region`` (the chunk's buffer) draws only the slices that
+overlap elements ``[lo, hi)`` of the region; the generator still moves past every slice, so the
+kept elements are exactly the whole fill's, and the rest are left as they were. That is right
+only while nothing reads a skipped element into a kept one: the mode watches every later op of
+the init, and one that reads the region other than elementwise in place (an op outside
+``_IN_PLACE``, or its region arguments laid out unlike its output: ``w.copy_(w.t())``, a norm, a
+QR) marks the slot ``tainted``. The caller then puts back every generator the slot used (``undo``:
+the states before their first use) and runs that slot's init again without skipping. GPT-style
+inits (``normal_``, ``zero_``, ``fill_``, ``mul_``) skip; ``orthogonal_``-style ones draw in full.
+
 [Note: stream check] The layout of the generator's state (torch's legacy ``THGeneratorState``:
 seed, ``left``, ``next``, 624 words as uint64) and the slicing rule above are torch's internals.
 ``stream_check()`` tests both against torch's own draws once per process (states moved forward
@@ -24,6 +36,7 @@ across block boundaries; sliced fills of sizes with and without a tail); if any 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import math
 import warnings
@@ -120,6 +133,63 @@ class ParallelDraws:
                       if threads > 1 and self.why_serial is None else None)
         self.drawn = 0
         """Elements drawn in slices (the rest ran as plain torch calls)."""
+        self.skipped = 0
+        """Elements of sliced fills not drawn: outside the kept range ([Note: kept draws])."""
+        self._keep: Optional[tuple[torch.Tensor, int, int]] = None
+        self.tainted = False
+        self._skipped_now = False  # a slice was skipped since keeping() began
+        self._before: dict = {}  # generator -> its state before its first use since keeping() began
+
+    @contextlib.contextmanager
+    def keeping(self, region: torch.Tensor, lo: int, hi: int):
+        """Within: sliced fills of tensors in ``region`` (a contiguous fp32 CPU buffer) draw only
+        the slices overlapping its elements ``[lo, hi)``; ``tainted`` says whether an op then
+        read a skipped element ([Note: kept draws])."""
+        self._keep, self.tainted, self._skipped_now = (region, lo, hi), False, False
+        self._before = {torch.default_generator: torch.default_generator.get_state()}
+        try:
+            yield self
+        finally:
+            self._keep = None
+
+    def undo(self) -> None:
+        """Every generator used since ``keeping`` began back where it was then."""
+        for gen, state in self._before.items():
+            gen.set_state(state)
+
+    def _saw(self, generator) -> None:
+        if self._keep is not None and isinstance(generator, torch.Generator) and generator not in self._before:
+            self._before[generator] = generator.get_state()
+
+    def _reads(self, func, args, kwargs) -> None:
+        """Taint the kept slot if ``func`` reads the region other than elementwise in place."""
+        if self._keep is None or not self._skipped_now or self.tainted:
+            return
+        base = self._keep[0].untyped_storage().data_ptr()
+        mine = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)
+                and a.device.type == "cpu" and a.untyped_storage().data_ptr() == base]
+        if not mine or func in _VIEWS:
+            return
+        out = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        same = out is not None and all(a.storage_offset() == out.storage_offset() and a.shape == out.shape
+                                       and a.stride() == out.stride() for a in mine)
+        if func not in _IN_PLACE or not same:
+            self.tainted = True
+
+    def _kept_slices(self, t: torch.Tensor, slices):
+        """The slices of a fill of ``t`` to draw: all, or those overlapping the kept range."""
+        if self._keep is None:
+            return slices
+        region, lo, hi = self._keep
+        start = region.data_ptr()
+        if region.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() or t.data_ptr() < start:
+            return slices
+        off = (t.data_ptr() - start) // t.element_size()
+        keep = [(a, b) for a, b in slices if a + off < hi and b + off > lo]
+        if len(keep) < len(slices):
+            self._skipped_now = True
+            self.skipped += sum(b - a for a, b in slices) - sum(b - a for a, b in keep)
+        return keep
 
     def mode(self) -> "_DrawMode":
         return _DrawMode(self)
@@ -136,12 +206,15 @@ class ParallelDraws:
         """Fill ``t`` as ``t.<op>(a, b, generator=generator)`` would, in slices; False (nothing
         done) when it does not qualify (then the caller runs the torch call)."""
         numel = t.numel()
-        if (self._pool is None or numel < 2 * self.min_slice or type(t) not in (torch.Tensor, torch.nn.Parameter)
+        inline = self._pool is None and self._keep is not None and self.why_serial is None  # one thread
+        if ((self._pool is None and not inline) or numel < 2 * self.min_slice or type(t) not in (torch.Tensor, torch.nn.Parameter)
                 or t.dtype is not torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
                 or generator.device.type != "cpu"):
             return False
         flat = t.view(-1)
         normal = op == "normal_"
+        if self._keep is not None and generator is not torch.default_generator:
+            self._saw(generator)
         state = generator.get_state()
         futures = []
 
@@ -149,9 +222,15 @@ class ParallelDraws:
             with torch.no_grad():  # (grad mode is per thread)
                 getattr(flat[lo:hi], op)(a, b, generator=_generator(start))
 
+        slices = self._slices(numel, normal)
+        keep = set(self._kept_slices(t, slices))
         try:
-            for lo, hi in self._slices(numel, normal):
-                futures.append(self._pool.submit(one, lo, hi, state))
+            for lo, hi in slices:
+                if (lo, hi) in keep:
+                    if inline:
+                        one(lo, hi, state)
+                    else:
+                        futures.append(self._pool.submit(one, lo, hi, state))
                 state = advanced(state, hi - lo)  # (while the slice draws)
             if normal and numel % 16:
                 state = advanced(state, 16)  # the tail's redraw ([Note: parallel draws])
@@ -174,6 +253,21 @@ class ParallelDraws:
         self.close()
 
 
+_VIEWS = frozenset(getattr(_aten, n).default for n in (
+    "view", "_unsafe_view", "as_strided", "alias", "detach", "t", "expand", "permute", "unsqueeze",
+    "squeeze", "_reshape_alias") if hasattr(getattr(_aten, n, None), "default")) | frozenset(
+    o for o in (_aten.slice.Tensor, _aten.select.int, _aten.transpose.int, _aten.unbind.int,
+                _aten.split.Tensor, _aten.squeeze.dim, _aten.view.dtype))
+"""Ops that make views of a tensor and read none of its elements ([Note: kept draws])."""
+_IN_PLACE = frozenset(o for o in (
+    _aten.normal_.default, _aten.uniform_.default, _aten.zero_.default, _aten.fill_.Scalar,
+    _aten.mul_.Scalar, _aten.mul_.Tensor, _aten.div_.Scalar, _aten.div_.Tensor, _aten.add_.Scalar,
+    _aten.add_.Tensor, _aten.sub_.Scalar, _aten.sub_.Tensor, _aten.clamp_.default, _aten.clamp_min_.default,
+    _aten.clamp_max_.default, _aten.erfinv_.default, _aten.copy_.default, _aten.neg_.default,
+    _aten.abs_.default, _aten.sqrt_.default, _aten.exp_.default, _aten.log_.default, _aten.tanh_.default))
+"""Elementwise in-place ops: each element of the output read from the same element of the
+inputs that lie in the region (when they are laid out as the output)."""
+
 _OPS = {_aten.normal_.default: ("normal_", "mean", "std", 0.0, 1.0),
         _aten.uniform_.default: ("uniform_", "from", "to", 0.0, 1.0)}
 
@@ -194,6 +288,10 @@ class _DrawMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        draws = self.draws
+        if draws._keep is not None:  # [Note: kept draws]
+            draws._saw(kwargs.get("generator"))
+            draws._reads(func, args, kwargs)
         spec = _OPS.get(func)
         if spec is not None:
             op, ka, kb, da, db = spec
