@@ -204,30 +204,40 @@ def run_case(args) -> dict:
 def run_pin_probe(args) -> dict:
     """What host memory costs before the engine uses it, on this machine: GiB/s of touching fresh
     pages (torch's fill on its threads) and of pinning them (cudaHostRegister) after the touch and
-    without it (the driver faulting the pages in itself), over ``--probe-gib``."""
+    without it (the driver faulting the pages in itself), and in huge pages, over ``--probe-gib``."""
     import mmap
 
     import torch
     nbytes = int(args.probe_gib * GiB)
     out = {"case": "pin-probe", "bytes": nbytes, "threads": torch.get_num_threads()}
 
-    def fresh():
+    cuda = torch.cuda.is_available()
+    cudart = torch.cuda.cudart() if cuda else None
+
+    def fresh(huge: bool = False):
         m = mmap.mmap(-1, nbytes)
+        if huge:  # (swap_io's [Note: huge pages])
+            m.madvise(mmap.MADV_HUGEPAGE)
         return m, torch.frombuffer(memoryview(m), dtype=torch.uint8)
 
-    if torch.cuda.is_available() and hasattr(mmap, "MADV_HUGEPAGE"):
-        # the same touch and pin on memory advised to huge pages (swap_io's [Note: huge pages])
-        m, t = fresh()
-        m.madvise(mmap.MADV_HUGEPAGE)
+    def rate(fn):
+        """GiB/s of ``fn()`` over the probe's bytes; None when it says it failed (False)."""
         t0 = time.perf_counter()
-        t.zero_()
-        out["touch_huge_gib_s"] = nbytes / GiB / (time.perf_counter() - t0)
-        cudart = torch.cuda.cudart()
-        t0 = time.perf_counter()
-        err = int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0))
-        out["register_huge_touched_gib_s"] = nbytes / GiB / (time.perf_counter() - t0) if err == 0 else None
-        if err == 0:
-            cudart.cudaHostUnregister(t.data_ptr())
+        ok = fn()
+        return nbytes / GiB / (time.perf_counter() - t0) if ok is not False else None
+
+    def register(t) -> bool:
+        return int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)) == 0
+
+    def unregister(t) -> None:
+        cudart.cudaHostUnregister(t.data_ptr())
+
+    if cuda and hasattr(mmap, "MADV_HUGEPAGE"):  # the same touch and pin in huge pages
+        m, t = fresh(huge=True)
+        out["touch_huge_gib_s"] = rate(t.zero_)
+        out["register_huge_touched_gib_s"] = rate(lambda: register(t))
+        if out["register_huge_touched_gib_s"] is not None:
+            unregister(t)
         del t
         m.close()
         for key in ("enabled", "defrag"):
@@ -235,30 +245,19 @@ def run_pin_probe(args) -> dict:
                 with open(f"/sys/kernel/mm/transparent_hugepage/{key}") as f:
                     out[f"thp_{key}"] = f.read().strip()
     m, t = fresh()
-    t0 = time.perf_counter()
-    t.zero_()
-    out["touch_gib_s"] = nbytes / GiB / (time.perf_counter() - t0)
-    if torch.cuda.is_available():
-        cudart = torch.cuda.cudart()
-        t0 = time.perf_counter()
-        err = int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0))
-        out["register_touched_gib_s"] = nbytes / GiB / (time.perf_counter() - t0) if err == 0 else None
-        t0 = time.perf_counter()
-        if err == 0:
-            cudart.cudaHostUnregister(t.data_ptr())
-            out["unregister_gib_s"] = nbytes / GiB / (time.perf_counter() - t0)
+    out["touch_gib_s"] = rate(t.zero_)
+    if cuda:
+        out["register_touched_gib_s"] = rate(lambda: register(t))
+        if out["register_touched_gib_s"] is not None:
+            out["unregister_gib_s"] = rate(lambda: unregister(t))
         del t
         m.close()
         m, t = fresh()
-        t0 = time.perf_counter()
-        err = int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0))
-        out["register_untouched_gib_s"] = nbytes / GiB / (time.perf_counter() - t0) if err == 0 else None
-        if err == 0:
-            cudart.cudaHostUnregister(t.data_ptr())
+        out["register_untouched_gib_s"] = rate(lambda: register(t))
+        if out["register_untouched_gib_s"] is not None:
+            unregister(t)
     del t
-    t0 = time.perf_counter()
-    m.close()
-    out["unmap_gib_s"] = nbytes / GiB / (time.perf_counter() - t0)
+    out["unmap_gib_s"] = rate(m.close)
     print(f"[pin-probe] {json.dumps(out)}", flush=True)
     return out
 
