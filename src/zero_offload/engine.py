@@ -263,7 +263,7 @@ class Engine:
         self.init_seconds: dict[str, float] = {}
         """Where ``initialize`` spent its time, in seconds: "plan" (the values checked, the
         budgets, the plan, the store), "homes" (every chunk's home copies allocated: host memory
-        touched and pinned, NVMe slots), "values" (the first values drawn or read and written
+        touched and pinned, NVMe slots; the wait for the thread making the host homes ahead), "values" (the first values drawn or read and written
         into the chunks), "rest" (the hooks, the prefetcher, buffers); "total" from the start."""
         t_place = time.perf_counter()
         self.store = self._place(init=init, weights=weights)  # and self._values, self.plan
@@ -391,14 +391,19 @@ class Engine:
                 self._values.drawing(cpu_threads(cfg.threads, self.device, ranked=self._ranked) or available_cores(),
                                      ranked=self._ranked):
             spent = {"homes": 0.0, "values": 0.0}
+            # The host homes are made on another thread, ahead of the chunk being filled
+            # ([Note: homes ahead] in runtime/pinned_pool.py).
+            sizes = [n for layout, homes in zip(self.partition.chunks, self.plan.homes)
+                     for n in self.store.host_home_sizes(chunk_payloads(self.plan.request, self._need(layout), homes))]
             try:
-                for layout, homes in zip(self.partition.chunks, self.plan.homes):
-                    t0 = time.perf_counter()
-                    chunk = self._add_chunk(layout, homes)
-                    t1 = time.perf_counter()
-                    self._handover.take(self.group, chunk)
-                    spent["homes"] += t1 - t0
-                    spent["values"] += time.perf_counter() - t1
+                with self.store.homes_ahead(sizes):
+                    for layout, homes in zip(self.partition.chunks, self.plan.homes):
+                        t0 = time.perf_counter()
+                        chunk = self._add_chunk(layout, homes)
+                        t1 = time.perf_counter()
+                        self._handover.take(self.group, chunk)
+                        spent["homes"] += t1 - t0
+                        spent["values"] += time.perf_counter() - t1
             except BaseException:
                 self._handover.give_back(self.group)
                 raise

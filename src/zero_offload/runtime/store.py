@@ -96,7 +96,7 @@ from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, Protocol, 
 import psutil
 import torch
 
-from .pinned_pool import PinnedPool, PoolBuffer, SlotWindow
+from .pinned_pool import HomesAhead, PinnedPool, PoolBuffer, SlotWindow
 from .swap_io import aligned_empty
 from .vocab import ALIGNMENT, round_up
 
@@ -684,6 +684,7 @@ class ChunkStore:
         self._closed = False
         self._pool = PinnedPool(config.pool_bytes, pin=config.pin)
         self._window = SlotWindow(config.window_slots, pin=config.pin)  # [Note: transient payloads]
+        self._homes_ahead: "HomesAhead | None" = None  # [Note: homes ahead] (initialize only)
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=config.copy_threads, thread_name_prefix="zero_offload-store")
         self._streams = None
@@ -695,6 +696,27 @@ class ChunkStore:
         self._parking: "_Parking | None" = None  # [Note: parking]
 
     # ---- public API --------------------------------------------------------------------
+
+    @staticmethod
+    def host_home_sizes(payloads: "Mapping[str, PayloadSpec]") -> list:
+        """Bytes of each host-memory home ``add_chunk(payloads)`` allocates, in its order (what
+        ``homes_ahead`` is told to make)."""
+        return [spec.nbytes for spec in payloads.values()
+                if spec.source is None and spec.home is Tier.CPU and not spec.transient]
+
+    @contextlib.contextmanager
+    def homes_ahead(self, sizes: "Sequence[int]"):
+        """Within: the host homes ``add_chunk`` allocates come from a thread that makes them ahead,
+        in the order ``sizes`` gives (``host_home_sizes`` of each chunk to add): [Note: homes
+        ahead] in pinned_pool.py. A home of another size is allocated as ever. Yields the
+        ``HomesAhead`` (its ``taken`` and ``ended`` say how it went)."""
+        ahead = HomesAhead(sizes, pin=self.config.pin)
+        self._homes_ahead = ahead
+        try:
+            yield ahead
+        finally:
+            self._homes_ahead = None
+            ahead.close()
 
     def add_chunk(self, payloads: "Mapping[str, PayloadSpec]") -> int:
         """Register a chunk; each payload's home copy is allocated (zeros) in its home tier."""
@@ -1623,8 +1645,11 @@ class ChunkStore:
             if copy.spare is not None and copy.is_home:  # the next park takes back its kept buffer
                 copy.buffer, copy.spare = copy.spare, None  # ([Note: parking]; staging uses the pool)
             elif copy.is_home:
-                # Home copies live as long as the store: their own exact-size aligned allocation.
-                copy.buffer = aligned_empty(spec.nbytes, dtype=spec.dtype, pin=self.config.pin)
+                # Home copies live as long as the store: their own exact-size aligned allocation
+                # (made ahead on another thread during initialize: [Note: homes ahead]).
+                ahead = self._homes_ahead.take(spec.nbytes) if self._homes_ahead is not None else None
+                copy.buffer = (ahead.view(spec.dtype) if ahead is not None
+                               else aligned_empty(spec.nbytes, dtype=spec.dtype, pin=self.config.pin))
             else:
                 copy.pool_buffer = self._pool.acquire(spec.nbytes)
                 copy.buffer = copy.pool_buffer.view(spec.dtype, spec.numel)
