@@ -508,3 +508,25 @@ def test_nvme_on_the_same_machine_and_placement_both_engines(tmp_path):
     assert row["error"] is None and row["config"]["offload_config"]["optimizer"] == "nvme"
     assert abs(row["step0_loss"] - _reference_losses(0)["engine"]) < 1e-3 * row["step0_loss"]
     assert swap.is_dir() and list(swap.iterdir()) == []  # the case's own directory made and removed
+
+
+def test_the_profile_knob_traces_untimed_steps_after_the_timed_ones(tmp_path):
+    """``profile=N``: N steps after the timed ones under torch.profiler; rank 0's Chrome trace
+    (gzipped) lands beside the row's JSON in the log dir and its log holds the top ops. The timed
+    steps are the same two as without it."""
+    import gzip
+    from fairplan import parse_plan
+    [item] = parse_plan("engine-auto:profile=2@1")
+    assert item.case_args() == ["--profile", "2"]
+    make_init(["--model", MODEL, "--seq", str(SEQ), "--init-std", str(STD), "--out", str(tmp_path / "init.pt")])
+    logs = tmp_path / "logs"
+    r, rows, _ = _driver(tmp_path, "--plan", "engine-auto:profile=2@1", "--log-dir", str(logs))
+    assert r.returncode == 0, r.stderr[-2000:] + r.stdout[-2000:]
+    [row] = rows
+    assert row["error"] is None and row["profiled_steps"] == 2 and len(row["step_times"]) == 2
+    [trace] = list(logs.rglob("*_trace_r0.json.gz"))
+    with gzip.open(trace, "rt") as f:
+        assert json.load(f)["traceEvents"]
+    [log] = [p for p in logs.rglob("*.log") if "engine-auto" in p.name]
+    text = log.read_text()
+    assert "Self CPU" in text and "profiled 2 steps (not timed)" in text

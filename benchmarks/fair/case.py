@@ -904,6 +904,9 @@ def parse_args(argv=None):
     ap.add_argument("--init-std", type=float, default=None,
                     help="seeded: the config's init_std (default the preset's; the CPU tests use a large one)")
     ap.add_argument("--json-out", required=True)
+    ap.add_argument("--profile", type=int, default=0,
+                    help="N more steps after the timed ones under torch.profiler (not timed): a Chrome "
+                         "trace of rank 0 and the last rank beside the JSON, the top ops in the log")
     ap.add_argument("--checkpointing", nargs="?", const="1", default="0", type=checkpoint_fraction,
                     help="activation checkpointing: 1 (the flag alone) every block, a fraction F the "
                          "first round(F x layers) blocks (selective: less recompute where the "
@@ -1096,12 +1099,43 @@ def run(args, row: dict, sampler: MemSampler) -> dict:
     row["memavail_drop_gib"] = row["memavail_start_gib"] - row["memavail_min_gib"]
     row["host_bytes_per_param"] = row["memavail_drop_gib"] * GiB / params
     row["versions"] = versions(device)
+    if args.profile > 0:
+        row["profiled_steps"] = args.profile
+        _profile(args, rank, world, runner, batches[args.warmup:args.warmup + steps], sync)
     _say(rank, f"timed steps done ({total:.1f} s); closing")
     t_close = time.perf_counter()
     runner.close()
     row["close_s"] = time.perf_counter() - t_close  # the engine's close() (issue 24 part 4)
     _say(rank, f"closed in {row['close_s']:.1f} s")
     return row
+
+
+def _profile(args, rank: int, world: int, runner, batches, sync) -> None:
+    """``--profile N`` (a plan item's ``profile=N`` knob): N more steps after the timed ones, not
+    timed, under ``torch.profiler`` on every rank. Rank 0 and the last rank write a gzipped Chrome
+    trace beside the row's JSON (``..._trace_r<rank>.json.gz``, in the call's logs.tar.gz), and
+    rank 0's log gets the ops that took the most device time (CPU time without CUDA)."""
+    import gzip
+    import shutil
+
+    from torch.profiler import ProfilerActivity, profile
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for i in range(args.profile):
+            runner.step(*batches[i % len(batches)])
+            sync()
+        runner.finish()
+    if rank in (0, world - 1) and args.json_out:
+        path = f"{os.path.splitext(args.json_out)[0]}_trace_r{rank}.json"
+        prof.export_chrome_trace(path)
+        with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
+            shutil.copyfileobj(f, g)
+        os.remove(path)
+    if rank == 0:
+        key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=30), flush=True)
+        _say(rank, f"profiled {args.profile} steps (not timed)")
 
 
 def _say(rank: int, text: str) -> None:

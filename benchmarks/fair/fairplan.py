@@ -122,10 +122,11 @@ COMMON_KNOBS = ("threads", "tree")
   installed package: a before/after comparison of two commits in one call, interleaved in the
   shuffled order (``engine:tree=before@1 engine@1``). The row records the path it imported."""
 
-CASE_KNOBS = ("checkpointing",)
+CASE_KNOBS = ("checkpointing", "profile")
 """Knobs every case takes as its own flag (``ckpt=1``: activation checkpointing for this item
 only, e.g. the engine under a GPU cap; ``ckpt=0.5`` the first half of the blocks; the row's
-``checkpointing`` says which fraction)."""
+``checkpointing`` says which fraction; ``profile=N``: N more steps after the timed ones under
+torch.profiler, a trace in the logs and the top ops in the case log)."""
 
 OPTS = ("adamw", "sgd", "lion", "adafactor", "muon")
 """Values of the ``opt=`` knob (engine, offload-adamw, torch-opt): the update rule of the case
