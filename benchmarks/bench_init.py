@@ -114,7 +114,8 @@ def run_case(args) -> dict:
 
     case = CASES[args.case]
     from zero_offload.runtime import swap_io
-    swap_io.HUGE_PAGES = args.huge_pages  # [Note: huge pages]: the default, or the A/B without
+    if args.huge_pages is not None:  # [Note: huge pages]: the A/B against the engine's default
+        swap_io.HUGE_PAGES = args.huge_pages
     t_imported = time.time()
     device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
     if device.type == "cuda":
@@ -186,8 +187,9 @@ def run_case(args) -> dict:
     return {
         "case": args.case, "source": case["source"], "placement": {"params": case["params"],
                                                                    "optimizer": case["optimizer"]},
-        "model": args.model, "params": n, "world": 1, "device": str(device), "huge_pages": args.huge_pages,
+        "model": args.model, "params": n, "world": 1, "device": str(device), "huge_pages": swap_io.HUGE_PAGES,
         "init_s": init_s, "init_s_per_b": init_s / (n / 1e9), "init_cpu_s": init_cpu_s,
+        "init_parts": engine.init_seconds,
         "close_s": close_s, "close_s_per_b": None if close_s is None else close_s / (n / 1e9),
         "close_cpu_s": close_cpu_s,
         "step_s": step_s, "closed": close_s is not None,
@@ -300,9 +302,9 @@ def main(argv=None) -> int:
                    help="cProfile initialize; each row lists its top functions by own time")
     p.add_argument("--profile-top", type=int, default=15)
     p.add_argument("--probe-gib", type=float, default=4.0, help="memory the pin-probe case touches and pins")
-    p.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True,
-                   help="host buffers advised to transparent huge pages (the engine's default; "
-                        "--no-huge-pages for the A/B)")
+    p.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=None,
+                   help="host buffers advised to transparent huge pages or not (default: the engine's "
+                        "own, swap_io.HUGE_PAGES: off since the pin probe of session 16)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even when CUDA is there")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per case")
     p.add_argument("--json-out", default=None)

@@ -393,10 +393,10 @@ class Engine:
             spent = {"homes": 0.0, "values": 0.0}
             # The host homes are made on another thread, ahead of the chunk being filled
             # ([Note: homes ahead] in runtime/pinned_pool.py).
-            sizes = [n for layout, homes in zip(self.partition.chunks, self.plan.homes)
-                     for n in self.store.host_home_sizes(chunk_payloads(self.plan.request, self._need(layout), homes))]
+            specs = [chunk_payloads(self.plan.request, self._need(layout), homes)
+                     for layout, homes in zip(self.partition.chunks, self.plan.homes)]
             try:
-                with self.store.homes_ahead(sizes):
+                with self.group.homes_ahead(specs):
                     for layout, homes in zip(self.partition.chunks, self.plan.homes):
                         t0 = time.perf_counter()
                         chunk = self._add_chunk(layout, homes)

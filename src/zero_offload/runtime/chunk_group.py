@@ -454,6 +454,12 @@ class ChunkGroup:
 
     # ---- building ---------------------------------------------------------------------------
 
+    def homes_ahead(self, specs: Sequence[Mapping[str, PayloadSpec]]):
+        """Within: the host homes of the chunks about to be added (each one's ``specs``, in the
+        order of the ``add_chunk`` calls) are made on a thread ahead of them ([Note: homes ahead]
+        in pinned_pool.py; ``ChunkStore.homes_ahead``)."""
+        return self.store.homes_ahead([n for s in specs for n in self.store.host_home_sizes(s)])
+
     def add_chunk(self, specs: Mapping[str, PayloadSpec], slots: Sequence[GroupSlot], *,
                   whole: Optional[int] = None, rule: Optional[UpdateRule] = None,
                   layout: Any = None) -> GroupChunk:
