@@ -37,31 +37,14 @@ import gc
 import json
 import os
 import statistics
-import threading
 import time
 
-import psutil
 import torch
 import torch.distributed as dist
 
+from bench_train import RssSampler  # (this directory: the same sampler as bench_train's)
 from zero_offload import OffloadAdamW
 from zero_offload.models import GPT, preset
-
-
-class PeakRSS:
-    def __init__(self):
-        self.peak = 0
-        self._stop = threading.Event()
-        self._proc = psutil.Process()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-
-    def _run(self):
-        while not self._stop.wait(0.02):
-            self.peak = max(self.peak, self._proc.memory_info().rss)
-
-    def reset(self):
-        self.peak = self._proc.memory_info().rss
 
 
 class EngineStep:
@@ -173,7 +156,7 @@ def main():
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
     cfg = preset(args.model)
-    rss = PeakRSS()
+    rss = RssSampler()
     g = torch.Generator().manual_seed(1 + rank)
     results = []
     for case in args.cases.split(","):
@@ -234,6 +217,7 @@ def main():
             opt.close()
         del model, opt
         dist.barrier()
+    rss.stop()
     dist.destroy_process_group()
 
 
