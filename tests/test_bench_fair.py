@@ -536,7 +536,7 @@ def test_the_profile_knob_traces_untimed_steps_after_the_timed_ones(tmp_path):
     assert item.case_args() == ["--profile", "2"]
     make_init(["--model", MODEL, "--seq", str(SEQ), "--init-std", str(STD), "--out", str(tmp_path / "init.pt")])
     logs = tmp_path / "logs"
-    r, rows, _ = _driver(tmp_path, "--plan", "engine-auto:profile=2@1", "--log-dir", str(logs))
+    r, rows, out = _driver(tmp_path, "--plan", "engine-auto:profile=2@1", "--log-dir", str(logs))
     assert r.returncode == 0, r.stderr[-2000:] + r.stdout[-2000:]
     [row] = rows
     assert row["error"] is None and row["profiled_steps"] == 2 and len(row["step_times"]) == 2
@@ -546,3 +546,7 @@ def test_the_profile_knob_traces_untimed_steps_after_the_timed_ones(tmp_path):
     [log] = [p for p in logs.rglob("*.log") if "engine-auto" in p.name]
     text = log.read_text()
     assert "Self CPU" in text and "profiled 2 steps (not timed)" in text
+    summary = (out / "summary.md").read_text()  # the row's notes: the profile, the engine's init parts
+    assert "2 untimed steps profiled" in summary and "init homes " in summary
+    from fairplan import parse_plan as plan
+    assert [i.label for i in plan("gap4")] == ["engine-auto[profile=3]", "ddp[profile=3]"] * 2

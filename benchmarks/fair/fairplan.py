@@ -216,6 +216,9 @@ PLANS: dict[str, list[str]] = {
     # largest on the 4-GPU node, "big4-base" DeepSpeed ZeRO-3 and FSDP2 offload beside the engine at
     # the size they fit (14b), "big1" the largest on one H100 + its host, "7b4" the 6.58B at 32K
     # tokens per step over 4 GPUs (--batch 8)
+    # issue 24's 4-GPU gap: "auto" and DDP at 4 and 2 GPUs, each with 3 untimed profiled steps
+    # after its timed ones (the traces in the logs, the top ops in each case log)
+    "gap4": ["engine-auto:profile=3@4", "ddp:profile=3@4", "engine-auto:profile=3@2", "ddp:profile=3@2"],
     "big4": ["engine-auto@4", "engine@4"],
     "big4-base": ["engine-auto@4", "ds-zero3@4", "fsdp2:reshard=1@4"],
     "big1": ["engine-auto@1", "engine@1"],

@@ -58,6 +58,11 @@ def _notes(r: dict) -> str:
     if "ds_subgroups_cpu_of_total" in r:
         c, t = r["ds_subgroups_cpu_of_total"]
         out.append(f"{c} of {t} sub-groups on the CPU")
+    parts = r.get("engine_init_seconds")
+    if parts:  # where the engine's initialize went (Engine.init_seconds)
+        out.append("init " + ", ".join(f"{k} {parts[k]:.1f}" for k in ("homes", "values", "plan", "rest") if k in parts))
+    if r.get("profiled_steps"):
+        out.append(f"{r['profiled_steps']} untimed steps profiled (trace in the logs)")
     if r.get("torch_threads_per_rank") and any(t != r.get("threads") for t in r["torch_threads_per_rank"]):
         out.append(f"torch threads {r['torch_threads_per_rank']} != {r.get('threads')}")
     return "; ".join(out)
