@@ -393,13 +393,14 @@ class Engine:
             spent = {"homes": 0.0, "values": 0.0}
             # The host homes are made on another thread, ahead of the chunk being filled
             # ([Note: homes ahead] in runtime/pinned_pool.py).
+            # This rank's own payloads: at most what the plan counted ([Note: ranks agree on placement]).
             specs = [chunk_payloads(self.plan.request, self._need(layout), homes)
                      for layout, homes in zip(self.partition.chunks, self.plan.homes)]
             try:
                 with self.group.homes_ahead(specs):
-                    for layout, homes in zip(self.partition.chunks, self.plan.homes):
+                    for layout, payloads in zip(self.partition.chunks, specs):
                         t0 = time.perf_counter()
-                        chunk = self._add_chunk(layout, homes)
+                        chunk = self._add_chunk(layout, payloads)
                         t1 = time.perf_counter()
                         self._handover.take(self.group, chunk)
                         spent["homes"] += t1 - t0
@@ -433,9 +434,7 @@ class Engine:
                 self._grad_hooks.append(s.param.register_post_accumulate_grad_hook(
                     functools.partial(self._grad_landed, self.group.chunks[s.chunk].slot(s.index))))
 
-    def _add_chunk(self, layout: ChunkLayout, homes) -> GroupChunk:
-        # This rank's own payloads: at most what the plan counted ([Note: ranks agree on placement]).
-        specs = chunk_payloads(self.plan.request, self._need(layout), homes)
+    def _add_chunk(self, layout: ChunkLayout, specs) -> GroupChunk:
         gslots = []
         rule = layout.key if layout.trainable else None
         if layout.trainable:  # an elementwise rule's update covers the padding up to the next slot

@@ -213,8 +213,6 @@ class ParallelDraws:
             return False
         flat = t.view(-1)
         normal = op == "normal_"
-        if self._keep is not None and generator is not torch.default_generator:
-            self._saw(generator)
         state = generator.get_state()
         futures = []
 

@@ -319,4 +319,3 @@ class HomesAhead:
                 if not self._thread.is_alive():
                     break
                 self._thread.join(timeout=0.1)
-        self._thread.join()

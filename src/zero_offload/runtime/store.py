@@ -930,9 +930,9 @@ class ChunkStore:
         (within the tier's budget, evicting by policy), or a slot of the swap file for NVMe, and
         the old home's memory or slot freed; GPU <-> NVMe goes through a home in host memory
         (host room for the payload needed on the way). For an owner changing placement while
-        nothing uses the payload (no pin, no job); waits for moves still touching it. Synchronous, rare: the GPU share grown after the
-        first step, and NVMe state brought into the host memory it freed (placement.py, [Note:
-        measured share]). Raises before any change when the room, the memory or the transfer
+        nothing uses the payload (no pin, no job); waits for moves still touching it.
+        Synchronous, rare: the GPU share grown after the first step, and NVMe state brought into
+        the host memory it freed (placement.py, [Note: measured share]). Raises before any change when the room, the memory or the transfer
         fails (``BudgetError``, a CUDA out-of-memory error, an I/O error); of two hops, a failed
         second one moves the payload back to where it was."""
         tier = Tier.of(tier)
