@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import zero_offload as zo
+from zero_offload.runtime.store import Tier
 from _dist_util import error_after_a_rank_dies, run_ranks, values
 from _engine_util import (SMALL_CHUNK_MB, Reference, assert_params_close, gpt_batches, gpt_loss,
                           micro_gpt)
@@ -227,6 +228,73 @@ def test_gpu_params_keep_a_replica_gathered_once_per_step(params, tmp_path):
             assert all(c["ahead"] > 0 for c in counts[1:])  # after the recording pass
 
 
+def _phase_counting_rank(rank, world, kw, steps, accum):
+    """"auto" everything on the device with replicas: trains like ``_engine_rank`` and counts the
+    all-gathers issued in each call (forward, backward, step) of each micro-batch; at the end each
+    replica must equal the all-gather of the params shards."""
+    import zero_offload.runtime.shards as eng
+    calls, ag = [], eng.all_gather
+
+    def count_ag(out, inp, group, *, async_op=False):
+        calls[-1][1] += 1
+        return ag(out, inp, group, async_op=async_op)
+
+    eng.all_gather = count_ag
+    engine = zo.initialize(micro_gpt(), optimizer=SPEC, device="cpu", config=_config(
+        None, params="auto", optimizer="auto", gpu_budget=1 << 26, grad_accum=accum, **kw))
+    group = engine.group
+    assert engine.plan.request.replicas is True and group.replicas
+    assert all(group._on_device(c) for c in group.chunks if c.layout.trainable)
+    norms = []
+    for x, y in gpt_batches(steps * accum, batch=2 * world):
+        sl = slice(2 * rank, 2 * rank + 2)
+        calls.append(["forward", 0])
+        loss = engine(x[sl], y[sl])
+        calls.append(["backward", 0])
+        engine.backward(loss / accum)
+        calls.append(["step", 0])
+        if engine.step() and engine.last_grad_norm is not None:
+            norms.append(engine.last_grad_norm)
+    calls.append(["after", 0])
+    name = group.payloads.lowp or group.payloads.master
+    stale = []
+    for c in group.chunks:
+        whole = group.shards.finish(group.shards.gather(group.store.get(c.cid, name, Tier.GPU), what="check"))
+        if not c.replica_fresh or not torch.equal(group.shards.finish(group.params(c, None)), whole):
+            stale.append(c.cid)
+    sd = engine.state_dict()
+    n_chunks = len(group.chunks)
+    engine.close()
+    return sd, calls[:-1], norms, n_chunks, stale
+
+
+@pytest.mark.parametrize("kw,accum", [(dict(), 1), (dict(grad_clip=0.05), 1), (dict(), 2),
+                                      (dict(dtype="bf16"), 1)],
+                         ids=["overlap", "clip", "accum", "bf16"])
+def test_auto_replicas_gather_each_chunk_once_per_step_right_after_its_update(kw, accum, tmp_path):
+    """[Note: gathers after the update]: with the whole state on the device and replicas, each
+    chunk's updated params are all-gathered once per step, during backward behind its update (or in
+    step() where the updates wait for the clip), so no forward after the first issues a collective;
+    results equal torch's, the replicas equal the shards."""
+    out = values(run_ranks(_phase_counting_rank, WORLD, tmp_path, kw, 3, accum, timeout_s=120))
+    for sd, calls, norms, n_chunks, stale in out:
+        assert stale == []
+        gathers = [n for _, n in calls]
+        update_in = "step" if "grad_clip" in kw else "backward"
+        want = []
+        for i in range(3 * accum):
+            last = i % accum == accum - 1
+            want += [n_chunks if i == 0 else 0,  # the first forward gathers (nothing is replicated yet)
+                     n_chunks if last and update_in == "backward" else 0,
+                     n_chunks if last and update_in == "step" else 0]
+        assert gathers == want, calls
+        if "dtype" not in kw:
+            ref = _reference(3, accum, clip=kw.get("grad_clip"))
+            assert_params_close(sd, ref.master_state(), rtol=1e-5)
+            if "grad_clip" in kw:
+                assert norms == pytest.approx(ref.norms, rel=1e-5)
+
+
 def test_final_grad_sync_is_refused_with_a_clear_message():
     with pytest.raises(ValueError, match=r"OffloadConfig.grad_sync='never' is invalid: expected 'every' or 'final'"):
         zo.OffloadConfig(grad_sync="never")
@@ -235,7 +303,7 @@ def test_final_grad_sync_is_refused_with_a_clear_message():
 def _replica_fit_rank(rank, world):
     with pytest.raises(zo.FitError if hasattr(zo, "FitError") else ValueError,
                        match=r"params='gpu' with 2 ranks keeps a full replica"):
-        zo.initialize(micro_gpt(), optimizer=SPEC, config=_config(None, params="gpu", gpu_budget=110_000),
+        zo.initialize(micro_gpt(), optimizer=SPEC, config=_config(None, params="gpu", gpu_budget=70_000),
                       device="cpu")
     return "refused"
 

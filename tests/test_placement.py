@@ -180,10 +180,41 @@ def test_fit_errors_name_the_budget_the_numbers_and_the_fix(tmp_path):
     with pytest.raises(FitError, match=r"\d+ bytes of fp32 grads window \(grad_sync='final'"):
         plan_placement(_engine(_chunks(2), gpu=4 * 2 * N + 4096, fp32_grads_window=True))
     replicated = _engine(_chunks(2), params=Placement.GPU, ranks=2, replicas=True)
-    need = plan_placement(dataclasses.replace(replicated, replicas=False)).need[Tier.GPU]
+    need = plan_placement(dataclasses.replace(replicated, budgets=Budgets(gpu=BIG, cpu=BIG))).need[Tier.GPU]
+    replicas = sum(c.numel * 2 * c.dtype.itemsize for c in replicated.chunks)
     with pytest.raises(FitError, match=r"params='gpu' with 2 ranks keeps a full replica"):
-        plan_placement(dataclasses.replace(replicated, budgets=Budgets(gpu=need + 4 * 2 * N, cpu=BIG)))
-    assert plan_placement(dataclasses.replace(replicated, budgets=Budgets(gpu=need + 4 * 2 * 2 * N, cpu=BIG)))
+        plan_placement(dataclasses.replace(replicated, budgets=Budgets(gpu=need + replicas - 1, cpu=BIG)))
+    assert plan_placement(dataclasses.replace(replicated, budgets=Budgets(gpu=need + replicas, cpu=BIG)))
+
+
+def test_auto_replicas_only_where_the_whole_state_fits_beside_them():
+    """[Note: replicas when all fits]: several ranks, "auto" replicas are kept where every chunk's
+    params and state stay on the device with them; a budget that holds the whole state but not the
+    replicas too goes without them (the share is worth more); one rank or host params: none."""
+    chunks = _chunks(12)
+    auto = _engine(chunks, params=Placement.AUTO, optimizer=Placement.AUTO, gpu_optimizer=True, ranks=2,
+                   replicas="auto")
+    plan = plan_placement(auto)
+    assert plan.request.replicas is True
+    assert all(h.params is Tier.GPU and h.optimizer is Tier.GPU for h in plan.homes)
+    # a chunk in use is its replica: the working window holds no whole params chunk
+    assert window_bytes(plan.request, whole=True) == 3 * 4 * N * 2 < window_bytes(
+        dataclasses.replace(plan.request, replicas=False), whole=True)
+    replicas = 12 * 2 * 4 * N
+    with_replicas = plan.need[Tier.GPU] + replicas
+    bare = plan_placement(dataclasses.replace(auto, replicas=False))
+    assert all(h.optimizer is Tier.GPU for h in bare.homes) and bare.need[Tier.GPU] < with_replicas
+    tight = dataclasses.replace(auto, budgets=Budgets(gpu=with_replicas - 1, cpu=BIG))
+    plan = plan_placement(tight)
+    assert plan.request.replicas is False and all(h.optimizer is Tier.GPU for h in plan.homes)
+    roomy = dataclasses.replace(auto, budgets=Budgets(gpu=with_replicas, cpu=BIG))
+    assert plan_placement(roomy).request.replicas is True
+    for other in (dataclasses.replace(auto, ranks=1), dataclasses.replace(auto, params=Placement.CPU)):
+        assert plan_placement(other).request.replicas is False
+    # the state spilling to the host: no replicas, whatever room they would find
+    spill = dataclasses.replace(auto, budgets=Budgets(gpu=bare.need[Tier.GPU] - 1, cpu=BIG))
+    plan = plan_placement(spill)
+    assert plan.request.replicas is False and plan.homes[-1].optimizer is Tier.CPU
 
 
 def test_requests_are_checked():

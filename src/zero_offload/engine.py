@@ -73,7 +73,10 @@ Every collective is issued by the caller's or autograd's thread (never the worke
 all ranks share: the same modules run in the same order, and end-of-backward flushes go in chunk
 order. Whole-model reads (``state_dict``, ``gathered``, ``close``, checkpoints) gather chunk by
 chunk and are collective. ``params="gpu"`` keeps each chunk's gathered params as a replica on
-every GPU (ZeRO-2 with offload), gathered again only after an update changed the shards.
+every GPU (ZeRO-2 with offload), gathered again only after an update changed the shards, and
+"auto" does where the whole state fits beside the replicas ([Note: replicas when all fits] in
+runtime/placement.py); a chunk updated on the device is gathered right after its update
+([Note: gathers after the update] in runtime/chunk_group.py).
 ``grad_sync="final"`` with ``grad_accum > 1`` sums a chunk's grads over the window in an fp32
 device buffer and reduce-scatters once, at the last micro-batch.
 
@@ -321,7 +324,7 @@ class Engine:
                 **kw, params=cfg.params, optimizer=cfg.optimizer, rule=self.rule,
                 accum=cfg.host_accum, nvme_dir=cfg.nvme_dir, prefetch_depth=cfg.prefetch_depth,
                 gpu_optimizer=True, fp32_grads_window=self._final_sync, ranks=self.shard.world,
-                replicas=self._ranked and cfg.params == "gpu", host_grads=cfg.host_grads,
+                replicas=self._replicas_asked(), host_grads=cfg.host_grads,
                 window_slots=cfg.grads_window, host_params=cfg.host_params,
                 # the updates wait for the window's decision and read the grads themselves
                 grads_wait=not self._overlaps(cfg) and not cfg.host_accum)
@@ -335,6 +338,13 @@ class Engine:
             io=dict(io_threads=cfg.io_threads, io_block_size=cfg.io_block_size,
                     io_queue_depth=cfg.io_queue_depth))
         return store
+
+    def _replicas_asked(self) -> "bool | str":
+        """Several ranks: params="gpu" keeps a replica of every chunk on each GPU, "auto" where
+        the whole state fits beside them ([Note: replicas when all fits] in placement.py)."""
+        if not self._ranked or self.config.params not in ("gpu", "auto"):
+            return False
+        return True if self.config.params == "gpu" else "auto"
 
     def _need(self, layout: ChunkLayout, rank: Optional[int] = None) -> ChunkNeed:
         """What placement must know of a chunk: a rank's shard of it (``rank``: default this one),
@@ -373,7 +383,7 @@ class Engine:
                                 payloads=payloads, shards=self.shard, staging=Staging.DEVICE,
                                 window=cfg.grad_accum, clip=cfg.grad_clip, scaler=self.scaler,
                                 overlap=self._overlaps(cfg),
-                                replicas=self._ranked and cfg.params == "gpu", owner="engine",
+                                replicas=self.plan.request.replicas is True, owner="engine",
                                 prefetch_depth=cfg.prefetch_depth,
                                 threads=cpu_threads(cfg.threads, self.device, ranked=self._ranked),
                                 on_chunk_idle=self._chunk_ready)

@@ -84,6 +84,28 @@ its update runs on the caller's stream: the rule's ``device_step`` (Adam: torch'
 ``torch._fused_adamw_``) on the same segments and arguments its CPU job gets, which also rounds
 the params from the master. QUEUED -> IDLE happens at once: stream order is the ordering.
 
+[Note: one chunk behind] With several ranks, a chunk of the GPU share is handed to its update
+(or accumulation) one flush late: when the next chunk's grads are complete and their
+reduce-scatter is issued (``_flush``), or at the end of backward (``end_backward``), in the same
+order on every rank. The caller's stream then waits for that chunk's own reduce-scatter only (an
+event on the comm stream), which had the next chunk's backward to run behind. Handed on at once,
+the stream would wait for the reduce-scatter just issued, with no compute queued before it to
+hide it, and, NCCL running a group's collectives in order, for the all-gather issued behind the
+previous chunk's update too ([Note: gathers after the update]).
+
+[Note: gathers after the update] With several ranks and ``replicas`` (each rank keeps every
+chunk's whole params on its device), a chunk updated on the device has its updated params shard
+all-gathered into its replica at once, async, right behind the update on the caller's stream
+(``_gather_updated``): during backward with ``overlap`` (the chunk's grads are complete, so
+nothing of this backward reads its params again), or as ``end_window`` updates the chunks in
+order. The next forward then finds every replica fresh and issues no collective: per step the
+ranks exchange the grads' reduce-scatter and the params' all-gather, DDP's all-reduce in two
+halves, both behind backward's compute, where gathering at the first use would put an
+all-gather in front of each chunk's forward (measured on 4 H100s, 1.31B: the forward waited for
+them; session 17). The user of the replica waits for the work device-side (``params`` hands it
+over once; ``Shards.finish``); dropping or rewriting a replica waits for it first. Chunks updated
+on the host keep gathering at their first use (their new shard reaches the device later).
+
 [Note: param sinks] Where updated params go (``ParamSink``). STORE (the engine): the update
 writes the store's params payload (the working copy ``lowp`` or, in fp32, the master itself),
 which the engine fetches. TENSORS (OffloadAdamW): each slot's ``param`` (the user's tensor) gets
@@ -141,6 +163,8 @@ class ChunkPhase(enum.Enum):
     FILLING = "filling"
     QUEUED = "queued"
 
+
+_GATHER_UPDATED = "the all-gather of the updated params into the replica"
 
 _LEGAL = {
     ChunkPhase.IDLE: frozenset({ChunkPhase.FILLING}),
@@ -280,6 +304,9 @@ class GroupChunk:
     """Several ranks with replicas: the whole chunk's params kept on the device between uses,
     gathered again only after an update (``replica_version``)."""
     replica_version: int = -1
+    replica_work: Any = None
+    """The all-gather into ``replica`` issued right after the chunk's update on the device, not
+    waited for yet ([Note: gathers after the update]); its user's stream waits for it."""
     # -- the front end's view (the engine's; None for OffloadAdam) --
     layout: Any = None
     """The front end's layout of the chunk (the engine's ``partition.ChunkLayout``), or None."""
@@ -445,6 +472,7 @@ class ChunkGroup:
         self._updated = False  # an update was queued in this window (overlap)
         self._submitted: list[GroupChunk] = []  # this window's updates in hand-over order
         self._kept = False  # a staged grad stays the caller's: end_backward orders its stream after
+        self._lagged: Optional[tuple] = None  # [Note: one chunk behind]: (chunk, slots, reduced)
         self.wait_s = 0.0
         """Seconds the caller's thread waited in ``wait`` for updates (what overlap did not hide)."""
         self.window_wait_s = 0.0
@@ -665,7 +693,7 @@ class ChunkGroup:
         names = [name] + ([p.lowp] if name == p.master and p.lowp is not None
                           and self.store.has_payload(chunk.cid, p.lowp)
                           and not self.store.derived(chunk.cid, p.lowp) else [])  # (derived: remade)
-        chunk.replica = None
+        self._drop_replica(chunk)
         with self.hold(chunk, names, fresh=True) as bufs:
             self.shards.fill(bufs[0], chunk.whole if whole is None else whole, fill)
             if len(bufs) > 1:
@@ -783,8 +811,37 @@ class ChunkGroup:
                 full, chunk.total = chunk.total, None
                 slots, chunk.total_slots = list(chunk.total_slots), set()
             ready = self._send_down(chunk) if self._in_store else self._reduce(chunk, full)
+            if self.shards.world > 1 and self._on_device(chunk):
+                # [Note: one chunk behind]: the reduce-scatter just issued runs while the previous
+                # chunk is updated and backward goes on
+                chunk.flushed = True
+                lagged, self._lagged = self._lagged, (chunk, slots, self._reduced_event())
+                if lagged is not None:
+                    self._run_lagged(lagged)
+                return
         chunk.flushed = True
         self._submit(chunk, slots, ready=ready)
+
+    def _reduced_event(self) -> Optional["torch.cuda.Event"]:
+        """An event on the comm stream after the reduce-scatter just issued (None without one)."""
+        if self.shards.streams is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.shards.streams.reduce)
+        return event
+
+    def _run_lagged(self, lagged: tuple) -> None:
+        """The update (or accumulation) of a chunk of the GPU share whose grads were reduced one
+        flush ago: the caller's stream waits for that reduce-scatter only, then goes on."""
+        chunk, slots, reduced = lagged
+        if reduced is not None:
+            torch.cuda.current_stream(self.store.device).wait_event(reduced)
+        self._submit(chunk, slots, ready=None)
+
+    def _drain_lagged(self) -> None:
+        lagged, self._lagged = self._lagged, None
+        if lagged is not None:
+            self._run_lagged(lagged)
 
     def _device_buffer(self, chunk: GroupChunk) -> torch.Tensor:
         """The store's GPU copy of the chunk's "grads", zeroed and pinned."""
@@ -805,10 +862,7 @@ class ChunkGroup:
             raise
         with self.shards.after_reduce():
             handle = self._send_down(chunk)
-        if self._on_device(chunk) and self.shards.streams is not None:
-            # [Note: GPU share]: the update reads the shard on the caller's stream, after the reduce.
-            torch.cuda.current_stream(self.store.device).wait_stream(self.shards.streams.reduce)
-        return handle
+        return handle  # (a chunk of the GPU share: its update waits for the reduce, _run_lagged)
 
     def _send_down(self, chunk: GroupChunk) -> Optional[Handle]:
         """The staged GPU copy of "grads" goes home (D2H, async; the returned handle) and is
@@ -938,6 +992,7 @@ class ChunkGroup:
                 self._flush(c)
             elif boundary and c.accumulating and not c.flushed:
                 self._submit(c, (), ready=Handle.completed(), hold=True)
+        self._drain_lagged()
         self._end_pass()
         if self._kept:  # the caller's grads may be overwritten or freed after our copies read them
             self._kept = False
@@ -946,6 +1001,9 @@ class ChunkGroup:
     def drop_backward(self) -> None:
         """After an error in backward: the grads of this pass not yet sent on are dropped (the
         pins they hold released); what went on stays in the window."""
+        lagged, self._lagged = self._lagged, None
+        if lagged is not None and lagged[0].pinned_grads:  # reduced, not handed on: dropped too
+            self._release_device_buffer(lagged[0])
         for c in self.chunks:
             if c.grads is not None:
                 if c.pinned_grads:  # staged in the store's own GPU copy
@@ -1125,6 +1183,8 @@ class ChunkGroup:
     def _update_on_device(self, chunk: GroupChunk, grad_scale: float) -> None:
         chunk.updated = self._window_slots(chunk)
         self._device_update(chunk, grad_scale)
+        if self.replicas and chunk.replica is not None and self.sink is ParamSink.STORE:
+            self._gather_updated(chunk)
         if self.sink is ParamSink.TENSORS:  # [Note: param sinks]: on the caller's stream
             master = self.store.get(chunk.cid, self.payloads.master, Tier.GPU)
             for s in chunk.updated:
@@ -1193,26 +1253,57 @@ class ChunkGroup:
     def params(self, chunk: GroupChunk, shard: torch.Tensor, *, ahead: bool = False) -> Gather:
         """The chunk's whole params on the device from this rank's ``shard`` of them: the shard
         itself (one rank), an all-gather (``ahead``: issued async, ``Shards.finish`` waits for it
-        where it is used), or the replica when no update has run since it was gathered."""
+        where it is used), or the replica when no update has run since it was gathered (with the
+        all-gather issued after the update, if it is not waited for yet: the caller finishes it)."""
         if chunk.replica_fresh:
-            return Gather(chunk.replica)
+            work, chunk.replica_work = chunk.replica_work, None
+            return Gather(chunk.replica, work, _GATHER_UPDATED if work is not None else "")
         gathered = self.shards.gather(shard, what="the all-gather of a params chunk", out=chunk.replica,
                                       ahead=ahead)
         if self.replicas:
             chunk.replica, chunk.replica_version = gathered.full, chunk.version
         return gathered
 
+    def _gather_updated(self, chunk: GroupChunk) -> None:
+        """[Note: gathers after the update]: the updated params shard all-gathered into the
+        chunk's replica now, async, after the caller's stream's work so far."""
+        self._settle_replica(chunk)
+        shard = self.store.get(chunk.cid, self.payloads.lowp or self.payloads.master, Tier.GPU)
+        gathered = self.shards.gather(shard, what=_GATHER_UPDATED, out=chunk.replica, ahead=True)
+        chunk.replica_work, chunk.replica_version = gathered.work, chunk.version
+
+    def _settle_replica(self, chunk: GroupChunk) -> None:
+        """The caller's stream waits for an all-gather into the replica still pending, so that
+        the replica may be written again or its memory let go."""
+        work, chunk.replica_work = chunk.replica_work, None
+        if work is not None:
+            self.shards.finish(Gather(chunk.replica, work, _GATHER_UPDATED))
+
+    def _drop_replica(self, chunk: GroupChunk, *, quiet: bool = False) -> None:
+        """The replica let go, after its pending all-gather. ``quiet`` (clean-up): a failed wait
+        (a failed engine refuses it; a collective that failed) is not raised: the collective's
+        own failure is the cause, and NCCL keeps the buffers it uses until the work ends."""
+        try:
+            self._settle_replica(chunk)
+        except Exception:  # noqa: BLE001 - see above
+            if not quiet:
+                raise
+        finally:
+            chunk.replica = None
+
     def drop_buffers(self) -> None:
-        """The device buffers kept between uses (replicas, window sums) are let go."""
+        """The device buffers kept between uses (replicas, window sums) are let go (clean-up:
+        never raises over a failure that came before)."""
         for c in self.chunks:
-            c.replica = c.total = None
+            self._drop_replica(c, quiet=True)
+            c.total = None
 
     def drop_replicas(self) -> list:
         """Park ([Note: parking] in parking.py): every replica is let go. Returns the chunks whose
         replica held the latest params (the same on every rank), for ``regather``."""
         fresh = [c for c in self.chunks if c.replica_fresh]
         for c in self.chunks:
-            c.replica = None
+            self._drop_replica(c)
         return fresh
 
     def regather(self, chunks: Iterable[GroupChunk]) -> None:

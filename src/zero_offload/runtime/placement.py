@@ -450,9 +450,11 @@ class PlacementRequest:
     accumulation window (the engine's ``grad_sync="final"``), beside the homes."""
     ranks: int = 1
     """Ranks each chunk is split between (``ChunkNeed.numel`` is one rank's shard)."""
-    replicas: bool = False
+    replicas: "bool | str" = False
     """Every rank keeps a whole replica of the params on its device beside its shards (the
-    engine's params="gpu" with several ranks)."""
+    engine's params="gpu" with several ranks), or "auto": where the replicas fit with every
+    chunk's params and optimizer state on the device ([Note: replicas when all fits]). The plan's
+    request has it resolved."""
     owner: str = ""
     """Who asks, for messages (none: the message starts with the problem)."""
     state_option: str = "optimizer"
@@ -794,6 +796,8 @@ def window_bytes(request: PlacementRequest, *, whole: bool = False) -> int:
         chunks = [dataclasses.replace(c, numel=c.numel * request.ranks) for c in chunks]
     big_params = max(chunk_bytes(c, request, ("params",)) for c in chunks)
     big_grads = max((chunk_bytes(c, request, ("grads",)) for c in chunks if c.trainable), default=0)
+    if request.replicas is True and request.ranks > 1:
+        big_params = 0  # a chunk in use is its replica (counted with the replicas)
     return (request.prefetch_depth + 3 + PARKED_CHUNKS) * big_params + 3 * big_grads
 
 
@@ -826,6 +830,8 @@ def plan_placement(request: PlacementRequest) -> PlacementPlan:
     first. ``host_grads="auto"`` is resolved here ([Note: grads window]): the plan's request
     says "persistent" or "window".
     """
+    if request.replicas == "auto":
+        return _plan_replicas(request)
     grads = ("persistent", "window") if request.host_grads == "auto" else (request.host_grads,)
     params = ("copy", "from-master") if request.host_params == "auto" else (request.host_params,)
     if request.grads_wait:
@@ -848,6 +854,27 @@ def plan_placement(request: PlacementRequest) -> PlacementPlan:
     if best is None:
         raise error
     return best
+
+
+def _plan_replicas(request: PlacementRequest) -> PlacementPlan:
+    """[Note: replicas when all fits] "auto" replicas (several ranks, "auto" or "gpu" params):
+    kept where the plan with them homes every chunk's params and every trainable chunk's
+    optimizer state on the device. Then a step's collectives are one reduce-scatter of the
+    grads and one all-gather of the updated params, both during backward ([Note: gathers after
+    the update] in chunk_group.py), where without replicas the params are gathered again at each
+    use, in forward and in backward. Where they do not fit beside the whole state, they would
+    take device memory from the GPU share, whose updates save more (PCIe bytes and host work per
+    chunk) than a replica saves (one all-gather per step): the plan goes without."""
+    if request.ranks > 1 and request.params in (Placement.AUTO, Placement.GPU):
+        try:
+            plan = plan_placement(dataclasses.replace(request, replicas=True))
+        except FitError:
+            plan = None
+        if plan is not None and all(
+                h.params is Tier.GPU and (not c.trainable or h.optimizer is Tier.GPU)
+                for h, c in zip(plan.homes, request.chunks)):
+            return plan
+    return plan_placement(dataclasses.replace(request, replicas=False))
 
 
 def host_window(request: PlacementRequest) -> tuple:

@@ -303,9 +303,11 @@ class AdamRule:
         for seg in segments:
             a, sl = seg.args, slice(seg.start, seg.stop)
             fused = torch._fused_adamw_ if a.adamw else torch._fused_adam_
-            step = torch.tensor(float(seg.step), dtype=torch.float32, device=master.device)
+            # torch.full, not torch.tensor: a fill on the device, where torch.tensor(x, device=)
+            # copies from pageable host memory and waits for the stream (a host sync per chunk)
+            step = torch.full((), float(seg.step), dtype=torch.float32, device=master.device)
             scale = (None if a.grad_scale == 1.0
-                     else torch.tensor(a.grad_scale, dtype=torch.float32, device=master.device))
+                     else torch.full((), a.grad_scale, dtype=torch.float32, device=master.device))
             m32, v32 = (m[sl].float(), v[sl].float()) if rounded else (m[sl], v[sl])
             fused([master[sl]], [src[sl].float()], [m32], [v32], [], [step], lr=a.lr,
                   beta1=a.betas[0], beta2=a.betas[1], weight_decay=a.weight_decay, eps=a.eps,
