@@ -228,25 +228,36 @@ def test_gpu_params_keep_a_replica_gathered_once_per_step(params, tmp_path):
             assert all(c["ahead"] > 0 for c in counts[1:])  # after the recording pass
 
 
-def _phase_counting_rank(rank, world, kw, steps, accum):
+def _phase_counting_rank(rank, world, kw, steps, accum, later=False):
     """"auto" everything on the device with replicas: trains like ``_engine_rank`` and counts the
     all-gathers issued in each call (forward, backward, step) of each micro-batch; at the end each
-    replica must equal the all-gather of the params shards."""
+    replica must equal the all-gather of the params shards. ``later``: the first plan's reserve
+    leaves the replicas no room; the step measured after the first window adds them."""
     import zero_offload.runtime.shards as eng
+    from zero_offload.runtime.placement import Measured
     calls, ag = [], eng.all_gather
 
     def count_ag(out, inp, group, *, async_op=False):
         calls[-1][1] += 1
         return ag(out, inp, group, async_op=async_op)
 
+    config = dict(params="auto", optimizer="auto", gpu_budget=1 << 26, grad_accum=accum, **kw)
+    if later:  # the whole state fits, the replicas do not: reserve all but that
+        probe = zo.initialize(micro_gpt(), optimizer=SPEC, device="cpu", config=_config(None, **config))
+        report = probe.plan.report()
+        probe.close()
+        config["activation_reserve"] = (1 << 26) - (probe.plan.need[Tier.GPU] + report["replicas_bytes"]) + 1
     eng.all_gather = count_ag
-    engine = zo.initialize(micro_gpt(), optimizer=SPEC, device="cpu", config=_config(
-        None, params="auto", optimizer="auto", gpu_budget=1 << 26, grad_accum=accum, **kw))
+    engine = zo.initialize(micro_gpt(), optimizer=SPEC, device="cpu", config=_config(None, **config))
     group = engine.group
-    assert engine.plan.request.replicas is True and group.replicas
+    assert engine.plan.request.replicas is (not later) and group.replicas is (not later)
     assert all(group._on_device(c) for c in group.chunks if c.layout.trainable)
     norms = []
-    for x, y in gpt_batches(steps * accum, batch=2 * world):
+    for i, (x, y) in enumerate(gpt_batches(steps * accum, batch=2 * world)):
+        if later and i == accum:  # what the first step's measurement does on CUDA
+            calls.append(["grow", 0])
+            plan = engine.grow_share(Measured(device_limit=1 << 26, device_peak=0, margin=0))
+            assert plan.replicas_added and group.replicas and plan.report()["replicas"]
         sl = slice(2 * rank, 2 * rank + 2)
         calls.append(["forward", 0])
         loss = engine(x[sl], y[sl])
@@ -293,6 +304,24 @@ def test_auto_replicas_gather_each_chunk_once_per_step_right_after_its_update(kw
             assert_params_close(sd, ref.master_state(), rtol=1e-5)
             if "grad_clip" in kw:
                 assert norms == pytest.approx(ref.norms, rel=1e-5)
+
+
+def test_replicas_the_first_plan_had_no_room_for_come_with_the_measured_step(tmp_path):
+    """[Note: replicas when all fits]: a reserve that leaves the whole state on the device but no
+    room for the replicas; the measured step (here ``grow_share`` with a measurement) adds them:
+    before it every forward and backward gathers each chunk, after it the first forward gathers
+    each chunk once more (the replicas) and the updates then gather them in backward; results
+    equal torch's."""
+    out = values(run_ranks(_phase_counting_rank, WORLD, tmp_path, {}, 3, 1, True, timeout_s=120))
+    ref = _reference(3, 1)
+    for sd, calls, _, n_chunks, stale in out:
+        assert stale == []
+        assert_params_close(sd, ref.master_state(), rtol=1e-5)
+        phases = [p for p, _ in calls]
+        assert phases == ["forward", "backward", "step", "grow"] + ["forward", "backward", "step"] * 2
+        gathers = [n for _, n in calls]
+        assert gathers[0] >= n_chunks and gathers[1] > 0, calls  # no replicas: gathered again in backward
+        assert gathers[3:] == [0, n_chunks, n_chunks, 0, 0, n_chunks, 0], calls
 
 
 def test_final_grad_sync_is_refused_with_a_clear_message():

@@ -215,6 +215,45 @@ def test_auto_replicas_only_where_the_whole_state_fits_beside_them():
     spill = dataclasses.replace(auto, budgets=Budgets(gpu=bare.need[Tier.GPU] - 1, cpu=BIG))
     plan = plan_placement(spill)
     assert plan.request.replicas is False and plan.homes[-1].optimizer is Tier.CPU
+    assert plan.request.replicas_later and not plan_placement(dataclasses.replace(auto, ranks=1)).request.replicas_later
+
+
+def test_the_measured_step_adds_the_replicas_where_it_leaves_room():
+    """[Note: replicas when all fits]: a first plan whose reserve left no room for the replicas
+    beside the whole state gets them from ``grow_share`` once the share is whole and the measured
+    headroom holds them too; not with less headroom, nor with a chunk's state left on the host, nor
+    after a fall-back."""
+    from zero_offload.runtime.placement import Measured, grow_share
+    chunks = _chunks(12)
+    replicas = 12 * 2 * 4 * N
+    auto = _engine(chunks, params=Placement.AUTO, optimizer=Placement.AUTO, gpu_optimizer=True, ranks=2,
+                   replicas="auto")
+    bare = plan_placement(dataclasses.replace(auto, replicas=False)).need[Tier.GPU]
+    with_replicas = plan_placement(auto).need[Tier.GPU] + replicas
+    # a reserve that leaves the whole state its room but not the replicas
+    first = plan_placement(dataclasses.replace(auto, budgets=Budgets(gpu=4 * bare, cpu=BIG),
+                                               reserve=4 * bare - with_replicas + 1))
+    assert first.request.replicas is False and first.request.replicas_later and _all_gpu(first)
+    assert first.report()["replicas"] is False
+    limit = 4 * bare
+    roomy = grow_share(first, Measured(device_limit=limit, device_peak=0, margin=0))
+    assert roomy.replicas_added and roomy.request.replicas is True and not roomy.request.replicas_later
+    assert roomy.report()["replicas"] is True and roomy.report()["replicas_bytes"] == replicas
+    short = grow_share(first, Measured(device_limit=limit, device_peak=limit - replicas + 1, margin=0))
+    assert not short.replicas_added and short.request.replicas is False and short.request.replicas_later
+    # the share not whole (the reserve kept a chunk's state on the host) and the headroom too small
+    # for it: no replicas either
+    partial = plan_placement(dataclasses.replace(auto, budgets=Budgets(gpu=bare, cpu=BIG), reserve=4 * N * 4))
+    assert any(h.optimizer is Tier.CPU for h in partial.homes)
+    grown = grow_share(partial, Measured(device_limit=bare, device_peak=bare, margin=0))
+    assert not grown.replicas_added and grown.request.replicas is False
+    back = roomy.fall_back(0, MemoryError("x")) if roomy.grown else dataclasses.replace(
+        roomy, grown=(11,), grown_from=(Tier.CPU,)).fall_back(11, MemoryError("x"))
+    assert not back.replicas_added and back.request.replicas is False and back.request.replicas_later
+
+
+def _all_gpu(plan):
+    return all(h.params is Tier.GPU and h.optimizer is Tier.GPU for h in plan.homes)
 
 
 def test_requests_are_checked():

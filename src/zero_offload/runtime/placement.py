@@ -454,7 +454,10 @@ class PlacementRequest:
     """Every rank keeps a whole replica of the params on its device beside its shards (the
     engine's params="gpu" with several ranks), or "auto": where the replicas fit with every
     chunk's params and optimizer state on the device ([Note: replicas when all fits]). The plan's
-    request has it resolved."""
+    request has it resolved; ``replicas_later`` says whether the measured step may add them."""
+    replicas_later: bool = False
+    """Set by the plan (never asked): "auto" replicas that did not fit the first plan beside the
+    whole state; ``grow_share`` adds them when the measured step leaves them room."""
     owner: str = ""
     """Who asks, for messages (none: the message starts with the problem)."""
     state_option: str = "optimizer"
@@ -561,6 +564,9 @@ class PlacementPlan:
     """The tier each chunk of ``grown`` came from (host memory or NVMe)."""
     fell_back: tuple = ()
     """Chunks whose move into the share failed and that stayed on the host (``fall_back``)."""
+    replicas_added: bool = False
+    """``grow_share`` added the params replicas the first plan had no room for ([Note: replicas
+    when all fits]); the front end keeps them from the next forward on."""
     promoted: tuple = ()
     """Chunks whose NVMe state ``promote_state`` brought into host memory (the front end rehomes
     them)."""
@@ -596,8 +602,11 @@ class PlacementPlan:
             _leave(need, self.request.chunks[i], self.request, tier, -1)
         kept = [(i, t) for i, t in zip(self.grown, self.grown_from) if i < index]
         line = str(error).splitlines()[0] if str(error) else ""
+        request = self.request
+        if self.replicas_added:  # (the share is no longer whole: the replicas wait, as before)
+            request = dataclasses.replace(request, replicas=False, replicas_later=True)
         return dataclasses.replace(
-            self, homes=tuple(homes), need=need, share_ended=True,
+            self, request=request, replicas_added=False, homes=tuple(homes), need=need, share_ended=True,
             grown=tuple(i for i, _ in kept), grown_from=tuple(t for _, t in kept),
             fell_back=tuple(i for i, _ in back),
             why=f"fell back at chunk {index} ({type(error).__name__}: {line[:200]}); "
@@ -671,6 +680,8 @@ class PlacementPlan:
                     "activation_peak": m.activation_peak, "margin": m.margin_bytes,
                     "headroom": m.headroom},
                 "grown": len(self.grown), "fell_back": len(self.fell_back), "why": self.why,
+                "replicas": request.replicas is True, "replicas_bytes": _replica_bytes(request),
+                "replicas_added": self.replicas_added,
                 "promoted": len(self.promoted), "nvme_why": self.nvme_why,
                 "host_grads": request.host_grads, "grads_window": self.grads_window,
                 "host_params": request.host_params,
@@ -864,17 +875,25 @@ def _plan_replicas(request: PlacementRequest) -> PlacementPlan:
     the update] in chunk_group.py), where without replicas the params are gathered again at each
     use, in forward and in backward. Where they do not fit beside the whole state, they would
     take device memory from the GPU share, whose updates save more (PCIe bytes and host work per
-    chunk) than a replica saves (one all-gather per step): the plan goes without."""
+    chunk) than a replica saves (one all-gather per step): the plan goes without, and the
+    measured step adds them where it leaves room after the share has grown (``grow_share``:
+    the first plan's reserve is a guess, half the GPU, that a 6.58B model on 4 H100s with every
+    block checkpointed left mostly unused)."""
     if request.ranks > 1 and request.params in (Placement.AUTO, Placement.GPU):
         try:
             plan = plan_placement(dataclasses.replace(request, replicas=True))
         except FitError:
             plan = None
-        if plan is not None and all(
-                h.params is Tier.GPU and (not c.trainable or h.optimizer is Tier.GPU)
-                for h, c in zip(plan.homes, request.chunks)):
+        if plan is not None and _all_on_device(plan):
             return plan
+        return plan_placement(dataclasses.replace(request, replicas=False, replicas_later=True))
     return plan_placement(dataclasses.replace(request, replicas=False))
+
+
+def _all_on_device(plan: PlacementPlan) -> bool:
+    """Every chunk's params and every trainable chunk's optimizer state homed on the device."""
+    return all(h.params is Tier.GPU and (not c.trainable or h.optimizer is Tier.GPU)
+               for h, c in zip(plan.homes, plan.request.chunks))
 
 
 def host_window(request: PlacementRequest) -> tuple:
@@ -1085,11 +1104,17 @@ def grow_share(plan: PlacementPlan, measured: Measured) -> PlacementPlan:
         grown.append((i, h.optimizer))
     if not why:
         why = "every trainable chunk's state is on the device"
-    return dataclasses.replace(plan, homes=tuple(homes), need=need, share_ended=bool(why) and
-                               any(c.trainable and h.optimizer is not Tier.GPU
-                                   for c, h in zip(request.chunks, homes)),
-                               why=why, measured=measured, grown=tuple(i for i, _ in grown),
-                               grown_from=tuple(t for _, t in grown))
+    grown_plan = dataclasses.replace(plan, homes=tuple(homes), need=need, share_ended=bool(why) and
+                                     any(c.trainable and h.optimizer is not Tier.GPU
+                                         for c, h in zip(request.chunks, homes)),
+                                     why=why, measured=measured, grown=tuple(i for i, _ in grown),
+                                     grown_from=tuple(t for _, t in grown))
+    if request.replicas_later and _all_on_device(grown_plan) \
+            and _replica_bytes(dataclasses.replace(request, replicas=True)) <= room:
+        # [Note: replicas when all fits]: the room the share left takes the replicas
+        grown_plan = dataclasses.replace(grown_plan, replicas_added=True, request=dataclasses.replace(
+            request, replicas=True, replicas_later=False))
+    return grown_plan
 
 
 def _leave(need: dict, chunk: ChunkNeed, request: PlacementRequest, tier: Tier, sign: int) -> None:

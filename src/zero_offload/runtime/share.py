@@ -160,6 +160,8 @@ def grow(group: ChunkGroup, plan: PlacementPlan, measured: Measured, need: Calla
         plan = plan.fall_back(plan.grown[failed], error)
         for i in plan.fell_back[:moved - failed]:  # moved here, not on the failing rank: back
             _rehome_as_planned(group, plan, i, need(i))
+    if plan.replicas_added:  # [Note: replicas when all fits]: gathered at the next use, then kept
+        group.replicas = True
     return _promote(group, plan, need, owner=owner)
 
 
