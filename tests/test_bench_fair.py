@@ -550,3 +550,14 @@ def test_the_profile_knob_traces_untimed_steps_after_the_timed_ones(tmp_path):
     assert "2 untimed steps profiled" in summary and "init homes " in summary
     from fairplan import parse_plan as plan
     assert [i.label for i in plan("gap4")] == ["engine-auto[profile=3]", "ddp[profile=3]"] * 2
+
+
+def test_the_notes_say_when_the_engine_replicated_the_params():
+    """A skeptic reads the mode of each engine row: replicas (at initialize, or added by the
+    measured first step) or none."""
+    from summarize import _notes
+    row = {"engine_stats": {"placement": {"replicas": True, "replicas_added": False}}}
+    assert _notes(row) == "params replicated on every GPU"
+    row["engine_stats"]["placement"]["replicas_added"] = True
+    assert _notes(row) == "params replicated on every GPU (added by the measured first step)"
+    assert _notes({"engine_stats": {"placement": {"replicas": False}}}) == "" == _notes({})

@@ -61,6 +61,10 @@ def _notes(r: dict) -> str:
     parts = r.get("engine_init_seconds")
     if parts:  # where the engine's initialize went (Engine.init_seconds)
         out.append("init " + ", ".join(f"{k} {parts[k]:.1f}" for k in ("homes", "values", "plan", "rest") if k in parts))
+    placement = (r.get("engine_stats") or {}).get("placement") or {}
+    if placement.get("replicas"):  # the engine's mode with ranks ([Note: replicas when all fits])
+        out.append("params replicated on every GPU"
+                   + (" (added by the measured first step)" if placement.get("replicas_added") else ""))
     if r.get("profiled_steps"):
         out.append(f"{r['profiled_steps']} untimed steps profiled (trace in the logs)")
     if r.get("torch_threads_per_rank") and any(t != r.get("threads") for t in r["torch_threads_per_rank"]):
