@@ -324,7 +324,7 @@ class Engine:
                 **kw, params=cfg.params, optimizer=cfg.optimizer, rule=self.rule,
                 accum=cfg.host_accum, nvme_dir=cfg.nvme_dir, prefetch_depth=cfg.prefetch_depth,
                 gpu_optimizer=True, fp32_grads_window=self._final_sync, ranks=self.shard.world,
-                replicas=self._replicas_asked(), host_grads=cfg.host_grads,
+                replicas="auto", host_grads=cfg.host_grads,  # (params="gpu" with ranks: always)
                 window_slots=cfg.grads_window, host_params=cfg.host_params,
                 # the updates wait for the window's decision and read the grads themselves
                 grads_wait=not self._overlaps(cfg) and not cfg.host_accum)
@@ -338,13 +338,6 @@ class Engine:
             io=dict(io_threads=cfg.io_threads, io_block_size=cfg.io_block_size,
                     io_queue_depth=cfg.io_queue_depth))
         return store
-
-    def _replicas_asked(self) -> "bool | str":
-        """Several ranks: params="gpu" keeps a replica of every chunk on each GPU, "auto" where
-        the whole state fits beside them ([Note: replicas when all fits] in placement.py)."""
-        if not self._ranked or self.config.params not in ("gpu", "auto"):
-            return False
-        return True if self.config.params == "gpu" else "auto"
 
     def _need(self, layout: ChunkLayout, rank: Optional[int] = None) -> ChunkNeed:
         """What placement must know of a chunk: a rank's shard of it (``rank``: default this one),

@@ -454,7 +454,8 @@ class PlacementRequest:
     """Every rank keeps a whole replica of the params on its device beside its shards (the
     engine's params="gpu" with several ranks), or "auto": where the replicas fit with every
     chunk's params and optimizer state on the device ([Note: replicas when all fits]). The plan's
-    request has it resolved; ``replicas_later`` says whether the measured step may add them."""
+    request has it resolved (one rank: never; "gpu" params: always); ``replicas_later`` says whether
+    the measured step may add them."""
     replicas_later: bool = False
     """Set by the plan (never asked): "auto" replicas that did not fit the first plan beside the
     whole state; ``grow_share`` adds them when the measured step leaves them room."""
@@ -868,8 +869,9 @@ def plan_placement(request: PlacementRequest) -> PlacementPlan:
 
 
 def _plan_replicas(request: PlacementRequest) -> PlacementPlan:
-    """[Note: replicas when all fits] "auto" replicas (several ranks, "auto" or "gpu" params):
-    kept where the plan with them homes every chunk's params and every trainable chunk's
+    """[Note: replicas when all fits] "auto" replicas: with several ranks, params="gpu" keeps
+    them always (``_check_replicas`` refuses a budget that cannot hold them); "auto" params keep them
+    where the plan with them homes every chunk's params and every trainable chunk's
     optimizer state on the device. Then a step's collectives are one reduce-scatter of the
     grads and one all-gather of the updated params, both during backward ([Note: gathers after
     the update] in chunk_group.py), where without replicas the params are gathered again at each
@@ -879,7 +881,9 @@ def _plan_replicas(request: PlacementRequest) -> PlacementPlan:
     measured step adds them where it leaves room after the share has grown (``grow_share``:
     the first plan's reserve is a guess, half the GPU, that a 6.58B model on 4 H100s with every
     block checkpointed left mostly unused)."""
-    if request.ranks > 1 and request.params in (Placement.AUTO, Placement.GPU):
+    if request.ranks > 1 and request.params is Placement.GPU:  # always: refused where they do not fit
+        return plan_placement(dataclasses.replace(request, replicas=True))
+    if request.ranks > 1 and request.params is Placement.AUTO:
         try:
             plan = plan_placement(dataclasses.replace(request, replicas=True))
         except FitError:
