@@ -824,11 +824,8 @@ class ChunkGroup:
 
     def _reduced_event(self) -> Optional["torch.cuda.Event"]:
         """An event on the comm stream after the reduce-scatter just issued (None without one)."""
-        if self.shards.streams is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(self.shards.streams.reduce)
-        return event
+        streams = self.shards.streams
+        return streams.reduce.record_event() if streams is not None else None
 
     def _run_lagged(self, lagged: tuple) -> None:
         """The update (or accumulation) of a chunk of the GPU share whose grads were reduced one
