@@ -5,9 +5,10 @@ import pytest
 import zero_offload as zo
 from _engine_util import (DEVICE, Reference, assert_losses_close, assert_params_close, config,
                           gpt_batches, gpt_loss, micro_gpt, mlp, mlp_batches, mlp_loss, train_engine)
-from test_engine_gpu_share import PARTIAL
-
 ACCUM = 3
+SHARE_BUDGET = 180_000
+"""gpu_budget (bytes, no activation reserve) giving 7 of the micro GPT's 11 chunks to the GPU share
+with grad_sync="final" (its fp32 grads window counted), and without accumulation less that window."""
 
 
 def test_accumulation_matches_torch():
@@ -33,7 +34,7 @@ def test_accumulation_matches_torch():
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(grad_clip=0.05), dict(overlap=False),
-                                dict(params="gpu", optimizer="auto", gpu_budget=PARTIAL, activation_reserve=0)],
+                                dict(params="gpu", optimizer="auto", gpu_budget=SHARE_BUDGET, activation_reserve=0)],
                          ids=["plain", "clip", "no-overlap", "gpu-share"])
 def test_final_grad_sync_sums_on_the_device_and_sends_once(kw):
     """grad_sync="final" on one process: the window's grads are summed in fp32 on the device and

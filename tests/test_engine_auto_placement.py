@@ -9,7 +9,7 @@ import torch
 
 import zero_offload as zo
 from zero_offload.runtime.placement import Measured
-from zero_offload.runtime.store import Tier
+from zero_offload.runtime.store import Residency, Tier
 from _dist_util import run_ranks, values
 from _engine_util import (Reference, assert_params_close, auto_config, gpt_batches, gpt_loss, micro_gpt,
                           train_engine)
@@ -83,6 +83,48 @@ def test_ranks_grow_the_share_after_a_measured_step(tmp_path):
         assert_params_close(sd, ref.master_state(), rtol=1e-5)
 
 
+def _grads_held(engine):
+    """Bytes the store's GPU tier holds of the share's grads now, and one chunk's grads."""
+    share = [c.cid for c in engine.group.chunks if engine.store.payload_spec(c.cid, "grads").home is Tier.GPU]
+    held = [engine.store.state(cid, "grads", Tier.GPU) is not Residency.ABSENT for cid in share]
+    big = max(engine.store.payload_spec(cid, "grads").nbytes for cid in share)
+    return sum(held), len(share), big
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(grad_clip=0.05)], ids=["overlap", "clip"])
+def test_the_share_holds_grads_only_while_they_are_in_flight(kw):
+    """[Note: share grads]: a chunk of the GPU share takes device memory for its grads from their
+    staging to its update, then gives it back; the step's peak over the steady bytes is a few
+    chunks' grads with the updates in backward, every chunk's when they wait for the clip. The
+    grown share's chunks too; and training is torch AdamW's."""
+    engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=auto_config(**PARTIAL, **kw), device="cpu")
+    batches = gpt_batches(STEPS)
+    ref = Reference(micro_gpt(), SPEC, grad_clip=kw.get("grad_clip"))
+    for b in batches:
+        ref.step(b, gpt_loss)
+    try:
+        for i, b in enumerate(batches):
+            engine.store.synchronize()
+            steady = engine.store.bytes(Tier.GPU)
+            engine.store.reset_peak()
+            train_engine(engine, [b], gpt_loss)
+            held, n, big = _grads_held(engine)
+            assert held == 0 and engine.store.bytes(Tier.GPU) == steady, (i, held, n)
+            over = engine.store.peak_bytes(Tier.GPU) - steady
+            if kw:  # every share chunk's grads wait for the window's decision
+                assert over >= n * 4096, (i, over, n)
+            else:
+                assert 0 < over < 3 * big + 3 * 4096 * 4, (i, over, big)  # (the chunk in use too)
+            if i == 0:
+                before = n
+                engine.grow_share(Measured(device_limit=1 << 40, device_peak=0, margin=0))
+                assert _grads_held(engine)[:2] == (0, len([c for c in engine.group.chunks if c.layout.trainable]))
+                assert _grads_held(engine)[1] > before
+        assert_params_close(engine.state_dict(), ref.master_state(), rtol=1e-5)
+    finally:
+        engine.close()
+
+
 def test_a_move_that_fails_falls_back_to_the_host(monkeypatch):
     """The third payload move runs out of memory: the chunk's moved payloads go back, it and the
     chunks after it stay on the host, the report says so, and training matches torch."""
@@ -96,11 +138,11 @@ def test_a_move_that_fails_falls_back_to_the_host(monkeypatch):
     train_engine(engine, batches[:1], gpt_loss)
     real, calls = engine.store.rehome, []
 
-    def rehome(cid, name, tier):
+    def rehome(cid, name, tier, **kw):
         calls.append((cid, name, tier))
         if len({c for c, _, _ in calls}) == 2 and name == "exp_avg_sq":  # the second chunk's
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 KiB")
-        return real(cid, name, tier)
+        return real(cid, name, tier, **kw)
 
     monkeypatch.setattr(engine.store, "rehome", rehome)
     plan = engine.grow_share(Measured(device_limit=1 << 40, device_peak=0, margin=0))

@@ -226,13 +226,13 @@ def _grow_rank(rank, world, fail):
             return
         real, moved = engine.store.rehome, set()
 
-        def rehome(cid, name, tier):  # rank 1: the second chunk's move runs out of memory
+        def rehome(cid, name, tier, **kw):  # rank 1: the second chunk's move runs out of memory
             moved.add(cid)
             if rank == 1 and len(moved) == 2 and name == "exp_avg_sq":
                 if fail == "oom":
                     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 KiB")
                 raise RuntimeError("CUDA error: an illegal memory access was encountered")
-            return real(cid, name, tier)
+            return real(cid, name, tier, **kw)
 
         engine.store.rehome = rehome
         try:

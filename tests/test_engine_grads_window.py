@@ -308,11 +308,11 @@ def test_the_share_grows_out_of_the_window(fail, tmp_path, monkeypatch):
             _homes_match_the_plan(engine)
             real, calls = engine.store.rehome, []
 
-            def rehome(cid, name, tier, real=real, calls=calls):
+            def rehome(cid, name, tier, real=real, calls=calls, **kw):
                 calls.append(cid)
                 if fail and len(set(calls)) == 2 and name == "exp_avg_sq":
                     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 KiB")
-                return real(cid, name, tier)
+                return real(cid, name, tier, **kw)
 
             monkeypatch.setattr(engine.store, "rehome", rehome)
             plan = engine.grow_share(Measured(device_limit=1 << 40, device_peak=0, margin=0))

@@ -89,22 +89,31 @@ def test_engine_auto_params_fill_the_device_then_host_then_nvme(tmp_path):
 
 
 def test_gpu_share_is_a_prefix_for_both_front_ends():
-    """"auto" state takes the device in chunk order, with the chunk's grads (and accum); once a
-    chunk does not fit, no later one is put there, even a smaller one that would fit."""
+    """"auto" state takes the device in chunk order, with the chunk's accum (its grads are
+    transient there: [Note: share grads]); once a chunk does not fit, no later one is put there,
+    even a smaller one that would fit."""
     chunks = _chunks(3) + _chunks(1, numel=N // 4)
-    share = 16 * N  # fp32 engine chunk (no master): 8N of moments + 4N of grads + 4N of accum
+    share = 12 * N  # fp32 engine chunk (no master): 8N of moments + 4N of accum
     eng = _engine(chunks, params=Placement.GPU, optimizer=Placement.AUTO, gpu_optimizer=True, accum=True)
-    base = window_bytes(eng) + 4 * (3 * N + N // 4)  # the window and the params homes
+    base = window_bytes(eng) + 4 * (3 * N + N // 4)  # the window (its grads chunks) and the params homes
     plan = plan_placement(dataclasses.replace(eng, budgets=Budgets(gpu=base + 2 * share + share // 2, cpu=BIG)))
     assert [h.optimizer for h in plan.homes] == [Tier.GPU] * 2 + [Tier.CPU] * 2 and plan.share_ended
     assert _specs(plan, 0)["grads"] == (F32, Tier.GPU) and _specs(plan, 0)["accum"] == (F32, Tier.GPU)
-    assert _specs(plan, 3)["grads"] == (F32, Tier.CPU)
+    assert plan.payloads(0)["grads"].transient and not plan.payloads(0)["accum"].transient
+    assert _specs(plan, 3)["grads"] == (F32, Tier.CPU) and not plan.payloads(3)["grads"].transient
+    assert plan.need[Tier.GPU] == base + 2 * share
     assert plan.need[Tier.CPU] == (8 + 4 + 4) * N + (8 + 4 + 4) * N // 4  # chunks 2 and 3 only
+    # Grads waiting for the window's decision (clipping, no accum) are all held at once: counted
+    held = dataclasses.replace(eng, accum=False, grads_wait=True, budgets=Budgets(gpu=base + 2 * share, cpu=BIG))
+    plan = plan_placement(held)  # 8N of moments + 4N of grads
+    assert [h.optimizer for h in plan.homes] == [Tier.GPU] * 2 + [Tier.CPU] * 2
+    assert plan.need[Tier.GPU] == base + 2 * share
 
-    adam = _adam(chunks, gpu=2 * share + share // 2)  # fp32: 12N state + 4N grads on the device
+    share = 16 * N  # fp32: 12N state + 4N grads on the device, counted per chunk ([Note: share grads])
+    adam = _adam(chunks, gpu=2 * share + share // 2)
     plan = plan_placement(adam)
     assert [h.optimizer for h in plan.homes] == [Tier.GPU] * 2 + [Tier.CPU] * 2
-    assert all(h.params is None for h in plan.homes)
+    assert all(h.params is None for h in plan.homes) and plan.payloads(0)["grads"].transient
     assert plan.need[Tier.GPU] == 2 * share  # no working window: nothing is paged
 
 

@@ -1,7 +1,8 @@
 """Transient payloads ([Note: transient payloads] in runtime/store.py): homed on the CPU, a
 transient payload holds host memory only from a write until ``release``, in a slot of the
-store's bounded window; the bytes round-trip exactly, slots are reused, a full window raises
-(never waits), and misuse raises before anything changes."""
+store's bounded window; homed on the GPU, device memory over the same span; the bytes round-trip
+exactly, slots are reused, a full window raises (never waits), and misuse raises before
+anything changes."""
 import pytest
 import torch
 
@@ -87,7 +88,7 @@ def test_allocate_writes_straight_into_a_slot():
 def test_release_refuses_misuse():
     store = _store()
     try:
-        with pytest.raises(StoreError, match="not a transient payload homed on the CPU"):
+        with pytest.raises(StoreError, match="not a transient payload"):
             store.release(0, "master")
         _send_down(store, 0, torch.ones(N, dtype=torch.bfloat16))
         store.pin(0, "grads", Tier.CPU)
@@ -108,27 +109,80 @@ def test_a_store_without_a_window_refuses_a_transient_host_payload():
         with pytest.raises(StoreError, match="transient.*no window.*window_slots"):
             store.add_chunk({"grads": PayloadSpec(N, torch.float32, Tier.CPU, transient=True)})
         assert store.num_chunks == 0
-        store.add_chunk({"grads": PayloadSpec(N, torch.float32, Tier.GPU, transient=True)})  # an ordinary home
-        assert store.bytes(Tier.GPU) == 4096 and not store.windowed(0, "grads")
+        store.add_chunk({"grads": PayloadSpec(N, torch.float32, Tier.GPU, transient=True)})  # no window needed
+        assert store.bytes(Tier.GPU) == 0 and not store.windowed(0, "grads")
+    finally:
+        store.close()
+
+
+def test_a_transient_gpu_home_holds_memory_only_from_a_write_to_its_release():
+    """The GPU share's grads: ABSENT until allocated, counted while held (the peak sees them),
+    freed by ``release``; reading them then raises; a park leaves them out."""
+    store = ChunkStore(StoreConfig(device="cpu", budgets={"gpu": 1 << 22, "cpu": 1 << 22}))
+    try:
+        for _ in range(2):
+            store.add_chunk({"master": PayloadSpec(N, torch.float32, Tier.GPU),
+                             "grads": PayloadSpec(N, torch.bfloat16, Tier.GPU, transient=True)})
+        home = store.bytes(Tier.GPU)
+        assert home == 2 * 4096 and store.state(0, "grads", Tier.GPU) is Residency.ABSENT
+        store.allocate(0, "grads", Tier.GPU, pin=True).fill_(3)
+        assert store.bytes(Tier.GPU) == home + 4096 and store.peak_bytes(Tier.GPU) == home + 4096
+        assert torch.equal(store.get(0, "grads", Tier.GPU), torch.full((N,), 3.0, dtype=torch.bfloat16))
+        with pytest.raises(StoreError, match="in use"):
+            store.release(0, "grads")
+        store.unpin(0, "grads", Tier.GPU)
+        store.release(0, "grads")
+        assert store.bytes(Tier.GPU) == home and store.state(0, "grads", Tier.GPU) is Residency.ABSENT
+        with pytest.raises(StoreError, match="holds no bytes.*allocate"):
+            store.fetch(0, "grads", Tier.GPU)
+        store.allocate(1, "grads", Tier.GPU).fill_(1)  # dead bytes when parked: freed, not moved
+        assert store.gpu_home_bytes() == home and store.park("cpu") == home
+        assert store.bytes(Tier.GPU) == 0
+        store.unpark()
+        assert store.bytes(Tier.GPU) == home and store.state(1, "grads", Tier.GPU) is Residency.ABSENT
     finally:
         store.close()
 
 
 def test_rehome_moves_no_bytes_and_the_window_comes_back():
-    """Between uses a transient payload's bytes are dead: a GPU home starts zeroed; back on the
-    CPU it takes a slot only when written."""
+    """Between uses a transient payload's bytes are dead: a GPU home holds none until written;
+    back on the CPU it takes a slot only when written."""
     store = _store(slots=1, chunks=1)
     try:
         _send_down(store, 0, torch.ones(N, dtype=torch.bfloat16))
         store.release(0, "grads")
         store.rehome(0, "grads", Tier.GPU)
         assert not store.windowed(0, "grads") and store.home(0, "grads") is Tier.GPU
-        assert torch.equal(store.get(0, "grads", Tier.GPU), torch.zeros(N, dtype=torch.bfloat16))
-        store.rehome(0, "grads", Tier.CPU)
+        assert store.state(0, "grads", Tier.GPU) is Residency.ABSENT and store.bytes(Tier.GPU) == 0
+        store.allocate(0, "grads", Tier.GPU).fill_(5)
+        store.rehome(0, "grads", Tier.CPU)  # (dead bytes: dropped)
         assert store.windowed(0, "grads") and store.bytes(Tier.GPU) == 0
         assert store.state(0, "grads", Tier.CPU) is Residency.ABSENT
         _send_down(store, 0, torch.full((N,), 2.0, dtype=torch.bfloat16))
         assert torch.equal(store.get(0, "grads", Tier.CPU), torch.full((N,), 2.0, dtype=torch.bfloat16))
+    finally:
+        store.close()
+
+
+def test_rehome_changes_whether_a_payload_is_transient():
+    """A chunk joining the GPU share from a persistent host home: transient on the device; back
+    to a store without a window: an ordinary host home again, zeroed. No bytes move either way;
+    nothing else may become transient on NVMe."""
+    store = ChunkStore(StoreConfig(device="cpu", budgets={"gpu": 1 << 22, "cpu": 1 << 22}))
+    try:
+        store.add_chunk({"grads": PayloadSpec(N, torch.bfloat16, Tier.CPU)})
+        store.get(0, "grads", Tier.CPU, write=True).fill_(9)
+        store.rehome(0, "grads", Tier.GPU, transient=True)
+        assert store.payload_spec(0, "grads").transient and store.bytes(Tier.CPU) == 0
+        assert store.bytes(Tier.GPU) == 0
+        with pytest.raises(StoreError, match="no window"):
+            store.rehome(0, "grads", Tier.CPU)  # transient on the CPU needs a window: nothing changes
+        assert store.home(0, "grads") is Tier.GPU
+        store.rehome(0, "grads", Tier.CPU, transient=False)
+        assert not store.payload_spec(0, "grads").transient
+        assert torch.equal(store.get(0, "grads", Tier.CPU), torch.zeros(N, dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match="not on nvme"):
+            PayloadSpec(N, torch.bfloat16, Tier.NVME, transient=True)
     finally:
         store.close()
 

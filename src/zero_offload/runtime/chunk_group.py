@@ -78,7 +78,10 @@ eviction on another thread writes the only copy into the window first.
 
 [Note: GPU share] A chunk whose optimizer state is homed on the GPU (placement's "auto" GPU
 share; its params are there too) never goes through the worker: its grads are the store's GPU
-copy of "grads" (pinned from staging until its update consumes them); accumulation sums them
+copy of "grads", transient (store.py, [Note: transient payloads]): device memory taken at their
+staging, pinned until the update or the accumulation consumes them, then given back
+(``_drop_device_grads``), so the share holds grads for the one or two chunks in flight, not for
+every chunk (placement.py, [Note: share grads]); accumulation sums them
 into its "accum" payload (homed on the GPU too), the sum of squares goes to a device scalar, and
 its update runs on the caller's stream: the rule's ``device_step`` (Adam: torch's fused Adam(W),
 ``torch._fused_adamw_``) on the same segments and arguments its CPU job gets, which also rounds
@@ -929,10 +932,15 @@ class ChunkGroup:
     def _drop_device_grads(self, chunk: GroupChunk) -> None:
         """Let the chunk's device grads go: unpinned, not evicted (an eviction would write the
         dead grads back to their host home; the placement budgets the copy, and the next
-        staging reuses it)."""
+        staging reuses it). A chunk of the GPU share gives their device memory back ([Note:
+        GPU share]: the grads are transient there)."""
         if chunk.pinned_grads:
             chunk.pinned_grads = False
-            self.store.unpin(chunk.cid, self.payloads.grads, Tier.GPU)
+            store, name = self.store, self.payloads.grads
+            store.unpin(chunk.cid, name, Tier.GPU)
+            spec = store.payload_spec(chunk.cid, name)
+            if spec.transient and spec.home is Tier.GPU:
+                store.release(chunk.cid, name)
 
     @property
     def _boundary(self) -> bool:
@@ -1134,24 +1142,16 @@ class ChunkGroup:
         if update:
             self._update_on_device(chunk, grad_scale)
 
-    def rehome(self, chunk: GroupChunk, tier: Tier) -> None:
-        """Move where the chunk is updated to ``tier`` ('gpu': it joins the GPU share; 'cpu': it
-        leaves it, or its state comes from NVMe into host memory): its master, the rule's state,
-        its grads and accumulation buffer homed there
-        (``ChunkStore.rehome``), from the next window on. Between windows only (no grad staged,
-        no job: it waits for the chunk's last one); synchronous. The STORE sink only (the
-        engine's params stay where placement put them; a TENSORS front end's copy-out payload
-        would have to come and go)."""
-        p = self.payloads
-        # "grads" last: its home says where the chunk is updated (``_on_device``).
-        names = [n for n in dict.fromkeys([p.master, *self.rule.state_keys, p.accum, p.grads])
-                 if n is not None and self.store.has_payload(chunk.cid, n)]
-        self.rehome_payloads(chunk, {n: tier for n in names})
-
-    def rehome_payloads(self, chunk: GroupChunk, homes: Mapping[str, Tier]) -> None:
-        """``rehome`` by payload: each of ``homes`` (name -> tier) homed there, in that order
-        (e.g. the homes a plan gives the chunk: state brought from NVMe into host memory, the
-        params left where they are). All or nothing; between windows only; synchronous."""
+    def rehome_payloads(self, chunk: GroupChunk, homes: Mapping[str, Tier],
+                        transient: Optional[Mapping[str, bool]] = None) -> None:
+        """Move where the chunk is updated (it joins the GPU share, leaves it, or its state comes
+        from NVMe into host memory): each of ``homes`` (name -> tier; the homes a plan gives the
+        chunk) homed there, in that order (``ChunkStore.rehome``), transient there where
+        ``transient`` says so (name -> bool; else as it is), from the next window on; the "grads"
+        home says where the chunk is updated (``_on_device``). All or nothing; between windows only
+        (no grad staged, no job: it waits for the chunk's last one); synchronous. The STORE sink
+        only (the engine's params stay where placement put them; a TENSORS front end's copy-out
+        payload would have to come and go)."""
         if self.sink is not ParamSink.STORE:
             raise ValueError(f"{self.owner}: rehome serves the engine's chunks (ParamSink.STORE)")
         self.wait(chunk)
@@ -1159,17 +1159,18 @@ class ChunkGroup:
             raise RuntimeError(f"{self.owner}: chunk {chunk.cid} has grads of this window; rehome it "
                                f"between windows (after step())")
         store = self.store
-        before = {n: store.payload_spec(chunk.cid, n).home for n in homes}
+        before = {n: store.payload_spec(chunk.cid, n) for n in homes}
         moved = []
         try:
             for name, tier in homes.items():
-                if before[name] is not tier:
-                    store.rehome(chunk.cid, name, tier)
+                flag = (transient or {}).get(name, before[name].transient)
+                if before[name].home is not tier or before[name].transient != flag:
+                    store.rehome(chunk.cid, name, tier, transient=flag)
                     moved.append(name)
         except BaseException:  # all or nothing: what moved goes back (never raising over the cause)
             for name in reversed(moved):
                 with contextlib.suppress(Exception):
-                    store.rehome(chunk.cid, name, before[name])
+                    store.rehome(chunk.cid, name, before[name].home, transient=before[name].transient)
             raise
 
     def _take_device_stats(self) -> float:

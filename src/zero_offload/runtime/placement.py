@@ -774,8 +774,8 @@ def chunk_payloads(request: PlacementRequest, chunk: ChunkNeed, homes: ChunkHome
             home = Tier.GPU if on_device else Tier.CPU
         # (a state payload of no elements, e.g. Adafactor's "variance" of a chunk of matrices: one
         # element, as the store holds no empty buffer)
-        out[name] = PayloadSpec(numel=max(1, spec.numel), dtype=spec.dtype, home=home,
-                                transient=name == "grads" and request.host_grads == "window",
+        transient = name == "grads" and (on_device or request.host_grads == "window")  # [Note: share grads]
+        out[name] = PayloadSpec(numel=max(1, spec.numel), dtype=spec.dtype, home=home, transient=transient,
                                 source="master" if name == "params" and homes.from_master else None)
     return out
 
@@ -947,7 +947,8 @@ def _copy_why(chunk: ChunkNeed, homes: ChunkHomes) -> str:
 def _host_freed(chunk: ChunkNeed, request: PlacementRequest) -> int:
     """Host bytes a chunk's joining the GPU share frees: its state, grads (homed on the host:
     not the window's) and accumulation buffer, and the host update's copy out."""
-    return _share_bytes(chunk, request) + _copy_out_bytes(chunk, request) - _windowed_grads(chunk, request)
+    return (chunk_bytes(chunk, request, (*optimizer_payloads(chunk, request), "grads", "accum"))
+            + _copy_out_bytes(chunk, request) - _windowed_grads(chunk, request))
 
 
 def _plan(request: PlacementRequest) -> PlacementPlan:
@@ -1010,14 +1011,15 @@ def _plan(request: PlacementRequest) -> PlacementPlan:
             need[ptier] += pbytes
         otier = None
         if c.trainable:
-            moves = chunk_bytes(c, request, ("grads", "accum"))  # with the update, to the device
+            moves = chunk_bytes(c, request, ("grads", "accum"))  # leave the host with the update
             if share and ptier in (None, Tier.GPU):
-                if need[Tier.GPU] + params_ahead + replicas + obytes + moves <= gpu_auto:
-                    otier, obytes = Tier.GPU, obytes + moves
+                on_gpu = _share_bytes(c, request)  # ([Note: share grads])
+                if need[Tier.GPU] + params_ahead + replicas + on_gpu <= gpu_auto:
+                    otier, obytes = Tier.GPU, on_gpu
                     need[Tier.CPU] -= moves + _copy_out_bytes(c, request) - _windowed_grads(c, request)
                 else:
                     share, share_ended = False, True
-                    why = (f"chunk {i}'s state and grads ({obytes + moves} bytes) do not fit the GPU "
+                    why = (f"chunk {i}'s state ({on_gpu} bytes on the device) does not fit the GPU "
                            f"budget {budgets.gpu} less the reserve {reserve} left to activations"
                            + (" until the first step is measured" if request.reserve == "auto" else ""))
             elif share:
@@ -1073,9 +1075,21 @@ def largest_need(needs, request: PlacementRequest) -> ChunkNeed:
 
 
 def _share_bytes(chunk: ChunkNeed, request: PlacementRequest) -> int:
-    """Device bytes a chunk of the GPU share takes: its optimizer payloads, grads and accumulation
-    buffer (the same bytes leave host memory, with the host update's copy out)."""
-    return chunk_bytes(chunk, request, (*optimizer_payloads(chunk, request), "grads", "accum"))
+    """Device bytes a chunk of the GPU share takes: its optimizer payloads and accumulation
+    buffer, and its grads where they are counted per chunk ([Note: share grads])."""
+    names = (*optimizer_payloads(chunk, request), "accum") + (("grads",) if _share_grads_held(request) else ())
+    return chunk_bytes(chunk, request, names)
+
+
+def _share_grads_held(request: PlacementRequest) -> bool:
+    """[Note: share grads] The grads of a chunk of the GPU share are transient (chunk_group.py,
+    [Note: GPU share]): device memory from their staging until the update or the accumulation
+    consumes them. The plan counts them per chunk only where many can be held at once: with
+    ``grads_wait`` (every chunk's grads wait for the window's decision), and for a front end that
+    pages no params (``params`` None: OffloadAdam, whose grads land param by param in any
+    order). Otherwise the few in flight are among the working window's grads chunks ([Note:
+    working window]), and the step's measured peak holds them ([Note: measured share])."""
+    return request.grads_wait or request.params is None
 
 
 def grow_share(plan: PlacementPlan, measured: Measured) -> PlacementPlan:
@@ -1099,7 +1113,7 @@ def grow_share(plan: PlacementPlan, measured: Measured) -> PlacementPlan:
         if delta > room:
             bound = ("gpu_budget" if budget_room < measured.headroom else
                      "the measured headroom (device limit - step peak - margin)")
-            why = (f"chunk {i}'s state and grads ({delta} bytes) do not fit the {room} bytes left by "
+            why = (f"chunk {i}'s state ({delta} bytes on the device) does not fit the {room} bytes left by "
                    f"{bound}")
             break
         room -= delta

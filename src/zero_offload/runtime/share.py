@@ -153,7 +153,7 @@ def grow(group: ChunkGroup, plan: PlacementPlan, measured: Measured, need: Calla
         measured = tightest(shards.exchange(measured, doing="measure its device",
                                             what="the exchange of the ranks' measured steps", owner=owner))
     plan = grow_share(plan, measured)
-    moved, failed, error = _moves(shards, plan.grown, lambda i: group.rehome(group.chunks[i], Tier.GPU),
+    moved, failed, error = _moves(shards, plan.grown, lambda i: _rehome_as_planned(group, plan, i, need(i)),
                                   memory=(torch.OutOfMemoryError, BudgetError), owner=owner,
                                   doing="move its optimizer state into the GPU share")
     if error is not None:
@@ -240,12 +240,12 @@ def _agree_fall_back(shards: Shards, moved: int, error: Optional[BaseException],
 
 
 def _rehome_as_planned(group: ChunkGroup, plan: PlacementPlan, index: int, need: ChunkNeed) -> None:
-    """Chunk ``index``'s payloads to the homes ``plan`` gives them (after a fall-back, or its
-    state promoted from NVMe); all or nothing."""
+    """Chunk ``index``'s payloads to the homes ``plan`` gives them, transient where it says so
+    (the GPU share grown, a fall-back from it, state promoted from NVMe); all or nothing."""
     specs = chunk_payloads(plan.request, need, plan.homes[index])
-    names = sorted((n for n, spec in specs.items() if spec.source is None),
-                   key=lambda n: n != "grads")  # "grads" first: updated on the host
-    group.rehome_payloads(group.chunks[index], {n: specs[n].home for n in names})
+    names = [n for n, spec in specs.items() if spec.source is None]
+    group.rehome_payloads(group.chunks[index], {n: specs[n].home for n in names},
+                          {n: specs[n].transient for n in names})
 
 
 def abandon(store: ChunkStore, group: Optional[ChunkGroup] = None) -> None:

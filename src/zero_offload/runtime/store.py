@@ -62,8 +62,14 @@ any change, never waits (the owner knows which of its jobs frees one: chunk_grou
 grads window]). Home copies are never evicted, so a slot is only ever freed by ``release``,
 ``discard`` or ``close``. The accounting counts a held slot as its payload's bytes (like any
 copy); budgets are not checked for slots (the plan counts the window). Homed on the GPU (the
-optimizer's GPU share) a transient payload is an ordinary one; ``rehome`` of a transient
-payload moves no bytes (between uses they are dead): a GPU home starts zeroed.
+grads of a chunk of the optimizer's GPU share, from their staging to the update on the device)
+a transient payload is ABSENT until written too, and its home copy then takes device memory
+from the caching allocator, within the GPU budget, until ``release``: no window (the allocator
+reuses the blocks in the caller's stream order), so the share's grads hold memory for one or two
+chunks at a time, not for every chunk of the share. ``rehome`` of a transient payload moves no
+bytes (between uses they are dead): its new home holds none until written; ``rehome(...,
+transient=)`` also changes whether it is transient there (a chunk leaving the GPU share for a
+store without a window gets an ordinary host home, zeroed), and moves no bytes either way.
 
 [Note: derived payloads] A payload whose bytes are another payload's of the same chunk cast to
 its dtype (the bf16 working params of a chunk whose fp32 master is in host memory) need not be
@@ -192,8 +198,8 @@ class PayloadSpec:
     home: Tier
     transient: bool = False
     """Its bytes live only from a write until the owner's ``ChunkStore.release``: homed on the
-    CPU, its home copy takes a slot of the store's window instead of memory of its own
-    ([Note: transient payloads]). Homed on the GPU it is an ordinary payload."""
+    CPU, its home copy takes a slot of the store's window instead of memory of its own; homed
+    on the GPU, device memory while it holds bytes ([Note: transient payloads]). Not on NVMe."""
     source: "str | None" = None
     """The payload of the same chunk this one is made from, cast to ``dtype`` ([Note: derived
     payloads]): no home bytes of its own, read-only, a GPU copy only. None: an ordinary payload."""
@@ -211,6 +217,8 @@ class PayloadSpec:
         if self.source is not None and self.transient:
             raise ValueError("PayloadSpec: a derived payload (source=...) holds no bytes of its own; it "
                              "cannot also be transient")
+        if self.transient and self.home is Tier.NVME:
+            raise ValueError("PayloadSpec: a transient payload lives in memory (gpu or cpu), not on nvme")
 
     @property
     def nbytes(self) -> int:
@@ -753,11 +761,11 @@ class ChunkStore:
             for name, spec in payloads.items():
                 if spec.source is not None:
                     continue  # no bytes of its own ([Note: derived payloads])
-                if spec.transient and spec.home is Tier.CPU:
-                    if not self.config.window_slots:
+                if spec.transient:
+                    if spec.home is Tier.CPU and not self.config.window_slots:
                         raise StoreError(f"add_chunk: payload {name!r} is transient, but this store has no "
                                          f"window; set StoreConfig.window_slots ([Note: transient payloads])")
-                    continue  # no memory until written: a window slot then
+                    continue  # no memory until written: a window slot or device memory then
                 need[spec.home] += round_up(spec.nbytes, ALIGNMENT)
             for tier, nbytes in need.items():
                 if nbytes:
@@ -780,6 +788,7 @@ class ChunkStore:
                     continue  # ABSENT for good: its GPU copy is made from the source
                 if home.windowed:
                     self._window.grow_to(p.spec.nbytes)
+                if p.spec.transient:
                     continue  # ABSENT until its bytes are written ([Note: transient payloads])
                 self._alloc_memory(home)
                 if home.tier is Tier.NVME:
@@ -939,7 +948,7 @@ class ChunkStore:
                     c.to(Residency.ABSENT, self)
             chunk.discarded = True
 
-    def rehome(self, cid: int, name: str, tier: "Tier | str") -> None:
+    def rehome(self, cid: int, name: str, tier: "Tier | str", *, transient: "bool | None" = None) -> None:
         """Make ``tier`` the payload's home: its newest bytes copied into a home buffer there
         (within the tier's budget, evicting by policy), or a slot of the swap file for NVMe, and
         the old home's memory or slot freed; GPU <-> NVMe goes through a home in host memory
@@ -948,7 +957,9 @@ class ChunkStore:
         Synchronous, rare: the GPU share grown after the first step, and NVMe state brought into
         the host memory it freed (placement.py, [Note: measured share]). Raises before any change when the room, the memory or the transfer
         fails (``BudgetError``, a CUDA out-of-memory error, an I/O error); of two hops, a failed
-        second one moves the payload back to where it was."""
+        second one moves the payload back to where it was. ``transient``: whether the payload is
+        transient in its new home (None: as it is); a payload that is, or becomes, transient moves
+        no bytes ([Note: transient payloads]: the owner's word that they are dead)."""
         tier = Tier.of(tier)
         with self._lock:
             p = self._payload(cid, name)
@@ -956,7 +967,8 @@ class ChunkStore:
                 raise StoreError(f"rehome: payload {name!r} of chunk {cid} is derived or the source of a "
                                  f"derived payload ([Note: derived payloads]); their homes are fixed")
             old = p.copies[p.spec.home]
-            if old.tier is tier:
+            flag = p.spec.transient if transient is None else bool(transient)
+            if old.tier is tier and flag == p.spec.transient:
                 return
             for c in p.copies.values():
                 if c.pins:
@@ -977,13 +989,13 @@ class ChunkStore:
                     raise
                 return
             if Tier.NVME in (old.tier, tier):
-                if p.spec.transient:
+                if p.spec.transient or flag:
                     raise StoreError(f"rehome: payload {name!r} of chunk {cid} is transient; it lives in "
                                      f"memory ([Note: transient payloads])")
                 self._rehome_disk(p, tier)
                 return
-            if p.spec.transient:
-                self._rehome_transient(p, tier)
+            if p.spec.transient or flag:
+                self._rehome_transient(p, tier, flag)
                 return
             if old.state is not Residency.VALID:  # the newest bytes home first (a cache copy's)
                 self._ensure(old, Residency.FLUSHING).wait()
@@ -1060,29 +1072,32 @@ class ChunkStore:
         target.to(Residency.VALID, self)
         target.last_use = self._tick()
 
-    def _rehome_transient(self, p: _Payload, tier: Tier) -> None:
-        """``rehome`` of a transient payload (quiet, unpinned): no bytes move (between its uses
-        they are dead: [Note: transient payloads]); a GPU home starts zeroed, a CPU home takes a
-        window slot when next written. The new memory is taken before the old is freed."""
+    def _rehome_transient(self, p: _Payload, tier: Tier, transient: bool) -> None:
+        """``rehome`` of a payload that is or becomes transient (quiet, unpinned): no bytes move
+        (between its uses they are dead: [Note: transient payloads]). Transient in its new home, it
+        holds nothing there until written (a window slot, or device memory); an ordinary home
+        starts zeroed. The new memory is taken before the old is freed."""
         spec = p.spec
-        buf = None
-        if tier is Tier.GPU:
-            self._make_room(tier, p.copies[tier].nbytes, for_what=f"the new home of {p.copies[tier].where()}")
-            buf = torch.zeros(spec.numel, dtype=spec.dtype, device=self.device)
-        elif not self.config.window_slots:
+        new = replace(spec, home=tier, transient=transient)
+        target = p.copies[tier]
+        if transient and tier is Tier.CPU and not self.config.window_slots:
             raise StoreError(f"rehome: payload {p.name!r} of chunk {p.cid} is transient and this store has "
                              f"no window for it; set StoreConfig.window_slots")
+        buf = None
+        if not transient:
+            self._make_room(tier, target.nbytes, for_what=f"the new home of {target.where()}")
+            buf = (torch.zeros(spec.numel, dtype=spec.dtype, device=self.device) if tier is Tier.GPU
+                   else aligned_empty(spec.nbytes, dtype=spec.dtype, pin=self.config.pin).zero_())
         for c in p.copies.values():
             if c.state is not Residency.ABSENT:
                 self._drop_memory(c, home=True)
                 c.to(Residency.ABSENT, self)
-        p.spec = replace(spec, home=tier)
+        p.spec = new
         if buf is not None:
-            target = p.copies[tier]
             target.buffer = buf
             target.to(Residency.VALID, self)
             target.last_use = self._tick()
-        else:
+        elif tier is Tier.CPU:
             self._window.grow_to(spec.nbytes)
 
     def windowed(self, cid: int, name: str) -> bool:
@@ -1092,15 +1107,16 @@ class ChunkStore:
             return self._payload(cid, name).copies[Tier.CPU].windowed
 
     def release(self, cid: int, name: str) -> None:
-        """The owner is done with the bytes of a transient payload homed on the CPU (they were
-        consumed): every copy is freed and its window slot given back, once the moves touching
-        them finish; the payload holds no bytes until it is written again. Raises for a payload
-        that is not so (``windowed``) and for a copy in use. See [Note: transient payloads]."""
+        """The owner is done with the bytes of a transient payload (they were consumed): every
+        copy is freed (homed on the CPU: its window slot given back; on the GPU: its device
+        memory), once the moves touching them finish; the payload holds no bytes until it is
+        written again. Raises for a payload that is not transient and for a copy in use. See
+        [Note: transient payloads]."""
         with self._lock:
             p = self._payload(cid, name)
-            if not p.copies[Tier.CPU].windowed:
-                raise StoreError(f"release: chunk {cid} payload {name!r} is not a transient payload homed "
-                                 f"on the CPU (PayloadSpec.transient); its memory is kept for the store's life")
+            if not p.spec.transient:
+                raise StoreError(f"release: chunk {cid} payload {name!r} is not a transient payload "
+                                 f"(PayloadSpec.transient); its memory is kept for the store's life")
             for c in p.copies.values():
                 if c.pins:
                     raise StoreError(f"release: {c.where()} is in use ({c.pins} pin(s)); let it go first")
@@ -1343,6 +1359,9 @@ class ChunkStore:
                 for c in gpu:
                     if not c.is_home:
                         self._evict(c)  # a cache: dropped (written home first when newest)
+                    elif c.payload.spec.transient:  # dead bytes between uses: freed
+                        self._drop_memory(c, home=True)
+                        c.to(Residency.ABSENT, self)
                 self._move_away(payloads, to)
             except BaseException as e:
                 self._undo(e, self._end_park, parking)
@@ -1371,8 +1390,9 @@ class ChunkStore:
             return sum(p.copies[Tier.GPU].nbytes for p in parking.payloads)
 
     def _gpu_homed(self) -> list:
+        """GPU-homed payloads with bytes to keep: not the transient ones (dead between uses)."""
         return [p for chunk in self._chunks if not chunk.discarded
-                for p in chunk.payloads.values() if p.spec.home is Tier.GPU]
+                for p in chunk.payloads.values() if p.spec.home is Tier.GPU and not p.spec.transient]
 
     def _move_away(self, payloads: list, to: Tier) -> None:
         """Re-home ``payloads`` (GPU-homed, their GPU copies unpinned) to ``to``: their bytes
