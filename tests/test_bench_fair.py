@@ -561,3 +561,14 @@ def test_the_notes_say_when_the_engine_replicated_the_params():
     row["engine_stats"]["placement"]["replicas_added"] = True
     assert _notes(row) == "params replicated on every GPU (added by the measured first step)"
     assert _notes({"engine_stats": {"placement": {"replicas": False}}}) == "" == _notes({})
+
+
+def test_the_notes_say_how_much_of_the_state_the_gpu_share_holds():
+    """A partial GPU share is named (chunks of the rank's trainable ones); a whole one or none is
+    not (the placement says so elsewhere)."""
+    from summarize import _notes
+    share = {"chunks": 44, "host_chunks": 6, "nvme_chunks": 0}
+    assert _notes({"engine_stats": {"placement": {"share": share}}}) == "GPU share 44 of 50 chunks"
+    share.update(host_chunks=0)
+    assert _notes({"engine_stats": {"placement": {"share": share}}}) == ""
+    assert _notes({"engine_stats": {"placement": {"share": {"chunks": 0, "host_chunks": 50}}}}) == ""

@@ -131,7 +131,7 @@ def _tiers(plan):
     return [h.optimizer for h in plan.homes]
 
 
-SOME = Measured(device_limit=79 * GiB, device_peak=60 * GiB)
+SOME = Measured(device_limit=79 * GiB, device_peak=64 * GiB)
 """A step that leaves room for some of the host chunks' state only."""
 
 
@@ -170,7 +170,7 @@ def test_the_share_grows_over_nvme_state_where_the_device_has_room():
     back = grown.fall_back(from_disk[0], torch.OutOfMemoryError("CUDA out of memory."))
     assert all(back.homes[i].optimizer is Tier.NVME for i in from_disk)  # back where they came from
     assert back.need[Tier.NVME] == plan.need[Tier.NVME]
-    assert back.need[Tier.GPU] == grown.need[Tier.GPU] - len(from_disk) * (STATE + 2 * WHOLE)  # + bf16 grads
+    assert back.need[Tier.GPU] == grown.need[Tier.GPU] - len(from_disk) * STATE  # (the grads are transient)
     assert back.need[Tier.CPU] > grown.need[Tier.CPU]  # their grads are homed on the host again
     assert back.grown_from == (Tier.CPU,) * len(back.grown) and back.fell_back == tuple(from_disk)
 
@@ -198,7 +198,7 @@ def test_a_failed_move_from_nvme_leaves_the_rest_there():
 def test_auto_params_are_placed_before_the_share():
     """Every chunk's "auto" params go on the device before any optimizer state: the share takes
     what the params leave, not the room of the later chunks' params."""
-    chunk_params, chunk_share = 2 * WHOLE, 14 * WHOLE  # bf16 params; fp32 state and bf16 grads
+    chunk_params, chunk_share = 2 * WHOLE, 12 * WHOLE  # bf16 params; fp32 state (grads transient)
     # Half of it (the first step's reserve) holds every params chunk, the window and 3 chunks' state.
     gpu = 2 * (CHUNKS * chunk_params + window_bytes(_request(1, gpu=1)) + 3 * chunk_share)
     plan = plan_placement(_request(1, gpu=gpu))

@@ -62,6 +62,10 @@ def _notes(r: dict) -> str:
     if parts:  # where the engine's initialize went (Engine.init_seconds)
         out.append("init " + ", ".join(f"{k} {parts[k]:.1f}" for k in ("homes", "values", "plan", "rest") if k in parts))
     placement = (r.get("engine_stats") or {}).get("placement") or {}
+    share = placement.get("share") or {}
+    if share.get("chunks") and (share.get("host_chunks") or share.get("nvme_chunks")):
+        total = share["chunks"] + share.get("host_chunks", 0) + share.get("nvme_chunks", 0)
+        out.append(f"GPU share {share['chunks']} of {total} chunks")
     if placement.get("replicas"):  # the engine's mode with ranks ([Note: replicas when all fits])
         out.append("params replicated on every GPU"
                    + (" (added by the measured first step)" if placement.get("replicas_added") else ""))

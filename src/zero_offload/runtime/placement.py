@@ -658,8 +658,8 @@ class PlacementPlan:
         for i, (c, h) in enumerate(zip(request.chunks, self.homes)):
             state = optimizer_payloads(c, request)
             for name, spec in self.payloads(i).items():
-                if spec.source is not None:
-                    continue  # made from the master: no bytes of its own
+                if spec.source is not None or spec.transient:
+                    continue  # made from the master, or held only in flight (the working bytes)
                 kind = ("params" if name == "params" else "optimizer" if name in state
                         else "grads" if name == "grads" else "other")
                 tiers[spec.home.value][kind] += round_up(spec.numel * spec.dtype.itemsize, ALIGNMENT)
