@@ -144,12 +144,12 @@ def _plan(engine):
 
 
 def _unequal_rank(rank, world):
-    """Rank 0 takes its whole GPU ("auto"), rank 1 gives 64 MiB and leaves all but 128 KiB of it
+    """Rank 0 takes its whole GPU ("auto"), rank 1 gives 64 MiB and leaves all but 120 KiB of it
     to activations: every rank plans with rank 1's budget and reserve (the params shards, the
     window of whole chunks and 2 of the 6 chunks' state: a partial share)."""
     device = torch.device("cuda", rank)
     kw = dict(gpu_budget="auto") if rank == 0 else dict(gpu_budget=1 << 26,
-                                                         activation_reserve=(1 << 26) - (1 << 17))
+                                                         activation_reserve=(1 << 26) - (120 << 10))
     engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=_config(**kw), device=device)
     first, budget = _plan(engine), engine.plan.budgets.gpu
     _train(engine, gpt_batches(3, batch=2 * world), device, rank=rank)
