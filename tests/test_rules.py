@@ -167,6 +167,16 @@ def test_engine_trains_like_torch(name, case, tmp_path):
         engine.close()
 
 
+def test_adafactor_on_the_device_keeps_its_scalars_there(monkeypatch):
+    """On CUDA the GPU share's Adafactor forms its two norms' scale on the device (no ``.item()``,
+    no host sync); that path, run here on the CPU, trains like torch.optim.Adafactor too."""
+    from zero_offload.runtime import rules
+    seen = []
+    monkeypatch.setattr(rules, "_host_scalars", lambda t: seen.append(t.device.type) or False)
+    test_engine_trains_like_torch("adafactor", "share", None)
+    assert seen  # the share's device_step took that path
+
+
 def test_the_chunks_follow_the_rules():
     """Muon's and AdamW's params never share a chunk; every trainable chunk has its rule's state
     (Adafactor: factors sized by the params' shapes) and no other."""

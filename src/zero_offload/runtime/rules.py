@@ -131,6 +131,12 @@ def _grad(bufs: StepBuffers, seg: Segment, scale: float) -> torch.Tensor:
     return g / scale if scale != 1.0 else g
 
 
+def _host_scalars(t: torch.Tensor) -> bool:
+    """A rule's step may read a scalar of ``t`` to the host (``.item()``): free on the CPU, a
+    host sync on a CUDA device (Adafactor's ``device_step`` keeps its scalars there instead)."""
+    return t.device.type == "cpu"
+
+
 def _round_out(bufs: StepBuffers, seg: Segment) -> None:
     if bufs.lowp is not None:
         bufs.lowp[seg.start:seg.stop].copy_(bufs.param[seg.start:seg.stop])
@@ -431,7 +437,13 @@ class AdafactorRule:
         return tickets
 
     def device_step(self, bufs: StepBuffers, segments: Sequence[Segment]) -> None:
-        """torch.optim.Adafactor's single-tensor step, op for op (the host's fallback too)."""
+        """torch.optim.Adafactor's single-tensor step, op for op (the host's fallback too). On a
+        CUDA device its two norms stay there: torch reads each with ``.item()``, a host sync per
+        param, which in the GPU share left the host waiting for the stream twice per param
+        (the AdamW share had the same fault: session 17). The scale is then formed on the device
+        in float64, as torch forms it in Python floats, and applied in the param's dtype, as
+        ``add_(alpha=)`` casts it; the product and the sum round separately there (at most an
+        ulp from torch's)."""
         for seg in segments:
             a, shape = seg.args, seg.shape
             param = bufs.param[seg.start:seg.stop].view(shape)
@@ -442,7 +454,10 @@ class AdafactorRule:
             step = float(seg.step)
             one_minus_beta2_t = step ** a.beta2_decay
             rho_t = min(a.lr, 1 / (step ** 0.5))
-            alpha = max(a.eps2, param.norm(2).item() / (param.numel() ** 0.5)) * rho_t
+            on_host = _host_scalars(param)
+            norm = param.norm(2)
+            alpha = (max(a.eps2, norm.item() / (param.numel() ** 0.5)) if on_host
+                     else norm.double().div_(param.numel() ** 0.5).clamp_(min=a.eps2)) * rho_t
             if a.weight_decay != 0:
                 param.mul_(1 - a.lr * a.weight_decay)
             if grad.dim() > 1:
@@ -459,8 +474,12 @@ class AdafactorRule:
                 var_estimate = variance.clone()
             update = var_estimate.clamp_(min=eps1 * eps1).rsqrt_()
             update.mul_(grad)
-            denom = max(1.0, update.norm(2).item() / ((update.numel() ** 0.5) * a.d))
-            param.add_(update, alpha=-alpha / denom)
+            if on_host:
+                denom = max(1.0, update.norm(2).item() / ((update.numel() ** 0.5) * a.d))
+                param.add_(update, alpha=-alpha / denom)
+            else:  # (no host sync: the scale is a device scalar)
+                denom = update.norm(2).double().div_((update.numel() ** 0.5) * a.d).clamp_(min=1.0)
+                param.add_(update.mul_(alpha.div_(denom).neg_().to(param.dtype)))
             _round_out(bufs, seg)
 
 
