@@ -352,6 +352,13 @@ def cuda_room(device) -> tuple[int, int]:
     return int(free), int(total)
 
 
+def _home_made_at_add(spec: PayloadSpec) -> bool:
+    """``add_chunk`` gives the payload's home memory (or an NVMe slot) at once: not a derived
+    payload ([Note: derived payloads]: none of its own) nor a transient one (ABSENT until
+    written: [Note: transient payloads]). ``host_home_sizes`` lists the host ones from this."""
+    return spec.source is None and not spec.transient
+
+
 def _check_derived(name: str, spec: PayloadSpec, payloads: Mapping) -> None:
     """A derived payload's source: in the chunk, ordinary, homed on the CPU with it, as large
     ([Note: derived payloads])."""
@@ -723,8 +730,7 @@ class ChunkStore:
     def host_home_sizes(payloads: "Mapping[str, PayloadSpec]") -> list:
         """Bytes of each host-memory home ``add_chunk(payloads)`` allocates, in its order (what
         ``homes_ahead`` is told to make)."""
-        return [spec.nbytes for spec in payloads.values()
-                if spec.source is None and spec.home is Tier.CPU and not spec.transient]
+        return [spec.nbytes for spec in payloads.values() if _home_made_at_add(spec) and spec.home is Tier.CPU]
 
     @contextlib.contextmanager
     def homes_ahead(self, sizes: "Sequence[int]"):
@@ -759,14 +765,11 @@ class ChunkStore:
             # Check the whole chunk fits before taking anything (no half-added chunk).
             need = {t: 0 for t in Tier}
             for name, spec in payloads.items():
-                if spec.source is not None:
-                    continue  # no bytes of its own ([Note: derived payloads])
-                if spec.transient:
-                    if spec.home is Tier.CPU and not self.config.window_slots:
-                        raise StoreError(f"add_chunk: payload {name!r} is transient, but this store has no "
-                                         f"window; set StoreConfig.window_slots ([Note: transient payloads])")
-                    continue  # no memory until written: a window slot or device memory then
-                need[spec.home] += round_up(spec.nbytes, ALIGNMENT)
+                if spec.transient and spec.home is Tier.CPU and not self.config.window_slots:
+                    raise StoreError(f"add_chunk: payload {name!r} is transient, but this store has no "
+                                     f"window; set StoreConfig.window_slots ([Note: transient payloads])")
+                if _home_made_at_add(spec):
+                    need[spec.home] += round_up(spec.nbytes, ALIGNMENT)
             for tier, nbytes in need.items():
                 if nbytes:
                     if tier is Tier.NVME:
@@ -784,12 +787,10 @@ class ChunkStore:
                     p.source.derived.append(p)
             for p in chunk.payloads.values():
                 home = p.copies[p.spec.home]
-                if p.source is not None:
-                    continue  # ABSENT for good: its GPU copy is made from the source
                 if home.windowed:
                     self._window.grow_to(p.spec.nbytes)
-                if p.spec.transient:
-                    continue  # ABSENT until its bytes are written ([Note: transient payloads])
+                if not _home_made_at_add(p.spec):
+                    continue  # ABSENT: derived (for good) or transient (until written)
                 self._alloc_memory(home)
                 if home.tier is Tier.NVME:
                     if home.space.claim_zero(home.slot):  # a never-written extent reads as zeros
