@@ -44,7 +44,8 @@ Chunks that are not trainable carry ``params`` only.
 [Note: GPU share placement] With ``gpu_optimizer`` (the front end updates chunks whose state is
 on the device there: [Note: GPU share] in chunk_group.py), "auto" optimizer state of chunks whose
 params live on the device (a front end's own params do) fills the device first, in chunk order,
-with the chunk's grads (and accumulation buffer) beside it, within the budget less ``reserve``:
+with the chunk's accumulation buffer beside it (its grads only in flight: [Note: share grads] at
+``_share_grads_held``), within the budget less ``reserve``:
 a prefix of the chunks (the first layers, which the next forward needs first). Once a chunk does
 not fit, the rest go to host memory, then NVMe. "auto" params of every chunk are placed on the
 device before any of the share (``params_ahead``): a resident params chunk saves its fetch in
