@@ -944,9 +944,7 @@ class ChunkStore:
                 c.readers = []
             for c in copies:
                 c.spare = None
-                if c.state is not Residency.ABSENT:
-                    self._drop_memory(c, home=True)
-                    c.to(Residency.ABSENT, self)
+                self._free(c)
             chunk.discarded = True
 
     def rehome(self, cid: int, name: str, tier: "Tier | str", *, transient: "bool | None" = None) -> None:
@@ -1016,8 +1014,7 @@ class ChunkStore:
             buf.copy_(old.buffer)
             if self._streams is not None:
                 torch.cuda.current_stream(self.device).synchronize()  # every stream sees the bytes
-            self._drop_memory(old, home=True)  # the old home is an ordinary copy now: freed
-            old.to(Residency.ABSENT, self)
+            self._free(old)  # the old home is an ordinary copy now: freed
             for c in p.copies.values():
                 if c.state is Residency.VALID:
                     c.to(Residency.STALE, self)  # (none is newer than the new home)
@@ -1061,8 +1058,7 @@ class ChunkStore:
             self.stats.bytes_moved[Hop.CPU_TO_NVME] += spec.nbytes
             self.stats.moves[Hop.CPU_TO_NVME] += 1
         p.spec = replace(spec, home=tier)
-        self._drop_memory(old, home=True)  # the old home's memory or slot: freed
-        old.to(Residency.ABSENT, self)
+        self._free(old)  # the old home's memory or slot: freed
         for c in p.copies.values():
             if c.state is Residency.VALID:
                 c.to(Residency.STALE, self)  # (none is newer than the new home)
@@ -1090,9 +1086,7 @@ class ChunkStore:
             buf = (torch.zeros(spec.numel, dtype=spec.dtype, device=self.device) if tier is Tier.GPU
                    else aligned_empty(spec.nbytes, dtype=spec.dtype, pin=self.config.pin).zero_())
         for c in p.copies.values():
-            if c.state is not Residency.ABSENT:
-                self._drop_memory(c, home=True)
-                c.to(Residency.ABSENT, self)
+            self._free(c)
         p.spec = new
         if buf is not None:
             target.buffer = buf
@@ -1126,9 +1120,7 @@ class ChunkStore:
                 for r in c.readers:
                     r.wait()
                 c.readers = []
-                if c.state is not Residency.ABSENT:
-                    self._drop_memory(c, home=True)
-                    c.to(Residency.ABSENT, self)
+                self._free(c)
 
     @property
     def window(self) -> SlotWindow:
@@ -1361,8 +1353,7 @@ class ChunkStore:
                     if not c.is_home:
                         self._evict(c)  # a cache: dropped (written home first when newest)
                     elif c.payload.spec.transient:  # dead bytes between uses: freed
-                        self._drop_memory(c, home=True)
-                        c.to(Residency.ABSENT, self)
+                        self._free(c)
                 self._move_away(payloads, to)
             except BaseException as e:
                 self._undo(e, self._end_park, parking)
@@ -1707,6 +1698,13 @@ class ChunkStore:
         else:
             self._make_room(copy.tier, copy.nbytes, for_what=copy.where())
         self._alloc_memory(copy)
+
+    def _free(self, copy: _Copy) -> None:
+        """Any copy, a home too, holds nothing from here on (its memory or slot given back);
+        the caller has waited for what touches it."""
+        if copy.state is not Residency.ABSENT:
+            self._drop_memory(copy, home=True)
+            copy.to(Residency.ABSENT, self)
 
     def _drop_memory(self, copy: _Copy, *, home: bool = False) -> None:
         if copy.is_home and not home:
