@@ -39,6 +39,14 @@ def test_preset_sizes_match_baselines():
     assert 14.0e9 <= PRESETS["14b"].num_params() < 14.1e9
     assert 30.0e9 <= PRESETS["30b"].num_params() < 31e9
     assert PRESETS["30b"].d_model // PRESETS["30b"].n_head == 128
+    # the baselines' largest sizes (issue 24): a block matrix's shard over 4 ranks a power of two
+    # in bytes, fp32 (64 and 256 MiB), so a pinned host allocator's rounding costs nothing
+    assert 19.5e9 < PRESETS["20b"].num_params() < 20e9 and 27.5e9 < PRESETS["28b"].num_params() < 28e9
+    for name in ("20b", "28b"):
+        d = PRESETS[name].d_model
+        for rows, cols in ((d, d), (4 * d, d)):
+            shard = rows * cols * 4 // 4
+            assert shard & (shard - 1) == 0, (name, rows, cols)
     assert PRESETS["tiny"].num_params() < 2e6
 
 

@@ -176,10 +176,14 @@ if [ "$PHASE" = phases ]; then
     share=$(( ($(left) - 15) / (${#PHASES[@]} - i + 1) ))
     rm -rf "/tmp/fair_phase$i"  # ours, from an earlier call on a warm machine: run.py appends rows
     say "phase $i: model $pmodel, plan $pplan, args '${rest}', deadline $share s, init $INIT"
+    # the rows so far reach $OUT every 10 s: a call killed at its limit (a `--deadline` past what
+    # is left, for a case the estimate would drop) still brings back the cases that finished
+    ( while sleep 10; do [ -f "/tmp/fair_phase$i/rows.jsonl" ] && cp "/tmp/fair_phase$i/rows.jsonl" "$OUT/rows_${i}_$pmodel.jsonl"; done ) &
+    copier=$!
     # shellcheck disable=SC2086
     python3 benchmarks/fair/run.py --plan "$pplan" --model "$pmodel" --out "/tmp/fair_phase$i" --init "$INIT" \
       --seed "$seed" --deadline "$share" --log-dir "$logs/phase${i}_$pmodel" --log-tar "$OUT/logs.tar.gz" ${FAIR_ARGS:-} $rest
-    prc=$?; say "phase $i: run.py exit $prc"; [ $prc -ne 0 ] && rc=$prc
+    prc=$?; kill $copier 2>/dev/null; wait $copier 2>/dev/null; say "phase $i: run.py exit $prc"; [ $prc -ne 0 ] && rc=$prc
     if [ -f "/tmp/fair_phase$i/rows.jsonl" ]; then
       cp "/tmp/fair_phase$i/rows.jsonl" "$OUT/rows_${i}_$pmodel.jsonl"; rows+=("$OUT/rows_${i}_$pmodel.jsonl")
       cat "${rows[@]}" > /tmp/fair_phases_rows.jsonl
