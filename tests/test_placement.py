@@ -297,15 +297,15 @@ def test_keep_limit_leaves_the_window_of_whole_chunks():
 
 @pytest.fixture
 def node(monkeypatch):
-    """The node has 100 MiB available of 200 MiB (an "auto" host budget: 80 MiB) and a disk with
-    1 PiB free."""
+    """The node has 100 MiB available of 200 MiB (an "auto" host budget: 90 MiB, the available
+    less 10% of itself) and a disk with 1 PiB free."""
     import psutil
     import shutil
     vm = collections.namedtuple("vm", "total available percent")
     monkeypatch.setattr(psutil, "virtual_memory", lambda: vm(200 << 20, 100 << 20, 50.0))
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 51, 1 << 50, 1 << 50))
-    return 80 << 20
+    return int((100 << 20) * 0.9)
 
 
 def test_rank_budgets_share_the_nodes_auto_budgets(node, tmp_path):
@@ -326,7 +326,7 @@ def test_rank_budgets_share_the_nodes_auto_budgets(node, tmp_path):
 def test_a_cuda_devices_auto_budget_is_not_divided(node):
     free, total = torch.cuda.mem_get_info()
     got = rank_budgets({Tier.GPU: "auto"}, device="cuda", local_ranks=4).gpu
-    assert got > (free - 0.1 * total) / 2
+    assert got > 0.9 * free / 2
 
 
 def test_local_ranks_reads_the_launchers_count(monkeypatch):

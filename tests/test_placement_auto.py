@@ -272,4 +272,18 @@ def test_the_measured_limit_and_auto_budget_keep_to_the_memory_fraction(fraction
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cfg = store.StoreConfig(device=torch.device("cuda:0"), budgets={Tier.GPU: "auto"})
     gpu = store.resolve_budgets(cfg)[Tier.GPU]
-    assert gpu == int(room - cfg.auto_reserve_fraction * limit)
+    assert gpu == int(room * (1 - cfg.auto_reserve_fraction))
+
+
+def test_an_auto_budget_of_a_nearly_full_card_is_what_is_free_less_its_reserve(monkeypatch):
+    """Before: "auto" left 10% of the TOTAL alone, so 12 GiB free of a 140 GiB card gave a GPU
+    budget of 0 and the engine refused a card that trains it (12 GiB free of 80 gave 4 GiB)."""
+    from zero_offload.runtime import store
+    for total in (80 * GiB, 140 * GiB):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, t=total: (12 * GiB, t))
+        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0,
+                            raising=False)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        cfg = store.StoreConfig(device=torch.device("cuda:0"), budgets={Tier.GPU: "auto"})
+        assert store.resolve_budgets(cfg)[Tier.GPU] == int(12 * GiB * 0.9), total
+    assert store.auto_budget(0, 0.1) == 0 and store.auto_budget(100, 0.0) == 100

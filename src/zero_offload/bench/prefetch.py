@@ -280,17 +280,16 @@ def _shared_budgets(cfg, n: int):
     import torch
 
     from zero_offload import StoreConfig
+    from zero_offload.runtime.store import auto_budget, cuda_room
 
     reserve = StoreConfig.__dataclass_fields__["auto_reserve_fraction"].default
-    vm = psutil.virtual_memory()
-    host = max(0, int(vm.available - reserve * vm.total)) // n
+    host = auto_budget(psutil.virtual_memory().available, reserve) // n
     pinned = {}
     if cfg.cpu_budget == "auto":
         pinned["cpu_budget"] = host
     if cfg.gpu_budget == "auto":
         if torch.cuda.is_available():
-            free, total = torch.cuda.mem_get_info()
-            pinned["gpu_budget"] = max(0, int(free - reserve * total)) // n
+            pinned["gpu_budget"] = auto_budget(cuda_room(torch.device("cuda"))[0], reserve) // n
         else:
             pinned["gpu_budget"] = host
     if cfg.nvme_budget == "auto" and cfg.nvme_dir:

@@ -235,7 +235,7 @@ class StoreConfig:
 
     budgets: "Mapping[Tier | str, int | str]" = field(default_factory=dict)
     """Byte budget per tier, or "auto" (GPU: free CUDA memory, CPU: psutil available memory,
-    each minus ``auto_reserve_fraction`` of the total; NVMe: ``swap_io.auto_nvme_budget``, free
+    each less ``auto_reserve_fraction`` of itself: ``auto_budget``; NVMe: ``swap_io.auto_nvme_budget``, free
     disk space less a small reserve). Tiers left out are "auto". The swap file is preallocated
     to the NVMe budget when the first NVMe copy is made, so a store used directly caps NVMe
     "auto" at 64 GiB; set the budget (``set_budget``) to what you need before that, as the
@@ -266,8 +266,8 @@ class StoreConfig:
     payloads, caches). 0 = start empty and grow by exact-size slabs on first use."""
 
     auto_reserve_fraction: float = 0.1
-    """Share of the GPU's and host memory's total capacity that an "auto" budget leaves alone
-    (not NVMe's: see ``budgets``)."""
+    """Share of the GPU's and host memory's free memory that an "auto" budget leaves alone (not
+    NVMe's: see ``budgets``; ``auto_budget``)."""
 
     window_slots: int = 0
     """Host slots the home copies of transient payloads take while they hold bytes ([Note:
@@ -375,6 +375,18 @@ def _check_derived(name: str, spec: PayloadSpec, payloads: Mapping) -> None:
                          f"the CPU ([Note: derived payloads])")
 
 
+def auto_budget(free: int, fraction: float) -> int:
+    """An "auto" GPU or host budget: ``free`` bytes less ``fraction`` of them.
+
+    The fraction is of what is free, not of the total: it is headroom for what the plan does not
+    count before the first step measures it (the allocator's rounding, a library's workspace), and
+    that headroom belongs to this process. Of the total it cost nothing on an idle card but took
+    everything on a shared one: with 12 GiB free of an H200's 140, 10% of the total left a budget
+    of 0 and the engine refused a card that trains it (session 19's first 4x H200 call; an H100
+    with the same 12 GiB free trained)."""
+    return max(0, int(free * (1.0 - fraction)))
+
+
 def resolve_budgets(config: StoreConfig) -> dict[Tier, int]:
     """Bytes per tier of ``config.budgets``, "auto" resolved as ``StoreConfig.budgets`` says (what
     a store built from ``config`` now would get)."""
@@ -384,11 +396,9 @@ def resolve_budgets(config: StoreConfig) -> dict[Tier, int]:
         if value != "auto":
             out[tier] = value
         elif tier is Tier.GPU and config.cuda:
-            free, total = cuda_room(config.device)
-            out[tier] = max(0, int(free - reserve * total))
+            out[tier] = auto_budget(cuda_room(config.device)[0], reserve)
         elif tier in (Tier.GPU, Tier.CPU):
-            vm = psutil.virtual_memory()
-            out[tier] = max(0, int(vm.available - reserve * vm.total))
+            out[tier] = auto_budget(psutil.virtual_memory().available, reserve)
         elif config.nvme_dir is None:
             out[tier] = 0
         else:
