@@ -181,6 +181,13 @@ PLANS: dict[str, list[str]] = {
     "threads": ["engine@2", "ddp@2", "fsdp2:reshard=1,threads=8@2", "fsdp2:reshard=1,threads=16@2",
                 "engine:threads=16@2", "engine@1", "torchao:threads=16@1", "torchao:threads=32@1",
                 "fsdp2:reshard=1,threads=8@4"],
+    # issue 22's DeepSpeed sweeps on the 2-GPU kind: ZeRO-3 with params and optimizer offloaded at
+    # the HF "auto" buckets (the case's default), DeepSpeed's own defaults and larger ones, and its
+    # GPU share (offload_optimizer.ratio) at two ratios, beside the engine host-only and "auto", the
+    # DDP ceiling and the bf16-params ceiling of the engine's recipe
+    "ds2": ["engine@2", "ddp@2", "ds-zero3@2", "ds-zero3:prefetch=5e7,reduce=5e8@2",
+            "ds-zero3-ratio:ratio=0.5@2", "engine-auto@2", "ddp-bf16@2", "ds-zero3:prefetch=2e8,reduce=1e9@2",
+            "ds-zero3-ratio:ratio=0.25@2"],
     # compiled blocks against eager, through the engine and at the ceiling (compile=1: the
     # warm-up steps compile; the rows report compile_s)
     "compile": ["engine@1", "engine:compile=1@1", "ddp@1", "ddp:compile=1@1"],
