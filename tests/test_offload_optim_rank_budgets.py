@@ -30,8 +30,11 @@ def _rank(rank, world, swap):
     probe = OffloadAdamW(make_model().parameters(), **KW)
     alone = probe._store.bytes("cpu")
     probe.close()
-    node = int(1.6 * alone)  # the node's "auto" host budget: available less 10% of the total
-    fake = types.SimpleNamespace(total=10 * node, available=node + node, percent=0.0)
+    from zero_offload.runtime.store import auto_budget
+
+    # the node's "auto" host budget, about 1.6x one rank's state: available less 10% of itself
+    fake = types.SimpleNamespace(total=10 * alone, available=int(1.6 * alone / 0.9), percent=0.0)
+    node = auto_budget(fake.available, 0.1)
     psutil.virtual_memory = lambda: fake
 
     model = make_model()
