@@ -572,3 +572,25 @@ def test_the_notes_say_how_much_of_the_state_the_gpu_share_holds():
     share.update(host_chunks=0)
     assert _notes({"engine_stats": {"placement": {"share": share}}}) == ""
     assert _notes({"engine_stats": {"placement": {"share": {"chunks": 0, "host_chunks": 50}}}}) == ""
+
+
+def test_the_moments_knob_runs_bf16_moments_and_the_row_names_the_difference(tmp_path):
+    """Issue 24's opt-in bf16 moments through the harness: ``moments=bf16`` reaches
+    ``OffloadConfig.moments_dtype`` of the engine cases only, and the row's recipe says the moments
+    are bf16 and inexact (its step-0 loss is the fp32 row's: the moments act after step 0)."""
+    from fairplan import parse_plan
+    items = parse_plan("engine:moments=bf16@1 engine-auto:moments=fp32@1")
+    assert items[0].label == "engine[moments=bf16]" and items[0].case_args() == ["--engine-moments", "bf16"]
+    with pytest.raises(ValueError, match="case ddp takes no knob"):
+        parse_plan("ddp:moments=bf16@1")
+    with pytest.raises(ValueError, match="fp16"):
+        parse_plan("engine:moments=fp16@1")
+    r, rows, _ = _driver(tmp_path, "--plan", "engine@1 engine:moments=bf16@1", "--seed", "3", "--init", "seeded:0")
+    assert r.returncode == 0, r.stderr[-2000:] + r.stdout[-2000:]
+    by = {row["label"]: row for row in rows}
+    assert by["engine[moments=bf16]"]["error"] is None, by["engine[moments=bf16]"]["error"]
+    assert by["engine[moments=bf16]"]["config"]["offload_config"]["moments_dtype"] == "bf16"
+    assert by["engine"]["config"]["offload_config"]["moments_dtype"] == "fp32"
+    assert "bf16 moments" in by["engine[moments=bf16]"]["recipe"] and "inexact" in by["engine[moments=bf16]"]["recipe"]
+    assert "bf16 moments" not in by["engine"]["recipe"]
+    assert by["engine[moments=bf16]"]["step0_loss"] == by["engine"]["step0_loss"]

@@ -490,7 +490,7 @@ def build_engine(args, cfg, device, world, sd, auto=False):
         raise CaseError("engine with optimizer=nvme needs a swap directory: give the run --nvme-dir DIR")
     ocfg = zo.OffloadConfig(params=args.engine_params if auto else "cpu",
                             optimizer="auto" if auto else args.engine_optimizer,
-                            dtype="bf16", threads=args.threads,
+                            dtype="bf16", threads=args.threads, moments_dtype=args.engine_moments,
                             nvme_dir=args.nvme_dir if (auto or nvme) and args.nvme_dir else None,
                             activation_reserve=int(args.activation_reserve * GiB) if args.activation_reserve
                             else "auto")
@@ -939,6 +939,10 @@ def parse_args(argv=None):
                     help="engine-auto: hold the process to this many GiB of GPU memory "
                          "(torch.cuda.set_per_process_memory_fraction; \"auto\" plans within it), e.g. "
                          "torchao's footprint; 0: the whole card")
+    ap.add_argument("--engine-moments", default="fp32", choices=("fp32", "bf16"),
+                    help="engine, engine-auto: OffloadConfig.moments_dtype (bf16: Adam's moments stored "
+                         "in bf16 with stochastic rounding, the master fp32: inexact, opt-in; the row's "
+                         "recipe says so)")
     ap.add_argument("--engine-params", default="auto", choices=("auto", "gpu"),
                     help="engine-auto: OffloadConfig.params (gpu: with ranks a whole replica of the bf16 "
                          "params on every GPU, gathered once per step after the update: ZeRO-2 style)")
@@ -965,6 +969,9 @@ def run(args, row: dict, sampler: MemSampler) -> dict:
     info = CASES[args.case]
     row.update(case=args.case, world=world, recipe=info.recipe, model=args.model, batch_per_rank=args.batch,
                seq=args.seq, checkpointing=args.checkpointing, device=args.device)
+    if args.case in ("engine", "engine-auto") and args.engine_moments != "fp32":  # the difference named
+        row["recipe"] = info.recipe.replace("fp32 master + moments", "fp32 master + bf16 moments (stochastic "
+                                            "rounding, inexact: knob moments=bf16)")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise CaseError("--device cuda but torch sees no GPU; use --device cpu (CPU cases only)")
     if info.gpu_only and args.device != "cuda":

@@ -58,12 +58,13 @@ CASES: dict[str, CaseInfo] = {
     "engine": CaseInfo(
         "bf16 working params (no autocast), fp32 master + moments on the CPU; zero_offload engine "
         "params=cpu optimizer=cpu",
-        short=BF16_MASTER, knobs=("opt", "compile", "engine-optimizer"), startup_s=35,
+        short=BF16_MASTER, knobs=("opt", "compile", "engine-optimizer", "engine-moments"), startup_s=35,
         step_s={1: 0.45, 2: 0.40, 4: 0.65}),
     "engine-auto": CaseInfo(
         "bf16 working params (no autocast), fp32 master + moments on the CPU; zero_offload engine "
         "params=auto optimizer=auto",
-        short=BF16_MASTER, knobs=("opt", "gpu-cap", "activation-reserve", "engine-params"), startup_s=35,
+        short=BF16_MASTER, knobs=("opt", "gpu-cap", "activation-reserve", "engine-params", "engine-moments"),
+        startup_s=35,
         startup_per_b=4.5, step_s={1: 0.35, 2: 0.35, 4: 0.35}),
     "offload-adamw": CaseInfo(
         TORCH_AUTOCAST + " on the CPU (zero_offload OffloadAdamW, overlap_forward=True; knob "
@@ -141,12 +142,13 @@ DS_MUON_STAGES = ("1", "2")
 offload and without zero.Init (2: the default; 1 with fp32 grad accumulation: BF16_Optimizer).
 Stage 0 applies the raw gradient (no Newton-Schulz, DeepSpeed PR 8442); stage 3 needs zero.Init."""
 
-KNOB_CHOICES = {"engine-params": ("auto", "gpu"), "engine-optimizer": ("cpu", "nvme"), "ds-nvme": ("0", "1"),
+KNOB_CHOICES = {"engine-params": ("auto", "gpu"), "engine-optimizer": ("cpu", "nvme"),
+                "engine-moments": ("fp32", "bf16"), "ds-nvme": ("0", "1"),
                 "fsdp-reshard": ("0", "1"), "overlap-forward": ("0", "1"), "compile": ("0", "1")}
 """Knobs with a fixed set of values, checked when the plan is read (not when the case starts)."""
 
 KNOB_ALIASES = {"ckpt": "checkpointing", "reserve": "activation-reserve", "params": "engine-params",
-                "optimizer": "engine-optimizer", "nvme": "ds-nvme", "overlap": "overlap-forward", "reshard": "fsdp-reshard", "prefetch": "ds-prefetch-bucket",
+                "optimizer": "engine-optimizer", "moments": "engine-moments", "nvme": "ds-nvme", "overlap": "overlap-forward", "reshard": "fsdp-reshard", "prefetch": "ds-prefetch-bucket",
                 "reduce": "ds-reduce-bucket", "ratio": "ds-ratio", "sub-group": "ds-sub-group"}
 
 # [Note: plan order is priority] (run.py): when a plan's expected time exceeds the deadline, its
@@ -188,6 +190,9 @@ PLANS: dict[str, list[str]] = {
     "ds2": ["engine@2", "ddp@2", "ds-zero3@2", "ds-zero3:prefetch=5e7,reduce=5e8@2",
             "ds-zero3-ratio:ratio=0.5@2", "engine-auto@2", "ddp-bf16@2", "ds-zero3:prefetch=2e8,reduce=1e9@2",
             "ds-zero3-ratio:ratio=0.25@2"],
+    # the opt-in bf16 moments on one GPU (issue 24 part 3): host-only, where they halve the moments'
+    # host bytes and the CPU step's traffic, and under "auto"; beside the exact fp32 moments
+    "moments": ["engine@1", "engine:moments=bf16@1", "engine-auto@1", "engine-auto:moments=bf16@1", "ddp@1"],
     # compiled blocks against eager, through the engine and at the ceiling (compile=1: the
     # warm-up steps compile; the rows report compile_s)
     "compile": ["engine@1", "engine:compile=1@1", "ddp@1", "ddp:compile=1@1"],
