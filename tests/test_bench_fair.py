@@ -585,6 +585,9 @@ def test_the_moments_knob_runs_bf16_moments_and_the_row_names_the_difference(tmp
         parse_plan("ddp:moments=bf16@1")
     with pytest.raises(ValueError, match="fp16"):
         parse_plan("engine:moments=fp16@1")
+    from fairplan import recipe
+    assert "bf16 moments" in recipe("engine-auto", {"engine-moments": "bf16"})  # a not-run row says it too
+    assert recipe("engine", {}) == recipe("engine", {"engine-moments": "fp32"})
     r, rows, _ = _driver(tmp_path, "--plan", "engine@1 engine:moments=bf16@1", "--seed", "3", "--init", "seeded:0")
     assert r.returncode == 0, r.stderr[-2000:] + r.stdout[-2000:]
     by = {row["label"]: row for row in rows}

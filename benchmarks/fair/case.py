@@ -166,7 +166,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fairplan import CASES, DS_MUON_STAGES, checkpoint_fraction  # noqa: E402
+from fairplan import CASES, DS_MUON_STAGES, checkpoint_fraction, recipe  # noqa: E402
 
 GiB = float(2 ** 30)
 LR, BETAS, EPS, WD = 1e-4, (0.9, 0.999), 1e-8, 0.1
@@ -967,11 +967,9 @@ def run(args, row: dict, sampler: MemSampler) -> dict:
     from zero_offload.models import preset
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     info = CASES[args.case]
-    row.update(case=args.case, world=world, recipe=info.recipe, model=args.model, batch_per_rank=args.batch,
-               seq=args.seq, checkpointing=args.checkpointing, device=args.device)
-    if args.case in ("engine", "engine-auto") and args.engine_moments != "fp32":  # the difference named
-        row["recipe"] = info.recipe.replace("fp32 master + moments", "fp32 master + bf16 moments (stochastic "
-                                            "rounding, inexact: knob moments=bf16)")
+    row.update(case=args.case, world=world, model=args.model, batch_per_rank=args.batch,
+               seq=args.seq, checkpointing=args.checkpointing, device=args.device,
+               recipe=recipe(args.case, {"engine-moments": args.engine_moments}))
     if args.device == "cuda" and not torch.cuda.is_available():
         raise CaseError("--device cuda but torch sees no GPU; use --device cpu (CPU cases only)")
     if info.gpu_only and args.device != "cuda":

@@ -44,7 +44,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from fairplan import CASES, PLANS, case_timeout, expected_seconds, parse_plan, step_flops, threads_for  # noqa: E402
+from fairplan import (CASES, PLANS, case_timeout, expected_seconds, parse_plan, recipe, step_flops,  # noqa: E402
+                      threads_for)
 from summarize import markdown  # noqa: E402
 
 GiB = float(2 ** 30)
@@ -319,7 +320,7 @@ class Driver:
                 "threads": item_threads(item, threads_for(item.world, self.cores, a.threads_per_rank)),
                 "threads_policy": (f"auto: cores {self.cores} // N" if a.threads_per_rank == "auto"
                                    else a.threads_per_rank),
-                "recipe": CASES[item.case].recipe, "zero_offload_commit": self.commit,
+                "recipe": recipe(item.case, dict(item.knobs)), "zero_offload_commit": self.commit,
                 "params": self.params or None, "init_arg": a.init}
 
     def run_item(self, item, order: int, params: int, *, keep_s: float = 0.0) -> dict:
