@@ -130,7 +130,8 @@ if [ -n "${FAIR_TESTS:-}" ]; then
       _ "${FAIR_TESTS_TIMEOUT:-240}" "${FAIR_TESTS}" "$OUT/tests.log" & spid=$!
     wait $spid
     left_over=$(pgrep -s "$spid" | wc -l)
-    [ "$left_over" -gt 0 ] && { echo "killed $left_over process(es) the tests left behind" >> "$OUT/tests.log"; pkill -9 -s "$spid"; }
+    [ "$left_over" -gt 0 ] && { echo "killed $left_over process(es) the tests left behind:" >> "$OUT/tests.log"
+      ps -o pid=,etime=,args= -s "$spid" | cut -c1-300 >> "$OUT/tests.log"; pkill -9 -s "$spid"; }
     exit 0 ) &
   tests_pid=$!
 fi
