@@ -248,7 +248,7 @@ def recipe(case: str, knobs: dict) -> str:
     """The row's recipe: the case's, with what a knob changes in it named (``moments=bf16``: the
     engine's Adam moments in bf16, inexact)."""
     text = CASES[case].recipe
-    if knobs.get("engine-moments", "fp32") != "fp32":
+    if "engine-moments" in CASES[case].knobs and knobs.get("engine-moments", "fp32") != "fp32":
         text = text.replace("fp32 master + moments", "fp32 master + bf16 moments (stochastic rounding, "
                             "inexact: knob moments=bf16)")
     return text

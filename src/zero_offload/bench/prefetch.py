@@ -275,23 +275,16 @@ def _hardware_slug() -> str:
 
 def _shared_budgets(cfg, n: int):
     """``cfg`` with each "auto" budget pinned to 1/n of what is free now (see [Note: one engine
-    per depth]), the same way the store resolves "auto" (free minus its reserve)."""
-    import psutil
-    import torch
+    per depth]), resolved by the store's own rule (``resolve_budgets``: free less its reserve; the
+    'gpu' tier of a machine without CUDA is host memory)."""
+    from zero_offload.runtime.store import StoreConfig, Tier, resolve_budgets
 
-    from zero_offload import StoreConfig
-    from zero_offload.runtime.store import auto_budget, cuda_room
-
-    reserve = StoreConfig.__dataclass_fields__["auto_reserve_fraction"].default
-    host = auto_budget(psutil.virtual_memory().available, reserve) // n
+    auto = resolve_budgets(StoreConfig(budgets={Tier.GPU: "auto", Tier.CPU: "auto", Tier.NVME: 0}))
     pinned = {}
     if cfg.cpu_budget == "auto":
-        pinned["cpu_budget"] = host
+        pinned["cpu_budget"] = auto[Tier.CPU] // n
     if cfg.gpu_budget == "auto":
-        if torch.cuda.is_available():
-            pinned["gpu_budget"] = auto_budget(cuda_room(torch.device("cuda"))[0], reserve) // n
-        else:
-            pinned["gpu_budget"] = host
+        pinned["gpu_budget"] = auto[Tier.GPU] // n
     if cfg.nvme_budget == "auto" and cfg.nvme_dir:
         # As initialize does: a missing swap directory is created (0700) before it is measured;
         # each engine's swap file is then sized to its plan, not to this budget.
