@@ -3,6 +3,7 @@ applied once; step() returns True only on the window's last micro-batch."""
 import pytest
 
 import zero_offload as zo
+from zero_offload.runtime.store import Hop
 from _engine_util import (DEVICE, Reference, assert_losses_close, assert_params_close, config,
                           gpt_batches, gpt_loss, micro_gpt, mlp, mlp_batches, mlp_loss, train_engine)
 ACCUM = 3
@@ -60,7 +61,11 @@ def test_final_grad_sync_sums_on_the_device_and_sends_once(kw):
                               if engine.store.has_payload(c, "accum")]
             assert (accum_payloads == []) == (sync == "final" or accum == 1), accum_payloads
             train_engine(engine, batches if accum > 1 else batches[:3], gpt_loss, accum=accum)
-            moved[sync, accum] = engine.stats().bytes_moved["gpu->cpu"]
+            # The grads' sends alone: with params="gpu" the host-updated chunks' fp32 master is
+            # homed on the device, and how often it is fetched depends on timing (the state
+            # read-ahead, the write-behind's deferred drop), not on grad_sync.
+            by_payload = engine.store.stats.by_payload
+            moved[sync, accum] = by_payload.get((Hop.GPU_TO_CPU, "grads"), 0)
             if accum > 1:
                 assert_params_close(engine.state_dict(), ref.master_state(), rtol=1e-5)
                 if "grad_clip" in kw:

@@ -680,6 +680,9 @@ class StoreStats:
     bytes_moved: dict = field(default_factory=lambda: {h: 0 for h in Hop})
     """Hop -> bytes issued on that hop."""
     moves: dict = field(default_factory=lambda: {h: 0 for h in Hop})
+    by_payload: dict = field(default_factory=dict)
+    """(hop, payload name) -> bytes issued on that hop for payloads of that name ("grads",
+    "master", ...): ``bytes_moved`` split by what moved."""
     stall_s: float = 0.0
     """Host seconds spent in ``get`` waiting for moves."""
     hits: int = 0
@@ -687,8 +690,15 @@ class StoreStats:
     misses: int = 0
     evictions: int = 0
 
+    def moved(self, hop: Hop, name: str, nbytes: int) -> None:
+        """Count one move of ``nbytes`` of payload ``name`` on ``hop``."""
+        self.bytes_moved[hop] += nbytes
+        self.moves[hop] += 1
+        self.by_payload[hop, name] = self.by_payload.get((hop, name), 0) + nbytes
+
     def as_dict(self) -> dict:
         return {"bytes_moved": {h.value: n for h, n in self.bytes_moved.items()},
+                "by_payload": {f"{h.value} {name}": n for (h, name), n in self.by_payload.items()},
                 "moves": {h.value: n for h, n in self.moves.items()},
                 "stall_s": self.stall_s, "hits": self.hits, "misses": self.misses,
                 "evictions": self.evictions}
@@ -1049,8 +1059,7 @@ class ChunkStore:
                 buf.copy_(cache.buffer)
             else:
                 old.space.read(old.slot, _padded(buf)).wait()
-                self.stats.bytes_moved[Hop.NVME_TO_CPU] += spec.nbytes
-                self.stats.moves[Hop.NVME_TO_CPU] += 1
+                self.stats.moved(Hop.NVME_TO_CPU, p.name, spec.nbytes)
             self._evict(target)  # the cache copy, if any: the home is valid, nothing is written back
             self._await_quiet(target)
         else:  # host memory -> a slot of the swap file
@@ -1065,8 +1074,7 @@ class ChunkStore:
             except BaseException:
                 space.free(slot)
                 raise
-            self.stats.bytes_moved[Hop.CPU_TO_NVME] += spec.nbytes
-            self.stats.moves[Hop.CPU_TO_NVME] += 1
+            self.stats.moved(Hop.CPU_TO_NVME, p.name, spec.nbytes)
         p.spec = replace(spec, home=tier)
         self._free(old)  # the old home's memory or slot: freed
         for c in p.copies.values():
@@ -1194,8 +1202,7 @@ class ChunkStore:
             buf = copy.buffer
             hop = Hop.GPU_TO_CPU if into else Hop.CPU_TO_GPU
             nbytes = sum(t.numel() * buf.element_size() for _, t in pieces)
-            self.stats.bytes_moved[hop] += nbytes
-            self.stats.moves[hop] += 1
+            self.stats.moved(hop, copy.payload.name, nbytes)
             if self._streams is None:
                 if after is not None:
                     after.wait()
@@ -1839,8 +1846,7 @@ class ChunkStore:
             self._ensure(src, how)
         handle = self._fill(copy, src, how)
         hop = Hop.between(src.tier, copy.tier)
-        self.stats.bytes_moved[hop] += p.spec.nbytes
-        self.stats.moves[hop] += 1
+        self.stats.moved(hop, p.name, p.spec.nbytes)
         return handle
 
     def _fill(self, copy: _Copy, src: _Copy, how: Residency) -> Handle:
@@ -1871,8 +1877,7 @@ class ChunkStore:
         src = p.source.copies[Tier.CPU]
         self._ensure(src, Residency.LOADING)  # (valid already unless a copy elsewhere was written)
         handle = self._fill(copy, src, Residency.LOADING)
-        self.stats.bytes_moved[Hop.CPU_TO_GPU] += p.source.spec.nbytes  # the source's bytes go up
-        self.stats.moves[Hop.CPU_TO_GPU] += 1
+        self.stats.moved(Hop.CPU_TO_GPU, p.name, p.source.spec.nbytes)  # the source's bytes go up
         return handle
 
     def _source_for(self, copy: _Copy) -> "_Copy | None":
