@@ -2,6 +2,8 @@
 measures the CUDA allocator and grows the GPU share by what it leaves free, within gpu_budget;
 with 2 GPUs (NCCL) each rank's shard of the state is on its GPU; a nearly full device trains
 without running out of memory; parity with torch AdamW."""
+import warnings
+
 import pytest
 import torch
 
@@ -190,3 +192,54 @@ def test_a_memory_fraction_bounds_the_auto_budget_and_the_measured_limit():
         assert 0 < resolve_budgets(StoreConfig(device="cuda:0"))[Tier.GPU] <= int(0.25 * total)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
+
+
+def test_a_first_step_that_would_run_out_of_memory_beside_the_share_trains():
+    """[Note: unmeasured share] in runtime/placement.py. A first plan that puts the whole state on
+    the card beside a small activation_reserve, on a card with room for the step's activations
+    but not for both: the share gives its room back (the forward run again, or moved before
+    backward) and the steps train as the host-only engine does. The card is sized from that
+    engine's measured step. Before: a CUDA out-of-memory error in the first step."""
+    device = torch.device("cuda", 0)
+    cfg = GPTConfig(vocab_size=32000, n_layer=4, n_head=16, d_model=1024, seq_len=1024)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, cfg.vocab_size, (8, cfg.seq_len + 1), generator=g) for _ in range(3)]
+
+    def run(config):
+        torch.manual_seed(0)
+        engine = zo.initialize(GPT(cfg), optimizer=SPEC, device=device, config=config)
+        losses = []
+        try:
+            for ids in batches:
+                ids = ids.to(device)
+                loss = engine(ids[:, :-1], ids[:, 1:])
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            return losses, engine.plan
+        finally:
+            engine.close(write_back=False)
+
+    base = dict(params="gpu", dtype="fp32")
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    held = torch.cuda.memory_reserved(device)
+    host_losses, _ = run(zo.OffloadConfig(**base, optimizer="cpu"))
+    step_peak = torch.cuda.max_memory_reserved(device) - held  # params, activations, windows
+    torch.cuda.empty_cache()
+    n = sum(p.numel() for p in GPT(cfg, device="meta").parameters())
+    free, _ = torch.cuda.mem_get_info(device)
+    room = step_peak + 6 * n + (1 << 30)  # the step and half of the 12 B/param state, and a margin
+    blocker = torch.empty(max(0, free - room), dtype=torch.uint8, device=device)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            losses, plan = run(zo.OffloadConfig(**base, optimizer="auto", gpu_budget="auto",
+                                                activation_reserve=1 << 28))
+        first = plan.evicted + tuple(i for i, h in enumerate(plan.homes) if h.optimizer is Tier.GPU)
+        assert plan.evicted and len(set(first)) == sum(c.trainable for c in plan.request.chunks), (
+            "the first plan should hold every chunk's state", plan.why, [str(w.message) for w in caught])
+        assert losses == pytest.approx(host_losses, rel=1e-4)
+    finally:
+        del blocker
+        torch.cuda.empty_cache()

@@ -77,6 +77,26 @@ chunk order, within the host budget less the plan's need and the host memory fre
 update reads and writes host memory instead of the disk, each step. A failed move leaves that
 chunk and the ones after it on NVMe (``PlacementPlan.stop_promotion``).
 
+[Note: unmeasured share] Until the first step is measured the share holds what the guessed
+reserve left, and a step whose activations need more would end in a CUDA out-of-memory. The
+front end gives that room back instead ("auto" state only; ``shrink_share``, share.py's
+``evict``): the chunks of the share, the last first, move to host memory (within the host
+budget: the NVMe file is sized at ``initialize`` and does not grow) until the step has the
+bytes it needs, and the measured step grows the share back by what its peak leaves free:
+- before backward (every rank count, collective): what the forward reached above its start
+  bounds what backward adds to the bytes held when it begins (backward frees the activations
+  it passes and recomputes at most what the forward held), so the free room must hold that
+  plus the measurement's margin; the ranks evict for the largest shortfall of them all;
+- a forward that ran out of memory (one process only: with ranks the others would wait in the
+  forward's collectives): the whole share leaves and the forward runs once more, with the
+  random-number generators where they were before it. A model whose forward has side effects
+  (BatchNorm's running statistics) sees that forward twice.
+The measurement must see the step with the smaller share: the allocator's cached blocks go back
+to the device and its peaks restart after an eviction (``DeviceMemory.release``), and the
+forward's peak, less the bytes that left, is a floor of the measured one. Only in the first
+micro-batch of the first window (later ones hold accumulated grads that a move would carry); a
+backward that still runs out of memory raises ``unmeasured_oom``'s error.
+
 [Note: rank budgets] Several ranks on one node (``local_ranks``: torchrun's
 ``LOCAL_WORLD_SIZE``) share its host memory and disk. An "auto" budget is this rank's share: the
 free memory (or disk) less the reserve, divided by the node's ranks, so the ranks together stay
@@ -216,10 +236,11 @@ from .swap_io import NVME_AUTO_RESERVE, auto_nvme_budget, disk_holders
 from .update_rule import StateSpec, UpdateRule
 from .vocab import ALIGNMENT, Placement, round_up
 
-__all__ = ["Budgets", "ChunkHomes", "ChunkNeed", "FitError", "Measured", "PARKED_CHUNKS", "PlacementPlan",
-           "PlacementRequest", "common_budgets", "common_reserve", "grow_share", "host_room", "host_window",
-           "keep_limit", "largest_need", "local_ranks", "measure_device", "plan_placement", "promote_state",
-           "rank_budgets", "tightest", "window_bytes"]
+__all__ = ["Budgets", "ChunkHomes", "ChunkNeed", "DeviceMemory", "FitError", "Measured", "PARKED_CHUNKS",
+           "PlacementPlan", "PlacementRequest", "common_budgets", "common_reserve", "device_memory", "grow_share",
+           "host_room", "host_window", "keep_limit", "largest_need", "local_ranks", "measure_device",
+           "plan_placement", "promote_state", "rank_budgets", "share_bytes", "shrink_share", "tightest",
+           "window_bytes"]
 
 PARKED_CHUNKS = 2
 """Chunks kept on the device after their last user let go (prefetch.py, [Note: holds]); part of
@@ -389,6 +410,48 @@ def measure_device(device, *, store_peak: int = 0) -> "Measured | None":
     free, _ = cuda_room(device)  # held to the script's per-process memory fraction
     return Measured(device_limit=int(free + torch.cuda.memory_reserved(device)),
                     device_peak=int(torch.cuda.max_memory_reserved(device)), store_peak=int(store_peak))
+
+
+class DeviceMemory:
+    """The CUDA allocator as a front end reads it around a step before the first measurement
+    ([Note: unmeasured share], [Note: measured share]); ``device_memory`` gives one for a CUDA
+    device, None elsewhere (nothing to measure). A test passes its own."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+
+    def allocated(self) -> int:
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def peak_allocated(self) -> int:
+        """The allocator's peak of allocated bytes since its peaks last restarted."""
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def peak_reserved(self) -> int:
+        return int(torch.cuda.max_memory_reserved(self.device))
+
+    def limit(self) -> int:
+        """Bytes this process's allocator may hold: what it holds plus what the device has free."""
+        free, _ = cuda_room(self.device)
+        return int(free + torch.cuda.memory_reserved(self.device))
+
+    def release(self) -> None:
+        """After the share gave memory back: the allocator's cached blocks go back to the device
+        and its peaks restart, so the measured step sees the step with the smaller share."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def measure(self, *, store_peak: int = 0, floor: int = 0) -> Measured:
+        """``measure_device``, its peak at least ``floor`` (an earlier part of the step's, less
+        the bytes that left the device since)."""
+        m = measure_device(self.device, store_peak=store_peak)
+        return dataclasses.replace(m, device_peak=max(m.device_peak, int(floor)))
+
+
+def device_memory(device) -> "DeviceMemory | None":
+    """A ``DeviceMemory`` of a CUDA ``device``; None for another."""
+    return DeviceMemory(device) if torch.device(device).type == "cuda" else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -574,6 +637,9 @@ class PlacementPlan:
     them)."""
     nvme_why: str = ""
     """Why state stays on NVMe after ``promote_state`` ("" where none was there), for the report."""
+    evicted: tuple = ()
+    """Chunks of the share whose state ``shrink_share`` moved to host memory for a step before the
+    first measurement ([Note: unmeasured share]; the front end rehomes them)."""
     grads_window: int = 0
     """Slots of the host grads window ([Note: grads window]); 0: the persistent layout."""
     params_why: str = ""
@@ -624,6 +690,13 @@ class PlacementPlan:
         reserve = budgets.gpu // 2 if request.reserve == "auto" else request.reserve
         homes = self.need[Tier.GPU] - self.working[Tier.GPU]
         line = (str(error).splitlines() or [""])[0][:160]
+        if self.evicted:  # [Note: unmeasured share]: the share gave its room back, not enough
+            return torch.OutOfMemoryError(
+                f"{request._prefix}CUDA out of memory in a step before the first was measured ({line}), "
+                f"after {len(self.evicted)} chunks' optimizer state left the device for host memory "
+                f"({self.count(optimizer=Tier.GPU)} chunks' state and {homes / 2**30:.1f} GiB of homes "
+                f"stay there: {self.why}). The step's activations do not fit beside the params: "
+                f"checkpoint more blocks, or lower the batch")
         return torch.OutOfMemoryError(
             f"{request._prefix}CUDA out of memory in a step before the first was measured ({line}): the "
             f"first plan left activation_reserve={reserve} bytes ({reserve / 2**30:.1f} GiB"
@@ -681,7 +754,8 @@ class PlacementPlan:
                     "device_limit": m.device_limit, "device_peak": m.device_peak,
                     "activation_peak": m.activation_peak, "margin": m.margin_bytes,
                     "headroom": m.headroom},
-                "grown": len(self.grown), "fell_back": len(self.fell_back), "why": self.why,
+                "grown": len(self.grown), "fell_back": len(self.fell_back), "evicted": len(self.evicted),
+                "why": self.why,
                 "replicas": request.replicas is True, "replicas_bytes": _replica_bytes(request),
                 "replicas_added": self.replicas_added,
                 "promoted": len(self.promoted), "nvme_why": self.nvme_why,
@@ -1144,6 +1218,42 @@ def _leave(need: dict, chunk: ChunkNeed, request: PlacementRequest, tier: Tier, 
     need[Tier.GPU] += sign * _share_bytes(chunk, request)
     need[Tier.CPU] -= sign * (_host_freed(chunk, request) - state)
     need[tier] -= sign * state
+
+
+def shrink_share(plan: PlacementPlan, nbytes: int, *, limit: "int | None" = None) -> PlacementPlan:
+    """``plan`` with chunks of its GPU share, the last first, moved to host memory until their
+    device bytes reach ``nbytes`` ([Note: unmeasured share]); at most ``limit`` chunks (None: any
+    number). A chunk whose move the host budget cannot take stays, with the ones before it.
+    Pure: the front end moves the chunks in ``evicted``."""
+    request = plan.request
+    homes, need = list(plan.homes), dict(plan.need)
+    share = [i for i, (c, h) in enumerate(zip(request.chunks, homes)) if c.trainable and h.optimizer is Tier.GPU]
+    evicted, freed, stop = [], 0, ""
+    for i in reversed(share):
+        if freed >= nbytes or (limit is not None and len(evicted) >= limit):
+            break
+        c = request.chunks[i]
+        trial = dict(need)
+        _leave(trial, c, request, Tier.CPU, -1)
+        if trial[Tier.CPU] > plan.budgets.cpu:
+            stop = (f"; chunk {i}'s state does not fit the host budget {plan.budgets.cpu}, so it and the "
+                    f"chunks before it stay")
+            break
+        need = trial
+        homes[i] = dataclasses.replace(homes[i], optimizer=Tier.CPU)
+        evicted.append(i)
+        freed += _share_bytes(c, request)
+    if not evicted:
+        return dataclasses.replace(plan, why=plan.why + stop if stop and stop not in plan.why else plan.why)
+    return dataclasses.replace(
+        plan, homes=tuple(homes), need=need, share_ended=True, evicted=plan.evicted + tuple(evicted),
+        why=f"{len(plan.evicted) + len(evicted)} chunk(s) of the share moved to host memory for the first "
+            f"step, which needed the room ([Note: unmeasured share]){stop}")
+
+
+def share_bytes(plan: PlacementPlan, indices) -> int:
+    """Device bytes the share's chunks ``indices`` take under ``plan`` (``_share_bytes``)."""
+    return sum(_share_bytes(plan.request.chunks[i], plan.request) for i in indices)
 
 
 def _state_bytes(chunk: ChunkNeed, request: PlacementRequest) -> int:

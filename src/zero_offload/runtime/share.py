@@ -11,6 +11,8 @@ own checks): no front end or config is imported here.
 - ``measure_step``: after the first step, the device's measurement for ``grow``.
 - ``grow``: the GPU share grown by a measured step, then NVMe state brought into the host memory
   that leaves free; a move that fails falls back at the same chunk on every rank.
+- ``evict``: chunks of the share moved to host memory for a step before the first measurement
+  that needs the room ([Note: unmeasured share] in placement.py), agreed over the ranks.
 - ``abandon``: clean-up of a front end whose construction failed.
 """
 from __future__ import annotations
@@ -22,13 +24,13 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 from .chunk_group import ChunkGroup
-from .placement import (ChunkNeed, FitError, Measured, PlacementPlan, PlacementRequest, chunk_payloads,
-                        common_budgets, common_reserve, grow_share, host_room, largest_need, local_ranks,
-                        measure_device, plan_placement, promote_state, rank_budgets, tightest)
+from .placement import (ChunkNeed, DeviceMemory, FitError, Measured, PlacementPlan, PlacementRequest,
+                        chunk_payloads, common_budgets, common_reserve, grow_share, host_room, largest_need,
+                        local_ranks, plan_placement, promote_state, rank_budgets, shrink_share, tightest)
 from .shards import Shards
 from .store import BudgetError, ChunkStore, StoreConfig, Tier
 
-__all__ = ["abandon", "grow", "measure_step", "place"]
+__all__ = ["ALL_OF_THE_SHARE", "abandon", "evict", "grow", "measure_step", "place"]
 
 
 def place(shards: Shards, *, device: torch.device, budgets: Mapping, reserve: Any,
@@ -133,10 +135,45 @@ def _whose_budgets(asked: list, rank: int) -> str:
             f"of them all: {', '.join(parts)}")
 
 
-def measure_step(group: ChunkGroup, device: torch.device) -> Optional[Measured]:
-    """The device measured after a step, for ``grow`` ([Note: measured share]); None where it
-    cannot be measured."""
-    return measure_device(device, store_peak=group.store.peak_bytes(Tier.GPU))
+def measure_step(group: ChunkGroup, memory: DeviceMemory, *, floor: int = 0) -> Measured:
+    """The device measured after a step, for ``grow`` ([Note: measured share]); its peak at least
+    ``floor`` ([Note: unmeasured share])."""
+    return memory.measure(store_peak=group.store.peak_bytes(Tier.GPU), floor=floor)
+
+
+ALL_OF_THE_SHARE = 1 << 62
+"""``evict``'s bytes for the whole share."""
+
+
+def evict(group: ChunkGroup, plan: PlacementPlan, nbytes: int, need: Callable[[int], ChunkNeed], *,
+          owner: str = "zero_offload") -> PlacementPlan:
+    """Chunks of the GPU share, the last first, moved to host memory until ``nbytes`` of the
+    device are free of them (``ALL_OF_THE_SHARE``: every chunk), for a step before the first
+    measurement ([Note: unmeasured share] in placement.py); between windows. Returns the new plan
+    (its ``evicted``; unchanged when nothing moves). Collective with several ranks: each passes its
+    own ``nbytes``, every rank evicts for the largest, and a move that fails on any rank stops every
+    rank at the same chunk (the ones before it stay in the share). ``need(i)``: chunk i's
+    ``ChunkNeed`` (this rank's shard)."""
+    shards = group.shards
+    if shards.world > 1:
+        nbytes = max(shards.exchange(int(nbytes), doing="measure the room its step needs",
+                                     what="the exchange of the ranks' room on the device", owner=owner))
+    if nbytes <= 0:
+        return plan
+    shrunk = shrink_share(plan, nbytes)
+    chunks = shrunk.evicted[len(plan.evicted):]
+    moved, failed, error = _moves(shards, chunks, lambda i: _rehome_as_planned(group, shrunk, i, need(i)),
+                                  memory=_HOST_ERRORS, owner=owner,
+                                  doing="move its optimizer state out of the GPU share")
+    if error is not None:
+        back = chunks[failed:moved]  # moved here, not on the failing rank: back into the share
+        shrunk = shrink_share(plan, nbytes, limit=failed)
+        shrunk = dataclasses.replace(shrunk, why=f"{shrunk.why}; chunk {chunks[failed]}'s move to host "
+                                                 f"memory failed ({type(error).__name__}: "
+                                                 f"{(str(error).splitlines() or [''])[0][:200]})")
+        for i in back:
+            _rehome_as_planned(group, shrunk, i, need(i))
+    return shrunk
 
 
 def grow(group: ChunkGroup, plan: PlacementPlan, measured: Measured, need: Callable[[int], ChunkNeed], *,
