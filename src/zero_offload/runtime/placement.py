@@ -83,10 +83,12 @@ front end gives that room back instead ("auto" state only; ``shrink_share``, sha
 ``evict``): the chunks of the share, the last first, move to host memory (within the host
 budget: the NVMe file is sized at ``initialize`` and does not grow) until the step has the
 bytes it needs, and the measured step grows the share back by what its peak leaves free:
-- before backward (every rank count, collective): what the forward reached above its start
-  bounds what backward adds to the bytes held when it begins (backward frees the activations
-  it passes and recomputes at most what the forward held), so the free room must hold that
-  plus the measurement's margin; the ranks evict for the largest shortfall of them all;
+- before backward (every rank count, collective): what the forward reached above its start is
+  taken as what backward may add to the bytes held when it begins (backward frees the
+  activations it passes, and recomputes a checkpointed block at a time, which the forward held
+  once too), so the free room must hold that plus the measurement's margin; the ranks evict for
+  the largest shortfall of them all. A rule of thumb, not a bound: a backward that needs more
+  than its forward did (grads of activations wider than the activations) can still run out;
 - a forward that ran out of memory (one process only: with ranks the others would wait in the
   forward's collectives): the whole share leaves and the forward runs once more, with the
   random-number generators where they were before it. A model whose forward has side effects
