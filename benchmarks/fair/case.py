@@ -523,7 +523,8 @@ def build_engine(args, cfg, device, world, sd, auto=False):
         r = engine.plan.report()
         share = r["share"]
         return (f"state chunks gpu/host/nvme {share['chunks']}/{share['host_chunks']}/{share['nvme_chunks']}, "
-                f"grown {r['grown']}, from NVMe {r.get('promoted', 0)}")
+                f"grown {r['grown']}, from NVMe {r.get('promoted', 0)}, "
+                f"moved out for the first step {r.get('evicted', 0)}")
 
     runner = Runner(step=step, finish=engine.synchronize, close=lambda: engine.close(write_back=False),
                   on_timed=on_timed, note=note,
