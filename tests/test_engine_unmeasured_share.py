@@ -93,7 +93,7 @@ def test_backward_gets_the_room_the_forward_says_it_lacks_and_the_share_grows_ba
         short = placement._share_bytes(engine.plan.request.chunks[first[-1]], engine.plan.request) + 1
         expect = _last_chunks_for(engine.plan, short)
         assert len(expect) == 2, expect
-        fake = engine._memory = FakeMemory(engine, short=short)
+        fake = engine._share.memory = FakeMemory(engine, short=short)
         peak_before = fake.peak_reserved()
         engine.backward(gpt_loss(engine, batches[0]))
         assert list(engine.plan.evicted) == expect and _share(engine) == sorted(set(first) - set(expect))
@@ -116,7 +116,7 @@ def test_backward_with_room_leaves_the_share_alone():
     engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=auto_config(**ALL), device="cpu")
     try:
         first = _share(engine)
-        fake = engine._memory = FakeMemory(engine, short=-1)
+        fake = engine._share.memory = FakeMemory(engine, short=-1)
         engine.backward(gpt_loss(engine, gpt_batches(1, batch=2)[0]))
         assert engine.plan.evicted == () and _share(engine) == first and fake.released == 0
         engine.step()
@@ -148,7 +148,7 @@ def test_a_forward_out_of_memory_runs_again_with_the_share_on_the_host():
     engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=auto_config(**ALL), device="cpu")
     try:
         first = _share(engine)
-        fake = engine._memory = FakeMemory(engine, short=-1)
+        fake = engine._share.memory = FakeMemory(engine, short=-1)
         draws = _oom_once(engine)
         torch.manual_seed(7)
         with pytest.warns(UserWarning, match="the first forward ran out of CUDA memory"):
@@ -174,7 +174,7 @@ def test_a_forward_out_of_memory_runs_again_with_the_share_on_the_host():
 def test_a_forward_out_of_memory_the_host_cannot_help_raises_naming_the_reserve():
     engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=auto_config(**ALL), device="cpu")
     try:
-        engine._memory = FakeMemory(engine, short=-1)
+        engine._share.memory = FakeMemory(engine, short=-1)
         plan = engine.plan  # a host budget with no room for any chunk's state
         budgets = dataclasses.replace(plan.budgets, cpu=plan.need[Tier.CPU])
         engine.plan = dataclasses.replace(plan, request=dataclasses.replace(plan.request, budgets=budgets))
@@ -211,7 +211,7 @@ def _rank(rank, world):
     engine = zo.initialize(micro_gpt(), optimizer=SPEC, config=auto_config(**ALL), device="cpu")
     first = _share(engine)
     last = placement._share_bytes(engine.plan.request.chunks[first[-1]], engine.plan.request)
-    fake = engine._memory = FakeMemory(engine, short=last if rank == 1 else -(1 << 30))
+    fake = engine._share.memory = FakeMemory(engine, short=last if rank == 1 else -(1 << 30))
     for k, (x, y) in enumerate(batches):
         sl = slice(2 * rank, 2 * rank + 2)
         engine.backward(engine(x[sl], y[sl]))

@@ -126,15 +126,14 @@ from .runtime.chunk_group import ChunkGroup, GroupChunk, GroupSlot, Staging
 from .runtime.parking import ParkReport, Parking
 from .runtime.partition import ChunkLayout, Partition, partition_parameters, update_spans
 from .runtime.pipeline import PipelinePayloads, StepPipeline
-from .runtime.placement import (MARGIN_MIN, MARGIN_SHARE, PARKED_CHUNKS, ChunkNeed, Measured, PlacementPlan,
-                                PlacementRequest, chunk_payloads, device_memory, keep_limit, share_bytes)
+from .runtime.placement import (PARKED_CHUNKS, ChunkNeed, Measured, PlacementPlan, PlacementRequest,
+                                chunk_payloads, keep_limit)
 from .runtime.prefetch import Consumer, Prefetcher
 from .runtime.shards import Gather, Shards
-from .runtime.share import ALL_OF_THE_SHARE, abandon, evict, grow, measure_step, place
+from .runtime.share import MeasuredShare, abandon, place
 from .runtime.store import ChunkStore, Tier
 from .runtime.stats import EngineStats, PhaseStats
 from .runtime.trace import Trace, profile_range
-from .runtime.vocab import Placement
 
 __all__ = ["Engine", "EngineStats", "Phase", "initialize"]
 
@@ -231,14 +230,6 @@ class Engine:
         """This rank's place in the data-parallel group (rank 0 of 1 without one) and the
         collectives over it."""
         self._ranked = self.shard.world > 1
-        self._memory = device_memory(self.device)
-        """The CUDA allocator's figures for the measured share ([Note: unmeasured share] in
-        runtime/placement.py); None off CUDA."""
-        self._forward_start: Optional[int] = None
-        """Bytes allocated on the device when the forward of a step before the first measurement
-        began (None otherwise)."""
-        self._peak_floor = 0
-        """The measured step's peak is at least this ([Note: unmeasured share])."""
         self.dtype: torch.dtype = cfg.torch_dtype
         _check_model(model)
         self.regions = compiled_regions(model)
@@ -389,6 +380,9 @@ class Engine:
                                 prefetch_depth=cfg.prefetch_depth,
                                 threads=cpu_threads(cfg.threads, self.device, ranked=self._ranked),
                                 on_chunk_idle=self._chunk_ready)
+        self._share = MeasuredShare(self.group, self.device, plan=lambda: self.plan, owner="engine",
+                                    set_plan=functools.partial(setattr, self, "plan"), on_failure=self._fail,
+                                    need=lambda i: self._need(self.partition.chunks[i]))
         self._hooks = ModuleHooks(  # module_hooks.py; installed once the chunks are built
             self.module, self.partition, self.group.chunks, lock=self._lock, phase=lambda: self._phase,
             to_backward=self._to_backward, hold=self._hold, unhold=self._unhold,
@@ -524,37 +518,12 @@ class Engine:
         if self._phase is Phase.BACKWARD:
             self._finish_backward()
         args, kwargs = cast_inputs((args, kwargs), dtype=self.dtype, device=self.device)
-        first = self._unmeasured()
-        rng = _rng_states(self.device) if first and not self._ranked else None
-        if first:
-            self._forward_start = self._memory.allocated()
-        try:
-            return self._forward(args, kwargs)
-        except torch.OutOfMemoryError as e:
-            if rng is None or self.plan.count(optimizer=Tier.GPU) == 0 or self._failed is not None:
-                raise self.plan.unmeasured_oom(self._guard.explain(e)) from e
-            oom = e
-        except BaseException as e:
-            raise self.plan.unmeasured_oom(self._guard.explain(e)) from e
-        # [Note: unmeasured share]: the whole share leaves the device, the forward runs again.
-        before = len(self.plan.evicted)
-        self._evict(ALL_OF_THE_SHARE, floor=0)
-        if len(self.plan.evicted) == before:  # (the host budget takes none of it)
-            raise self.plan.unmeasured_oom(self._guard.explain(oom)) from oom
-        line = (str(oom).splitlines() or [""])[0][:160]
-        warnings.warn(f"zero_offload: the first forward ran out of CUDA memory beside the GPU share of "
-                      f"the optimizer ({line}); {len(self.plan.evicted)} chunks' state moved to host memory "
-                      f"and the forward ran again (the measured step grows the share back)", stacklevel=2)
-        _set_rng_states(self.device, rng)
-        self._forward_start = self._memory.allocated()
-        try:
-            return self._forward(args, kwargs)
+        try:  # a first forward out of memory runs again with the share on the host ([Note: unmeasured share])
+            return self._share.forward(lambda: self._forward(args, kwargs))
         except BaseException as e:
             raise self.plan.unmeasured_oom(self._guard.explain(e)) from e
 
     def _forward(self, args, kwargs):
-        """One pass of the model's forward; after an error the holds are let go and the error
-        is raised as it is."""
         if self.device.type == "cuda":  # see [Note: fetch on completion]
             self.prefetcher.set_stream(torch.cuda.current_stream(self.device))
         self._drop_gathers()
@@ -577,42 +546,6 @@ class Engine:
             if not torch.is_grad_enabled():
                 self._release_idle()  # no backward follows: go idle now
             self._stats.span("forward", t0)
-
-    # ---- the share before the first measurement ([Note: unmeasured share]) ---------------------
-
-    def _unmeasured(self) -> bool:
-        """A micro-batch that opens the first window, before the measurement, on CUDA: the share
-        may give its room back."""
-        return (self._memory is not None and self.plan.measured is None and self.group.micro == 0
-                and self.plan.request.optimizer is Placement.AUTO and self.plan.request.gpu_optimizer)
-
-    def _room_for_backward(self) -> None:
-        """Before the backward of the first micro-batch: the share gives back what the device
-        lacks for it ([Note: unmeasured share]). Collective with several ranks."""
-        start, self._forward_start = self._forward_start, None
-        mem = self._memory
-        limit, allocated = mem.limit(), mem.allocated()
-        forward = max(0, mem.peak_allocated() - start)
-        margin = max(MARGIN_MIN, int(MARGIN_SHARE * limit))
-        short = forward + margin - (limit - allocated)
-        if short > 0 or self._ranked:  # (every rank takes part in the exchange)
-            self._evict(max(0, short), floor=mem.peak_reserved())
-
-    def _evict(self, nbytes: int, *, floor: int) -> None:
-        """``evict`` (runtime/share.py): chunks of the share to host memory; then the allocator's
-        cache and peaks restart, the measured peak at least ``floor`` less the bytes that left."""
-        before = len(self.plan.evicted)
-        try:
-            plan = evict(self.group, self.plan, nbytes, lambda i: self._need(self.partition.chunks[i]),
-                         owner="engine")
-        except BaseException as e:
-            self._fail(e)
-            raise
-        self.plan = plan
-        if len(plan.evicted) > before:
-            left = share_bytes(plan, plan.evicted[before:])
-            self._memory.release()
-            self._peak_floor = max(0, floor - left)
 
     # ---- external parameters ([Note: external parameters] in param_guard.py) ------------------
 
@@ -717,9 +650,7 @@ class Engine:
             raise RuntimeError(f"engine.backward called during {self._phase.value}; call it after "
                                f"engine(...) has returned")
         check_backward()
-        if self._forward_start is not None and self._unmeasured():
-            self._room_for_backward()
-        self._forward_start = None
+        self._share.before_backward()  # the room backward needs ([Note: unmeasured share])
         self._set_phase(Phase.BACKWARD)
         t0 = time.perf_counter()
         try:
@@ -804,28 +735,20 @@ class Engine:
         self.optimizer.note_update()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        if self.plan.measured is None and self._memory is not None:  # [Note: measured share]: once
-            self.grow_share(measure_step(self.group, self._memory, floor=self._peak_floor))
+        if (measured := self._share.measure()) is not None:  # [Note: measured share]: once, on CUDA
+            self.grow_share(measured)
 
     def grow_share(self, measured: Measured) -> PlacementPlan:
         """Grow the GPU share of the optimizer by what ``measured`` leaves free (placement.py,
-        [Note: measured share]); the first step does this by itself on CUDA. Between windows.
-        A chunk whose move fails stays on the host with the ones after it (``plan.report()``
-        says so). Returns the new plan (``self.plan``). Collective with several ranks: each passes
-        its own ``measured``, and every rank ends with the same share ([Note: ranks agree on
-        placement] in runtime/placement.py). runtime/share.py's ``grow`` does it."""
+        [Note: measured share]; the first step does this on CUDA), between windows. A chunk whose
+        move fails stays on the host with the ones after it (``plan.report()`` says so). Returns
+        the new plan. Collective with ranks: each passes its own ``measured``, every rank ends with
+        the same share ([Note: ranks agree on placement]). runtime/share.py's ``grow`` does it."""
         self._check_open()
         self._require_idle("grow_share")
         if self.group.micro:
             raise RuntimeError("grow_share: call it between accumulation windows (after step())")
-        try:
-            plan = grow(self.group, self.plan, measured, lambda i: self._need(self.partition.chunks[i]),
-                        owner="engine.grow_share")
-        except BaseException as e:
-            self._fail(e)  # (several ranks: their shares may differ now; one rank: nothing)
-            raise
-        self.plan = plan
-        return plan
+        return self._share.grow(measured, owner="engine.grow_share")
 
     # ---- park and resume ([Note: parking] in runtime/parking.py) -----------------------------
 
@@ -1161,20 +1084,6 @@ class _HyperParams(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         return None  # the engine consumes grads itself
-
-
-def _rng_states(device: torch.device) -> tuple:
-    """The CPU's and ``device``'s random-number generator states (a forward run again draws what
-    it drew the first time: [Note: unmeasured share])."""
-    return (torch.get_rng_state(),
-            torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-
-
-def _set_rng_states(device: torch.device, states: tuple) -> None:
-    cpu, dev = states
-    torch.set_rng_state(cpu)
-    if dev is not None:
-        torch.cuda.set_rng_state(dev, device)
 
 
 def _resolve_config(config, optimizer) -> tuple:

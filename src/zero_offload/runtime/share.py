@@ -12,25 +12,30 @@ own checks): no front end or config is imported here.
 - ``grow``: the GPU share grown by a measured step, then NVMe state brought into the host memory
   that leaves free; a move that fails falls back at the same chunk on every rank.
 - ``evict``: chunks of the share moved to host memory for a step before the first measurement
-  that needs the room ([Note: unmeasured share] in placement.py), agreed over the ranks.
+  that needs the room ([Note: unmeasured share] in placement.py), agreed over the ranks;
+  ``MeasuredShare`` does it around a front end's forward and backward, measures the step and
+  grows the share by it.
 - ``abandon``: clean-up of a front end whose construction failed.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
 from .chunk_group import ChunkGroup
-from .placement import (ChunkNeed, DeviceMemory, FitError, Measured, PlacementPlan, PlacementRequest,
-                        chunk_payloads, common_budgets, common_reserve, grow_share, host_room, largest_need,
-                        local_ranks, plan_placement, promote_state, rank_budgets, shrink_share, tightest)
+from .placement import (MARGIN_MIN, MARGIN_SHARE, ChunkNeed, DeviceMemory, FitError, Measured, PlacementPlan,
+                        PlacementRequest, chunk_payloads, common_budgets, common_reserve, device_memory,
+                        grow_share, host_room, largest_need, local_ranks, plan_placement, promote_state,
+                        rank_budgets, share_bytes, shrink_share, tightest)
 from .shards import Shards
 from .store import BudgetError, ChunkStore, StoreConfig, Tier
+from .vocab import Placement
 
-__all__ = ["ALL_OF_THE_SHARE", "abandon", "evict", "grow", "measure_step", "place"]
+__all__ = ["ALL_OF_THE_SHARE", "MeasuredShare", "abandon", "evict", "grow", "measure_step", "place"]
 
 
 def place(shards: Shards, *, device: torch.device, budgets: Mapping, reserve: Any,
@@ -200,6 +205,113 @@ def grow(group: ChunkGroup, plan: PlacementPlan, measured: Measured, need: Calla
     if plan.replicas_added:  # [Note: replicas when all fits]: gathered at the next use, then kept
         group.replicas = True
     return _promote(group, plan, need, owner=owner)
+
+
+class MeasuredShare:
+    """A front end's GPU share around its first step, on CUDA ([Note: unmeasured share] and
+    [Note: measured share] in placement.py): ``forward`` runs a forward that ran out of memory
+    again with the share on the host (one process), ``before_backward`` gives backward the room
+    its forward says it needs (collective with ranks), ``measure`` reads the step and ``grow``
+    grows the share by a measurement. ``plan``/``set_plan`` read and replace the front end's
+    plan; ``on_failure`` is told of a move that failed. ``memory``: the device's allocator (None
+    off CUDA: nothing happens; a test sets its own)."""
+
+    def __init__(self, group: ChunkGroup, device: torch.device, *, plan: Callable[[], PlacementPlan],
+                 set_plan: Callable[[PlacementPlan], None], need: Callable[[int], ChunkNeed],
+                 on_failure: Callable[[BaseException], None], owner: str):
+        self.group, self.device, self.owner = group, torch.device(device), owner
+        self._plan, self._set_plan, self._need, self._on_failure = plan, set_plan, need, on_failure
+        self.memory: Optional[DeviceMemory] = device_memory(device)
+        self.start: Optional[int] = None
+        """Bytes allocated when the forward began (None: no forward of such a step pending)."""
+        self.floor = 0
+        """The measured step's peak is at least this."""
+
+    def active(self) -> bool:
+        """A micro-batch opening the first window, before the measurement, with an "auto" share."""
+        plan = self._plan()
+        return (self.memory is not None and plan.measured is None and self.group.micro == 0
+                and plan.request.optimizer is Placement.AUTO and plan.request.gpu_optimizer)
+
+    def forward(self, run: Callable[[], Any]) -> Any:
+        """``run()`` (one forward pass, its holds let go after an error); one that ran out of
+        memory runs once more with the whole share on the host, the random-number generators put
+        back (one process only: with ranks the others wait in the forward's collectives)."""
+        first = self.active()
+        rng = _rng_states(self.device) if first and self.group.shards.world == 1 else None
+        self.start = self.memory.allocated() if first else None
+        try:
+            return run()
+        except torch.OutOfMemoryError as e:
+            if rng is None or self._plan().count(optimizer=Tier.GPU) == 0:
+                raise
+            oom = e
+        if not self._evict(ALL_OF_THE_SHARE, floor=0):  # (the host budget takes none of it)
+            raise oom
+        warnings.warn(f"zero_offload: the first forward ran out of CUDA memory beside the GPU share of the "
+                      f"optimizer ({(str(oom).splitlines() or [''])[0][:160]}); "
+                      f"{len(self._plan().evicted)} chunks' state moved to host memory and the forward ran "
+                      f"again (the measured step grows the share back)", stacklevel=3)
+        _set_rng_states(self.device, rng)
+        self.start = self.memory.allocated()
+        return run()
+
+    def before_backward(self) -> None:
+        """The share gives back what the device lacks for backward: what the forward reached
+        above its start, and the margin, beyond the free room. Collective with several ranks."""
+        start, self.start = self.start, None
+        if start is None or not self.active():
+            return
+        mem = self.memory
+        limit, allocated = mem.limit(), mem.allocated()
+        margin = max(MARGIN_MIN, int(MARGIN_SHARE * limit))
+        short = max(0, mem.peak_allocated() - start) + margin - (limit - allocated)
+        if short > 0 or self.group.shards.world > 1:  # (every rank takes part in the exchange)
+            self._evict(max(0, short), floor=mem.peak_reserved())
+
+    def _evict(self, nbytes: int, *, floor: int) -> bool:
+        """``evict``; then the allocator's cache and peaks restart, the measured peak at least
+        ``floor`` less the bytes that left. Whether a chunk left."""
+        plan = self._plan()
+        try:
+            new = evict(self.group, plan, nbytes, self._need, owner=self.owner)
+        except BaseException as e:
+            self._on_failure(e)
+            raise
+        self._set_plan(new)
+        if len(new.evicted) == len(plan.evicted):
+            return False
+        self.memory.release()
+        self.floor = max(0, floor - share_bytes(new, new.evicted[len(plan.evicted):]))
+        return True
+
+    def grow(self, measured: Measured, *, owner: str) -> PlacementPlan:
+        """``grow`` of the front end's plan by ``measured``; returns the new plan."""
+        try:
+            plan = grow(self.group, self._plan(), measured, self._need, owner=owner)
+        except BaseException as e:
+            self._on_failure(e)  # (several ranks: their shares may differ now; one rank: nothing)
+            raise
+        self._set_plan(plan)
+        return plan
+
+    def measure(self) -> Optional[Measured]:
+        """The first window's measurement for ``grow`` (None: measured already, or no CUDA)."""
+        if self.memory is None or self._plan().measured is not None:
+            return None
+        return measure_step(self.group, self.memory, floor=self.floor)
+
+
+def _rng_states(device: torch.device) -> tuple:
+    """The CPU's and ``device``'s random-number generator states."""
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def _set_rng_states(device: torch.device, states: tuple) -> None:
+    cpu, dev = states
+    torch.set_rng_state(cpu)
+    if dev is not None:
+        torch.cuda.set_rng_state(dev, device)
 
 
 _HOST_ERRORS = (MemoryError, OSError, torch.OutOfMemoryError)
