@@ -243,3 +243,23 @@ def test_a_first_step_that_would_run_out_of_memory_beside_the_share_trains():
     finally:
         del blocker
         torch.cuda.empty_cache()
+
+
+def test_a_peak_from_before_the_engine_does_not_empty_the_share():
+    """The first step's reach is measured from its own start: a large allocation freed before
+    ``initialize`` (an earlier model, another test's blocker) leaves the allocator's peak high, and
+    that peak once made the first backward move the whole share to the host (session 20's GPU
+    tests: the park tests that followed a blocker), and the measured step never grew it back."""
+    device = torch.device("cuda", 0)
+    free, _ = torch.cuda.mem_get_info(device)
+    blocker = torch.empty(free // 2, dtype=torch.uint8, device=device)
+    del blocker
+    torch.cuda.empty_cache()
+    engine = zo.initialize(micro_gpt(), optimizer=SPEC, device=device, config=_config())
+    try:
+        first = _on_gpu(engine)
+        assert all(first)
+        _train(engine, gpt_batches(2, batch=2), device)
+        assert engine.plan.evicted == () and _on_gpu(engine) == first, engine.plan.why
+    finally:
+        engine.close()

@@ -37,7 +37,7 @@ class FakeMemory:
     def __init__(self, engine, *, short: int, forward: int = 1 << 20):
         self.engine, self.forward = engine, forward
         self.fixed_limit = engine.store.bytes(Tier.GPU) + MARGIN_MIN + forward - short
-        self.released, self.floors = 0, []
+        self.released, self.restarts, self.floors = 0, 0, []
 
     def allocated(self):
         return self.engine.store.bytes(Tier.GPU)
@@ -53,6 +53,9 @@ class FakeMemory:
 
     def release(self):
         self.released += 1
+
+    def restart_peaks(self):
+        self.restarts += 1
 
     def measure(self, *, store_peak=0, floor=0):
         self.floors.append(floor)
@@ -97,7 +100,7 @@ def test_backward_gets_the_room_the_forward_says_it_lacks_and_the_share_grows_ba
         peak_before = fake.peak_reserved()
         engine.backward(gpt_loss(engine, batches[0]))
         assert list(engine.plan.evicted) == expect and _share(engine) == sorted(set(first) - set(expect))
-        assert fake.released == 1 and "moved to host memory for the first step" in engine.plan.why
+        assert fake.released == 1 and fake.restarts == 1 and "moved to host memory for the first step" in engine.plan.why
         left = placement.share_bytes(engine.plan, expect)
         engine.step()  # measured: every chunk back
         assert fake.floors == [peak_before - left], (fake.floors, peak_before, left)

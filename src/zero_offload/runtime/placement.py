@@ -93,9 +93,13 @@ bytes it needs, and the measured step grows the share back by what its peak leav
   forward's collectives): the whole share leaves and the forward runs once more, with the
   random-number generators where they were before it. A model whose forward has side effects
   (BatchNorm's running statistics) sees that forward twice.
-The measurement must see the step with the smaller share: the allocator's cached blocks go back
-to the device and its peaks restart after an eviction (``DeviceMemory.release``), and the
-forward's peak, less the bytes that left, is a floor of the measured one. Only in the first
+The allocator's peaks restart when that first forward begins (``DeviceMemory.restart_peaks``):
+the measurement and the forward's reach are the step's own, not what the process held before it
+(an earlier model, another test's allocation: session 20's GPU tests evicted the share for a
+peak left by an earlier test, and then never grew it back). The measurement must see the step
+with the smaller share: the allocator's cached blocks go back to the device and its peaks
+restart after an eviction (``DeviceMemory.release``), and the forward's peak, less the bytes that
+left, is a floor of the measured one. Only in the first
 micro-batch of the first window (later ones hold accumulated grads that a move would carry); a
 backward that still runs out of memory raises ``unmeasured_oom``'s error.
 
@@ -436,6 +440,11 @@ class DeviceMemory:
         """Bytes this process's allocator may hold: what it holds plus what the device has free."""
         free, _ = cuda_room(self.device)
         return int(free + torch.cuda.memory_reserved(self.device))
+
+    def restart_peaks(self) -> None:
+        """The allocator's peaks restart here: the first step's measurement is that step's, not
+        what the process held before (an earlier model, a test's blocker)."""
+        torch.cuda.reset_peak_memory_stats(self.device)
 
     def release(self) -> None:
         """After the share gave memory back: the allocator's cached blocks go back to the device

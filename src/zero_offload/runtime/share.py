@@ -239,6 +239,8 @@ class MeasuredShare:
         back (one process only: with ranks the others wait in the forward's collectives)."""
         first = self.active()
         rng = _rng_states(self.device) if first and self.group.shards.world == 1 else None
+        if first:
+            self.memory.restart_peaks()  # (the step's own peak, not the process's so far)
         self.start = self.memory.allocated() if first else None
         try:
             return run()
