@@ -5,6 +5,7 @@ memory again with the whole share on the host (one process); the measured step g
 Trained against torch AdamW. The allocator is scripted (``FakeMemory``): on the CPU the "device"
 tier is host memory with its own budget, the same code path as a GPU."""
 import dataclasses
+import weakref
 
 import pytest
 import torch
@@ -128,17 +129,22 @@ def test_backward_with_room_leaves_the_share_alone():
         engine.close()
 
 
-def _oom_once(engine):
+def _oom_once(engine, alive=None):
     """The first forward runs out of memory in block 1, after block 0 drew a random number;
-    returns the draws of block 0, one per forward."""
-    draws, calls = [], []
+    returns the draws of block 0, one per forward. ``alive``: a list that gets, at each forward
+    after the first, whether a tensor of the failed forward's frames is still held."""
+    draws, calls, held = [], [], []
 
     def draw(module, args):
         draws.append(torch.rand(()).item())
+        if held and alive is not None:
+            alive.append(held[0]() is not None)
 
     def oom(module, args):
         calls.append(1)
         if len(calls) == 1:
+            activation = torch.empty(1 << 10)  # (a local of the failing frame, as activations are)
+            held.append(weakref.ref(activation))
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     engine.module.blocks[0].register_forward_pre_hook(draw)
@@ -152,11 +158,13 @@ def test_a_forward_out_of_memory_runs_again_with_the_share_on_the_host():
     try:
         first = _share(engine)
         fake = engine._share.memory = FakeMemory(engine, short=-1)
-        draws = _oom_once(engine)
+        alive = []
+        draws = _oom_once(engine, alive)
         torch.manual_seed(7)
         with pytest.warns(UserWarning, match="the first forward ran out of CUDA memory"):
             loss = gpt_loss(engine, batches[0])
         assert len(draws) == 2 and draws[0] == draws[1], draws  # the retry drew what the first did
+        assert alive == [False]  # the failed forward's tensors were let go before it ran again
         assert sorted(engine.plan.evicted) == first and _share(engine) == [] and fake.released == 1
         engine.backward(loss)
         engine.step()

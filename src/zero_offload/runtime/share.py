@@ -245,15 +245,16 @@ class MeasuredShare:
         try:
             return run()
         except torch.OutOfMemoryError as e:
-            if rng is None or self._plan().count(optimizer=Tier.GPU) == 0:
+            # (the host budget taking none of the share: raised as it is)
+            if rng is None or self._plan().count(optimizer=Tier.GPU) == 0 \
+                    or not self._evict(ALL_OF_THE_SHARE, floor=0, release=False):
                 raise
-            oom = e
-        if not self._evict(ALL_OF_THE_SHARE, floor=0):  # (the host budget takes none of it)
-            raise oom
+            line = (str(e).splitlines() or [""])[0][:160]
+        # Out of the except block: the error's frames, and the activations they held, are gone.
+        self.memory.release()
         warnings.warn(f"zero_offload: the first forward ran out of CUDA memory beside the GPU share of the "
-                      f"optimizer ({(str(oom).splitlines() or [''])[0][:160]}); "
-                      f"{len(self._plan().evicted)} chunks' state moved to host memory and the forward ran "
-                      f"again (the measured step grows the share back)", stacklevel=3)
+                      f"optimizer ({line}); {len(self._plan().evicted)} chunks' state moved to host memory "
+                      f"and the forward ran again (the measured step grows the share back)", stacklevel=3)
         _set_rng_states(self.device, rng)
         self.start = self.memory.allocated()
         return run()
@@ -271,9 +272,9 @@ class MeasuredShare:
         if short > 0 or self.group.shards.world > 1:  # (every rank takes part in the exchange)
             self._evict(max(0, short), floor=mem.peak_reserved())
 
-    def _evict(self, nbytes: int, *, floor: int) -> bool:
-        """``evict``; then the allocator's cache and peaks restart, the measured peak at least
-        ``floor`` less the bytes that left. Whether a chunk left."""
+    def _evict(self, nbytes: int, *, floor: int, release: bool = True) -> bool:
+        """``evict``; then (``release``) the allocator's cache and peaks restart; the measured
+        peak is at least ``floor`` less the bytes that left. Whether a chunk left."""
         plan = self._plan()
         try:
             new = evict(self.group, plan, nbytes, self._need, owner=self.owner)
@@ -283,7 +284,8 @@ class MeasuredShare:
         self._set_plan(new)
         if len(new.evicted) == len(plan.evicted):
             return False
-        self.memory.release()
+        if release:
+            self.memory.release()
         self.floor = max(0, floor - share_bytes(new, new.evicted[len(plan.evicted):]))
         return True
 
