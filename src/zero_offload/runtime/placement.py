@@ -244,7 +244,7 @@ from .vocab import ALIGNMENT, Placement, round_up
 
 __all__ = ["Budgets", "ChunkHomes", "ChunkNeed", "DeviceMemory", "FitError", "Measured", "PARKED_CHUNKS",
            "PlacementPlan", "PlacementRequest", "common_budgets", "common_reserve", "device_memory", "grow_share",
-           "host_room", "host_window", "keep_limit", "largest_need", "local_ranks", "measure_device",
+           "host_room", "host_window", "keep_limit", "largest_need", "local_ranks", "margin_of", "measure_device",
            "plan_placement", "promote_state", "rank_budgets", "share_bytes", "shrink_share", "tightest",
            "window_bytes"]
 
@@ -357,6 +357,12 @@ measured peak (fragmentation, step-to-step variation); at least ``MARGIN_MIN``."
 MARGIN_MIN = 1 << 30
 
 
+def margin_of(limit: int) -> int:
+    """The bytes left free beyond a step's peak on a device whose allocator may reach ``limit``:
+    ``MARGIN_SHARE`` of it, at least ``MARGIN_MIN``."""
+    return max(MARGIN_MIN, int(MARGIN_SHARE * limit))
+
+
 @dataclass(frozen=True, kw_only=True)
 class Measured:
     """What a training step showed on the device ([Note: measured share]); ``measure_device``
@@ -386,9 +392,7 @@ class Measured:
 
     @property
     def margin_bytes(self) -> int:
-        if self.margin is not None:
-            return self.margin
-        return max(MARGIN_MIN, int(MARGIN_SHARE * self.device_limit))
+        return self.margin if self.margin is not None else margin_of(self.device_limit)
 
     @property
     def headroom(self) -> int:
@@ -410,12 +414,8 @@ def tightest(per_rank) -> Measured:
 def measure_device(device, *, store_peak: int = 0) -> "Measured | None":
     """The CUDA allocator's peak since ``torch.cuda.reset_peak_memory_stats`` and what it may
     reach now (None on a device that is not CUDA: nothing to measure)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    free, _ = cuda_room(device)  # held to the script's per-process memory fraction
-    return Measured(device_limit=int(free + torch.cuda.memory_reserved(device)),
-                    device_peak=int(torch.cuda.max_memory_reserved(device)), store_peak=int(store_peak))
+    memory = device_memory(device)
+    return None if memory is None else memory.measure(store_peak=store_peak)
 
 
 class DeviceMemory:
@@ -437,7 +437,8 @@ class DeviceMemory:
         return int(torch.cuda.max_memory_reserved(self.device))
 
     def limit(self) -> int:
-        """Bytes this process's allocator may hold: what it holds plus what the device has free."""
+        """Bytes this process's allocator may hold: what it holds plus what the device has free
+        (held to the script's per-process memory fraction)."""
         free, _ = cuda_room(self.device)
         return int(free + torch.cuda.memory_reserved(self.device))
 
@@ -451,13 +452,13 @@ class DeviceMemory:
         and its peaks restart, so the measured step sees the step with the smaller share."""
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
+        self.restart_peaks()
 
     def measure(self, *, store_peak: int = 0, floor: int = 0) -> Measured:
-        """``measure_device``, its peak at least ``floor`` (an earlier part of the step's, less
-        the bytes that left the device since)."""
-        m = measure_device(self.device, store_peak=store_peak)
-        return dataclasses.replace(m, device_peak=max(m.device_peak, int(floor)))
+        """The limit and the reserved peak now, the peak at least ``floor`` (an earlier part of
+        the step's, less the bytes that left the device since)."""
+        return Measured(device_limit=self.limit(), device_peak=max(self.peak_reserved(), int(floor)),
+                        store_peak=int(store_peak))
 
 
 def device_memory(device) -> "DeviceMemory | None":

@@ -27,10 +27,10 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 from .chunk_group import ChunkGroup
-from .placement import (MARGIN_MIN, MARGIN_SHARE, ChunkNeed, DeviceMemory, FitError, Measured, PlacementPlan,
-                        PlacementRequest, chunk_payloads, common_budgets, common_reserve, device_memory,
-                        grow_share, host_room, largest_need, local_ranks, plan_placement, promote_state,
-                        rank_budgets, share_bytes, shrink_share, tightest)
+from .placement import (ChunkNeed, DeviceMemory, FitError, Measured, PlacementPlan, PlacementRequest,
+                        chunk_payloads, common_budgets, common_reserve, device_memory, grow_share, host_room,
+                        largest_need, local_ranks, margin_of, plan_placement, promote_state, rank_budgets,
+                        share_bytes, shrink_share, tightest)
 from .shards import Shards
 from .store import BudgetError, ChunkStore, StoreConfig, Tier
 from .vocab import Placement
@@ -267,8 +267,7 @@ class MeasuredShare:
             return
         mem = self.memory
         limit, allocated = mem.limit(), mem.allocated()
-        margin = max(MARGIN_MIN, int(MARGIN_SHARE * limit))
-        short = max(0, mem.peak_allocated() - start) + margin - (limit - allocated)
+        short = max(0, mem.peak_allocated() - start) + margin_of(limit) - (limit - allocated)
         if short > 0 or self.group.shards.world > 1:  # (every rank takes part in the exchange)
             self._evict(max(0, short), floor=mem.peak_reserved())
 
