@@ -116,6 +116,8 @@ def run_case(args) -> dict:
     from zero_offload.runtime import swap_io
     if args.huge_pages is not None:  # [Note: huge pages]: the A/B against the engine's default
         swap_io.HUGE_PAGES = args.huge_pages
+    if args.populate_threads is not None:  # [Note: fault in]: the A/B against the engine's default
+        swap_io.POPULATE_THREADS = args.populate_threads
     t_imported = time.time()
     device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
     if device.type == "cuda":
@@ -128,7 +130,9 @@ def run_case(args) -> dict:
     weights = os.path.join(args.weights_dir, WEIGHTS_FILE) if case["source"] == "weights" else None
     nvme_dir = args.nvme_dir if case["optimizer"] in ("auto", "nvme") or case["params"] == "auto" else None
     ocfg = zo.OffloadConfig(params=case["params"], optimizer=case["optimizer"], nvme_dir=nvme_dir,
-                            dtype="bf16", chunk_mb=args.chunk_mb, threads=args.threads)
+                            dtype="bf16", chunk_mb=args.chunk_mb, threads=args.threads,
+                            activation_reserve=(int(args.activation_reserve * GiB) if args.activation_reserve
+                                                else "auto"))
     torch.manual_seed(SEED)
     prof = cProfile.Profile() if args.profile else None
     t0, c0 = time.perf_counter(), time.process_time()
@@ -188,6 +192,7 @@ def run_case(args) -> dict:
         "case": args.case, "source": case["source"], "placement": {"params": case["params"],
                                                                    "optimizer": case["optimizer"]},
         "model": args.model, "params": n, "world": 1, "device": str(device), "huge_pages": swap_io.HUGE_PAGES,
+        "populate_threads": swap_io.POPULATE_THREADS,
         "init_s": init_s, "init_s_per_b": init_s / (n / 1e9), "init_cpu_s": init_cpu_s,
         "init_parts": engine.init_seconds,
         "close_s": close_s, "close_s_per_b": None if close_s is None else close_s / (n / 1e9),
@@ -203,64 +208,87 @@ def run_case(args) -> dict:
     }
 
 
+PROBE_WAYS = ("fill", "fill-1", "populate-1", "populate-4", "populate-8", "populate-16", "populate-8-huge",
+              "fill-huge", "host-alloc")
+"""The pin probe's ways to make a pinned buffer: torch's fill on its threads (``-1``: one thread),
+``madvise(MADV_POPULATE_WRITE)`` over N threads ([Note: fault in] in swap_io.py), either in
+transparent huge pages (``-huge``), each then ``cudaHostRegister``; and ``cudaHostAlloc`` (torch's
+``pin_memory=True``), which does both."""
+
+
 def run_pin_probe(args) -> dict:
-    """What host memory costs before the engine uses it, on this machine: GiB/s of touching fresh
-    pages (torch's fill on its threads) and of pinning them (cudaHostRegister) after the touch and
-    without it (the driver faulting the pages in itself), and in huge pages, over ``--probe-gib``."""
+    """What host memory costs before the engine uses it, on this machine: GiB/s of bringing fresh
+    pages in (each of ``PROBE_WAYS``) and of pinning them (cudaHostRegister), each way twice
+    over ``--probe-gib`` (the second round in the reverse order); every buffer is kept until the
+    end, so that no way gets pages another one freed (the kernel would hand them out again,
+    already backed by the host of a VM). Then unregistering and unmapping rates."""
     import mmap
 
     import torch
+    from zero_offload.runtime import swap_io
     nbytes = int(args.probe_gib * GiB)
-    out = {"case": "pin-probe", "bytes": nbytes, "threads": torch.get_num_threads()}
-
     cuda = torch.cuda.is_available()
     cudart = torch.cuda.cudart() if cuda else None
+    out = {"case": "pin-probe", "bytes": nbytes, "threads": torch.get_num_threads(), "ways": {}}
+    for key in ("enabled", "defrag"):
+        with contextlib.suppress(OSError):
+            with open(f"/sys/kernel/mm/transparent_hugepage/{key}") as f:
+                out[f"thp_{key}"] = f.read().strip()
+    with contextlib.suppress(OSError):
+        out["kernel"] = os.uname().release
+    kept = []
+    threads = torch.get_num_threads()
 
-    def fresh(huge: bool = False):
+    def one(way: str) -> dict:
+        if way == "host-alloc":
+            if not cuda:
+                return {}
+            t0 = time.perf_counter()
+            t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            kept.append(t)
+            return {"both_gib_s": nbytes / GiB / (time.perf_counter() - t0)}
         m = mmap.mmap(-1, nbytes)
-        if huge:  # (swap_io's [Note: huge pages])
+        if way.endswith("-huge"):
             m.madvise(mmap.MADV_HUGEPAGE)
-        return m, torch.frombuffer(memoryview(m), dtype=torch.uint8)
-
-    def rate(fn):
-        """GiB/s of ``fn()`` over the probe's bytes; None when it says it failed (False)."""
+        t = torch.frombuffer(memoryview(m), dtype=torch.uint8)
         t0 = time.perf_counter()
-        ok = fn()
-        return nbytes / GiB / (time.perf_counter() - t0) if ok is not False else None
+        if way.startswith("fill"):
+            if way == "fill-1":
+                torch.set_num_threads(1)
+            t.zero_()
+            torch.set_num_threads(threads)
+            how = "fill"
+        else:
+            how = swap_io.fault_in(t, threads=int(way.split("-")[1]))
+        t1 = time.perf_counter()
+        row = {"touch_gib_s": nbytes / GiB / (t1 - t0), "how": how}
+        if cuda:
+            ok = int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)) == 0
+            t2 = time.perf_counter()
+            if ok:
+                row["register_gib_s"] = nbytes / GiB / (t2 - t1)
+                row["both_gib_s"] = nbytes / GiB / (t2 - t0)
+        kept.append((m, t, cuda and "register_gib_s" in row))
+        return row
 
-    def register(t) -> bool:
-        return int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)) == 0
-
-    def unregister(t) -> None:
-        cudart.cudaHostUnregister(t.data_ptr())
-
-    if cuda and hasattr(mmap, "MADV_HUGEPAGE"):  # the same touch and pin in huge pages
-        m, t = fresh(huge=True)
-        out["touch_huge_gib_s"] = rate(t.zero_)
-        out["register_huge_touched_gib_s"] = rate(lambda: register(t))
-        if out["register_huge_touched_gib_s"] is not None:
-            unregister(t)
-        del t
+    for rnd, order in enumerate((PROBE_WAYS, PROBE_WAYS[::-1])):
+        for way in order:
+            row = one(way)
+            out["ways"].setdefault(way, []).append(row)
+            print(f"[pin-probe] round {rnd} {way}: {json.dumps(row)}", flush=True)
+    registered = [k[1].data_ptr() for k in kept if isinstance(k, tuple) and k[2]]
+    t0 = time.perf_counter()
+    for ptr in registered:
+        cudart.cudaHostUnregister(ptr)
+    if registered:
+        out["unregister_gib_s"] = len(registered) * nbytes / GiB / (time.perf_counter() - t0)
+    maps = [k[0] for k in kept if isinstance(k, tuple)]
+    kept.clear()  # the tensors (and their memoryviews) go: the maps can close
+    t0 = time.perf_counter()
+    for m in maps:
         m.close()
-        for key in ("enabled", "defrag"):
-            with contextlib.suppress(OSError):
-                with open(f"/sys/kernel/mm/transparent_hugepage/{key}") as f:
-                    out[f"thp_{key}"] = f.read().strip()
-    m, t = fresh()
-    out["touch_gib_s"] = rate(t.zero_)
-    if cuda:
-        out["register_touched_gib_s"] = rate(lambda: register(t))
-        if out["register_touched_gib_s"] is not None:
-            out["unregister_gib_s"] = rate(lambda: unregister(t))
-        del t
-        m.close()
-        m, t = fresh()
-        out["register_untouched_gib_s"] = rate(lambda: register(t))
-        if out["register_untouched_gib_s"] is not None:
-            unregister(t)
-    del t
-    out["unmap_gib_s"] = rate(m.close)
-    print(f"[pin-probe] {json.dumps(out)}", flush=True)
+    out["unmap_gib_s"] = len(maps) * nbytes / GiB / (time.perf_counter() - t0) if maps else None
+    print(f"[pin-probe] {json.dumps({k: v for k, v in out.items() if k != 'ways'})}", flush=True)
     return out
 
 
@@ -305,6 +333,11 @@ def main(argv=None) -> int:
     p.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=None,
                    help="host buffers advised to transparent huge pages or not (default: the engine's "
                         "own, swap_io.HUGE_PAGES: off since the pin probe of session 16)")
+    p.add_argument("--populate-threads", type=int, default=None,
+                   help="threads bringing a pinned buffer's pages in (swap_io.POPULATE_THREADS; 0: torch's "
+                        "fill; default: the engine's own)")
+    p.add_argument("--activation-reserve", type=float, default=None,
+                   help="GiB of OffloadConfig.activation_reserve (default: 'auto')")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even when CUDA is there")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per case")
     p.add_argument("--json-out", default=None)

@@ -211,7 +211,7 @@ def test_init_seconds_say_where_initialize_spent_its_time_and_the_homes_come_fro
     engine = zo.initialize(model, optimizer=SPEC, config=_config(), device=DEVICE, init=model.init_param)
     try:
         parts = engine.init_seconds
-        assert set(parts) == {"plan", "homes", "values", "rest", "total"}
+        assert set(parts) == {"plan", "homes", "values", "rest", "total", "homes_touch", "homes_pin"}
         assert all(v >= 0 for v in parts.values()), parts
         assert parts["total"] == pytest.approx(parts["plan"] + parts["homes"] + parts["values"] + parts["rest"])
         (ahead,) = made

@@ -81,3 +81,55 @@ def test_pinned_is_registered_and_copies():
         assert t2.is_pinned()
         del t2
         gc.collect()
+
+
+def _resident(t: torch.Tensor) -> int:
+    """Pages of ``t`` in memory (mincore(2))."""
+    import ctypes
+    import mmap
+    libc = ctypes.CDLL(None, use_errno=True)
+    n = -(-t.numel() * t.element_size() // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * n)()
+    assert libc.mincore(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(n * mmap.PAGESIZE), vec) == 0
+    return sum(b & 1 for b in vec)
+
+
+@pytest.mark.parametrize("threads", [0, 1, 3])
+def test_fault_in_brings_every_page_in_as_zeros(threads, monkeypatch):
+    """[Note: fault in]: a fresh buffer has no pages; after ``fault_in`` every page is in and
+    reads zero, whichever way ran (0 threads: torch's fill; else the kernel's populate, which
+    this kernel (>= 5.14) accepts, or the fill where it refuses)."""
+    from zero_offload.runtime import swap_io
+    monkeypatch.setattr(swap_io, "_populate_ok", None)
+    nbytes = 24 << 20
+    t = aligned_empty(nbytes)
+    assert _resident(t) == 0
+    how = swap_io.fault_in(t, threads=threads)
+    assert how == ("fill" if threads == 0 else ("populate" if swap_io._populate_ok else "fill"))
+    assert _resident(t) == nbytes // 4096
+    assert int(t.count_nonzero()) == 0
+
+
+def test_fault_in_fills_where_the_kernel_refuses_and_raises_when_memory_runs_out(monkeypatch):
+    """A kernel without MADV_POPULATE_WRITE (EINVAL): the buffer is filled, and later buffers
+    go straight to the fill. No memory for the pages (ENOMEM): one line naming it and the fix."""
+    import errno
+
+    from zero_offload.runtime import swap_io
+    calls = []
+
+    def refuse(madvise, ptr, nbytes):
+        calls.append(nbytes)
+        return errno.EINVAL
+    monkeypatch.setattr(swap_io, "_populate_ok", None)
+    monkeypatch.setattr(swap_io, "_populate_range", refuse)
+    t = aligned_empty(8 << 20)
+    assert swap_io.fault_in(t, threads=2) == "fill" and calls and swap_io._populate_ok is False
+    assert _resident(t) == (8 << 20) // 4096 and int(t.count_nonzero()) == 0
+    calls.clear()
+    assert swap_io.fault_in(aligned_empty(8 << 20), threads=2) == "fill" and not calls
+
+    monkeypatch.setattr(swap_io, "_populate_ok", None)
+    monkeypatch.setattr(swap_io, "_populate_range", lambda madvise, ptr, nbytes: errno.ENOMEM)
+    with pytest.raises(MemoryError, match="could not give 8.0MiB of pages to a pinned buffer.*cpu_budget"):
+        swap_io.fault_in(aligned_empty(8 << 20), threads=2)

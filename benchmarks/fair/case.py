@@ -479,6 +479,7 @@ def build_ddp(args, cfg, device, world, sd, bf16_params=False, rule=False):
 
 
 def build_engine(args, cfg, device, world, sd, auto=False):
+    t_model = time.perf_counter()
     import zero_offload as zo
     from zero_offload.models import GPT
     model = GPT(cfg, device="meta")  # initialize fills the tiers chunk by chunk from --init
@@ -501,6 +502,7 @@ def build_engine(args, cfg, device, world, sd, auto=False):
     if args.opt == "muon":  # torch's recipe: AdamW for what is not a hidden matrix
         groups = [{"params": [n for n, p in model.named_parameters() if not _hidden(n, p)],
                    "optimizer": zo.AdamW(**_rule_kwargs("adamw"))}]
+    t_model = time.perf_counter() - t_model  # the import, the model on meta, compile
     engine = zo.initialize(model, optimizer=spec, config=ocfg, device=device, param_groups=groups,
                            init=sd.engine_init(model))
 
@@ -531,7 +533,7 @@ def build_engine(args, cfg, device, world, sd, auto=False):
                   extra=extra, config={**compiled, "offload_config": _jsonable(engine.config.to_dict()),
                                        "opt": args.opt, "optimizer": f"zero_offload.{type(spec).__name__}"
                                        + (" + AdamW" if args.opt == "muon" else "")},
-                  threads={"engine_cpu_adam": engine.config.threads}, init_parts=getattr(engine, "init_seconds", {}))  # (tree= knob: older engines lack it)
+                  threads={"engine_cpu_adam": engine.config.threads}, init_parts={"model": t_model, **getattr(engine, "init_seconds", {})})  # (tree=: older engines lack it)
     return runner
 
 
@@ -1015,13 +1017,15 @@ def run(args, row: dict, sampler: MemSampler) -> dict:
     runner = BUILDERS[args.case](args, cfg, device, world, sd)
     sd.release()
     del sd
+    row["init_built_s"] = time.perf_counter() - t_build  # the builder returned (then the device's queue)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         row["gpu_peak_init_alloc_gib_rank0"] = torch.cuda.max_memory_allocated(device) / GiB
         torch.cuda.reset_peak_memory_stats(device)
     row["init_s"] = time.perf_counter() - t_build
     parts = runner.init_parts  # the engine's own breakdown (Engine.init_seconds)
-    _say(rank, f"initialized in {row['init_s']:.1f} s ({row['before_init_s']:.1f} s before)"
+    _say(rank, f"initialized in {row['init_s']:.1f} s ({row['before_init_s']:.1f} s before, "
+               f"{row['init_s'] - row['init_built_s']:.1f} s waiting for the device after)"
          + (" = " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()) if parts else ""))
     row["init_s_per_billion"] = row["init_s"] / (params / 1e9)
     row["config"] = runner.config

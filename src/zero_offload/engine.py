@@ -264,10 +264,11 @@ class Engine:
         # grad_sync="final": the window's fp32 sum of each whole chunk's grads on the device.
         self._final_sync = cfg.grad_accum > 1 and not cfg.host_accum
         self.init_seconds: dict[str, float] = {}
-        """Where ``initialize`` spent its time, in seconds: "plan" (the values checked, the
-        budgets, the plan, the store), "homes" (every chunk's home copies allocated: host memory
-        touched and pinned, NVMe slots; the wait for the thread making the host homes ahead), "values" (the first values drawn or read and written
-        into the chunks), "rest" (the hooks, the prefetcher, buffers); "total" from the start."""
+        """Where ``initialize`` spent its time, in seconds: "plan" (the values checked, the budgets,
+        the plan, the store), "homes" (the homes allocated: host memory touched and pinned, NVMe
+        slots; the wait for the thread making the host homes ahead: its own seconds are "homes_touch"
+        and "homes_pin"), "values" (the first values drawn or read and written into the chunks),
+        "rest" (the hooks, the prefetcher, buffers); "total" from the start."""
         t_place = time.perf_counter()
         self.store = self._place(init=init, weights=weights)  # and self._values, self.plan
         self.init_seconds["plan"] = time.perf_counter() - t_place
@@ -397,13 +398,12 @@ class Engine:
                 self._values.drawing(cpu_threads(cfg.threads, self.device, ranked=self._ranked) or available_cores(),
                                      ranked=self._ranked):
             spent = {"homes": 0.0, "values": 0.0}
-            # The host homes are made on another thread, ahead of the chunk being filled
-            # ([Note: homes ahead] in runtime/pinned_pool.py).
-            # This rank's own payloads: at most what the plan counted ([Note: ranks agree on placement]).
+            # The host homes come from another thread, ahead of the chunk being filled ([Note:
+            # homes ahead] in runtime/pinned_pool.py). This rank's own payloads: at most what the plan counted ([Note: ranks agree on placement]).
             specs = [chunk_payloads(self.plan.request, self._need(layout), homes)
                      for layout, homes in zip(self.partition.chunks, self.plan.homes)]
             try:
-                with self.group.homes_ahead(specs):
+                with self.group.homes_ahead(specs) as ahead:
                     for layout, payloads in zip(self.partition.chunks, specs):
                         t0 = time.perf_counter()
                         chunk = self._add_chunk(layout, payloads)
@@ -414,7 +414,7 @@ class Engine:
             except BaseException:
                 self._handover.give_back(self.group)
                 raise
-        self.init_seconds.update(spent)
+        self.init_seconds.update(spent, homes_touch=ahead.clock["touch"], homes_pin=ahead.clock["pin"])
         self._handover.take_rest(self.device, self.dtype)
 
         self.prefetcher = Prefetcher(  # [Note: holds]: it decides what is on the device when

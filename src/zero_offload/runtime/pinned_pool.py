@@ -263,6 +263,8 @@ class HomesAhead:
         """Buffers handed out."""
         self.ended: Optional[str] = None
         """Why the look-ahead ended early (None: it did not)."""
+        self.clock: dict = {"touch": 0.0, "pin": 0.0}
+        """Seconds the thread spent bringing pages in and pinning them (``aligned_empty``'s clock)."""
         device = None
         if (pin or pin is None) and torch.cuda.is_available():
             device = torch.cuda.current_device()
@@ -274,7 +276,7 @@ class HomesAhead:
             if device is not None:
                 torch.cuda.set_device(device)
             for n in self._sizes:
-                buf = aligned_empty(n, pin=self._pin)
+                buf = aligned_empty(n, pin=self._pin, clock=self.clock)
                 while not self._stop.is_set():
                     try:
                         self._ready.put(buf, timeout=0.1)

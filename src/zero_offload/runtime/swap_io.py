@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import concurrent.futures
 import contextlib
+import ctypes
 import dataclasses
 import enum
 import errno
@@ -66,6 +68,79 @@ def _advise_huge(owner: mmap.mmap, nbytes: int) -> None:
             owner.madvise(mmap.MADV_HUGEPAGE)
 
 
+POPULATE_THREADS = 4
+"""Threads ``fault_in`` splits a fresh buffer's pages over ([Note: fault in]); 0: torch fills it."""
+_POPULATE_MIN = 4 << 20  # smaller buffers are filled: a thread pool costs more than it saves
+_MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14; Python's mmap module lacks it before 3.14
+_populate_ok: bool | None = None  # None: not tried yet; False: this kernel refused it
+_NO_PAGES = {errno.ENOMEM, errno.EFAULT, getattr(errno, "EHWPOISON", errno.ENOMEM)}
+
+
+def _madvise():
+    """libc's ``madvise`` through ctypes (it releases the GIL for the call), or None."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _populate_range(madvise, ptr: int, nbytes: int) -> int:
+    """``madvise(MADV_POPULATE_WRITE)`` over one range, again where a signal cut it short;
+    0 or the errno."""
+    while True:
+        if madvise(ptr, nbytes, _MADV_POPULATE_WRITE) == 0:
+            return 0
+        err = ctypes.get_errno()
+        if err not in (errno.EINTR, errno.EAGAIN):
+            return err
+
+
+def fault_in(buffer: torch.Tensor, *, threads: int | None = None) -> str:
+    """Bring every page of ``buffer`` (fresh anonymous memory, as ``aligned_empty`` maps it) in,
+    as zeros; returns the way it took, "populate" or "fill". ``threads``: default
+    ``POPULATE_THREADS`` (0: fill).
+
+    [Note: fault in] A pinned home must have its pages before ``cudaHostRegister`` locks them
+    ([Note: touch before pinning]). Filling the buffer from user space takes a page fault per
+    4 KiB page, each a trap into the kernel that allocates and zeroes one page;
+    ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14) does the same allocation and zeroing inside
+    the kernel in one call, without a trap per page, and its ranges go to ``threads`` threads
+    (``POPULATE_THREADS``) at once. The pages and their contents (zeros) are the same either way.
+    Where the kernel refuses the advice (EINVAL: older than 5.14, or no libc ``madvise``) the
+    buffer is filled by torch, as before, and the refusal is remembered for the process. A
+    populate that finds no memory (ENOMEM) raises, where a fill would have met the OOM killer."""
+    global _populate_ok
+    nbytes = buffer.numel() * buffer.element_size()
+    threads = POPULATE_THREADS if threads is None else int(threads)
+    whole_pages = not (buffer.data_ptr() % mmap.PAGESIZE or nbytes % mmap.PAGESIZE)
+    if threads >= 1 and whole_pages and nbytes >= _POPULATE_MIN and _populate_ok is not False:
+        madvise = _madvise()
+        if madvise is not None:
+            ptr = buffer.data_ptr()
+            n = max(1, min(threads, nbytes // _POPULATE_MIN))
+            piece = round_up(-(-nbytes // n), _HUGE_PAGE)
+            ranges = [(ptr + o, min(piece, nbytes - o)) for o in range(0, nbytes, piece)]
+            if len(ranges) == 1:
+                errs = [_populate_range(madvise, *ranges[0])]
+            else:
+                with concurrent.futures.ThreadPoolExecutor(len(ranges), thread_name_prefix="zero_offload-fault") as ex:
+                    errs = list(ex.map(lambda r: _populate_range(madvise, *r), ranges))
+            bad = next((e for e in errs if e), 0)
+            if not bad:
+                _populate_ok = True
+                return "populate"
+            if bad in _NO_PAGES:
+                raise MemoryError(f"the host could not give {human_bytes(nbytes)} of pages to a pinned buffer "
+                                  f"({os.strerror(bad)}); free host memory, or lower the host budget "
+                                  f"(OffloadConfig.cpu_budget) so that the rest goes to NVMe")
+            _populate_ok = False  # EINVAL (an older kernel), EPERM, ...: fill from here on
+    buffer.zero_()
+    return "fill"
+
+
 def _cuda_unregister(ptr: int, owner) -> None:
     # [Note: pinned lifetime] `owner` (the mmap) is an argument of this finalizer, so it is
     # still mapped while we unregister; it is unmapped only after this returns.
@@ -73,7 +148,8 @@ def _cuda_unregister(ptr: int, owner) -> None:
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
-def aligned_empty(nbytes: int, *, dtype: torch.dtype = torch.uint8, pin: bool | None = False) -> torch.Tensor:
+def aligned_empty(nbytes: int, *, dtype: torch.dtype = torch.uint8, pin: bool | None = False,
+                  clock: dict | None = None) -> torch.Tensor:
     """A 1-D CPU tensor of ``nbytes // dtype.itemsize`` elements, ready for O_DIRECT.
 
     Its data pointer is 4096-aligned and the memory it owns runs to ``round_up(nbytes, 4096)``
@@ -84,6 +160,9 @@ def aligned_empty(nbytes: int, *, dtype: torch.dtype = torch.uint8, pin: bool | 
     power-of-two caching host allocator) and unregisters it when the memory is freed; raises
     RuntimeError without CUDA. ``None`` pins exactly when CUDA is available. ``False`` (the
     default) leaves it pageable.
+
+    clock: a dict whose "touch" and "pin" entries get the seconds spent bringing the pages in
+    and registering them (added to what they hold).
     """
     _check_int("nbytes", nbytes, minimum=0)
     if not isinstance(dtype, torch.dtype):
@@ -113,11 +192,16 @@ def aligned_empty(nbytes: int, *, dtype: torch.dtype = torch.uint8, pin: bool | 
                            f"this platform's page size is unsupported")
     if pin:
         # [Note: touch before pinning] Pinning faults every page in first, one page at a time
-        # on the calling thread; touched here by torch's fill on its intra-op threads, the
+        # on the calling thread; brought in here ([Note: fault in]) on several threads, the
         # pages are in when cudaHostRegister runs, which then only locks them. (Unpinned
         # memory is left untouched: its pages come on first use, as zeros.)
-        base.zero_()
+        t0 = time.perf_counter()
+        fault_in(base)
+        t1 = time.perf_counter()
         err = torch.cuda.cudart().cudaHostRegister(ptr, padded, 0)
+        if clock is not None:
+            clock["touch"] = clock.get("touch", 0.0) + t1 - t0
+            clock["pin"] = clock.get("pin", 0.0) + time.perf_counter() - t1
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister({padded} bytes) failed with CUDA error {int(err)}; "
                                f"the host may be out of lockable memory (see ulimit -l), "
