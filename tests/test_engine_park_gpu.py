@@ -114,12 +114,17 @@ def test_park_frees_the_gpu_and_resume_goes_on_exactly(case, target, tmp_path):
 
 
 def test_resume_refuses_while_another_allocation_holds_the_memory(tmp_path):
-    engine = zo.initialize(Net(), optimizer=SPEC, config=_config(CASES["gpu-share"], tmp_path), device="cuda")
+    # d=2048 in a 1 GiB budget: about 0.5 GB on the device, so that half of it is well above what
+    # the driver keeps back (d=256 in 24 MiB, 8 MiB: the hog itself could not be allocated on an
+    # H200, session 21)
+    config = _config({**CASES["gpu-share"], "gpu_budget": 1 << 30}, tmp_path)
+    engine = zo.initialize(Net(2048), optimizer=SPEC, config=config, device="cuda")
     try:
-        _train(engine, _batches(1))
+        _train(engine, _batches(1, d=2048))
         engine.park("cpu")
         free = torch.cuda.mem_get_info()[0]
         need = engine.store.gpu_home_bytes()
+        assert need > 256 * MiB, need
         hog = torch.empty(free - need // 2, dtype=torch.uint8, device="cuda")  # "the inference engine"
         with pytest.raises(MemoryError, match=r"engine.resume: the state needs .* of GPU memory, and "
                                               r"cuda:\d has .* free .*still parked"):
@@ -128,6 +133,6 @@ def test_resume_refuses_while_another_allocation_holds_the_memory(tmp_path):
         del hog
         torch.cuda.empty_cache()
         engine.resume()
-        _train(engine, _batches(1))
+        _train(engine, _batches(1, d=2048))
     finally:
         engine.close()

@@ -50,6 +50,34 @@ def test_a_failure_on_the_thread_gives_what_was_made_then_none(monkeypatch):
     assert not ahead._thread.is_alive()
 
 
+def test_by_default_every_home_is_made_ahead_and_an_early_end_frees_them_first():
+    """The homes of chunks filled later are made while the caller is busy with chunks that need
+    none (their homes on the GPU): by default the thread does not stop at a count. Another size
+    then frees every buffer not taken before the caller allocates its own."""
+    import gc
+    import weakref
+    sizes = [1 << 20] * 16
+    made = []
+    real = pinned_pool.aligned_empty
+
+    def recording(nbytes, **kw):
+        buf = real(nbytes, **kw)
+        made.append(weakref.ref(buf))
+        return buf
+
+    pinned_pool.aligned_empty, saved = recording, pinned_pool.aligned_empty
+    try:
+        ahead = HomesAhead(sizes, pin=False)
+        ahead._thread.join(timeout=30)
+    finally:
+        pinned_pool.aligned_empty = saved
+    assert not ahead._thread.is_alive() and len(made) == len(sizes) and ahead._ready.qsize() == len(sizes)
+    first = ahead.take(1 << 20)
+    assert first is not None and ahead.take(4096) is None and "expected 1048576" in ahead.ended
+    gc.collect()
+    assert sum(r() is not None for r in made) == 1  # the one taken
+
+
 def test_close_before_anything_is_taken_stops_the_thread():
     ahead = HomesAhead([1 << 20] * 64, pin=False, ahead=1)
     ahead.close()

@@ -240,24 +240,29 @@ class HomesAhead:
     """[Note: homes ahead] The host homes of a model's chunks, made on a background thread in
     the order ``initialize`` will ask for them, while its own thread fills the chunks before.
 
-    Making a home is ``aligned_empty(nbytes, pin=pin)``: fresh pages, touched, then registered
-    with CUDA. The first touch is the kernel's work (a VM backs each new page too) and runs at
-    the same GiB/s on 1 thread or 64 (4.3 GiB/s on the 4x H100 host, session 16's pin probe),
-    so at 14B it took as long as drawing the first values (25 s and 21.5 s). Made here, it
-    overlaps them. ``take(nbytes)`` hands out the next buffer when its size is the one expected,
-    waiting for it if needed; anything else (another size, a failure on the thread, ``close``)
-    ends the look-ahead and the caller allocates for itself, as it would without one: the bytes,
-    their alignment and their pinning are the same either way. At most ``ahead`` buffers wait
-    made; ``close()`` stops the thread and frees what was not taken. With CUDA the thread makes
-    the caller's device current before it registers anything (its registration belongs there)."""
+    Making a home is ``aligned_empty(nbytes, pin=pin)``: fresh pages brought in ([Note: fault
+    in] in swap_io.py), then registered with CUDA. That is the kernel's work (a VM backs each new
+    page too): 3.9 GiB/s on one H200 VM (session 21's pin probe), so at 14B it takes longer than
+    drawing the first values (26 s and 17 s of 71 GiB of homes). Made here, it overlaps them.
+    ``take(nbytes)`` hands out the next buffer when its size is the one expected, waiting for it
+    if needed; anything else (another size, a failure on the thread, ``close``) ends the
+    look-ahead and the caller allocates for itself, as it would without one: the bytes, their
+    alignment and their pinning are the same either way. ``ahead`` buffers at most wait made;
+    by default all of them: the chunks whose homes live on the GPU may all come first (they did
+    at 14B under "auto", and 8 buffers ahead left the thread idle while their values were drawn,
+    then the caller waiting for every host home: 34.5 s where the two take 26 and 17 s), and
+    running ahead costs no memory: the buffers made and the buffers taken never add up to more
+    than the homes asked for, as ``close()`` (on an early end too) frees those not taken before
+    the caller allocates its own. With CUDA the thread makes the caller's device current before
+    it registers anything (its registration belongs there)."""
 
-    def __init__(self, sizes: Sequence[int], *, pin: Optional[bool], ahead: int = 8):
-        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
-            raise ValueError(f"HomesAhead: ahead must be an int >= 1, got {ahead!r}")
+    def __init__(self, sizes: Sequence[int], *, pin: Optional[bool], ahead: Optional[int] = None):
+        if ahead is not None and (isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1):
+            raise ValueError(f"HomesAhead: ahead must be an int >= 1 or None (all), got {ahead!r}")
         self._sizes = [int(n) for n in sizes]
         self._next = 0  # index in _sizes of the next take
         self._pin = pin
-        self._ready: "queue.Queue" = queue.Queue(maxsize=ahead)
+        self._ready: "queue.Queue" = queue.Queue(maxsize=ahead or 0)  # (0: unbounded)
         self._stop = threading.Event()
         self.taken = 0
         """Buffers handed out."""
