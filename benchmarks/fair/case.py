@@ -113,7 +113,11 @@ class MemSampler(TimedSampler):
     stalled the case's own mmap/munmap for the whole run. Between ``enter_timed()`` and
     ``leave_timed()`` the sampler therefore reads only RSS (/proc/self/statm, two counters) and
     MemAvailable; PSS is read before the timed steps and right after them (the heap the steps
-    built is still there), and the kernel's VmHWM bounds RSS over the whole process."""
+    built is still there), and the kernel's VmHWM bounds RSS over the whole process. The same
+    holds around the build and ``initialize``: at 14B on one H200 (session 21) each read took
+    130 ms of CPU at the 50 ms period, the whole initialize long, under the lock that every new
+    host buffer's mmap, page population and pinning needed (the harness's initialize took 45 s
+    where bench_init.py's, without a sampler, took 34-38 s)."""
 
     def __init__(self, period: float = 0.05):
         super().__init__(period, "fair-mem-sampler")
@@ -1002,6 +1006,8 @@ def run(args, row: dict, sampler: MemSampler) -> dict:
         device = torch.device("cpu")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             timeout=datetime.timedelta(seconds=args.collective_timeout))
+    if device.type == "cuda":  # NCCL's communicator now: its first collective allocates on the
+        dist.all_reduce(torch.zeros(1, device=device))  # card, which a case may fill (s21: OOM)
     params = cfg.num_params()
     row.update(params=params, threads=args.threads, omp_num_threads=omp,
                torch_threads_at_start=torch.get_num_threads(), data_seed=args.data_seed)
@@ -1009,6 +1015,7 @@ def run(args, row: dict, sampler: MemSampler) -> dict:
                for i in range(args.warmup + args.steps)]
     batches = [(x.to(device), y.to(device)) for x, y in batches]
 
+    sampler.enter_timed()  # [Note: no page-table walk while timing]: initialize is timed too
     t_build = time.perf_counter()
     row["before_init_s"] = time.time() - _T0  # imports, the process group, the batches
     sd = Weights(args.init, cfg, args.threads)
@@ -1023,6 +1030,7 @@ def run(args, row: dict, sampler: MemSampler) -> dict:
         row["gpu_peak_init_alloc_gib_rank0"] = torch.cuda.max_memory_allocated(device) / GiB
         torch.cuda.reset_peak_memory_stats(device)
     row["init_s"] = time.perf_counter() - t_build
+    sampler.leave_timed()
     parts = runner.init_parts  # the engine's own breakdown (Engine.init_seconds)
     _say(rank, f"initialized in {row['init_s']:.1f} s ({row['before_init_s']:.1f} s before, "
                f"{row['init_s'] - row['init_built_s']:.1f} s waiting for the device after)"
@@ -1097,7 +1105,7 @@ def run(args, row: dict, sampler: MemSampler) -> dict:
         pss_peak_train_per_rank_gib=[r["pss_peak_train_gib"] for r in ranks],
         pss_sampler={"period_s": sampler.period, "samples": sampler.samples,
                      "mean_cpu_ms": 1e3 * sampler.read_s / max(1, sampler.samples),
-                     "timed": "RSS only (statm) during the timed steps; PSS before and right after them",
+                     "timed": "RSS only (statm) during the build, initialize and the timed steps; PSS before and right after each",
                      "timed_samples": sampler.timed_samples,
                      "timed_mean_cpu_ms": 1e3 * sampler.timed_read_s / max(1, sampler.timed_samples)},
         rss_peak_timed_gib=sampler.rss_peak_timed * 1024 / GiB, vm_hwm_gib=read_vm_hwm_kib() * 1024 / GiB,

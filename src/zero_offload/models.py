@@ -136,8 +136,13 @@ class GPT(nn.Module):
         _check_fits_in_host_memory(config, device, dtype)
         self.config = config
         kw = dict(device=device, dtype=dtype)
-        self.wte = nn.Embedding(config.vocab_size, config.d_model, **kw)
-        self.wpe = nn.Embedding(config.seq_len, config.d_model, **kw)
+        # On meta, the embeddings skip their own reset: torch's normal_ on a meta tensor goes
+        # through torch._refs, whose first call imports torch._dynamo (2-5 s; meta draws nothing)
+        meta = torch.empty(0, device=device).is_meta
+        self.wte = nn.Embedding(config.vocab_size, config.d_model, **kw, **(
+            {"_weight": torch.empty(config.vocab_size, config.d_model, **kw)} if meta else {}))
+        self.wpe = nn.Embedding(config.seq_len, config.d_model, **kw, **(
+            {"_weight": torch.empty(config.seq_len, config.d_model, **kw)} if meta else {}))
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, **kw) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.bias, **kw)
