@@ -50,10 +50,9 @@ def test_a_failure_on_the_thread_gives_what_was_made_then_none(monkeypatch):
     assert not ahead._thread.is_alive()
 
 
-def test_by_default_every_home_is_made_ahead_and_an_early_end_frees_them_first():
-    """The homes of chunks filled later are made while the caller is busy with chunks that need
-    none (their homes on the GPU): by default the thread does not stop at a count. Another size
-    then frees every buffer not taken before the caller allocates its own."""
+def test_ahead_none_makes_every_home_ahead_and_an_early_end_frees_them_first():
+    """``ahead=None``: the thread does not stop at a count. Another size then frees every buffer
+    not taken before the caller allocates its own."""
     import gc
     import weakref
     sizes = [1 << 20] * 16
@@ -67,7 +66,7 @@ def test_by_default_every_home_is_made_ahead_and_an_early_end_frees_them_first()
 
     pinned_pool.aligned_empty, saved = recording, pinned_pool.aligned_empty
     try:
-        ahead = HomesAhead(sizes, pin=False)
+        ahead = HomesAhead(sizes, pin=False, ahead=None)
         ahead._thread.join(timeout=30)
     finally:
         pinned_pool.aligned_empty = saved

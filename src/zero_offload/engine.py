@@ -119,6 +119,7 @@ from .config import PER_RANK_FIELDS, OffloadConfig, OptimizerSpec, load_config
 from .mixed_precision import LossScaler, cast_inputs
 from .runtime.distributed import (announce_default_group, available_cores, bind_to_cores, cpu_threads,
                                   rank_cores, rank_device, resolve_group, start_default_group)
+from .hyperparams import HyperParams
 from .initial_values import Handover, InitialValues, handed_over_bytes
 from .module_hooks import ModuleHooks
 from .param_guard import PHASES, ParamGuard, Phase
@@ -360,7 +361,7 @@ class Engine:
         self._phase = Phase.IDLE
         self._closed = False
         # The scheduler factory runs before the weights move, so its errors change nothing.
-        self.optimizer = _HyperParams(self.spec.hyperparameters(), self._group_overrides)
+        self.optimizer = HyperParams(self.spec.hyperparameters(), self._group_overrides)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         if self.lr_scheduler is not None and not callable(getattr(self.lr_scheduler, "step", None)):
             raise TypeError(f"lr_scheduler(optimizer) returned {type(self.lr_scheduler).__name__}, "
@@ -1061,29 +1062,6 @@ class Engine:
 
 # --------------------------------------------------------------------------------------------
 # helpers
-
-
-class _HyperParams(torch.optim.Optimizer):
-    """The optimizer handle an lr scheduler drives: one param group per engine param group (group 0:
-    the defaults), holding the hyperparameters of the update rule (its ``hyper_keys``; Adam: lr,
-    betas, eps, weight_decay) that every update reads when it is queued. Each group holds one
-    empty placeholder tensor, not the model's parameters (their values live in the engine's
-    chunks); it cannot step by itself (``engine.step()`` does)."""
-
-    def __init__(self, defaults: dict, overrides: Sequence[dict] = ()):
-        super().__init__([{"params": [torch.zeros(0)]}]
-                         + [{"params": [torch.zeros(0)], **o} for o in overrides], defaults)
-
-    def step(self, closure=None):
-        raise RuntimeError("engine.optimizer holds hyperparameters only; call engine.step()")
-
-    def note_update(self) -> None:
-        """An update used these hyperparameters. torch's LRScheduler looks for this flag to tell
-        a scheduler stepped after the optimizer from one stepped before it (and warns)."""
-        self._opt_called = True
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        return None  # the engine consumes grads itself
 
 
 def _resolve_config(config, optimizer) -> tuple:

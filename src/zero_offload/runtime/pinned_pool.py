@@ -247,16 +247,17 @@ class HomesAhead:
     ``take(nbytes)`` hands out the next buffer when its size is the one expected, waiting for it
     if needed; anything else (another size, a failure on the thread, ``close``) ends the
     look-ahead and the caller allocates for itself, as it would without one: the bytes, their
-    alignment and their pinning are the same either way. ``ahead`` buffers at most wait made;
-    by default all of them: the chunks whose homes live on the GPU may all come first (they did
-    at 14B under "auto", and 8 buffers ahead left the thread idle while their values were drawn,
-    then the caller waiting for every host home: 34.5 s where the two take 26 and 17 s), and
-    running ahead costs no memory: the buffers made and the buffers taken never add up to more
-    than the homes asked for, as ``close()`` (on an early end too) frees those not taken before
-    the caller allocates its own. With CUDA the thread makes the caller's device current before
-    it registers anything (its registration belongs there)."""
+    alignment and their pinning are the same either way. ``ahead`` buffers at most wait made
+    (None: all of them; running ahead costs no memory: the buffers made and those taken never
+    add up to more than the homes asked for, as ``close()``, on an early end too, frees those not
+    taken before the caller allocates its own). The default stays 8: with every home made ahead
+    at 14B on one H200 (session 21) the thread's touch ran beside the 16 threads drawing the
+    GPU-homed chunks' values and both slowed (the thread's 26 s became 39 s), where with 8 the
+    chunks homed on the GPU come first and the host homes mostly after. With CUDA the thread
+    makes the caller's device current before it registers anything (its registration belongs
+    there)."""
 
-    def __init__(self, sizes: Sequence[int], *, pin: Optional[bool], ahead: Optional[int] = None):
+    def __init__(self, sizes: Sequence[int], *, pin: Optional[bool], ahead: Optional[int] = 8):
         if ahead is not None and (isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1):
             raise ValueError(f"HomesAhead: ahead must be an int >= 1 or None (all), got {ahead!r}")
         self._sizes = [int(n) for n in sizes]
