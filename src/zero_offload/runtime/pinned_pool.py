@@ -251,9 +251,10 @@ class HomesAhead:
     (None: all of them; running ahead costs no memory: the buffers made and those taken never
     add up to more than the homes asked for, as ``close()``, on an early end too, frees those not
     taken before the caller allocates its own). The default stays 8: with every home made ahead
-    at 14B on one H200 (session 21) the thread's touch ran beside the 16 threads drawing the
-    GPU-homed chunks' values and both slowed (the thread's 26 s became 39 s), where with 8 the
-    chunks homed on the GPU come first and the host homes mostly after. With CUDA the thread
+    at 14B on one H200 (session 21, fair harness) the thread's pages came in beside the 16
+    threads drawing the GPU-homed chunks' values, and its 71 GiB took 39 s, against 26 s with 8
+    ahead in bench_init.py (another call), where the chunks homed on the GPU come first and the
+    host homes mostly after them. Not yet compared in one call. With CUDA the thread
     makes the caller's device current before it registers anything (its registration belongs
     there)."""
 
