@@ -114,10 +114,11 @@ class MemSampler(TimedSampler):
     ``leave_timed()`` the sampler therefore reads only RSS (/proc/self/statm, two counters) and
     MemAvailable; PSS is read before the timed steps and right after them (the heap the steps
     built is still there), and the kernel's VmHWM bounds RSS over the whole process. The same
-    holds around the build and ``initialize``: at 14B on one H200 (session 21) each read took
-    130 ms of CPU at the 50 ms period, the whole initialize long, under the lock that every new
-    host buffer's mmap, page population and pinning needed (the harness's initialize took 45 s
-    where bench_init.py's, without a sampler, took 34-38 s)."""
+    holds around the build, ``initialize`` and the warm-up steps: at 14B on one H200 (session 21)
+    each read took 130-285 ms of CPU at the 50 ms period, under the lock that every new host
+    buffer's mmap, page population and pinning needs, and every import's too (the harness's
+    initialize took 45 s where bench_init.py's, without a sampler, took 34-38 s; with the reads
+    gone from initialize, 31.6 s)."""
 
     def __init__(self, period: float = 0.05):
         super().__init__(period, "fair-mem-sampler")
@@ -1039,6 +1040,7 @@ def run(args, row: dict, sampler: MemSampler) -> dict:
     row["config"] = runner.config
     row["threads_reported"] = {"torch_after_build": torch.get_num_threads(), **runner.threads}
     sampler.mark()
+    sampler.enter_timed()  # the warm-up too: PSS again once it is over
 
     def sync():
         if device.type == "cuda":
@@ -1067,6 +1069,7 @@ def run(args, row: dict, sampler: MemSampler) -> dict:
     runner.on_timed()
     times = []
     sync()
+    sampler.leave_timed()  # (PSS after the warm-up: what the first steps built)
     sampler.enter_timed()
     t_all = time.perf_counter()
     for i in range(args.warmup, args.warmup + steps):
@@ -1105,7 +1108,7 @@ def run(args, row: dict, sampler: MemSampler) -> dict:
         pss_peak_train_per_rank_gib=[r["pss_peak_train_gib"] for r in ranks],
         pss_sampler={"period_s": sampler.period, "samples": sampler.samples,
                      "mean_cpu_ms": 1e3 * sampler.read_s / max(1, sampler.samples),
-                     "timed": "RSS only (statm) during the build, initialize and the timed steps; PSS before and right after each",
+                     "timed": "RSS only (statm) during the build, initialize, the warm-up and the timed steps; PSS between them",
                      "timed_samples": sampler.timed_samples,
                      "timed_mean_cpu_ms": 1e3 * sampler.timed_read_s / max(1, sampler.timed_samples)},
         rss_peak_timed_gib=sampler.rss_peak_timed * 1024 / GiB, vm_hwm_gib=read_vm_hwm_kib() * 1024 / GiB,
