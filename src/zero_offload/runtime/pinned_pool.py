@@ -252,9 +252,9 @@ class HomesAhead:
     add up to more than the homes asked for, as ``close()``, on an early end too, frees those not
     taken before the caller allocates its own). The default stays 8: with every home made ahead
     at 14B on one H200 (session 21, fair harness) the thread's pages came in beside the 16
-    threads drawing the GPU-homed chunks' values, and its 71 GiB took 39 s, against 26 s with 8
-    ahead in bench_init.py (another call), where the chunks homed on the GPU come first and the
-    host homes mostly after them. Not yet compared in one call. With CUDA the thread
+    threads drawing the GPU-homed chunks' values, and its 71 GiB took 39 s (call 3), against
+    23.5 s with 8 ahead (call 4), where the chunks homed on the GPU come first and the host
+    homes mostly after them. Two calls: not yet compared in one. With CUDA the thread
     makes the caller's device current before it registers anything (its registration belongs
     there)."""
 
