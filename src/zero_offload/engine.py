@@ -400,7 +400,8 @@ class Engine:
                                      ranked=self._ranked):
             spent = {"homes": 0.0, "values": 0.0}
             # The host homes come from another thread, ahead of the chunk being filled ([Note:
-            # homes ahead] in runtime/pinned_pool.py). This rank's own payloads: at most what the plan counted ([Note: ranks agree on placement]).
+            # homes ahead] in runtime/pinned_pool.py). This rank's own payloads: at most what
+            # the plan counted ([Note: ranks agree on placement]).
             specs = [chunk_payloads(self.plan.request, self._need(layout), homes)
                      for layout, homes in zip(self.partition.chunks, self.plan.homes)]
             try:
