@@ -139,10 +139,12 @@ class GPT(nn.Module):
         # On meta, the embeddings skip their own reset: torch's normal_ on a meta tensor goes
         # through torch._refs, whose first call imports torch._dynamo (2-5 s; meta draws nothing)
         meta = torch.empty(0, device=device).is_meta
-        self.wte = nn.Embedding(config.vocab_size, config.d_model, **kw, **(
-            {"_weight": torch.empty(config.vocab_size, config.d_model, **kw)} if meta else {}))
-        self.wpe = nn.Embedding(config.seq_len, config.d_model, **kw, **(
-            {"_weight": torch.empty(config.seq_len, config.d_model, **kw)} if meta else {}))
+
+        def embedding(rows: int) -> nn.Embedding:
+            given = {"_weight": torch.empty(rows, config.d_model, **kw)} if meta else {}
+            return nn.Embedding(rows, config.d_model, **kw, **given)
+        self.wte = embedding(config.vocab_size)
+        self.wpe = embedding(config.seq_len)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, **kw) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.bias, **kw)

@@ -19,6 +19,7 @@ import ctypes
 import dataclasses
 import enum
 import errno
+import functools
 import json
 import mmap
 import os
@@ -76,8 +77,10 @@ _populate_ok: bool | None = None  # None: not tried yet; False: this kernel refu
 _NO_PAGES = {errno.ENOMEM, errno.EFAULT, getattr(errno, "EHWPOISON", errno.ENOMEM)}
 
 
+@functools.lru_cache(maxsize=None)
 def _madvise():
-    """libc's ``madvise`` through ctypes (it releases the GIL for the call), or None."""
+    """libc's ``madvise`` through ctypes (it releases the GIL for the call), or None; looked up
+    once per process."""
     try:
         fn = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):
@@ -115,11 +118,11 @@ def fault_in(buffer: torch.Tensor, *, threads: int | None = None) -> str:
     global _populate_ok
     nbytes = buffer.numel() * buffer.element_size()
     threads = POPULATE_THREADS if threads is None else int(threads)
-    whole_pages = not (buffer.data_ptr() % mmap.PAGESIZE or nbytes % mmap.PAGESIZE)
+    ptr = buffer.data_ptr()
+    whole_pages = not (ptr % mmap.PAGESIZE or nbytes % mmap.PAGESIZE)
     if threads >= 1 and whole_pages and nbytes >= _POPULATE_MIN and _populate_ok is not False:
         madvise = _madvise()
         if madvise is not None:
-            ptr = buffer.data_ptr()
             n = max(1, min(threads, nbytes // _POPULATE_MIN))
             piece = round_up(-(-nbytes // n), _HUGE_PAGE)
             ranges = [(ptr + o, min(piece, nbytes - o)) for o in range(0, nbytes, piece)]
