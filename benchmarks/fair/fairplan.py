@@ -38,6 +38,12 @@ class CaseInfo:
     scale with the model]): the engines' meta init draws ~2.4 s per billion (bench_init.py's
     meta-auto), doubled for the pinning and the shared node; DeepSpeed's zero.Init gathers every
     parameter once more, and the torch cases draw per parameter on the CPU and copy to the GPU."""
+    startup_per_rank_b: float = 0.0
+    """Seconds of start-up per billion params of each rank's shard beyond the 1.31B's, on top of
+    ``startup_per_b`` (the engines: every rank draws every value, but makes, pins and frees the
+    homes of its own shard only). Session 22 on 2x H200, the case's wall less its steps: 79 s at
+    27.65B and 37 s at 12.75B on 2 ranks, 87 s at 14.01B on one, where the whole-model rate of
+    4.5 s/B had priced them at 154, 86 and 92 s and dropped two pairs' engine rows."""
     work_exponent: float | None = None
     """How a step grows with the work beyond the 1.31B model (None: ``WORK_EXPONENT``; [Note:
     estimates scale with the model])."""
@@ -59,13 +65,13 @@ CASES: dict[str, CaseInfo] = {
         "bf16 working params (no autocast), fp32 master + moments on the CPU; zero_offload engine "
         "params=cpu optimizer=cpu",
         short=BF16_MASTER, knobs=("opt", "compile", "engine-optimizer", "engine-moments"), startup_s=35,
-        step_s={1: 0.45, 2: 0.40, 4: 0.65}),
+        startup_per_b=1.0, startup_per_rank_b=3.0, step_s={1: 0.45, 2: 0.40, 4: 0.65}),
     "engine-auto": CaseInfo(
         "bf16 working params (no autocast), fp32 master + moments on the CPU; zero_offload engine "
         "params=auto optimizer=auto",
         short=BF16_MASTER, knobs=("opt", "gpu-cap", "activation-reserve", "engine-params", "engine-moments"),
         startup_s=35,
-        startup_per_b=4.5, step_s={1: 0.35, 2: 0.35, 4: 0.35}),
+        startup_per_b=1.0, startup_per_rank_b=3.0, step_s={1: 0.35, 2: 0.35, 4: 0.35}),
     "offload-adamw": CaseInfo(
         TORCH_AUTOCAST + " on the CPU (zero_offload OffloadAdamW, overlap_forward=True; knob "
         "overlap=0: overlap_forward=False; knob opt=: the rule's offload optimizer)",
@@ -394,9 +400,10 @@ def expected_seconds(item: Item, *, params: int, warmup: int, steps: int, cuda: 
 
     [Note: estimates scale with the model] ``startup_s`` and ``step_s`` are for the 1.31B model
     at 8x1024 tokens per rank. Start-up grows by ``startup_per_b`` seconds per billion params
-    beyond it; a step by the larger of the params ratio (what the CPU optimizer, the PCIe copies
-    and the host memory do: per param) and the FLOPs ratio (``flops``: ``step_flops`` of this run
-    against ``REF_STEP_FLOPS``; None: the params ratio alone). A step over ``LONG_STEP_S`` makes
+    beyond it, and by ``startup_per_rank_b`` per billion of each rank's shard; a step by the
+    larger of the params ratio (what the CPU optimizer, the PCIe copies and the host memory do:
+    per param) and the FLOPs ratio (``flops``: ``step_flops`` of this run against
+    ``REF_STEP_FLOPS``; None: the params ratio alone). A step over ``LONG_STEP_S`` makes
     case.py time 5 steps, not ``steps``."""
     info = CASES[item.case]
     scale = params / REF_PARAMS
@@ -406,7 +413,8 @@ def expected_seconds(item: Item, *, params: int, warmup: int, steps: int, cuda: 
     work = max(scale, (flops / REF_STEP_FLOPS) if flops else 0.0, 0.02)
     exponent = WORK_EXPONENT if info.work_exponent is None else info.work_exponent
     step *= work if work <= 1.0 else work ** exponent
-    startup = info.startup_s + info.startup_per_b * max(0.0, (params - REF_PARAMS) / 1e9)
+    beyond = max(0.0, (params - REF_PARAMS) / 1e9)
+    startup = info.startup_s + info.startup_per_b * beyond + info.startup_per_rank_b * beyond / item.world
     knobs = dict(item.knobs)
     if knobs.get("engine-optimizer") == "nvme" or knobs.get("ds-nvme") == "1":  # the disk's pace
         step = max(step, NVME_STEP_S_PER_B * params / 1e9)
