@@ -1,6 +1,7 @@
 """Stochastic rounding of fp32 to bf16, as the CPU-Adam kernel does it for bf16 moments
-(``OffloadConfig.moments_dtype="bf16"``), in torch for any device (the GPU share of the
-optimizer uses it), and the per-update seeds.
+(``OffloadConfig.moments_dtype="bf16"``), in torch for any device, and the per-update seeds.
+The GPU share of the optimizer rounds through ``round_moments_bf16_into``: one Triton kernel on
+CUDA (ops/rounding_triton.py), the same bits.
 
 [Note: stochastic rounding] A value ``x`` between two neighbouring bf16 values is stored as the
 upper one with probability equal to its distance from the lower one, in units of their gap, so
@@ -22,6 +23,8 @@ the CPU kernel's hashing work). ``stochastic_round_moments_bf16`` rounds both mo
 in the chunk (and a base, e.g. the rank), so repeated updates of one element use fresh bits.
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -59,6 +62,66 @@ def stochastic_round_moments_bf16(exp_avg: torch.Tensor, exp_avg_sq: torch.Tenso
     idx = torch.arange(exp_avg.numel(), device=exp_avg.device, dtype=torch.int64)
     h = _mix((idx * 0x9E3779B9 + ((int(seed) * 0x85EBCA6B) & _M32)) & _M32)
     return _round(exp_avg, h & 0xFFFF), _round(exp_avg_sq, h >> 16)
+
+
+_triton_failed: str | None = None  # why the Triton kernel could not run (then torch ops, warned once)
+_TRITON_DEVICES = ("cuda",)  # where round_moments_bf16_into tries the kernel (a test adds "cpu")
+
+
+def round_moments_bf16_into(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, seed: int,
+                            out_avg: torch.Tensor, out_avg_sq: torch.Tensor) -> None:
+    """``stochastic_round_moments_bf16`` written into ``out_avg`` and ``out_avg_sq`` (bf16, the
+    inputs' numel and device). On CUDA one Triton kernel ([Note: one kernel for the rounding] in
+    ops/rounding_triton.py) where Triton imports and compiles; otherwise, or if it fails (said
+    once, as a warning), the torch ops: the same bits either way."""
+    global _triton_failed
+    for name, t in (("out_avg", out_avg), ("out_avg_sq", out_avg_sq)):
+        if t.dtype is not torch.bfloat16 or t.numel() != exp_avg.numel() or t.device != exp_avg.device:
+            raise ValueError(f"round_moments_bf16_into: {name} must be bf16 with exp_avg's {exp_avg.numel()} "
+                             f"elements on {exp_avg.device}, got {t.dtype} x {t.numel()} on {t.device}")
+    tensors = (exp_avg, exp_avg_sq, out_avg, out_avg_sq)
+    if (exp_avg.device.type in _TRITON_DEVICES and _triton_failed is None
+            and exp_avg.dtype is torch.float32 and exp_avg_sq.dtype is torch.float32
+            and exp_avg_sq.numel() == exp_avg.numel() and all(t.is_contiguous() for t in tensors)):
+        try:
+            from .rounding_triton import round_moments_bf16_
+            if exp_avg.device not in _triton_checked:
+                _check_kernel(round_moments_bf16_, exp_avg.device)
+                _triton_checked.add(exp_avg.device)
+            round_moments_bf16_(*tensors[:2], seed, *tensors[2:])
+            return
+        except ImportError as e:  # a torch build without Triton: the torch ops, silently
+            _triton_failed = f"{type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 (a compile or launch failure: said once, then torch ops)
+            _triton_failed = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+            warnings.warn(f"zero_offload: the Triton kernel that rounds bf16 moments on the GPU failed "
+                          f"({_triton_failed}); rounding with torch ops from now on (the same bits, "
+                          f"slower: see [Note: one kernel for the rounding])", stacklevel=2)
+    m, v = stochastic_round_moments_bf16(exp_avg, exp_avg_sq, seed)
+    out_avg.copy_(m.reshape(out_avg.shape))
+    out_avg_sq.copy_(v.reshape(out_avg_sq.shape))
+
+
+_triton_checked: set = set()  # devices where the kernel gave the torch ops' bits on a probe
+
+
+def _check_kernel(kernel, device: torch.device) -> None:
+    """The kernel against the torch ops on a probe of 4099 elements (NaN, infinities, the
+    largest finite values, seeds on both sides of 2**31), once per device before its first use:
+    a compiler that computes other bits must not round the moments. Raises RuntimeError on a
+    difference (``round_moments_bf16_into`` then warns and uses the torch ops)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    m = torch.randn(4099, generator=g) * 1e-3
+    v = torch.rand(4099, generator=g) * 1e-6
+    m[:5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.3895313892515355e38, 1.5])
+    m, v = m.to(device), v.to(device)
+    for seed in (1, 0x80000001):
+        want_m, want_v = stochastic_round_moments_bf16(m, v, seed)
+        got_m, got_v = torch.empty_like(want_m), torch.empty_like(want_v)
+        kernel(m, v, seed, got_m, got_v)
+        if not (torch.equal(got_m.view(torch.int16), want_m.view(torch.int16))
+                and torch.equal(got_v.view(torch.int16), want_v.view(torch.int16))):
+            raise RuntimeError(f"its bits differ from the torch ops' on a probe on {device}")
 
 
 def _round(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:

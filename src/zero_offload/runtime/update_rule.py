@@ -51,7 +51,7 @@ from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from ..ops.rounding import stochastic_round_moments_bf16, update_seed
+from ..ops.rounding import round_moments_bf16_into, update_seed
 
 __all__ = ["AdamArgs", "AdamRule", "Done", "Segment", "StateSpec", "StepBuffers", "UpdateRule", "lr_of", "shape_problem", "wait_all"]
 
@@ -314,8 +314,6 @@ class AdamRule:
                   amsgrad=False, maximize=False, grad_scale=scale, found_inf=None)
             if rounded:
                 seed = update_seed(bufs.seed, bufs.cid, seg.step, seg.start)
-                m_bf16, v_bf16 = stochastic_round_moments_bf16(m32, v32, seed)
-                m[sl].copy_(m_bf16)
-                v[sl].copy_(v_bf16)
+                round_moments_bf16_into(m32, v32, seed, m[sl], v[sl])  # one kernel on CUDA
             if bufs.lowp is not None:
                 bufs.lowp[sl].copy_(master[sl])
