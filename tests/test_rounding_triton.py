@@ -67,8 +67,8 @@ def test_a_kernel_that_cannot_run_falls_back_to_the_torch_ops_once(monkeypatch):
 def test_a_kernel_that_computes_other_bits_is_not_used(monkeypatch):
     """The probe before a device's first use: a kernel whose bits differ (a miscompile, say) is
     refused with the warning, and the torch ops round."""
-    import zero_offload.ops.rounding_triton as rt
     pytest.importorskip("triton", reason="Triton is in the test extra")
+    import zero_offload.ops.rounding_triton as rt
 
     def off_by_one(m, v, seed, out_m, out_v):
         a, b = rounding.stochastic_round_moments_bf16(m, v, seed)

@@ -66,6 +66,7 @@ def stochastic_round_moments_bf16(exp_avg: torch.Tensor, exp_avg_sq: torch.Tenso
 
 _triton_failed: str | None = None  # why the Triton kernel could not run (then torch ops, warned once)
 _TRITON_DEVICES = ("cuda",)  # where round_moments_bf16_into tries the kernel (a test adds "cpu")
+_triton_checked: set = set()  # devices where the kernel gave the torch ops' bits on a probe
 
 
 def round_moments_bf16_into(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, seed: int,
@@ -100,9 +101,6 @@ def round_moments_bf16_into(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, see
     m, v = stochastic_round_moments_bf16(exp_avg, exp_avg_sq, seed)
     out_avg.copy_(m.reshape(out_avg.shape))
     out_avg_sq.copy_(v.reshape(out_avg_sq.shape))
-
-
-_triton_checked: set = set()  # devices where the kernel gave the torch ops' bits on a probe
 
 
 def _check_kernel(kernel, device: torch.device) -> None:
