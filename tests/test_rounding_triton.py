@@ -112,3 +112,25 @@ def test_cuda_kernel_gives_the_torch_ops_bits():
         assert m.device in rounding._triton_checked  # after the probe
         assert torch.equal(out_m.view(torch.int16), want_m.view(torch.int16))
         assert torch.equal(out_v.view(torch.int16), want_v.view(torch.int16))
+
+
+def test_the_kernel_compiles_for_hopper_without_a_gpu():
+    """Triton compiles the kernel for sm_90 (H100/H200) here, to PTX and a cubin, with both
+    integer types a seed argument takes (below 2**31: i32, above: u32): what the CPU tests cannot
+    run is at least built, and its IR truncates (not saturates) the bits to bf16's 16."""
+    triton = pytest.importorskip("triton", reason="Triton is in the test extra")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    import zero_offload.ops.rounding_triton as rt
+    for seed_type in ("i32", "u32"):
+        src = ASTSource(fn=rt._round_kernel, constexprs={"BLOCK": rt._BLOCK},
+                        signature={"m_ptr": "*fp32", "v_ptr": "*fp32", "m_out": "*bf16", "v_out": "*bf16",
+                                   "n": "i64", "seed_term": seed_type, "BLOCK": "constexpr"})
+        try:
+            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+        except RuntimeError as e:  # a Triton without its NVIDIA back end's tools is not this test's concern
+            if "ptxas" in str(e):
+                pytest.skip(f"this Triton cannot assemble for sm_90 here: {str(e).splitlines()[0]}")
+            raise
+        assert len(compiled.asm["cubin"]) > 0
+        assert "arith.trunci" in compiled.asm["ttir"] and "tensor<1024xi16> -> tensor<1024xbf16>" in compiled.asm["ttir"]
