@@ -15,6 +15,8 @@ comes with torch's CUDA builds).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -61,5 +63,7 @@ def round_moments_bf16_(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, seed: i
     if n == 0:
         return
     seed_term = (int(seed) * 0x85EBCA6B) & 0xFFFFFFFF
-    _round_kernel[(triton.cdiv(n, _BLOCK),)](exp_avg, exp_avg_sq, out_avg, out_avg_sq, n, seed_term,
-                                             BLOCK=_BLOCK)
+    # Triton launches on the current device: make it the tensors' (a process may hold several)
+    with torch.cuda.device(exp_avg.device) if exp_avg.device.type == "cuda" else contextlib.nullcontext():
+        _round_kernel[(triton.cdiv(n, _BLOCK),)](exp_avg, exp_avg_sq, out_avg, out_avg_sq, n, seed_term,
+                                                 BLOCK=_BLOCK)
