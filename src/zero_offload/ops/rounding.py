@@ -53,15 +53,20 @@ def stochastic_round_moments_bf16(exp_avg: torch.Tensor, exp_avg_sq: torch.Tenso
     [Note: stochastic rounding]'s bits for elements ``0 .. numel - 1``: one hash per element,
     its low half for exp_avg, its high half for exp_avg_sq; on the inputs' device, in their
     shapes. Gives the CPU-Adam kernel's bits for the same fp32 values and seed."""
+    _check_moments(exp_avg, exp_avg_sq)
+    idx = torch.arange(exp_avg.numel(), device=exp_avg.device, dtype=torch.int64)
+    h = _mix((idx * 0x9E3779B9 + ((int(seed) * 0x85EBCA6B) & _M32)) & _M32)
+    return _round(exp_avg, h & 0xFFFF), _round(exp_avg_sq, h >> 16)
+
+
+def _check_moments(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+    """Both fp32, of one numel; a TypeError or ValueError naming them otherwise."""
     for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         if t.dtype is not torch.float32:
             raise TypeError(f"stochastic_round_moments_bf16 takes fp32 tensors, got {name} {t.dtype}")
     if exp_avg.numel() != exp_avg_sq.numel():
         raise ValueError(f"stochastic_round_moments_bf16: exp_avg has {exp_avg.numel()} elements, "
                          f"exp_avg_sq {exp_avg_sq.numel()}")
-    idx = torch.arange(exp_avg.numel(), device=exp_avg.device, dtype=torch.int64)
-    h = _mix((idx * 0x9E3779B9 + ((int(seed) * 0x85EBCA6B) & _M32)) & _M32)
-    return _round(exp_avg, h & 0xFFFF), _round(exp_avg_sq, h >> 16)
 
 
 _triton_failed: str | None = None  # why the Triton kernel could not run (then torch ops, warned once)
@@ -76,14 +81,13 @@ def round_moments_bf16_into(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, see
     ops/rounding_triton.py) where Triton imports and compiles; otherwise, or if it fails (said
     once, as a warning), the torch ops: the same bits either way."""
     global _triton_failed
+    _check_moments(exp_avg, exp_avg_sq)
     for name, t in (("out_avg", out_avg), ("out_avg_sq", out_avg_sq)):
         if t.dtype is not torch.bfloat16 or t.numel() != exp_avg.numel() or t.device != exp_avg.device:
             raise ValueError(f"round_moments_bf16_into: {name} must be bf16 with exp_avg's {exp_avg.numel()} "
                              f"elements on {exp_avg.device}, got {t.dtype} x {t.numel()} on {t.device}")
     tensors = (exp_avg, exp_avg_sq, out_avg, out_avg_sq)
-    if (exp_avg.device.type in _TRITON_DEVICES and _triton_failed is None
-            and exp_avg.dtype is torch.float32 and exp_avg_sq.dtype is torch.float32
-            and exp_avg_sq.numel() == exp_avg.numel() and all(t.is_contiguous() for t in tensors)):
+    if exp_avg.device.type in _TRITON_DEVICES and _triton_failed is None and all(t.is_contiguous() for t in tensors):
         try:
             from .rounding_triton import round_moments_bf16_
             if exp_avg.device not in _triton_checked:
