@@ -42,8 +42,8 @@ def test_preset_sizes_match_baselines():
     # the baselines' largest sizes (issue 24): a block matrix's shard over 4 ranks a power of two
     # in bytes, fp32 (64 and 256 MiB), so a pinned host allocator's rounding costs nothing
     assert 19.5e9 < PRESETS["20b"].num_params() < 20e9 and 27.5e9 < PRESETS["28b"].num_params() < 28e9
-    assert 23.5e9 < PRESETS["24b"].num_params() < 23.7e9
-    for name in ("20b", "24b", "28b"):
+    assert 23.5e9 < PRESETS["24b"].num_params() < 23.7e9 and 51.8e9 < PRESETS["52b"].num_params() < 51.9e9
+    for name in ("20b", "24b", "28b", "52b"):
         d = PRESETS[name].d_model
         for rows, cols in ((d, d), (4 * d, d)):
             shard = rows * cols * 4 // 4

@@ -75,7 +75,7 @@ class GPTConfig:
 
 # name -> GPTConfig. Counts (checked by tests/test_models.py): tiny 0.85M, small 10.8M,
 # 125m 124.5M, 350m 354.9M, 1.3b 1.314B, 5b 5.05B, 7b 6.58B, 13b 12.75B, 14b 14.01B, 20b 19.60B,
-# 24b 23.62B, 28b 27.65B, 30b 30.53B.
+# 24b 23.62B, 28b 27.65B, 30b 30.53B, 52b 51.82B.
 PRESETS: dict[str, GPTConfig] = {
     # trains in about a minute on 2 CPU cores through the offload engine
     "tiny": GPTConfig(vocab_size=256, n_layer=4, n_head=4, d_model=128, seq_len=128),
@@ -100,6 +100,10 @@ PRESETS: dict[str, GPTConfig] = {
     # ranks, s22 at 12.75B on 2): 28b would need the whole 503 GiB of the 4-GPU node, 24b ~436 GiB
     "24b": GPTConfig(vocab_size=32000, n_layer=29, n_head=64, d_model=8192, seq_len=1024),
     "28b": GPTConfig(vocab_size=32000, n_layer=34, n_head=64, d_model=8192, seq_len=1024),
+    # the engine's largest on the 4x H200 node (4 x 141 GB, 503 GiB of host), exact state, by
+    # benchmarks/lab/auto_placement.py: about 230 of 514 chunks' state per rank on its GPU and
+    # 94-98 GiB of host homes per rank, the share as session 22's 27.65B had on 2x H200 + 251 GiB
+    "52b": GPTConfig(vocab_size=32000, n_layer=64, n_head=64, d_model=8192, seq_len=1024),
 }
 
 
