@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zero_offload as zo
-from zero_offload.runtime.placement import Measured
+from zero_offload.runtime.placement import FitError, Measured
 from zero_offload.runtime.store import Residency, Tier
 from _dist_util import run_ranks, values
 from _engine_util import (Reference, assert_params_close, auto_config, gpt_batches, gpt_loss, micro_gpt,
@@ -52,10 +52,10 @@ def _rank(rank, world, kw, grow):
     return sd, shares, report
 
 
-def _reference(kw):
+def _reference(kw, world=WORLD):
     accum = kw.get("grad_accum", 1)
     ref = Reference(micro_gpt(), SPEC, accum=accum, grad_clip=kw.get("grad_clip"))
-    for b in gpt_batches(STEPS * accum, batch=2 * WORLD):
+    for b in gpt_batches(STEPS * accum, batch=2 * world):
         ref.step(b, gpt_loss)
     return ref
 
@@ -81,6 +81,38 @@ def test_ranks_grow_the_share_after_a_measured_step(tmp_path):
         assert 0 < before < n and after == n, shares
         assert report["grown"] == n - before and report["measured"]["headroom"] == 1 << 40
         assert_params_close(sd, ref.master_state(), rtol=1e-5)
+
+
+def _lowered_rank(rank, world, kw):
+    """The host cannot hold what half the device tier leaves it: refused with that reserve asked
+    for explicitly; "auto" lowers it ([Note: auto reserve]) and trains."""
+    try:
+        zo.initialize(micro_gpt(), optimizer=SPEC, device="cpu",
+                      config=auto_config(**kw, activation_reserve=kw["gpu_budget"] // 2))
+        refused = None
+    except FitError as e:
+        refused = str(e)
+    return refused, _rank(rank, world, kw, False)
+
+
+@pytest.mark.parametrize("world,kw", [(1, dict(gpu_budget=260_000, cpu_budget=50_000)),
+                                      (2, dict(gpu_budget=200_000, cpu_budget=40_000))], ids=["1rank", "2ranks"])
+def test_an_auto_reserve_the_host_cannot_back_is_lowered_and_trains(world, kw, tmp_path):
+    """Sessions 22-23 ran 27.65B and 51.82B with a reserve set by hand: with "auto" the first plan
+    (half the card to the activations) did not fit the host. Now it takes the largest reserve
+    that does, both tiers in use, the ranks agreeing; training is torch AdamW's."""
+    out = values(run_ranks(_lowered_rank, world, tmp_path, kw, timeout_s=120))
+    ref = _reference(kw, world)
+    reports = []
+    for refused, (sd, shares, report) in out:
+        assert refused is not None and "cpu_budget" in refused
+        on, n = shares[0]
+        assert 0 < on < n, (shares, report["why"])
+        assert report["reserve_lowered"] and kw["gpu_budget"] // 8 <= report["reserve"] < kw["gpu_budget"] // 2
+        assert "lowered from half the budget" in report["why"]
+        reports.append((report["reserve"], report["share"]))
+        assert_params_close(sd, ref.master_state(), rtol=1e-5)
+    assert len(set(map(repr, reports))) == 1, reports
 
 
 def _grads_held(engine):

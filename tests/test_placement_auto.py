@@ -7,9 +7,10 @@ of whole chunks with ranks; the report of what is where and why."""
 import pytest
 import torch
 
-from zero_offload.runtime.placement import (MARGIN_MIN, Budgets, ChunkNeed, FitError, Measured,
-                                            PlacementRequest, grow_share, plan_placement, promote_state,
-                                            window_bytes)
+from zero_offload.runtime.placement import (AUTO_RESERVE_FLOOR, AUTO_RESERVE_STEPS, MARGIN_MIN, Budgets,
+                                            ChunkNeed, FitError, Measured, PlacementRequest, grow_share,
+                                            plan_placement, promote_state, reserve_bytes, window_bytes)
+from zero_offload.runtime.placement import _staging_bytes
 from zero_offload.runtime.store import Tier
 from zero_offload.runtime.update_rule import AdamRule
 from zero_offload.runtime.vocab import Placement
@@ -287,3 +288,76 @@ def test_an_auto_budget_of_a_nearly_full_card_is_what_is_free_less_its_reserve(m
         cfg = store.StoreConfig(device=torch.device("cuda:0"), budgets={Tier.GPU: "auto"})
         assert store.resolve_budgets(cfg)[Tier.GPU] == int(12 * GiB * 0.9), total
     assert store.auto_budget(0, 0.1) == 0 and store.auto_budget(100, 0.0) == 100
+
+
+def _host_need(ranks, gpu, reserve):
+    """Host bytes the plan with an explicit ``reserve`` needs (an unbounded host budget)."""
+    return plan_placement(_request(ranks, gpu=gpu, reserve=reserve)).need[Tier.CPU]
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_an_auto_reserve_is_lowered_until_the_host_holds_the_rest(ranks):
+    """[Note: auto reserve] A host that cannot hold what half the card leaves it (51.82B on 4x
+    H200 + 503 GiB, which ran with a reserve set by hand): the first plan leaves the activations
+    the largest reserve that fits instead of refusing, within gpu / AUTO_RESERVE_STEPS of it; an
+    explicit reserve is taken as asked."""
+    gpu = 16 * GiB // ranks
+    half = gpu // 2
+    cpu = (_host_need(ranks, gpu, half) + _host_need(ranks, gpu, gpu // AUTO_RESERVE_FLOOR)) // 2
+    with pytest.raises(FitError, match="cpu_budget"):
+        plan_placement(_request(ranks, gpu=gpu, cpu=cpu, reserve=half))
+    plan = plan_placement(_request(ranks, gpu=gpu, cpu=cpu))
+    reserve = reserve_bytes(plan.request)
+    assert gpu // AUTO_RESERVE_FLOOR <= reserve < half
+    assert plan.need[Tier.CPU] <= cpu - _staging_bytes(plan.request) and plan.need[Tier.GPU] <= gpu - reserve + window_bytes(plan.request, whole=True)
+    slack = _staging_bytes(plan.request)  # the host room the search keeps free
+    with pytest.raises(FitError):  # the largest that fits, within the search's step
+        plan_placement(_request(ranks, gpu=gpu, cpu=cpu - slack, reserve=reserve + gpu // AUTO_RESERVE_STEPS))
+    report = plan.report()
+    assert report["reserve"] == reserve and report["reserve_lowered"]
+    assert "lowered from half the budget" in plan.why
+    # the ranks agree: every rank plans the common request the same way
+    assert plan == plan_placement(_request(ranks, gpu=gpu, cpu=cpu))
+
+
+def test_half_is_kept_where_it_fits_or_where_nvme_takes_the_rest():
+    """The lowering serves a plan that would not fit at all: one that fits keeps half the card,
+    and so does one whose state spills to NVMe (the measured step grows the share and brings the
+    NVMe state back into host memory: [Note: measured share])."""
+    plan = plan_placement(_request(1, gpu=16 * GiB))
+    assert reserve_bytes(plan.request) == 8 * GiB and not plan.report()["reserve_lowered"]
+    spilled = _spilled()
+    assert reserve_bytes(spilled.request) == 36 * GiB and Tier.NVME in _tiers(spilled)
+
+
+def test_below_the_floor_the_plan_refuses_and_names_the_reserve():
+    """Where only a reserve under gpu_budget / AUTO_RESERVE_FLOOR fits, "auto" does not take it
+    (the step's activations are unknown): the error says so and how to ask for it; where no
+    reserve fits, the error is the one of half the card."""
+    gpu = 16 * GiB
+    floor = gpu // AUTO_RESERVE_FLOOR
+    slack = _staging_bytes(_request(1, gpu=gpu))  # the host room the lowered plan leaves
+    cpu = _host_need(1, gpu, 0) + slack
+    assert cpu < _host_need(1, gpu, floor) + slack
+    with pytest.raises(FitError) as info:
+        plan_placement(_request(1, gpu=gpu, cpu=cpu))
+    text = str(info.value)
+    assert "\n" not in text and "cpu_budget" in text
+    assert f"less than gpu_budget/{AUTO_RESERVE_FLOOR}" in text and "pass activation_reserve=<bytes>" in text
+    with pytest.raises(FitError) as info:
+        plan_placement(_request(1, gpu=gpu, cpu=_host_need(1, gpu, 0) + slack - 1))
+    assert "activation_reserve=<bytes>" not in str(info.value)
+
+
+def test_out_of_memory_with_a_lowered_reserve_says_the_host_is_full():
+    """A first step whose activations need more than the lowered reserve: the share cannot give
+    its room back to a full host, and the error says so, not "pass a larger reserve" (which
+    would not fit)."""
+    gpu = 16 * GiB
+    cpu = (_host_need(1, gpu, gpu // 2) + _host_need(1, gpu, gpu // AUTO_RESERVE_FLOOR)) // 2
+    plan = plan_placement(_request(1, gpu=gpu, cpu=cpu))
+    text = str(plan.unmeasured_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")))
+    assert "\n" not in text and "lowered from half of gpu_budget" in text and "host has no room" in text
+    assert "Pass a larger activation_reserve" not in text and "Tried to allocate 2.00 GiB" in text
+    plain = plan_placement(_request(1, gpu=gpu))
+    assert "Pass a larger activation_reserve" in str(plain.unmeasured_oom(torch.OutOfMemoryError("x")))

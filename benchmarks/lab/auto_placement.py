@@ -1,14 +1,19 @@
 """What optimizer="auto" places for a preset GPT on 1/2/4 GPUs of a node, from the planner alone
 (runtime/placement.py; no GPU needed): the first plan (half the GPU budget left to the first step's
-activations) and the plan grown after a measured step whose peak is the store's homes plus an
+activations, less where the host cannot hold the rest: [Note: auto reserve]; each row's
+reserve_gib) and the plan grown after a measured step whose peak is the store's homes plus an
 assumed activation peak. Budgets as the engine resolves "auto" ones: the card's free memory less
 10% of its size per GPU; the host's available memory less 10%, divided by the ranks.
 
     python benchmarks/lab/auto_placement.py --preset 1.3b --card-gib 79.65 --act-gib 17
-    # session 22's largest on 2x H200: 27.65B exact with a 30 GiB first-step reserve; 30.53B
-    # exact does not fit (the row says why), with bf16 moments it does
+    # session 22's largest on 2x H200: 27.65B exact (it ran with a 30 GiB first-step reserve set
+    # by hand; "auto" now lowers its own); 30.53B exact does not fit (the row says why), with
+    # bf16 moments it does
     python benchmarks/lab/auto_placement.py --preset 28b --ranks 2 --card-gib 139.8 --host-gib 245 \
-        --act-gib 35 --reserve-gib 30
+        --act-gib 35
+    # session 23's largest on 4x H200: 51.82B exact (35 GiB set by hand then)
+    python benchmarks/lab/auto_placement.py --preset 52b --ranks 4 --card-gib 139.8 --host-gib 495 \
+        --act-gib 36
     python benchmarks/lab/auto_placement.py --preset 30b --ranks 2 --card-gib 139.8 --host-gib 245 \
         --act-gib 35 --reserve-gib 30 --moments bf16
 """
@@ -73,7 +78,7 @@ def main():
         for name, plan in (("first step", first), ("after it", grown)):
             r = plan.report()
             rows.append({"preset": args.preset, "params": params, "ranks": ranks, "plan": name,
-                         "gpu_budget_gib": round(gpu / GiB, 2),
+                         "gpu_budget_gib": round(gpu / GiB, 2), "reserve_gib": round(r["reserve"] / GiB, 2),
                          "gpu_homes_gib": round(r["tiers"]["gpu"]["homes"] / GiB, 2),
                          "gpu_state_gib": round(r["tiers"]["gpu"]["optimizer"] / GiB, 2),
                          "cpu_state_gib": round(r["tiers"]["cpu"]["optimizer"] / GiB, 2),

@@ -448,8 +448,10 @@ class OffloadConfig:
     activation_reserve: Budget = "auto"
     """Bytes of ``gpu_budget`` that "auto" placements (params, the GPU share of the optimizer)
     leave to activations, which the engine does not see: an int, a size string, or "auto" (half
-    of ``gpu_budget``). Lower it with activation checkpointing or small micro-batches to give
-    more chunks to the GPU; raise it if the forward runs out of memory."""
+    of ``gpu_budget``, or less where host memory cannot hold what half leaves it, down to an
+    eighth: [Note: auto reserve] in runtime/placement.py; the first step measures either way).
+    Lower it with activation checkpointing or small micro-batches to give more chunks to the
+    GPU; raise it if the forward runs out of memory."""
     cpu_budget: Budget = "auto"
     """Bytes of pinned host memory for chunks: int, size string or "auto" (available RAM minus a
     reserve)."""

@@ -62,7 +62,8 @@ two finish together when the host's part takes no longer than the GPU time it hi
 so the share is as large as memory allows.
 
 [Note: measured share] The first plan cannot know the activations: it leaves ``reserve`` ("auto":
-half the GPU budget) to them, a conservative share. After the first step the front end measures
+half the GPU budget, less where the host cannot hold the rest: [Note: auto reserve]) to them, a
+conservative share. After the first step the front end measures
 the device (``Measured``: the allocator's peak over the step and the bytes it may reach) and
 ``grow_share`` extends the share by what the peak leaves free, less a margin for fragmentation
 and step-to-step variation, within ``gpu_budget``: the step's other allocations stay as they
@@ -517,7 +518,7 @@ class PlacementRequest:
     """Chunks read ahead (the working window on the device, the NVMe staging in host memory)."""
     reserve: "int | str" = 0
     """GPU bytes "auto" placements leave to what the store does not see (activations): bytes, or
-    "auto" (half the GPU budget)."""
+    "auto" (half the GPU budget, or less: [Note: auto reserve])."""
     gpu_optimizer: bool = False
     """The front end updates chunks whose state is homed on the device there: "auto" optimizer
     state may take the GPU share ([Note: GPU share placement])."""
@@ -535,6 +536,9 @@ class PlacementRequest:
     replicas_later: bool = False
     """Set by the plan (never asked): "auto" replicas that did not fit the first plan beside the
     whole state; ``grow_share`` adds them when the measured step leaves them room."""
+    auto_reserve: "int | None" = None
+    """Set by the plan (never asked): the bytes an "auto" ``reserve`` resolved to, half the GPU
+    budget or less where the host cannot hold what half leaves it ([Note: auto reserve])."""
     owner: str = ""
     """Who asks, for messages (none: the message starts with the problem)."""
     state_option: str = "optimizer"
@@ -698,8 +702,8 @@ class PlacementPlan:
         the reserve the first plan left them. Other errors, or after the measurement: ``error``."""
         if not isinstance(error, torch.OutOfMemoryError) or self.measured is not None:
             return error
-        request, budgets = self.request, self.budgets
-        reserve = budgets.gpu // 2 if request.reserve == "auto" else request.reserve
+        request = self.request
+        reserve, lowered = reserve_bytes(request), _reserve_lowered(request)
         homes = self.need[Tier.GPU] - self.working[Tier.GPU]
         line = (str(error).splitlines() or [""])[0][:160]
         if self.evicted:  # [Note: unmeasured share]: the share gave its room back, not enough
@@ -709,14 +713,18 @@ class PlacementPlan:
                 f"({self.count(optimizer=Tier.GPU)} chunks' state and {homes / 2**30:.1f} GiB of homes "
                 f"stay there: {self.why}). The step's activations do not fit beside the params: "
                 f"checkpoint more blocks, or lower the batch")
+        fix = ("the host has no room for more of the state ([Note: auto reserve]): checkpoint more "
+               "blocks, lower the batch, or give the state more room (nvme_dir, moments_dtype='bf16')"
+               if lowered else "Pass a larger activation_reserve (the share grows back after the first "
+               "step measures), or checkpoint more blocks")
         return torch.OutOfMemoryError(
             f"{request._prefix}CUDA out of memory in a step before the first was measured ({line}): the "
             f"first plan left activation_reserve={reserve} bytes ({reserve / 2**30:.1f} GiB"
-            + (', "auto": half of gpu_budget' if request.reserve == "auto" else "")
+            + (', "auto", lowered from half of gpu_budget so that host memory holds the rest of the '
+               'state' if lowered else ', "auto": half of gpu_budget' if request.reserve == "auto" else "")
             + f") to the activations beside {homes / 2**30:.1f} GiB of homes on the device "
             f"({self.count(optimizer=Tier.GPU)} chunks' optimizer state), and this step's activations "
-            f"need more. Pass a larger activation_reserve (the share grows back after the first "
-            f"step measures), or checkpoint more blocks")
+            f"need more. {fix}")
 
     def stop_promotion(self, index: int, error: BaseException) -> "PlacementPlan":
         """This plan with the promoted chunks from ``index`` on back on NVMe (their move into host
@@ -766,6 +774,7 @@ class PlacementPlan:
                     "device_limit": m.device_limit, "device_peak": m.device_peak,
                     "activation_peak": m.activation_peak, "margin": m.margin_bytes,
                     "headroom": m.headroom},
+                "reserve": reserve_bytes(request), "reserve_lowered": _reserve_lowered(request),
                 "grown": len(self.grown), "fell_back": len(self.fell_back), "evicted": len(self.evicted),
                 "why": self.why,
                 "replicas": request.replicas is True, "replicas_bytes": _replica_bytes(request),
@@ -931,6 +940,98 @@ def plan_placement(request: PlacementRequest) -> PlacementPlan:
     """
     if request.replicas == "auto":
         return _plan_replicas(request)
+    if request.reserve != "auto" or request.auto_reserve is not None:
+        return _plan_layouts(request)
+    half = request.budgets.gpu // 2
+    try:
+        return _plan_layouts(dataclasses.replace(request, auto_reserve=half))
+    except FitError as error:
+        if request.replicas is True or not _reserve_places(request):
+            raise
+        return _lowered_reserve_plan(request, half, error)
+
+
+AUTO_RESERVE_FLOOR = 8
+"""An "auto" reserve lowered so that the host can hold the state goes no lower than the GPU
+budget / this ([Note: auto reserve])."""
+AUTO_RESERVE_STEPS = 512
+"""The search for the largest "auto" reserve that fits stops within the GPU budget / this of it
+(250 MiB of an H200's 125 GiB "auto" budget; at most 8 plans past the floor)."""
+
+
+def _reserve_places(request: PlacementRequest) -> bool:
+    """The reserve changes what the plan places: "auto" params, or an "auto" GPU share."""
+    return request.params is Placement.AUTO or (request.optimizer is Placement.AUTO and request.gpu_optimizer)
+
+
+def _lowered_reserve_plan(request: PlacementRequest, half: int, error: FitError) -> "PlacementPlan":
+    """[Note: auto reserve] The first plan of an "auto" reserve leaves half the GPU budget to the
+    activations, a guess the measured step corrects ([Note: measured share]). Where that plan
+    does not fit (the host cannot hold the state the device does not take: 27.65B on 2x H200 +
+    251 GiB, 51.82B on 4x H200 + 503 GiB, sessions 22-23, which ran with a reserve set by hand),
+    refusing would leave the user to guess a reserve. The plan is the one with the largest
+    reserve that fits instead, found by bisection (within ``gpu // AUTO_RESERVE_STEPS``), down to
+    ``gpu // AUTO_RESERVE_FLOOR``: the device takes more of the state and the host less. The
+    first step then measures; if its activations need more than the lowered reserve, the share
+    cannot give its room back (the host is full), and the out-of-memory error says so
+    (``unmeasured_oom``). The search plans against the host budget less ``_staging_bytes``, so
+    that the plan does not fill the host to its last byte: the store's transient copies
+    (``initialize`` hands each chunk's first values over through one) need room beside the homes.
+    Below the floor it refuses, with the reserve that would fit named: a
+    reserve that small is the user's call (``activation_reserve``). Every rank plans the same
+    request with the common budgets, so the ranks find the same reserve. Only where half does not
+    fit at all: a plan that spills state to NVMe keeps half (the measured step grows the share and
+    brings NVMe state back into host memory), and the replicas' trial plan never lowers it."""
+    budgets = request.budgets
+    slack = dataclasses.replace(budgets, cpu=max(0, budgets.cpu - _staging_bytes(request)))
+
+    def fits(reserve: int) -> bool:
+        try:
+            _plan_layouts(dataclasses.replace(request, auto_reserve=reserve, budgets=slack))
+        except FitError:
+            return False
+        return True
+
+    floor = budgets.gpu // AUTO_RESERVE_FLOOR
+    if not fits(floor):
+        if not fits(0):
+            raise error
+        raise FitError(f"{error} The plan would fit with less than gpu_budget/{AUTO_RESERVE_FLOOR} "
+                       f"({floor / 2**30:.1f} GiB) left to the activations, less than \"auto\" leaves "
+                       f"them: if the step's activations fit in less, pass activation_reserve=<bytes> "
+                       f"(at most the largest that fits), else give the state more room") from None
+    lo, hi, step = floor, half, max(1, budgets.gpu // AUTO_RESERVE_STEPS)  # lo fits, hi does not
+    while hi - lo > step:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return _plan_layouts(dataclasses.replace(request, auto_reserve=lo))  # (fits: it fit with less)
+
+
+def _staging_bytes(request: PlacementRequest) -> int:
+    """Host bytes of ``prefetch_depth + 1`` copies of the largest chunk's params and optimizer
+    state: the NVMe staging window, and the slack a lowered reserve leaves the host ([Note: auto
+    reserve])."""
+    return (request.prefetch_depth + 1) * max(
+        (_params_bytes(c, request) + chunk_bytes(c, request, optimizer_payloads(c, request)) for c in request.chunks),
+        default=0)
+
+
+def reserve_bytes(request: PlacementRequest) -> int:
+    """The GPU bytes ``request``'s plan leaves to the activations: its ``reserve``, an "auto" one
+    as the plan resolved it (``auto_reserve``; half the GPU budget before)."""
+    if request.reserve != "auto":
+        return request.reserve
+    return request.budgets.gpu // 2 if request.auto_reserve is None else request.auto_reserve
+
+
+def _reserve_lowered(request: PlacementRequest) -> bool:
+    """An "auto" reserve the plan lowered below half the GPU budget ([Note: auto reserve])."""
+    return request.reserve == "auto" and request.auto_reserve is not None \
+        and request.auto_reserve < request.budgets.gpu // 2
+
+
+def _plan_layouts(request: PlacementRequest) -> PlacementPlan:
+    """``plan_placement`` of a request whose reserve is decided: each host layout in turn."""
     grads = ("persistent", "window") if request.host_grads == "auto" else (request.host_grads,)
     params = ("copy", "from-master") if request.host_params == "auto" else (request.host_params,)
     if request.grads_wait:
@@ -1050,11 +1151,9 @@ def _plan(request: PlacementRequest) -> PlacementPlan:
     # through the window count as the window's bytes instead.
     host_fixed = grads_window + sum(chunk_bytes(c, request, ("grads", "accum")) + _copy_out_bytes(c, request)
                                     - _windowed_grads(c, request) for c in chunks if c.trainable)
-    staging_unit = max((_params_bytes(c, request) + chunk_bytes(c, request, optimizer_payloads(c, request))
-                        for c in chunks), default=0)
-    staging = (request.prefetch_depth + 1) * staging_unit
+    staging = _staging_bytes(request)
     need = {Tier.GPU: gpu_window + gpu_extra, Tier.CPU: host_fixed, Tier.NVME: 0}
-    reserve = budgets.gpu // 2 if request.reserve == "auto" else request.reserve
+    reserve = reserve_bytes(request)
     gpu_auto = budgets.gpu - reserve
 
     def host_room(extra: int) -> bool:
@@ -1108,6 +1207,8 @@ def _plan(request: PlacementRequest) -> PlacementPlan:
                     share, share_ended = False, True
                     why = (f"chunk {i}'s state ({on_gpu} bytes on the device) does not fit the GPU "
                            f"budget {budgets.gpu} less the reserve {reserve} left to activations"
+                           + (" (\"auto\", lowered from half the budget so that host memory holds the rest)"
+                              if _reserve_lowered(request) else "")
                            + (" until the first step is measured" if request.reserve == "auto" else ""))
             elif share:
                 share, share_ended = False, True
