@@ -309,8 +309,9 @@ def test_an_auto_reserve_is_lowered_until_the_host_holds_the_rest(ranks):
     plan = plan_placement(_request(ranks, gpu=gpu, cpu=cpu))
     reserve = reserve_bytes(plan.request)
     assert gpu // AUTO_RESERVE_FLOOR <= reserve < half
-    assert plan.need[Tier.CPU] <= cpu - _staging_bytes(plan.request) and plan.need[Tier.GPU] <= gpu - reserve + window_bytes(plan.request, whole=True)
     slack = _staging_bytes(plan.request)  # the host room the search keeps free
+    assert plan.need[Tier.CPU] <= cpu - slack
+    assert plan.need[Tier.GPU] <= gpu - reserve + window_bytes(plan.request, whole=True)
     with pytest.raises(FitError):  # the largest that fits, within the search's step
         plan_placement(_request(ranks, gpu=gpu, cpu=cpu - slack, reserve=reserve + gpu // AUTO_RESERVE_STEPS))
     report = plan.report()
@@ -342,11 +343,14 @@ def test_below_the_floor_the_plan_refuses_and_names_the_reserve():
     with pytest.raises(FitError) as info:
         plan_placement(_request(1, gpu=gpu, cpu=cpu))
     text = str(info.value)
-    assert "\n" not in text and "cpu_budget" in text
-    assert f"less than gpu_budget/{AUTO_RESERVE_FLOOR}" in text and "pass activation_reserve=<bytes>" in text
+    assert "\n" not in text and "cpu_budget" in text and f"less than gpu_budget/{AUTO_RESERVE_FLOOR}" in text
+    most = int(text.split("pass activation_reserve=")[1].split(";")[0])
+    assert 0 <= most < floor
+    plan = plan_placement(_request(1, gpu=gpu, cpu=cpu, reserve=most))  # the reserve it names fits
+    assert reserve_bytes(plan.request) == most
     with pytest.raises(FitError) as info:
         plan_placement(_request(1, gpu=gpu, cpu=_host_need(1, gpu, 0) + slack - 1))
-    assert "activation_reserve=<bytes>" not in str(info.value)
+    assert "pass activation_reserve=" not in str(info.value)
 
 
 def test_out_of_memory_with_a_lowered_reserve_says_the_host_is_full():

@@ -1,8 +1,8 @@
 """The GPU share's bf16-moment rounding on CUDA: the Triton kernel (ops/rounding_triton.py) against
 the torch ops it replaces (rounding.stochastic_round_moments_bf16 + the copies into the bf16
 moments), same inputs, same process, same GPU. Checks the bits first, then times each way with
-CUDA events: ``--reps`` timed launches after 3 untimed, median and IQR in ms, and the bytes each
-moves per element as the element rate implies at the device's copy bandwidth (not measured).
+CUDA events: ``--reps`` timed launches after 3 untimed, median and IQR in ms, the elements per
+second, and the device memory each way allocates beyond its inputs and outputs.
 
     python benchmarks/lab/rounding_kernel.py --elements 268435456 --json-out rounding.json
 

@@ -992,19 +992,23 @@ def _lowered_reserve_plan(request: PlacementRequest, half: int, error: FitError)
             return False
         return True
 
+    def largest(lo: int, hi: int) -> int:  # fits(lo) and not fits(hi): the largest that fits, within a step
+        step = max(1, budgets.gpu // AUTO_RESERVE_STEPS)
+        while hi - lo > step:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
     floor = budgets.gpu // AUTO_RESERVE_FLOOR
     if not fits(floor):
         if not fits(0):
             raise error
-        raise FitError(f"{error} The plan would fit with less than gpu_budget/{AUTO_RESERVE_FLOOR} "
-                       f"({floor / 2**30:.1f} GiB) left to the activations, less than \"auto\" leaves "
-                       f"them: if the step's activations fit in less, pass activation_reserve=<bytes> "
-                       f"(at most the largest that fits), else give the state more room") from None
-    lo, hi, step = floor, half, max(1, budgets.gpu // AUTO_RESERVE_STEPS)  # lo fits, hi does not
-    while hi - lo > step:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return _plan_layouts(dataclasses.replace(request, auto_reserve=lo))  # (fits: it fit with less)
+        most = largest(0, floor)
+        raise FitError(f"{error} It would fit with at most {most} bytes ({most / 2**30:.2f} GiB) left to "
+                       f"the activations, less than gpu_budget/{AUTO_RESERVE_FLOOR}, the least \"auto\" "
+                       f"leaves them: if the step's activations fit in that, pass activation_reserve={most}; "
+                       f"else give the state more room") from None
+    return _plan_layouts(dataclasses.replace(request, auto_reserve=largest(floor, half)))  # (fit with less)
 
 
 def _staging_bytes(request: PlacementRequest) -> int:
