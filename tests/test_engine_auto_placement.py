@@ -230,3 +230,35 @@ def test_running_out_of_memory_before_the_first_measurement_names_the_reserve(mo
             engine(x, y)
     finally:
         engine.close()
+
+
+def _failed_handover(rank, world, kw):
+    """initialize on budgets whose plan fits but whose handover runs out of host room: what it
+    raised (and over what), and whether the model has every value it had."""
+    torch.manual_seed(0)
+    model = micro_gpt()
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    try:
+        zo.initialize(model, optimizer=SPEC, config=auto_config(**kw), device="cpu")
+        raised = None
+    except Exception as e:  # noqa: BLE001 - returned to the test
+        raised = (type(e).__name__, str(e), e.__context__ is None)
+    after = model.state_dict()
+    kept = sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+    return raised, kept
+
+
+@pytest.mark.parametrize("world,kw", [(1, dict(gpu_budget=300_000, cpu_budget=40_000)),
+                                      (2, dict(gpu_budget=300_000, cpu_budget=38_912))], ids=["1rank", "2ranks"])
+def test_a_handover_that_runs_out_of_host_room_gives_the_model_back_every_value(world, kw, tmp_path):
+    """The plan fits the host budget within a chunk's bytes, and writing a device-homed chunk's
+    first values needs a host copy beyond it. The clean-up gave the values back in chunk order,
+    each device-homed chunk through a host copy that had no room either, so it raised over the
+    cause and the model lost the values not yet back. Now the chunks never filled are freed and
+    the host-homed ones go back first: the budget's own error, nothing raised over it, every value
+    back in the model."""
+    for raised, kept in values(run_ranks(_failed_handover, world, tmp_path, kw, timeout_s=120)):
+        assert raised is not None, "the plan was expected to fill the host budget to within a chunk"
+        name, text, alone = raised
+        assert name == "BudgetError" and "tier 'cpu'" in text and alone, raised
+        assert kept

@@ -287,10 +287,12 @@ class Handover:
 
     def give_back(self, group) -> None:
         """The values of every chunk taken back into the model's parameters, each chunk's memory
-        freed as soon as its values are out (``group.read_values(take=True)``)."""
+        freed as soon as its values are out (``group.read_values(take=True)``), in the order that
+        frees host memory first (``ChunkGroup.values_back_order``): a handover that failed for
+        want of host room (``initialize``'s clean-up) still gives the model all its values back."""
         group.drop_buffers()
         taken, self._taken = self._taken, []
-        for chunk in taken:
+        for chunk in group.values_back_order(taken):
             with group.values(chunk, take=True) as flat:  # one copy: the store's buffer -> each param
                 for s in chunk.layout.slots:
                     device, dtype = self._origins[s.index]

@@ -1296,6 +1296,20 @@ class ChunkStore:
         with self._lock:
             return self._payload(cid, name).spec
 
+    def discarded(self, cid: int) -> bool:
+        """Whether ``discard`` freed the chunk."""
+        with self._lock:
+            self._check_open()
+            return self._chunks[cid].discarded
+
+    def home_bytes(self, cid: int, tier: "Tier | str") -> int:
+        """Bytes of the chunk's home copies in ``tier`` (what ``discard`` frees there, derived
+        payloads having none)."""
+        tier = Tier.of(tier)
+        with self._lock:
+            return sum(p.copies[tier].nbytes for p in self._chunk(cid).payloads.values()
+                       if p.home is tier and p.source is None)
+
     def has_payload(self, cid: int, name: str) -> bool:
         """Whether chunk ``cid`` has a payload called ``name`` (chunks may differ)."""
         with self._lock:
