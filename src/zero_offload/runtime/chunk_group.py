@@ -629,16 +629,17 @@ class ChunkGroup:
     def values_back_order(self, taken: Sequence[GroupChunk]) -> list:
         """For an owner giving the chunks' values back for good (``values(take=True)`` each):
         the chunks not in ``taken`` (made, never filled: a handover that failed part-way) are
-        discarded first, then ``taken`` in the order that frees the most host memory first. A
-        value read of a chunk homed elsewhere passes through a host copy that needs room in the
-        host budget, which the homes may fill ([Note: auto reserve] in placement.py). The same
-        order on every rank (their homes agree)."""
+        discarded first, then ``taken`` with the chunks holding host homes first, each group in
+        order. A value read of a chunk homed elsewhere passes through a host copy that needs room
+        in the host budget, which the homes may fill ([Note: auto reserve] in placement.py). The
+        same order on every rank: it reads the homes, which agree, not the shards' bytes (each
+        chunk's read is collective)."""
         keep = {c.cid for c in taken}
         for c in self.chunks:
             if c.cid not in keep and not self.store.discarded(c.cid):
                 self.wait(c)
                 self.store.discard(c.cid)
-        return sorted(taken, key=lambda c: -self.store.home_bytes(c.cid, Tier.CPU))  # (stable)
+        return sorted(taken, key=lambda c: not self.store.homed_in(c.cid, Tier.CPU))  # (stable)
 
     @contextlib.contextmanager
     def values(self, chunk: GroupChunk, *, take: bool = False):

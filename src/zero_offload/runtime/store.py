@@ -1302,13 +1302,13 @@ class ChunkStore:
             self._check_open()
             return self._chunks[cid].discarded
 
-    def home_bytes(self, cid: int, tier: "Tier | str") -> int:
-        """Bytes of the chunk's home copies in ``tier`` (what ``discard`` frees there, derived
-        payloads having none)."""
+    def homed_in(self, cid: int, tier: "Tier | str") -> bool:
+        """Whether any of the chunk's payloads has its home in ``tier`` (``discard`` frees memory
+        there; derived payloads have none). Ranks whose homes agree get the same answer, whatever
+        their shards' sizes."""
         tier = Tier.of(tier)
         with self._lock:
-            return sum(p.copies[tier].nbytes for p in self._chunk(cid).payloads.values()
-                       if p.home is tier and p.source is None)
+            return any(p.home is tier and p.source is None for p in self._chunk(cid).payloads.values())
 
     def has_payload(self, cid: int, name: str) -> bool:
         """Whether chunk ``cid`` has a payload called ``name`` (chunks may differ)."""
