@@ -924,6 +924,8 @@ class ChunkGroup:
                        and store.windowed(c.cid, name)
                        and store.state(c.cid, name, Tier.CPU) is not Residency.ABSENT]
             if not holders:
+                if window.available():  # a holder's update gave its slot back (the worker's
+                    break               # ``_consumed``) after the check above: nothing to wait for
                 raise RuntimeError(
                     f"{self.owner}: the grads window's {window.slots} slot(s) all hold grads that no queued "
                     f"update will consume (they wait for the window's decision: clipping or fp16 without "
