@@ -349,7 +349,13 @@ def common_reserve(per_rank, gpu: int) -> "int | str":
     per_rank = list(per_rank)
     if all(r == "auto" for r in per_rank):
         return "auto"
-    return max(gpu // 2 if r == "auto" else r for r in per_rank)
+    return max(_half_reserve(gpu) if r == "auto" else r for r in per_rank)
+
+
+def _half_reserve(gpu: int) -> int:
+    """An "auto" reserve as the first plan tries it: half the GPU budget ``gpu`` (less only where
+    the host cannot hold the rest: [Note: auto reserve])."""
+    return gpu // 2
 
 
 MARGIN_SHARE = 0.04
@@ -942,7 +948,7 @@ def plan_placement(request: PlacementRequest) -> PlacementPlan:
         return _plan_replicas(request)
     if request.reserve != "auto" or request.auto_reserve is not None:
         return _plan_layouts(request)
-    half = request.budgets.gpu // 2
+    half = _half_reserve(request.budgets.gpu)
     try:
         return _plan_layouts(dataclasses.replace(request, auto_reserve=half))
     except FitError as error:
@@ -1025,13 +1031,12 @@ def reserve_bytes(request: PlacementRequest) -> int:
     as the plan resolved it (``auto_reserve``; half the GPU budget before)."""
     if request.reserve != "auto":
         return request.reserve
-    return request.budgets.gpu // 2 if request.auto_reserve is None else request.auto_reserve
+    return _half_reserve(request.budgets.gpu) if request.auto_reserve is None else request.auto_reserve
 
 
 def _reserve_lowered(request: PlacementRequest) -> bool:
     """An "auto" reserve the plan lowered below half the GPU budget ([Note: auto reserve])."""
-    return request.reserve == "auto" and request.auto_reserve is not None \
-        and request.auto_reserve < request.budgets.gpu // 2
+    return request.reserve == "auto" and reserve_bytes(request) < _half_reserve(request.budgets.gpu)
 
 
 def _plan_layouts(request: PlacementRequest) -> PlacementPlan:
