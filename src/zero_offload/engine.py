@@ -388,6 +388,7 @@ class Engine:
         self._hooks = ModuleHooks(  # module_hooks.py; installed once the chunks are built
             self.module, self.partition, self.group.chunks, lock=self._lock, phase=lambda: self._phase,
             to_backward=self._to_backward, hold=self._hold, unhold=self._unhold,
+            resident=lambda chunk: self.prefetcher.resident(chunk.cid),
             regions=[r.module for r in self.regions])
         self._guard = ParamGuard(  # see param_guard.py; the placeholders exist from here on
             self.module, self.partition, self.group.chunks, device=self.device, dtype=self.dtype,
@@ -425,7 +426,8 @@ class Engine:
             keep_limit=keep_limit(self.plan.request),
             consumer=Consumer(map=self._materialize, unmap=self._unmap,
                               busy=lambda cid: self._phase is Phase.BACKWARD and bool(self.group.chunks[cid].awaiting),
-                              reuse=lambda: self._phase is Phase.FORWARD and torch.is_grad_enabled()))
+                              reuse=lambda: self._phase is Phase.FORWARD and torch.is_grad_enabled(),
+                              resident=self.group.params_resident))
         self._parking = Parking(self.store, self.group, self.prefetcher, self.shard, owner="engine")
 
         self.global_step = 0
@@ -533,8 +535,11 @@ class Engine:
         self._set_phase(Phase.FORWARD)
         t0 = time.perf_counter()
         try:
-            with self._guard.forward(), profile_range("zero_offload::forward"):
+            views = not all(self.group.params_resident(c.cid) for c in self.group.chunks)
+            with self._guard.forward(views=views), profile_range("zero_offload::forward"):
                 out = self.module(*args, **kwargs)
+            if torch.is_grad_enabled():
+                self._hooks.watch_output(out)
             self._hooks.add_reads(self._guard.take_reads())
             return out
         except BaseException as e:
@@ -679,7 +684,9 @@ class Engine:
         with self._lock, profile_range("zero_offload::grad_landed"):
             self._to_backward()
             self.group.grad(slot, grad)  # staged, reduced and sent on when complete
-            self._maybe_release(self.group.chunks[slot.cid])
+            chunk = self.group.chunks[slot.cid]
+            if not chunk.awaiting:  # (busy while grads are awaited: nothing to settle before)
+                self._maybe_release(chunk)
 
     def _finish_backward(self) -> None:
         """End of backward: release what the hooks still hold, send incomplete grads down."""

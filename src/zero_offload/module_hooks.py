@@ -15,6 +15,12 @@ module's chunks for backward, the first lets them go. Chunks whose post-backward
 chunk is released in backward only once every grad it expects this pass has landed
 (``GroupChunk.awaiting``): the AccumulateGrad of a parameter may run after its module's
 post-backward and needs its real data. The pre-forward tells each chunk which grads to expect.
+A call whose chunks are all resident ([Note: resident chunks] in runtime/prefetch.py: they stay
+mapped until backward ends) needs neither hook, and gets none: two autograd nodes, a Python hook
+and four hold calls less per module call. Then ``watch_output`` puts one hook on the outputs of
+the whole forward, so that a ``loss.backward()`` called directly still enters the engine's
+backward before the first module's backward runs (a checkpointed block's recompute calls its
+modules, which must not look like calls outside the engine).
 
 [Note: failed calls] torch runs a module's post-forward hook (``always_call``) also when the call
 raised before its forward ran: in a user's pre-hook registered before ``initialize`` (it runs
@@ -102,18 +108,21 @@ class ModuleHooks:
         to_backward: a backward hook ran (the engine enters backward if ``loss.backward()`` was
             called directly).
         hold, unhold: hold a chunk on the device / let it go.
+        resident: a held chunk stays mapped until backward ends ([Note: resident chunks]).
         regions: the model's compiled regions (modules; compiled.py, [Note: compiled regions]):
             each is hooked as one unit, the modules inside it not at all.
     """
 
     def __init__(self, model: nn.Module, partition: Partition, chunks: Sequence, *,
                  lock: threading.RLock, phase: Callable[[], Phase], to_backward: Callable[[], None],
-                 hold: Callable, unhold: Callable, regions: Sequence[nn.Module] = ()):
+                 hold: Callable, unhold: Callable, resident: Callable = lambda chunk: False,
+                 regions: Sequence[nn.Module] = ()):
         self._model, self._partition, self._chunks = model, partition, chunks
         self.regions = tuple(regions)
         """The compiled regions, each one unit ([Note: compiled regions] in compiled.py)."""
         self._lock, self._phase, self._to_backward = lock, phase, to_backward
-        self._hold, self._unhold = hold, unhold
+        self._hold, self._unhold, self._resident = hold, unhold, resident
+        self._untokened = False  # a call of this pass went without backward hooks
         self.records: dict = {}
         """module -> its ModuleRecord."""
         self._calls: list[_Call] = []  # the running module calls, innermost last
@@ -191,6 +200,9 @@ class ModuleHooks:
                 if s.trainable:
                     chunk = self._chunks[s.chunk]
                     chunk.expect(chunk.slot(s.index))
+            if all(self._resident(c) for c in rec.chunks):
+                self._untokened = True  # no backward holds needed ([Note: backward hooks])
+                return None
             call.token = token = _BackwardToken(record=rec)
             if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
                 flat, spec = list(args), None  # the common case, without pytree's cost
@@ -247,6 +259,22 @@ class ModuleHooks:
             for c in token.record.chunks:
                 self._unhold(c)
 
+    def watch_output(self, output) -> None:
+        """After a forward with grad enabled: when a call of it went without backward hooks, the
+        first grad reaching ``output`` enters backward ([Note: backward hooks])."""
+        if not self._untokened:
+            return
+        self._untokened = False
+        tensors = [t for t in _tensors_in(output) if t.requires_grad]
+        if len(tensors) == 1:
+            tensors[0].register_hook(self._output_grad)
+        elif tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._output_grad, mode="any")
+
+    def _output_grad(self, grad) -> None:
+        with self._lock:
+            self._to_backward()
+
     # ---- the end of a pass ------------------------------------------------------------------
 
     def end_backward(self) -> None:
@@ -261,6 +289,7 @@ class ModuleHooks:
         engine lets their chunks go)."""
         self._calls.clear()
         self._tokens.clear()
+        self._untokened = False
 
 
 def _tensors_in(obj) -> list:

@@ -48,7 +48,9 @@ saves ``weight.t()``), which would keep a released chunk's device buffer alive. 
 runs forward, a ``saved_tensors_hooks`` pair replaces a saved tensor living in a chunk's device
 buffer by a small ``_SavedParamView`` (chunk, offset, size, stride), rebuilt in backward from
 the buffer current then (the pre-backward hook fetched the chunk again; else ``unpack`` holds it
-until backward ends).
+until backward ends). Not when every chunk is resident (runtime/prefetch.py, [Note: resident
+chunks]): each stays mapped, its buffer the same, until backward ends, and the hooks' two Python
+calls per saved tensor (about 600 per step of a 1.31B GPT) are saved too.
 """
 from __future__ import annotations
 
@@ -304,9 +306,9 @@ class ParamGuard:
         ``chunk.buffer`` right after); their own classes once reads are recorded."""
         recorded, classes, in_regions = self.recorded, self._classes, self._in_regions
         for s in chunk.layout.slots:
-            s.param.data = buf[s.offset:s.end].view(s.shape)
             if recorded or s.index in in_regions:  # real values: a plain parameter, no per-op
-                s.param.__class__ = classes[s.index]  # check ([Note: parameter data])
+                s.param.__class__ = classes[s.index]  # check ([Note: parameter data]); first, so
+            s.param.data = buf[s.offset:s.end].view(s.shape)  # that .data = is not dispatched
         self._live[buf.untyped_storage().data_ptr()] = chunk
 
     def hide(self, chunk: GuardedChunk) -> None:
@@ -417,16 +419,17 @@ class ParamGuard:
     # ---- the engine's forward and backward ----------------------------------------------------
 
     @contextlib.contextmanager
-    def forward(self) -> Iterator[None]:
+    def forward(self, *, views: bool = True) -> Iterator[None]:
         """Around the model's forward: saved tensors living in a chunk's device buffer become
-        views ([Note: saved parameter views]), and the reads are recorded when they are due
-        ([Note: external parameters]). After an error, the reads noted so far are forgotten."""
+        views ([Note: saved parameter views]; not with ``views=False``: every chunk stays mapped
+        until backward ends), and the reads are recorded when they are due ([Note: external
+        parameters]). After an error, the reads noted so far are forgotten."""
         if self._saved_hooks[0] is self._pack and dynamo_loaded():
             # Autograd calls them inside a compiled region's call too: never traced by dynamo.
             reason = "zero_offload's saved-tensor hooks run eagerly"
             self._saved_hooks = (outside_graph(self._pack, reason), outside_graph(self._unpack, reason))
         try:
-            with torch.autograd.graph.saved_tensors_hooks(*self._saved_hooks):
+            with torch.autograd.graph.saved_tensors_hooks(*self._saved_hooks) if views else contextlib.nullcontext():
                 if self.recorded:
                     yield
                 else:

@@ -1265,6 +1265,14 @@ class ChunkGroup:
                                                [(s.offset, _target(s)) for s in chunk.updated],
                                                after=chunk.ready)
 
+    def params_resident(self, cid: int) -> bool:
+        """Chunk ``cid``'s whole params stay on the device whether a user maps them or not: its
+        shard is homed there and is the whole (one rank), or its replica is kept (prefetch.py,
+        [Note: resident chunks])."""
+        if self.store.payload_spec(cid, self.payloads.lowp or self.payloads.master).home is not Tier.GPU:
+            return False
+        return self.shards.world == 1 or self.replicas
+
     def params(self, chunk: GroupChunk, shard: torch.Tensor, *, ahead: bool = False) -> Gather:
         """The chunk's whole params on the device from this rank's ``shard`` of them: the shard
         itself (one rank), an all-gather (``ahead``: issued async, ``Shards.finish`` waits for it

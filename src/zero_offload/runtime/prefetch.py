@@ -39,6 +39,14 @@ the device for its consumer" (the store keeps the bytes: [Note: residency] there
   and ``release_idle`` drops every kept copy not in use, so none outlives the update that makes
   it stale. A budget that only fits the working window keeps nothing.
 
+[Note: resident chunks] A chunk whose mapping costs the device nothing (``Consumer.resident``: its
+params are homed on the device, or its replica is kept there) is not let go when the park list
+overflows: once mapped in a pass it stays mapped until ``release_idle``. Paging it out and in
+again would only cost host time: a map and an unmap per use, which at 50 chunks and a few
+hundred parameters were a tenth of a 1.31B GPT's step on 4 GPUs, where the launches bound
+the step. Its users then need no holds for backward either (module_hooks.py, [Note: backward
+hooks]).
+
 A chunk nobody holds that the consumer still needs mapped (``Consumer.busy``: the engine in
 backward while grads of the chunk are still to land) waits until ``settle(cid)``. Each chunk's
 ``Use`` moves only as ``_USES`` lists; any other move (an ``unhold`` without a hold) raises.
@@ -123,6 +131,10 @@ class Consumer:
     reuse: Callable[[], bool] = lambda: False
     """A chunk let go now will be used again in this pass: keep its copies (within
     ``keep_limit``)."""
+    resident: Callable[[int], bool] = lambda cid: False
+    """Mapping chunk ``cid`` costs the device no bytes beyond those the chunk holds anyway (its
+    params are homed there, or kept as a replica): once mapped it stays mapped until
+    ``release_idle``, outside the park list ([Note: resident chunks]). Asked when it is mapped."""
 
 
 @dataclass(eq=False)
@@ -132,6 +144,8 @@ class _Hold:
     cid: int
     state: Use = _IDLE
     holds: int = 0
+    resident: bool = False
+    """Mapped as resident ([Note: resident chunks]): parked outside the park list."""
 
     def to(self, state: Use) -> None:
         if state not in _USES[self.state]:
@@ -454,7 +468,8 @@ class Prefetcher:
             mapping = state is _IDLE or state is _KEPT
             if mapping:
                 self._consumer.map(cid)  # raises: nothing changed (the map let its pin go)
-            elif state is _PARKED:
+                h.resident = self._consumer.resident(cid)
+            elif state is _PARKED and not h.resident:
                 self._parked.remove(cid)
             h.to(_HELD)
             h.holds = 1
@@ -502,6 +517,12 @@ class Prefetcher:
                     h.holds = 0
                     h.to(_UNHELD)
 
+    def resident(self, cid: int) -> bool:
+        """Chunk ``cid`` is mapped as resident: it stays mapped until ``release_idle``
+        ([Note: resident chunks])."""
+        h = self._holds.get(cid)
+        return h is not None and h.resident and h.state is not _IDLE and h.state is not _KEPT
+
     def status(self, cid: int) -> Use:
         """Chunk ``cid``'s state with the holds."""
         h = self._holds.get(cid)
@@ -520,6 +541,8 @@ class Prefetcher:
                 h.to(_UNHELD)
             return
         h.to(_PARKED)
+        if h.resident:
+            return  # mapped until release_idle ([Note: resident chunks])
         parked = self._parked
         parked.append(h.cid)
         while len(parked) > self.park:
@@ -530,8 +553,9 @@ class Prefetcher:
         and the target tiers have room, else dropped."""
         self._consumer.unmap(h.cid)
         keep = self._consumer.reuse() and all(self.store.bytes(t) <= self.keep_limit for t in self._targets)
-        if h.state is _PARKED:
+        if h.state is _PARKED and not h.resident:
             self._parked.remove(h.cid)
+        h.resident = False
         h.to(_KEPT if keep else _IDLE)
         self.release(h.cid, keep=keep)
 
