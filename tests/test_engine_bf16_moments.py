@@ -95,12 +95,12 @@ def test_nvme_moves_a_third_fewer_optimizer_bytes(tmp_path):
                          cpu_budget=1 << 26, chunk_mb=0.03)
         try:
             train_engine(engine, gpt_batches(6), gpt_loss)
+            engine.synchronize()  # the read-ahead issued when the last updates ended has landed
             moved[dtype] = engine.stats().bytes_moved["nvme->cpu"]
         finally:
             engine.close()
     # fp32 training: the params are the master (homed with params); the moments are what the
     # optimizer tier holds, 8 -> 4 bytes per param.
-    # (a chunk's read-ahead for the next step may or may not have started when stats are read)
     assert moved["bf16"] == pytest.approx(moved["fp32"] / 2, rel=0.1), moved
 
 
