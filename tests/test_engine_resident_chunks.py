@@ -54,16 +54,24 @@ def _train(engine, batches, *, direct: bool):
     return losses
 
 
+_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                        reason="needs CUDA")])
+
+
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
 @pytest.mark.parametrize("direct", [False, True], ids=["engine.backward", "loss.backward"])
-def test_resident_chunks_train_as_torch_without_backward_holds(monkeypatch, checkpointing, direct):
+@pytest.mark.parametrize("device", ["cpu", _CUDA])
+def test_resident_chunks_train_as_torch_without_backward_holds(monkeypatch, checkpointing, direct, device):
+    import _engine_util
+    monkeypatch.setattr(_engine_util, "DEVICE", device)
     count = _Count(monkeypatch)
     model = micro_gpt()
     ref = Reference(model, SPEC)
     model.set_activation_checkpointing(checkpointing)
-    engine = zo.initialize(model, optimizer=SPEC, config=auto_config(**ALL), device="cpu")
+    engine = zo.initialize(model, optimizer=SPEC, config=auto_config(**ALL), device=device)
+    rtol = 1e-5 if device == "cpu" else 1e-4
     try:
-        batches = gpt_batches(4)
+        batches = [(x.to(device), y.to(device)) for x, y in gpt_batches(4)]
         loss = gpt_loss(engine, batches[0])
         cids = [c.cid for c in engine.group.chunks]
         assert all(engine.prefetcher.resident(c) for c in cids), "every chunk is resident"
@@ -73,31 +81,8 @@ def test_resident_chunks_train_as_torch_without_backward_holds(monkeypatch, chec
         assert not any(engine.prefetcher.resident(c) for c in cids), "let go when backward ended"
         losses = [loss.item()] + _train(engine, batches[1:], direct=direct)
         ref_losses = [ref.step(b, gpt_loss) for b in batches]
-        assert_losses_close(losses, ref_losses, rtol=1e-5)
-        assert_params_close(engine.state_dict(), ref.master_state(), rtol=1e-5)
-        assert count.n == 0, f"{count.n} backward holds for resident chunks"
-    finally:
-        engine.close()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("direct", [False, True], ids=["engine.backward", "loss.backward"])
-def test_resident_chunks_on_cuda(monkeypatch, direct):
-    import _engine_util
-    monkeypatch.setattr(_engine_util, "DEVICE", "cuda")
-    count = _Count(monkeypatch)
-    model = micro_gpt()
-    ref = Reference(model, SPEC)
-    model.set_activation_checkpointing(True)
-    engine = zo.initialize(model, optimizer=SPEC, config=auto_config(**ALL), device="cuda")
-    try:
-        batches = [(x.cuda(), y.cuda()) for x, y in gpt_batches(4)]
-        losses = _train(engine, batches, direct=direct)
-        assert all(engine.store.payload_spec(c.cid, "params").home is zo.Tier.GPU for c in engine.group.chunks)
-        ref_losses = [ref.step(b, gpt_loss) for b in batches]
-        assert_losses_close(losses, ref_losses, rtol=1e-4)
-        assert_params_close(engine.state_dict(), ref.master_state(), rtol=1e-4)
+        assert_losses_close(losses, ref_losses, rtol=rtol)
+        assert_params_close(engine.state_dict(), ref.master_state(), rtol=rtol)
         assert count.n == 0, f"{count.n} backward holds for resident chunks"
     finally:
         engine.close()
