@@ -229,15 +229,7 @@ class ModuleHooks:
             token = call.token
             if token is None or output is None:
                 return None
-            if isinstance(output, torch.Tensor):
-                tensors = [output] if output.requires_grad else []
-            else:
-                tensors = [t for t in _tensors_in(output) if t.requires_grad]
-            if len(tensors) == 1:
-                tensors[0].register_hook(functools.partial(self._pre_backward, token))  # cheaper
-            elif tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, functools.partial(self._pre_backward, token), mode="any")
+            _on_first_grad(output, functools.partial(self._pre_backward, token))
             return None
 
     def _pre_backward(self, token: _BackwardToken, grad) -> None:
@@ -265,11 +257,7 @@ class ModuleHooks:
         if not self._untokened:
             return
         self._untokened = False
-        tensors = [t for t in _tensors_in(output) if t.requires_grad]
-        if len(tensors) == 1:
-            tensors[0].register_hook(self._output_grad)
-        elif tensors:
-            torch.autograd.graph.register_multi_grad_hook(tensors, self._output_grad, mode="any")
+        _on_first_grad(output, self._output_grad)
 
     def _output_grad(self, grad) -> None:
         with self._lock:
@@ -290,6 +278,19 @@ class ModuleHooks:
         self._calls.clear()
         self._tokens.clear()
         self._untokened = False
+
+
+def _on_first_grad(output, fn) -> None:
+    """``fn(grad)`` when the first grad reaches a tensor of ``output`` that requires grad (none:
+    nothing)."""
+    if isinstance(output, torch.Tensor):
+        tensors = [output] if output.requires_grad else []
+    else:
+        tensors = [t for t in _tensors_in(output) if t.requires_grad]
+    if len(tensors) == 1:
+        tensors[0].register_hook(fn)  # cheaper than the multi-grad hook
+    elif tensors:
+        torch.autograd.graph.register_multi_grad_hook(tensors, fn, mode="any")
 
 
 def _tensors_in(obj) -> list:

@@ -521,7 +521,7 @@ class Prefetcher:
         """Chunk ``cid`` is mapped as resident: it stays mapped until ``release_idle``
         ([Note: resident chunks])."""
         h = self._holds.get(cid)
-        return h is not None and h.resident and h.state is not _IDLE and h.state is not _KEPT
+        return h is not None and h.resident  # (set when mapped, cleared when let go)
 
     def status(self, cid: int) -> Use:
         """Chunk ``cid``'s state with the holds."""
